@@ -1,0 +1,102 @@
+"""The exceptions retrolog raises.
+
+Every error is a :class:`RetrologError`; the CLI prints its message as one
+paragraph on stderr and exits 1. Errors from sqlite3, git, subprocesses and
+codecs are converted where they enter our code (``raise ... from exc``)::
+
+    RetrologError
+    ├── UsageError                  the caller asked for something that cannot be done
+    │   ├── ArgumentError           a --kwargs value does not fit its arg() default
+    │   ├── CheckpointTargetError   checkpointing() was given an object it cannot save
+    │   ├── QueryError              a SQL query or where-predicate is malformed or writes
+    │   ├── UnknownNameError        a requested log name was never logged
+    │   └── RunNotFoundError        no run matches the given id
+    ├── StoreError                  the store cannot be opened, read or written
+    │   └── CorruptObjectError      a stored object fails its checksum
+    ├── VersionError                git failed while capturing or reading a code version
+    └── NotAvailableError           the feature belongs to a later release
+
+    RetrologWarning (UserWarning)   something worth knowing that does not stop the run
+"""
+
+from __future__ import annotations
+
+
+class RetrologError(Exception):
+    """Base class of every error retrolog raises on purpose."""
+
+
+class UsageError(RetrologError):
+    """The caller asked for something that cannot be done as asked."""
+
+
+class ArgumentError(UsageError):
+    """A ``--kwargs`` value cannot be cast to the type of its ``arg()`` default."""
+
+    def __init__(self, message: str, *, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class CheckpointTargetError(UsageError):
+    """``checkpointing()`` was given an object whose state it cannot capture."""
+
+    def __init__(self, message: str, *, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class QueryError(UsageError):
+    """A SQL query or where-predicate is malformed, or tries to write."""
+
+    def __init__(self, message: str, *, sql: str | None = None) -> None:
+        super().__init__(message)
+        self.sql = sql
+
+
+class UnknownNameError(UsageError):
+    """A requested log name does not occur in the store."""
+
+    def __init__(self, message: str, *, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class RunNotFoundError(UsageError):
+    """No run, or more than one, matches the given run id."""
+
+    def __init__(self, message: str, *, run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
+class StoreError(RetrologError):
+    """The store cannot be opened, read or written."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CorruptObjectError(StoreError):
+    """A stored object's content does not match its checksum."""
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, path=path)
+        self.key = key
+
+
+class VersionError(RetrologError):
+    """git failed while capturing or reading a run's code version."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class NotAvailableError(RetrologError):
+    """The feature is part of the design but not part of this release."""
+
+
+class RetrologWarning(UserWarning):
+    """Something the user should know about that does not stop the run (e.g. a skipped file)."""

@@ -1,0 +1,1 @@
+"""retrolog.query"""

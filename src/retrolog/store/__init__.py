@@ -1,0 +1,1 @@
+"""Stores: the SQLite metadata store and the content-addressed object store."""
