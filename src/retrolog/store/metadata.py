@@ -1,0 +1,135 @@
+"""The metadata store: one SQLite database in WAL mode.
+
+Connections are opened in autocommit mode (``isolation_level=None``) so
+transactions are explicit and short; WAL lets readers run beside a training
+process's writer, and ``busy_timeout`` lets several writers (a grid search)
+take turns instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+from pathlib import Path
+
+from retrolog.errors import StoreError
+from retrolog.store.paths import STORE_DIRNAME, ProjectPaths
+from retrolog.store.schema import migrate
+
+BUSY_TIMEOUT_MS = 60_000
+
+# Written into the store so git never sees it, without touching the user's .gitignore.
+_STORE_GITIGNORE = "# retrolog's store: never part of the project's history\n*\n"
+
+
+def connect(database: Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """Open ``database`` with the pragmas every retrolog connection uses."""
+    try:
+        conn = sqlite3.connect(
+            database, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        if readonly:
+            conn.execute("PRAGMA query_only = ON")
+        else:
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreError(
+                    f"The store {database} could not be put in WAL mode (got {mode!r}); "
+                    "it must be on a local file system that supports shared memory.",
+                    path=str(database),
+                )
+            conn.execute("PRAGMA synchronous = NORMAL")
+    except sqlite3.Error as exc:
+        raise StoreError(
+            f"Cannot open the retrolog store {database}: {exc}. Check that the directory is "
+            "writable, or point RETROLOG_STORE at another directory.",
+            path=str(database),
+        ) from exc
+    return conn
+
+
+def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
+    """Open (and with ``create``, make) the project's store, migrated and crash-checked.
+
+    Without ``create`` a missing store is a StoreError that says how to make one.
+    """
+    if not paths.database.exists():
+        if not create:
+            raise StoreError(
+                f"There is no retrolog store for {paths.root} (looked for {paths.database}). "
+                "Record a run first: add `import retrolog as rl` and rl.log(...) calls to a "
+                "training script and run it from this project.",
+                path=str(paths.database),
+            )
+        _make_store_dir(paths)
+    conn = connect(paths.database)
+    try:
+        migrate(conn)
+        mark_dead_runs_crashed(conn)
+    except sqlite3.Error as exc:
+        conn.close()
+        raise StoreError(
+            f"The retrolog store {paths.database} cannot be read: {exc}.", path=str(paths.database)
+        ) from exc
+    return conn
+
+
+def _make_store_dir(paths: ProjectPaths) -> None:
+    try:
+        paths.store.mkdir(parents=True, exist_ok=True)
+        paths.objects.mkdir(exist_ok=True)
+        if paths.store.name == STORE_DIRNAME or paths.store.parent == paths.root:
+            ignore = paths.store / ".gitignore"
+            if not ignore.exists():
+                ignore.write_text(_STORE_GITIGNORE)
+    except OSError as exc:
+        raise StoreError(
+            f"Cannot create the retrolog store at {paths.store}: {exc}. Make the project "
+            "directory writable, or set RETROLOG_STORE to a writable directory.",
+            path=str(paths.store),
+        ) from exc
+
+
+def process_start_marker(pid: int) -> str | None:
+    """A value that differs between two processes that had the same pid (Linux: start tick)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces; fields after the closing paren are plain.
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def process_alive(pid: int, start_marker: str | None) -> bool:
+    """Whether the process that started a run on this host is still running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if start_marker is not None:
+        current = process_start_marker(pid)
+        if current is not None and current != start_marker:
+            return False  # the pid was reused by another process
+    return True
+
+
+def mark_dead_runs_crashed(conn: sqlite3.Connection) -> int:
+    """Mark runs of this host whose process died without ending them as crashed."""
+    host = socket.gethostname()
+    rows = conn.execute(
+        "SELECT run_id, pid, pid_start FROM runs WHERE status = 'running' AND host = ?", (host,)
+    ).fetchall()
+    dead = [run_id for run_id, pid, marker in rows if not process_alive(pid, marker)]
+    if dead:
+        conn.executemany(
+            "UPDATE runs SET status = 'crashed', "
+            "error = COALESCE(error, 'the process died without ending the run (killed?)') "
+            "WHERE run_id = ? AND status = 'running'",
+            [(run_id,) for run_id in dead],
+        )
+    return len(dead)

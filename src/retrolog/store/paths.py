@@ -1,0 +1,70 @@
+"""Where a project's store lives.
+
+The project root is the git work tree containing the current directory, or the
+current directory itself outside git. The store is ``<root>/.retrolog`` unless
+``RETROLOG_STORE`` names another directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+STORE_ENV = "RETROLOG_STORE"
+STORE_DIRNAME = ".retrolog"
+
+
+@dataclass(frozen=True)
+class ProjectPaths:
+    """The directories a run or a reader works with."""
+
+    root: Path  # project root: git top level, or the cwd outside git
+    store: Path  # the .retrolog directory (or RETROLOG_STORE)
+    in_git: bool  # whether root is a git work tree of the user's
+
+    @property
+    def projid(self) -> str:
+        return self.root.name
+
+    @property
+    def database(self) -> Path:
+        return self.store / "retrolog.db"
+
+    @property
+    def objects(self) -> Path:
+        return self.store / "objects"
+
+    @property
+    def private_git_dir(self) -> Path:
+        """The git directory retrolog keeps for projects that are not git repositories."""
+        return self.store / "git"
+
+
+def git_toplevel(start: Path) -> Path | None:
+    """The top of the git work tree containing ``start``, or None outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"],
+            cwd=start,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except FileNotFoundError:  # no git binary: behave as outside git
+        return None
+    if out.returncode != 0:
+        return None
+    top = out.stdout.strip()
+    return Path(top).resolve() if top else None
+
+
+def locate(cwd: Path | None = None) -> ProjectPaths:
+    """Find the project root and store for ``cwd`` (default: the current directory)."""
+    here = (cwd or Path.cwd()).resolve()
+    top = git_toplevel(here)
+    root = top if top is not None else here
+    override = os.environ.get(STORE_ENV)
+    store = Path(override).expanduser().resolve() if override else root / STORE_DIRNAME
+    return ProjectPaths(root=root, store=store, in_git=top is not None)

@@ -1,0 +1,139 @@
+"""The store's relational schema, as named migrations.
+
+Each migration runs once, in its own transaction, and is recorded in the
+``migrations`` table. Append new migrations; never edit an applied one.
+The tables are documented for users in ``docs/store.md``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from retrolog.errors import StoreError
+
+# (version, name, statements). Columns named ``value`` are declared without a
+# type on purpose: no affinity, so a float stays REAL, an int INTEGER, a str TEXT.
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (
+        1,
+        "create runs, loops, logs, checkpoints, profile",
+        """
+        CREATE TABLE runs (
+            run_id        TEXT PRIMARY KEY,
+            projid        TEXT NOT NULL,
+            tstamp        TEXT NOT NULL,
+            filename      TEXT NOT NULL,
+            status        TEXT NOT NULL,
+            started_at    REAL NOT NULL,
+            ended_at      REAL,
+            error         TEXT,
+            host          TEXT NOT NULL,
+            pid           INTEGER NOT NULL,
+            pid_start     TEXT,
+            python        TEXT NOT NULL,
+            packages      TEXT,
+            argv          TEXT NOT NULL,
+            args          TEXT NOT NULL DEFAULT '{}',
+            code_ref      TEXT,
+            code_commit   TEXT,
+            code_tree     TEXT,
+            head_commit   TEXT,
+            git_dir       TEXT,
+            dirty         INTEGER,
+            skipped_files TEXT
+        );
+        CREATE INDEX runs_by_status ON runs(status);
+
+        CREATE TABLE loops (
+            run_id     TEXT NOT NULL,
+            ctx_id     INTEGER NOT NULL,
+            parent_ctx INTEGER,
+            name       TEXT NOT NULL,
+            iteration  INTEGER NOT NULL,
+            value,
+            depth      INTEGER NOT NULL,
+            t_start    REAL NOT NULL,
+            t_end      REAL,
+            PRIMARY KEY (run_id, ctx_id)
+        ) WITHOUT ROWID;
+
+        CREATE TABLE logs (
+            log_id     INTEGER PRIMARY KEY,
+            run_id     TEXT NOT NULL,
+            ctx_id     INTEGER,
+            name       TEXT NOT NULL,
+            value,
+            value_type TEXT NOT NULL,
+            origin     TEXT NOT NULL DEFAULT 'recorded',
+            replay_id  TEXT
+        );
+        CREATE INDEX logs_by_name ON logs(name, run_id, ctx_id);
+        CREATE INDEX logs_by_run ON logs(run_id);
+
+        CREATE TABLE checkpoints (
+            checkpoint_id   INTEGER PRIMARY KEY,
+            run_id          TEXT NOT NULL,
+            ctx_id          INTEGER,
+            loop_name       TEXT NOT NULL,
+            kind            TEXT NOT NULL,
+            manifest        TEXT NOT NULL,
+            nbytes          INTEGER NOT NULL,
+            capture_seconds REAL NOT NULL,
+            write_seconds   REAL NOT NULL,
+            created_at      REAL NOT NULL
+        );
+        CREATE INDEX checkpoints_by_run ON checkpoints(run_id, ctx_id);
+
+        CREATE TABLE profile (
+            run_id        TEXT NOT NULL,
+            phase         TEXT NOT NULL,
+            ctx_id        INTEGER,
+            seconds       REAL NOT NULL,
+            block_seconds REAL
+        );
+        CREATE INDEX profile_by_run ON profile(run_id, phase);
+        """,
+    ),
+]
+
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Apply the migrations ``conn`` lacks; returns the schema version afterwards."""
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS migrations ("
+        " version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
+    )
+    applied = {row[0] for row in conn.execute("SELECT version FROM migrations")}
+    newest = max(applied, default=0)
+    if newest > LATEST_VERSION:
+        raise StoreError(
+            f"This store has schema version {newest}, newer than this retrolog understands "
+            f"({LATEST_VERSION}); upgrade retrolog (pip install -U retrolog) to read it."
+        )
+    for version, name, script in MIGRATIONS:
+        if version in applied:
+            continue
+        # BEGIN IMMEDIATE: two processes opening a fresh store at once must not both migrate.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute("SELECT 1 FROM migrations WHERE version = ?", (version,)).fetchone():
+                conn.execute("COMMIT")
+                continue
+            for statement in _split(script):
+                conn.execute(statement)
+            conn.execute(
+                "INSERT INTO migrations(version, name, applied_at) VALUES (?, ?, ?)",
+                (version, name, time.strftime("%Y-%m-%dT%H:%M:%S")),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return LATEST_VERSION
+
+
+def _split(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]
