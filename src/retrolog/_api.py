@@ -1,0 +1,244 @@
+"""The public calls: thin functions over the active :class:`~retrolog.runtime.run.Run`.
+
+A run starts at the first recording call (``arg``, ``log``, ``loop`` or
+``checkpointing``), not at import: importing retrolog starts no thread,
+touches no git and does not import torch. The one thing done at import is
+taking ``--kwargs`` out of ``sys.argv``, because a script's own argparse
+usually runs before its first ``arg()`` call and must not see the flag.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from retrolog.errors import ArgumentError, NotAvailableError, UsageError
+from retrolog.runtime.args import cast, split_argv
+from retrolog.runtime.values import PLAIN_TYPES
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from retrolog.runtime.run import Run
+
+T = TypeVar("T")
+
+_PLAIN = PLAIN_TYPES
+_active: Run | None = None
+_original_argv: list[str] = list(sys.argv)
+_overrides: dict[str, str] = {}
+_argv_error: ArgumentError | None = None
+_used_overrides: set[str] = set()
+_uncaught: str | None = None
+_hooks_installed = False
+
+try:
+    _rest, _overrides = split_argv(sys.argv)
+    if len(_rest) != len(sys.argv):
+        sys.argv[:] = _rest
+except ArgumentError as _exc:  # raised at the first arg() so the message points at the script
+    _argv_error = _exc
+
+
+def arg(name: str, default: T) -> T:
+    """A hyper-parameter: the ``--kwargs name=value`` override cast to the default's type.
+
+    name: how the value is called in ``--kwargs``, the dataframe and the runs list.
+    default: the value when no override is given; its type decides the cast
+        (bool, int, float, str; None keeps the string).
+    Returns the value, which is also logged as a run-level value.
+    """
+    if type(name) is not str or not name:
+        raise UsageError(f"arg() needs a non-empty string name, got {name!r}.")
+    if _argv_error is not None:
+        raise _argv_error
+    run = _active or _begin()
+    if name in run.args:
+        value: Any = run.args[name]
+        return value  # type: ignore[no-any-return]
+    if name in _overrides:
+        value = cast(name, _overrides[name], default)
+        _used_overrides.add(name)
+    else:
+        value = default
+    run.set_arg(name, value)
+    return value  # type: ignore[no-any-return]
+
+
+def log(name: str, value: T) -> T:
+    """Record ``value`` under ``name`` in the current loop context; returns ``value``.
+
+    Cheap enough for inner loops: floats, ints, strs, bools and None are queued
+    as they are; anything else is converted at the call (scalars to numbers,
+    arrays and containers to JSON, the rest to text).
+    """
+    run = _active
+    if run is None:
+        run = _begin()
+    if type(name) is str and type(value) in _PLAIN:
+        run.records.append((run.ctx, name, value))
+        return value
+    if type(name) is not str or not name:
+        raise UsageError(f"log() needs a non-empty string name, got {name!r}.")
+    run.log(name, value)
+    return value
+
+
+def loop(name: str, iterable: Iterable[T]) -> Iterator[T]:
+    """Iterate ``iterable`` as the loop ``name`` (e.g. "epoch", "step").
+
+    Each iteration is a context the values logged in it belong to; the
+    outermost loop inside ``checkpointing`` is where checkpoints are taken.
+    """
+    if type(name) is not str or not name:
+        raise UsageError(f"loop() needs a non-empty string name, got {name!r}.")
+    return (_active or _begin()).loop(name, iterable)
+
+
+@contextlib.contextmanager
+def checkpointing(**objects: Any) -> Iterator[None]:
+    """Name the objects whose state makes a checkpoint, for the loops inside the block.
+
+    Accepts anything with ``state_dict()``/``load_state_dict()`` (torch modules,
+    optimizers, schedulers, GradScaler), tensors, numpy arrays, dicts and lists.
+    """
+    from retrolog.checkpoint.state import validate_targets
+    from retrolog.runtime.run import CheckpointScope
+
+    validate_targets(objects)
+    run = _active or _begin()
+    scope = CheckpointScope(objects, depth=len(run._stack), parent=run.scope)
+    run.scope = scope
+    try:
+        yield
+    finally:
+        run.scope = scope.parent
+
+
+def commit() -> None:
+    """End the current run (also done at interpreter exit). A later call starts a new run."""
+    global _active
+    run = _active
+    if run is None:
+        return
+    _active = None
+    _warn_unused_overrides(run)
+    run.commit()
+
+
+def dataframe(*names: str, where: str | None = None) -> pd.DataFrame:
+    """The wide view: one row per run and loop context, one column per name.
+
+    names: log names (recorded or argument values) to show as columns.
+    where: an optional SQL predicate over the view's columns, e.g. "lr > 0.005".
+    Returns a pandas DataFrame with projid, run_id, tstamp, filename, the loop
+    columns (e.g. epoch, step) and the requested names; run-level values such
+    as arguments are repeated on each row of their run.
+    """
+    from retrolog.query.dataframe import dataframe as build
+
+    with _reader() as conn:
+        return build(conn, list(names), where)
+
+
+def query(sql: str) -> pd.DataFrame:
+    """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
+    from retrolog.query.sql import query as run_query
+
+    with _reader() as conn:
+        return run_query(conn, sql)
+
+
+def replay(names: str | Sequence[str], where: str | None = None, **options: Any) -> pd.DataFrame:
+    """Replay past runs to backfill the values of new log statements (next release)."""
+    raise NotAvailableError(
+        "replay() is not available in this release of retrolog: runs are recorded with "
+        "everything replay will need (code versions, arguments, checkpoints), so they can "
+        "be replayed once it lands. Until then, read recorded values with dataframe() or query()."
+    )
+
+
+# -- run lifecycle -----------------------------------------------------------------------
+
+
+def _begin() -> Run:
+    """Start a run for this process (at the first recording call)."""
+    global _active
+    from retrolog.runtime.run import Run
+    from retrolog.store.paths import locate
+
+    _install_hooks()
+    script = _original_argv[0] if _original_argv else None
+    _active = Run(locate(), _original_argv, script)
+    return _active
+
+
+@contextlib.contextmanager
+def _reader() -> Iterator[Any]:
+    from retrolog.store.metadata import open_store
+    from retrolog.store.paths import locate
+
+    if _active is not None and _active.owned_by_this_process():
+        _active.writer.flush(timeout=30)  # a script reading its own run sees what it logged
+    conn = open_store(locate(), create=False)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_at_exit)
+    previous = sys.excepthook
+
+    def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+        global _uncaught
+        _uncaught = f"{exc_type.__name__}: {exc}"
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_detach_in_child)
+
+
+def _detach_in_child() -> None:
+    # A forked child (DataLoader worker) has no writer thread; what it logs is dropped
+    # rather than piling up, and it never ends the parent's run.
+    if _active is not None:
+        _active.records = collections.deque(maxlen=0)
+
+
+def _at_exit() -> None:
+    global _active
+    run = _active
+    if run is None or not run.owned_by_this_process():
+        return
+    _active = None
+    from retrolog.runtime.run import Status
+
+    _warn_unused_overrides(run)
+    if _uncaught is not None:
+        run.commit(Status.CRASHED, _uncaught)
+    else:
+        run.commit(Status.FINISHED)
+
+
+def _warn_unused_overrides(run: Run) -> None:
+    unused = sorted(set(_overrides) - _used_overrides)
+    if unused and run.owned_by_this_process():
+        asked = ", ".join(sorted(run.args)) or "none"
+        print(
+            f"retrolog: --kwargs {', '.join(unused)} given but the script never called "
+            f"arg() with {'that name' if len(unused) == 1 else 'those names'} "
+            f"(arguments it read: {asked}); check the spelling.",
+            file=sys.stderr,
+        )

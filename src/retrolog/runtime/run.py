@@ -1,0 +1,337 @@
+"""The active run: lifecycle, loop contexts, block roles and checkpoint points.
+
+One :class:`Run` exists per recording process at a time. It owns the record
+deque (drained by :class:`~retrolog.runtime.writer.Writer`) and decides, as
+loops start and end, which context each value belongs to and where a
+checkpoint is taken (DESIGN.md, "Blocks and checkpoints"):
+
+- the outermost loop started inside ``checkpointing`` is the OUTER loop;
+- the first loop nested directly in an OUTER iteration is that iteration's
+  skippable BLOCK: its state is captured when it ends (normally, by ``break``,
+  or by an exception the body catches; a generator cannot tell these apart);
+- an OUTER iteration with no nested loop is itself the block, captured at its end;
+- the OUTER loop's end is always captured ("end" checkpoint).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import platform
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from retrolog.errors import StoreError
+from retrolog.runtime import progress
+from retrolog.runtime.values import PLAIN_TYPES, normalize
+from retrolog.runtime.writer import Event, Writer
+from retrolog.store.metadata import open_store, process_start_marker
+from retrolog.store.paths import ProjectPaths
+
+
+class Status(str, enum.Enum):
+    """Where a run is in its life."""
+
+    RUNNING = "running"  # the process is recording
+    FINISHED = "finished"  # commit() ran, explicitly or at interpreter exit
+    CRASHED = "crashed"  # an uncaught exception, or the process died (found at next open)
+
+
+class Role(enum.Enum):
+    """What a loop is for checkpointing."""
+
+    PLAIN = 0  # no checkpoint boundary
+    OUTER = 1  # outermost loop under checkpointing(): its iterations are the units
+    BLOCK = 2  # first loop nested in an OUTER iteration: the skippable block
+
+
+class CheckpointScope:
+    """The objects named by one ``checkpointing(...)`` context."""
+
+    def __init__(self, objects: Mapping[str, object], depth: int, parent: CheckpointScope | None):
+        self.objects = {**(parent.objects if parent else {}), **objects}
+        self.depth = depth  # loop depth at entry: a loop started at this depth is OUTER
+        self.parent = parent
+
+
+class _Frame:
+    __slots__ = ("block_seconds", "block_seen", "ctx", "depth", "name", "role")
+
+    def __init__(self, name: str, depth: int, role: Role) -> None:
+        self.name = name
+        self.depth = depth
+        self.role = role
+        self.ctx: int | None = None
+        self.block_seen = False
+        self.block_seconds: float | None = None
+
+
+def new_run_id() -> str:
+    """A sortable, readable id: start time plus random hex (unique across hosts)."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def process_started_at() -> float:
+    """Wall-clock start of this process (the prefix includes imports and data loading)."""
+    try:
+        ticks = int(process_start_marker(os.getpid()) or "")
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (ValueError, OSError, StopIteration):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+
+
+class Run:
+    """One execution of a script being recorded."""
+
+    def __init__(self, paths: ProjectPaths, argv: list[str], script: str | None) -> None:
+        from retrolog.versions.git import capture_code_version
+
+        self.paths = paths
+        self.run_id = new_run_id()
+        self.started_at = time.time()
+        self._t0 = time.perf_counter()  # loop times are seconds since this instant
+        self.process_started_at = min(process_started_at(), self.started_at)
+        self.filename = _relative_script(paths.root, script)
+        self.args: dict[str, Any] = {}
+        self.status = Status.RUNNING
+        self.ctx: int | None = None
+        self.scope: CheckpointScope | None = None
+        self._stack: list[_Frame] = []
+        self._next_ctx = 0
+        self._first_loop_at: float | None = None
+        self._last_top_loop_end: float | None = None
+        self._checkpointer: Any = None
+        self._pid = os.getpid()
+
+        conn = open_store(paths, create=True)
+        try:
+            code = capture_code_version(
+                paths, self.run_id, message=f"retrolog run {self.run_id}: {self.filename}"
+            )
+            tstamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.started_at))
+            conn.execute(
+                "INSERT INTO runs(run_id, projid, tstamp, filename, status, started_at, host, pid,"
+                " pid_start, python, argv, code_ref, code_commit, code_tree, head_commit, git_dir,"
+                " dirty, skipped_files) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+                " ?, ?)",
+                (
+                    self.run_id, paths.projid, tstamp, self.filename, Status.RUNNING.value,
+                    self.started_at, socket.gethostname(), self._pid,
+                    process_start_marker(self._pid), platform.python_version(), json.dumps(argv),
+                    code.ref, code.commit, code.tree, code.head_commit, str(code.git_dir),
+                    int(code.dirty), json.dumps(list(code.skipped)),
+                ),
+            )  # fmt: skip
+        except Exception as exc:
+            if isinstance(exc, StoreError) or not hasattr(exc, "sqlite_errorcode"):
+                raise
+            raise StoreError(
+                f"Cannot register the run in {paths.database}: {exc}.", path=str(paths.database)
+            ) from exc
+        finally:
+            conn.close()
+
+        self.writer = Writer(paths.database, self.run_id)
+        self.records = self.writer.records
+        self.writer.start()
+        # Package versions take tens of ms to collect: the writer thread evaluates the lambda.
+        self.records.append(
+            (Event.RUN_UPDATE, {"packages": lambda: json.dumps(_package_versions())})
+        )
+
+    # -- values ----------------------------------------------------------------------
+
+    def log(self, name: str, value: Any) -> None:
+        if type(value) not in PLAIN_TYPES:
+            value = normalize(value)
+        self.records.append((self.ctx, name, value))
+
+    def log_run_value(self, name: str, value: Any) -> None:
+        """A run-level value (arguments): no loop context, whatever loop is active."""
+        if type(value) not in PLAIN_TYPES:
+            value = normalize(value)
+        self.records.append((None, name, value))
+
+    def set_arg(self, name: str, value: Any) -> None:
+        self.args[name] = value
+        self.log_run_value(name, value)
+        self.records.append((Event.RUN_UPDATE, {"args": json.dumps(self.args, default=str)}))
+
+    # -- loops -----------------------------------------------------------------------
+
+    def loop(self, name: str, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``iterable`` as loop ``name``: contexts, timings, checkpoint points."""
+        self.check_writer()
+        stack = self._stack
+        depth = len(stack)
+        parent_ctx = self.ctx
+        outer = stack[-1] if stack else None
+        scope = self.scope
+        # The first loop nested in an iteration is its block, for the profile always and
+        # for checkpointing when the enclosing loop is OUTER.
+        first_nested = outer is not None and not outer.block_seen
+        if first_nested:
+            outer.block_seen = True
+        if scope is not None and depth == scope.depth:
+            role = Role.OUTER
+        elif first_nested and outer.role is Role.OUTER:
+            role = Role.BLOCK
+        else:
+            role = Role.PLAIN
+        frame = _Frame(name, depth, role)
+        records = self.records
+        append = records.append
+        clock = time.perf_counter
+        t0 = self._t0
+        bar = progress.LoopProgress(name, iterable, self.writer.latest) if depth == 0 and (
+            progress.enabled()
+        ) else None
+        loop_started = clock()
+        if depth == 0 and self._first_loop_at is None:
+            self._first_loop_at = time.time()
+        stack.append(frame)
+        iteration = 0
+        try:
+            for item in iterable:
+                ctx = self._next_ctx
+                self._next_ctx = ctx + 1
+                t_iter = clock()
+                # Only plain items are kept as the loop value; a batch tensor is not.
+                value = item if type(item) in PLAIN_TYPES else None
+                append((Event.LOOP_START, ctx, parent_ctx, name, iteration, value, depth,
+                        t_iter - t0))  # fmt: skip
+                frame.ctx = ctx
+                frame.block_seen = False
+                frame.block_seconds = None
+                self.ctx = ctx
+                yield item
+                t_end = clock()
+                self.ctx = parent_ctx
+                append((Event.LOOP_END, ctx, t_end - t0))
+                if depth == 0:
+                    seconds = t_end - t_iter
+                    block = frame.block_seconds if frame.block_seen else seconds
+                    append((Event.PROFILE, "iteration", ctx, seconds, block))
+                if role is Role.OUTER and not frame.block_seen:
+                    self._capture(ctx, name, "block")
+                if bar is not None:
+                    bar.tick()
+                iteration += 1
+                if self.writer.failure is not None:
+                    self.check_writer()
+        finally:
+            stack.pop()
+            self.ctx = parent_ctx
+            if bar is not None:
+                bar.close()
+            loop_seconds = clock() - loop_started
+            if depth == 0:
+                self._last_top_loop_end = time.time()
+            if first_nested and outer is not None:
+                outer.block_seconds = loop_seconds
+            if role is Role.BLOCK and outer is not None:
+                self._capture(outer.ctx, outer.name, "block")
+            elif role is Role.OUTER:
+                self._capture(None, name, "end")
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def _capture(self, ctx: int | None, loop_name: str, kind: str) -> None:
+        scope = self.scope
+        if scope is None or not scope.objects:
+            return
+        if self._checkpointer is None:
+            from retrolog.checkpoint.capture import SynchronousCheckpointer
+            from retrolog.store.objects import LocalObjectStore
+
+            store = LocalObjectStore(self.paths.objects)
+            append = self.records.append
+            self._checkpointer = SynchronousCheckpointer(
+                store, lambda record: append((Event.CHECKPOINT, record))
+            )
+        self._checkpointer.capture(ctx_id=ctx, loop_name=loop_name, kind=kind,
+                                   objects=scope.objects)  # fmt: skip
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def check_writer(self) -> None:
+        """Raise in the training thread if the background writer has failed."""
+        failure = self.writer.failure
+        if failure is not None:
+            raise StoreError(
+                f"retrolog stopped recording run {self.run_id}: writing to {self.paths.database} "
+                f"failed ({failure}). Values logged since the last successful write are lost; "
+                "fix the store (disk full? permissions?) and run again.",
+                path=str(self.paths.database),
+            ) from failure
+
+    def owned_by_this_process(self) -> bool:
+        """False in a forked child (e.g. a DataLoader worker), which must not end the run."""
+        return os.getpid() == self._pid
+
+    def commit(self, status: Status = Status.FINISHED, error: str | None = None) -> None:
+        """End the run: write what is in flight, then record its status."""
+        if self.status is not Status.RUNNING:
+            return
+        self.status = status
+        ended = time.time()
+        try:
+            if self._checkpointer is not None:
+                self._checkpointer.close()
+        finally:
+            if self._first_loop_at is not None:
+                self.records.append(
+                    (Event.PROFILE, "prefix", None,
+                     self._first_loop_at - self.process_started_at, None)
+                )  # fmt: skip
+            if self._last_top_loop_end is not None:
+                self.records.append(
+                    (Event.PROFILE, "suffix", None, ended - self._last_top_loop_end, None)
+                )
+            self.records.append(
+                (Event.RUN_UPDATE, {"status": status.value, "ended_at": ended, "error": error})
+            )
+            self.writer.close()
+        self.check_writer()
+
+
+def _relative_script(root: Path, script: str | None) -> str:
+    if not script or script in {"-c", "-"} or script.startswith("<"):
+        return "<interactive>"
+    path = Path(script).resolve()
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+_INTERESTING_PACKAGES = (
+    "retrolog", "torch", "numpy", "pandas", "scikit-learn", "scipy", "transformers",
+    "jax", "tensorflow", "lightning", "pytorch-lightning", "torchvision", "accelerate",
+)  # fmt: skip
+
+
+def _package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"python": sys.version.split()[0]}
+    for name in _INTERESTING_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
