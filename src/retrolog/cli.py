@@ -1,0 +1,240 @@
+"""The ``retrolog`` command: each command is a library call plus formatting.
+
+Data goes to stdout, messages to stderr. Exit codes: 0 ok, 1 user error
+(one paragraph on stderr, never a traceback), 2 usage.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from retrolog.errors import RetrologError
+
+DEBUG_ENV = "RETROLOG_DEBUG"
+
+
+def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except RetrologError as exc:
+            _fail(str(exc))
+        except KeyboardInterrupt:
+            click.echo("Interrupted.", err=True)
+            sys.exit(130)
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            _fail(
+                f"retrolog hit an internal error ({type(exc).__name__}: {exc}). This is a bug; "
+                f"rerun with {DEBUG_ENV}=1 to see the traceback and report it."
+            )
+
+    return wrapper
+
+
+def _fail(message: str) -> None:
+    width = 100
+    click.echo(textwrap.fill("Error: " + message, width=width), err=True)
+    sys.exit(1)
+
+
+def _output_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--csv", "as_csv", is_flag=True, help="Write CSV (for pipes).")(func)
+    func = click.option("--json", "as_json", is_flag=True, help="Write JSON records.")(func)
+    return func
+
+
+def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
+    if as_json and as_csv:
+        raise click.UsageError("Choose one of --json and --csv.")
+    if as_json:
+        click.echo(frame.to_json(orient="records", force_ascii=False))
+    elif as_csv:
+        click.echo(frame.to_csv(index=False), nl=False)
+    elif frame.empty:
+        click.echo("(no rows)", err=True)
+    else:
+        import pandas as pd
+
+        with pd.option_context(
+            "display.max_rows", None, "display.max_columns", None, "display.width", 250
+        ):
+            click.echo(frame.to_string(index=False, na_rep=""))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="retrolog")
+def cli() -> None:
+    """retrolog: log a little while training, ask for anything later.
+
+    \b
+    Example:
+      python train.py --kwargs lr=0.01     # record a run
+      retrolog runs                        # list the runs of this project
+      retrolog dataframe lr acc            # one row per run and epoch
+    """
+
+
+@cli.command("runs")
+@click.option("--limit", type=click.IntRange(min=1), help="Show only the newest N runs.")
+@_output_options
+@_handle_errors
+def runs_command(limit: int | None, as_json: bool, as_csv: bool) -> None:
+    """List the project's runs: id, start time, script, status, duration, args.
+
+    \b
+    Example:
+      retrolog runs --limit 5
+    """
+    from retrolog.query.runs import list_runs
+
+    with _store() as conn:
+        _emit(list_runs(conn, limit), as_json, as_csv)
+
+
+@cli.command("show")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True, help="Write JSON.")
+@_handle_errors
+def show_command(run: str, as_json: bool) -> None:
+    """Show one run: metadata, code version, logged names, loops, checkpoints.
+
+    RUN is a run id or a unique prefix of one.
+
+    \b
+    Example:
+      retrolog show 20261122-1635
+    """
+    from retrolog.query.runs import run_details
+
+    with _store() as conn:
+        details = run_details(conn, run)
+    if as_json:
+        click.echo(json.dumps(details, indent=2, default=str))
+        return
+    click.echo(_format_details(details))
+
+
+@cli.command("dataframe")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--where", help="SQL predicate over the view's columns, e.g. \"lr > 0.005\".")
+@_output_options
+@_handle_errors
+def dataframe_command(names: tuple[str, ...], where: str | None, as_json: bool, as_csv: bool) -> None:
+    """Print the wide view of NAMES: one row per run and loop context.
+
+    \b
+    Example:
+      retrolog dataframe lr acc --where "lr > 0.005"
+    """
+    from retrolog.query.dataframe import dataframe
+
+    split = [n for name in names for n in name.split(",") if n]
+    with _store() as conn:
+        _emit(dataframe(conn, split, where), as_json, as_csv)
+
+
+@cli.command("query")
+@click.argument("sql")
+@_output_options
+@_handle_errors
+def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
+    """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile).
+
+    \b
+    Example:
+      retrolog query "SELECT name, COUNT(*) FROM logs GROUP BY name"
+    """
+    from retrolog.query.sql import query
+
+    with _store() as conn:
+        _emit(query(conn, sql), as_json, as_csv)
+
+
+@cli.command("replay")
+@click.argument("names")
+@click.argument("where", required=False)
+@_handle_errors
+def replay_command(names: str, where: str | None) -> None:
+    """Backfill new log statements into past runs (not in this release).
+
+    \b
+    Example:
+      retrolog replay w_norm "lr > 0.005"
+    """
+    from retrolog import replay
+
+    replay(names.split(","), where)
+
+
+class _store:
+    """The project's store for reading, opened from the current directory."""
+
+    def __enter__(self) -> Any:
+        from retrolog.store.metadata import open_store
+        from retrolog.store.paths import locate
+
+        self.conn = open_store(locate(), create=False)
+        return self.conn
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+
+
+def _format_details(d: dict[str, Any]) -> str:
+    lines = [
+        f"run        {d['run_id']}",
+        f"project    {d['projid']}",
+        f"script     {d['filename']}",
+        f"status     {d['status']}" + (f" ({d['error']})" if d.get("error") else ""),
+        f"started    {d['tstamp']}   duration {d['duration']}",
+        f"host       {d['host']} (pid {d['pid']}), python {d['python']}",
+        f"argv       {' '.join(d.get('argv') or [])}",
+        "args       " + (" ".join(f"{k}={v}" for k, v in (d.get("args") or {}).items()) or "-"),
+        f"code       {d.get('code_ref')} -> {(d.get('code_commit') or '')[:12]}"
+        + (" (uncommitted changes)" if d.get("dirty") else ""),
+    ]
+    if d.get("head_commit"):
+        lines.append(f"HEAD then  {d['head_commit'][:12]}")
+    if d.get("skipped_files"):
+        lines.append("skipped    " + ", ".join(d["skipped_files"]) + " (over the size cap)")
+    if d.get("packages"):
+        lines.append("packages   " + ", ".join(f"{k} {v}" for k, v in d["packages"].items()))
+    if d["loops"]:
+        lines.append(
+            "loops      "
+            + ", ".join(f"{lp['name']} x{lp['iterations']} (depth {lp['depth']})"
+                        for lp in d["loops"])  # fmt: skip
+        )
+    if d["names"]:
+        lines.append(
+            "logged     "
+            + ", ".join(f"{n['name']} ({n['count']}, {n['level']})" for n in d["names"])
+        )
+    ck = d["checkpoints"]
+    lines.append(f"checkpoints {ck['count']} ({ck['bytes'] / 1e6:.2f} MB)")
+    prof = d["profile"]
+    if prof:
+        parts = []
+        for phase in ("prefix", "iteration", "suffix"):
+            if phase in prof:
+                p = prof[phase]
+                parts.append(f"{phase} {p['seconds']:.2f}s" + (
+                    f" over {p['count']}" if phase == "iteration" else ""))  # fmt: skip
+        lines.append("profile    " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Entry point of the ``retrolog`` console script."""
+    cli(prog_name="retrolog")

@@ -1,0 +1,142 @@
+"""The runs list and one run's details, as the CLI's ``runs`` and ``show`` print them."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from typing import Any
+
+import pandas as pd
+
+from retrolog.errors import RunNotFoundError
+
+
+def list_runs(conn: sqlite3.Connection, limit: int | None = None) -> pd.DataFrame:
+    """One row per run, newest last: run_id, tstamp, filename, status, duration, args."""
+    sql = (
+        "SELECT run_id, tstamp, filename, status, started_at, ended_at, args FROM runs"
+        " ORDER BY started_at DESC, run_id DESC"
+    )
+    params: tuple[Any, ...] = ()
+    if limit is not None:
+        sql += " LIMIT ?"
+        params = (limit,)
+    rows = conn.execute(sql, params).fetchall()[::-1]
+    now = time.time()
+    records = [
+        {
+            "run_id": run_id,
+            "tstamp": tstamp,
+            "filename": filename,
+            "status": status,
+            "duration": format_duration((ended or now) - started),
+            "args": _format_args(args),
+        }
+        for run_id, tstamp, filename, status, started, ended, args in rows
+    ]
+    columns = ["run_id", "tstamp", "filename", "status", "duration", "args"]
+    return pd.DataFrame.from_records(records, columns=columns)
+
+
+def resolve_run(conn: sqlite3.Connection, ref: str) -> str:
+    """The run id ``ref`` names: an exact id or a unique prefix of one."""
+    ref = ref.strip()
+    if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (ref,)).fetchone():
+        return ref
+    pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    matches = [
+        r[0]
+        for r in conn.execute(
+            "SELECT run_id FROM runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY started_at",
+            (pattern,),
+        )
+    ]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        newest = [r[0] for r in conn.execute(
+            "SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 3")]  # fmt: skip
+        hint = f" The newest runs are: {', '.join(newest)}." if newest else " There are no runs."
+        raise RunNotFoundError(
+            f"No run has the id {ref!r}.{hint} `retrolog runs` lists them all; a unique "
+            "prefix of an id is enough.",
+            run_id=ref,
+        )
+    shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
+    raise RunNotFoundError(
+        f"{ref!r} matches {len(matches)} runs ({shown}); give more of the id.", run_id=ref
+    )
+
+
+def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
+    """Everything known about one run: metadata, code version, names, loops, checkpoints."""
+    run_id = resolve_run(conn, ref)
+    conn.row_factory = sqlite3.Row
+    try:
+        row = dict(conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone())
+        names = [
+            dict(r)
+            for r in conn.execute(
+                "SELECT name, COUNT(*) AS count, MIN(origin) AS origin,"
+                " CASE WHEN MAX(ctx_id IS NULL) = 1 AND MIN(ctx_id IS NULL) = 1"
+                " THEN 'run' ELSE 'loop' END AS level"
+                " FROM logs WHERE run_id = ? GROUP BY name ORDER BY MIN(log_id)",
+                (run_id,),
+            )
+        ]
+        loops = [
+            dict(r)
+            for r in conn.execute(
+                "SELECT name, depth, COUNT(*) AS iterations FROM loops WHERE run_id = ?"
+                " GROUP BY name, depth ORDER BY depth, MIN(ctx_id)",
+                (run_id,),
+            )
+        ]
+        ckpt = dict(
+            conn.execute(
+                "SELECT COUNT(*) AS count, COALESCE(SUM(nbytes), 0) AS bytes,"
+                " COALESCE(SUM(capture_seconds), 0) AS capture_seconds"
+                " FROM checkpoints WHERE run_id = ?",
+                (run_id,),
+            ).fetchone()
+        )
+        profile = {
+            r["phase"]: {"count": r["n"], "seconds": r["s"], "block_seconds": r["b"]}
+            for r in conn.execute(
+                "SELECT phase, COUNT(*) AS n, SUM(seconds) AS s, SUM(block_seconds) AS b"
+                " FROM profile WHERE run_id = ? GROUP BY phase",
+                (run_id,),
+            )
+        }
+    finally:
+        conn.row_factory = None
+    for key in ("args", "packages", "argv", "skipped_files"):
+        if row.get(key):
+            row[key] = json.loads(row[key])
+    row["dirty"] = bool(row["dirty"]) if row.get("dirty") is not None else None
+    end = row["ended_at"] or time.time()
+    row["duration"] = format_duration(end - row["started_at"])
+    row["names"] = names
+    row["loops"] = loops
+    row["checkpoints"] = ckpt
+    row["profile"] = profile
+    return row
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def _format_args(args_json: str | None) -> str:
+    if not args_json:
+        return ""
+    args = json.loads(args_json)
+    return " ".join(f"{k}={v}" for k, v in args.items())
