@@ -1,0 +1,121 @@
+"""Fixtures: each test gets a fresh project directory with a real git repository."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "Test User",
+    "GIT_AUTHOR_EMAIL": "test@example.com",
+    "GIT_COMMITTER_NAME": "Test User",
+    "GIT_COMMITTER_EMAIL": "test@example.com",
+}
+
+
+@dataclass
+class Project:
+    """A user's project: a directory (a git repo unless made with git=False) and its scripts."""
+
+    root: Path
+
+    def write(self, relpath: str, text: str) -> Path:
+        path = self.root / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    def git(self, *args: str) -> str:
+        out = subprocess.run(
+            ["git", *args],
+            cwd=self.root,
+            env={**os.environ, **GIT_IDENTITY},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+        env["RETROLOG_PROGRESS"] = "0"
+        env.update(extra)
+        return env
+
+    def run(
+        self, script: str, *args: str, check: bool = True, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``python script args`` in the project, as a user would."""
+        proc = subprocess.run(
+            [sys.executable, script, *args],
+            cwd=self.root,
+            env=self.env(**env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+            )
+        return proc
+
+    def cli(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        """Run the ``retrolog`` command in the project."""
+        return subprocess.run(
+            [sys.executable, "-m", "retrolog", *args],
+            cwd=self.root,
+            env=self.env(**env),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[Project]:
+    """A git repository with one commit, as most users' projects are."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    p = Project(root)
+    p.git("init", "--quiet", "--initial-branch=main")
+    p.write("README.md", "a project\n")
+    p.write(".gitignore", "data/\n")
+    p.git("add", "-A")
+    p.git("commit", "--quiet", "-m", "initial")
+    yield p
+
+
+@pytest.fixture
+def plain_dir(tmp_path: Path) -> Project:
+    """A project directory that is not a git repository."""
+    root = tmp_path / "plain"
+    root.mkdir()
+    return Project(root)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RETROLOG_PROGRESS", "0")
+    monkeypatch.delenv("RETROLOG_STORE", raising=False)
+
+
+def read_db(root: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    """Rows from a project's store, read with plain sqlite3 (independent of our readers)."""
+    import sqlite3
+
+    conn = sqlite3.connect(root / ".retrolog" / "retrolog.db")
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+sys.path.insert(0, str(Path(__file__).parent))

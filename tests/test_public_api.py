@@ -1,0 +1,76 @@
+"""Tests about the package itself: its surface, its import, its error tree, its help."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import retrolog
+from retrolog import errors
+
+DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
+
+
+def test_all_is_the_api_design_md_lists() -> None:
+    expected = {"arg", "log", "loop", "checkpointing", "commit", "dataframe", "query", "replay"}
+    if DESIGN.exists():  # the design document sits beside the repository in our workspace
+        table = DESIGN.read_text().split("| call | contract |")[1].split("\n\n")[0]
+        expected = set(re.findall(r"^\| `(\w+)\(", table, flags=re.M))
+    assert set(retrolog.__all__) == expected
+    for name in retrolog.__all__:
+        assert callable(getattr(retrolog, name))
+
+
+def test_import_starts_no_thread_touches_no_git_and_skips_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys, threading, os\n"
+        "import retrolog\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert 'pandas' not in sys.modules\n"
+        "assert not os.path.exists('.retrolog')\n"
+        "print('ok')\n"
+    )
+    # A PATH without git: importing must not need it.
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/nonexistent", "RETROLOG_PROGRESS": "0"},
+    )
+    assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_every_error_derives_from_the_base_and_is_drawn_in_the_docstring() -> None:
+    classes = [
+        obj
+        for obj in vars(errors).values()
+        if isinstance(obj, type)
+        and issubclass(obj, Exception)
+        and not issubclass(obj, Warning)
+        and obj.__module__ == errors.__name__
+    ]
+    assert len(classes) >= 8
+    doc = errors.__doc__ or ""
+    for cls in classes:
+        assert issubclass(cls, errors.RetrologError)
+        assert cls.__name__ in doc
+
+
+def test_replay_says_it_is_not_available_yet() -> None:
+    with pytest.raises(errors.NotAvailableError, match="not available in this release"):
+        retrolog.replay("w_norm")
+
+
+def test_sqlite_errors_on_open_are_store_errors(tmp_path: Path) -> None:
+    from retrolog.store.metadata import connect
+
+    bad = tmp_path / "not-a-db"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(errors.StoreError, match="Cannot open the retrolog store"):
+        connect(bad)
