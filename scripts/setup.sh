@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Make .venv with retrolog (editable), CPU PyTorch and the dev tools. Safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.retrolog-setup
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+  # Pinned: on our machines this version is the CPU build on local disk; an unpinned `torch`
+  # would download a multi-GB CUDA build.
+  .venv/bin/python -m pip install --quiet "torch==${RETROLOG_TORCH_VERSION:-2.13.0}"
+  .venv/bin/python -m pip install --quiet -e ".[dev,torch]"
+  touch "$stamp"
+fi
