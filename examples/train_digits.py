@@ -37,9 +37,7 @@ order = torch.randperm(len(x))
 train_idx, test_idx = order[:1400], order[1400:]
 train = DataLoader(TensorDataset(x[train_idx], y[train_idx]), batch_size=batch_size, shuffle=True)
 
-net = nn.Sequential(
-    nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 10)
-)  # fmt: skip
+net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 10))
 optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 loss_fn = nn.CrossEntropyLoss()

@@ -60,14 +60,14 @@ def arg(name: str, default: T) -> T:
     run = _active or _begin()
     if name in run.args:
         value: Any = run.args[name]
-        return value  # type: ignore[no-any-return]
+        return value
     if name in _overrides:
         value = cast(name, _overrides[name], default)
         _used_overrides.add(name)
     else:
         value = default
     run.set_arg(name, value)
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def log(name: str, value: T) -> T:

@@ -127,10 +127,12 @@ def show_command(run: str, as_json: bool) -> None:
 
 @cli.command("dataframe")
 @click.argument("names", nargs=-1, required=True)
-@click.option("--where", help="SQL predicate over the view's columns, e.g. \"lr > 0.005\".")
+@click.option("--where", help='SQL predicate over the view\'s columns, e.g. "lr > 0.005".')
 @_output_options
 @_handle_errors
-def dataframe_command(names: tuple[str, ...], where: str | None, as_json: bool, as_csv: bool) -> None:
+def dataframe_command(
+    names: tuple[str, ...], where: str | None, as_json: bool, as_csv: bool
+) -> None:
     """Print the wide view of NAMES: one row per run and loop context.
 
     \b
@@ -213,8 +215,9 @@ def _format_details(d: dict[str, Any]) -> str:
     if d["loops"]:
         lines.append(
             "loops      "
-            + ", ".join(f"{lp['name']} x{lp['iterations']} (depth {lp['depth']})"
-                        for lp in d["loops"])  # fmt: skip
+            + ", ".join(
+                f"{lp['name']} x{lp['iterations']} (depth {lp['depth']})" for lp in d["loops"]
+            )
         )
     if d["names"]:
         lines.append(
@@ -229,8 +232,10 @@ def _format_details(d: dict[str, Any]) -> str:
         for phase in ("prefix", "iteration", "suffix"):
             if phase in prof:
                 p = prof[phase]
-                parts.append(f"{phase} {p['seconds']:.2f}s" + (
-                    f" over {p['count']}" if phase == "iteration" else ""))  # fmt: skip
+                parts.append(
+                    f"{phase} {p['seconds']:.2f}s"
+                    + (f" over {p['count']}" if phase == "iteration" else "")
+                )
         lines.append("profile    " + ", ".join(parts))
     return "\n".join(lines)
 

@@ -8,9 +8,10 @@ import json
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from conftest import Project
 
 from retrolog.cli import cli
+
+from conftest import Project
 
 SCRIPT = """
     import retrolog as rl
@@ -73,8 +74,10 @@ def test_dataframe_formats(recorded: Project) -> None:
     assert len(table.stdout.strip().splitlines()) == 7
     records = json.loads(recorded.cli("dataframe", "lr,acc", "--json").stdout)
     assert [(r["lr"], r["epoch"], r["acc"]) for r in records[:3]] == [
-        (0.5, 0, 0.0), (0.5, 1, 0.5), (0.5, 2, 1.0)
-    ]  # fmt: skip
+        (0.5, 0, 0.0),
+        (0.5, 1, 0.5),
+        (0.5, 2, 1.0),
+    ]
     frame = pd.read_csv(io.StringIO(recorded.cli("dataframe", "acc", "--csv").stdout))
     assert frame["acc"].dtype == float and len(frame) == 6
     filtered = json.loads(recorded.cli("dataframe", "acc", "--where", "lr < 0.3", "--json").stdout)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import Project, read_db
 
 from retrolog.errors import ArgumentError
 from retrolog.runtime.args import cast, split_argv
+
+from conftest import Project, read_db
 
 
 def test_split_argv_takes_out_every_kwargs_group() -> None:
@@ -93,8 +94,12 @@ def test_script_gets_cast_overrides_and_its_argparse_still_works(project: Projec
     assert proc.stdout.strip() == "(7, 0.01, 5, 'sgd', True, 'exp1')"
     (args_json,) = read_db(project.root, "SELECT args FROM runs")[0]
     assert json.loads(args_json) == {
-        "lr": 0.01, "epochs": 5, "optim": "sgd", "amp": True, "tag": "exp1"
-    }  # fmt: skip
+        "lr": 0.01,
+        "epochs": 5,
+        "optim": "sgd",
+        "amp": True,
+        "tag": "exp1",
+    }
     # Arguments are run-level values, with their types.
     rows = dict(
         (name, (value, kind))

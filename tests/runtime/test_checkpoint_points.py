@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import random
 
-from conftest import Project, read_db
-
 from retrolog.checkpoint.capture import load_checkpoint
 from retrolog.checkpoint.state import restore_rng
 from retrolog.store.objects import LocalObjectStore
+
+from conftest import Project, read_db
 
 WITH_NESTED = """
     import json, random
@@ -43,8 +43,11 @@ def test_nested_loop_is_the_block_captured_where_it_ends(project: Project) -> No
     out = json.loads(project.run("train.py").stdout)
     rows = _checkpoints(project)
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("block", "epoch", 0), ("block", "epoch", 1), ("block", "epoch", 2), ("end", "epoch", None)
-    ]  # fmt: skip
+        ("block", "epoch", 0),
+        ("block", "epoch", 1),
+        ("block", "epoch", 2),
+        ("end", "epoch", None),
+    ]
     store = LocalObjectStore(project.root / ".retrolog" / "objects")
     for (_, _, iteration, manifest, nbytes), expected, draw in zip(
         rows[:3], out["history"], out["draws"], strict=True
@@ -73,8 +76,12 @@ def test_without_a_nested_loop_each_iteration_is_the_block(project: Project) -> 
     project.run("train.py")
     rows = _checkpoints(project)
     assert [(r[0], r[2]) for r in rows] == [
-        ("block", 0), ("block", 1), ("block", 2), ("block", 3), ("end", None)
-    ]  # fmt: skip
+        ("block", 0),
+        ("block", 1),
+        ("block", 2),
+        ("block", 3),
+        ("end", None),
+    ]
     store = LocalObjectStore(project.root / ".retrolog" / "objects")
     values = [load_checkpoint(store, str(r[3])).objects["weights"].tolist() for r in rows]
     assert values == [[1.0] * 3, [2.0] * 3, [3.0] * 3, [4.0] * 3, [4.0] * 3]

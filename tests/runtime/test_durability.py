@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import Project, read_db
 
 pytestmark = pytest.mark.slow

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from conftest import Project, read_db
 
 NESTED = """
@@ -46,13 +47,18 @@ def test_nested_loops_make_contexts_with_parents(project: Project) -> None:
     assert logs[0] == ("before", 1, "int", None, None, None)
     losses = [r for r in logs if r[0] == "loss"]
     assert [(r[1], r[3], r[5], r[4]) for r in losses[:5]] == [
-        (0.0, "step", 0, 0), (1.0, "step", 0, 1), (2.0, "step", 0, 2), (3.0, "step", 0, 3),
+        (0.0, "step", 0, 0),
+        (1.0, "step", 0, 1),
+        (2.0, "step", 0, 2),
+        (3.0, "step", 0, 3),
         (10.0, "step", 1, 0),
-    ]  # fmt: skip
+    ]
     accs = [r for r in logs if r[0] == "acc"]
     assert [(r[1], r[2], r[3], r[4]) for r in accs] == [
-        (0.0, "float", "epoch", 0), (0.1, "float", "epoch", 1), (0.2, "float", "epoch", 2)
-    ]  # fmt: skip
+        (0.0, "float", "epoch", 0),
+        (0.1, "float", "epoch", 1),
+        (0.2, "float", "epoch", 2),
+    ]
     assert logs[-1] == ("final", "done", "str", None, None, None)
 
 
@@ -163,8 +169,10 @@ def test_exception_marks_the_run_crashed_and_keeps_its_values(project: Project) 
     ((status, error),) = read_db(project.root, "SELECT status, error FROM runs")
     assert status == "crashed" and "RuntimeError: diverged" in error
     assert read_db(project.root, "SELECT value FROM logs WHERE name='loss' ORDER BY log_id") == [
-        (0.0,), (1.0,), (2.0,)
-    ]  # fmt: skip
+        (0.0,),
+        (1.0,),
+        (2.0,),
+    ]
 
 
 def test_commit_ends_a_run_and_a_later_call_starts_another(project: Project) -> None:
@@ -202,8 +210,10 @@ def test_loop_break_and_non_sized_iterables(project: Project) -> None:
     )
     project.run("train.py")
     assert read_db(project.root, "SELECT value FROM loops WHERE name='epoch'") == [
-        ("a",), ("b",), ("c",)
-    ]  # fmt: skip
+        ("a",),
+        ("b",),
+        ("c",),
+    ]
     assert read_db(project.root, "SELECT COUNT(*) FROM loops WHERE name='step'") == [(9,)]
     assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name='loss'") == [(6,)]
 

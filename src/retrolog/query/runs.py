@@ -55,8 +55,9 @@ def resolve_run(conn: sqlite3.Connection, ref: str) -> str:
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        newest = [r[0] for r in conn.execute(
-            "SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 3")]  # fmt: skip
+        newest = [
+            r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 3")
+        ]
         hint = f" The newest runs are: {', '.join(newest)}." if newest else " There are no runs."
         raise RunNotFoundError(
             f"No run has the id {ref!r}.{hint} `retrolog runs` lists them all; a unique "
@@ -128,7 +129,7 @@ def format_duration(seconds: float) -> str:
     seconds = max(0.0, seconds)
     if seconds < 60:
         return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(round(seconds)), 60)
+    minutes, secs = divmod(round(seconds), 60)
     if minutes < 60:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)

@@ -89,7 +89,9 @@ def cast(name: str, text: str, default: Any) -> Any:
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise _bad(name, text, default, f"a Python literal of type {type(default).__name__}") from None
+        raise _bad(
+            name, text, default, f"a Python literal of type {type(default).__name__}"
+        ) from None
     if not isinstance(value, type(default)):
         raise _bad(name, text, default, f"a {type(default).__name__} literal")
     return value

@@ -54,8 +54,10 @@ class Role(enum.Enum):
 class CheckpointScope:
     """The objects named by one ``checkpointing(...)`` context."""
 
-    def __init__(self, objects: Mapping[str, object], depth: int, parent: CheckpointScope | None):
-        self.objects = {**(parent.objects if parent else {}), **objects}
+    def __init__(
+        self, objects: Mapping[str, object], depth: int, parent: CheckpointScope | None
+    ) -> None:
+        self.objects: dict[str, object] = {**(parent.objects if parent else {}), **objects}
         self.depth = depth  # loop depth at entry: a loop started at this depth is OUTER
         self.parent = parent
 
@@ -129,13 +131,26 @@ class Run:
                 " dirty, skipped_files) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
                 " ?, ?)",
                 (
-                    self.run_id, paths.projid, tstamp, self.filename, Status.RUNNING.value,
-                    self.started_at, socket.gethostname(), self._pid,
-                    process_start_marker(self._pid), platform.python_version(), json.dumps(argv),
-                    code.ref, code.commit, code.tree, code.head_commit, str(code.git_dir),
-                    int(code.dirty), json.dumps(list(code.skipped)),
+                    self.run_id,
+                    paths.projid,
+                    tstamp,
+                    self.filename,
+                    Status.RUNNING.value,
+                    self.started_at,
+                    socket.gethostname(),
+                    self._pid,
+                    process_start_marker(self._pid),
+                    platform.python_version(),
+                    json.dumps(argv),
+                    code.ref,
+                    code.commit,
+                    code.tree,
+                    code.head_commit,
+                    str(code.git_dir),
+                    int(code.dirty),
+                    json.dumps(list(code.skipped)),
                 ),
-            )  # fmt: skip
+            )
         except Exception as exc:
             if isinstance(exc, StoreError) or not hasattr(exc, "sqlite_errorcode"):
                 raise
@@ -183,12 +198,12 @@ class Run:
         scope = self.scope
         # The first loop nested in an iteration is its block, for the profile always and
         # for checkpointing when the enclosing loop is OUTER.
-        first_nested = outer is not None and not outer.block_seen
-        if first_nested:
-            outer.block_seen = True
+        first_nested = False
+        if outer is not None and not outer.block_seen:
+            first_nested = outer.block_seen = True
         if scope is not None and depth == scope.depth:
             role = Role.OUTER
-        elif first_nested and outer.role is Role.OUTER:
+        elif first_nested and outer is not None and outer.role is Role.OUTER:
             role = Role.BLOCK
         else:
             role = Role.PLAIN
@@ -197,9 +212,11 @@ class Run:
         append = records.append
         clock = time.perf_counter
         t0 = self._t0
-        bar = progress.LoopProgress(name, iterable, self.writer.latest) if depth == 0 and (
-            progress.enabled()
-        ) else None
+        bar = (
+            progress.LoopProgress(name, iterable, self.writer.latest)
+            if depth == 0 and (progress.enabled())
+            else None
+        )
         loop_started = clock()
         if depth == 0 and self._first_loop_at is None:
             self._first_loop_at = time.time()
@@ -212,8 +229,9 @@ class Run:
                 t_iter = clock()
                 # Only plain items are kept as the loop value; a batch tensor is not.
                 value = item if type(item) in PLAIN_TYPES else None
-                append((Event.LOOP_START, ctx, parent_ctx, name, iteration, value, depth,
-                        t_iter - t0))  # fmt: skip
+                append(
+                    (Event.LOOP_START, ctx, parent_ctx, name, iteration, value, depth, t_iter - t0)
+                )
                 frame.ctx = ctx
                 frame.block_seen = False
                 frame.block_seconds = None
@@ -263,8 +281,9 @@ class Run:
             self._checkpointer = SynchronousCheckpointer(
                 store, lambda record: append((Event.CHECKPOINT, record))
             )
-        self._checkpointer.capture(ctx_id=ctx, loop_name=loop_name, kind=kind,
-                                   objects=scope.objects)  # fmt: skip
+        self._checkpointer.capture(
+            ctx_id=ctx, loop_name=loop_name, kind=kind, objects=scope.objects
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -295,9 +314,14 @@ class Run:
         finally:
             if self._first_loop_at is not None:
                 self.records.append(
-                    (Event.PROFILE, "prefix", None,
-                     self._first_loop_at - self.process_started_at, None)
-                )  # fmt: skip
+                    (
+                        Event.PROFILE,
+                        "prefix",
+                        None,
+                        self._first_loop_at - self.process_started_at,
+                        None,
+                    )
+                )
             if self._last_top_loop_end is not None:
                 self.records.append(
                     (Event.PROFILE, "suffix", None, ended - self._last_top_loop_end, None)
@@ -320,9 +344,20 @@ def _relative_script(root: Path, script: str | None) -> str:
 
 
 _INTERESTING_PACKAGES = (
-    "retrolog", "torch", "numpy", "pandas", "scikit-learn", "scipy", "transformers",
-    "jax", "tensorflow", "lightning", "pytorch-lightning", "torchvision", "accelerate",
-)  # fmt: skip
+    "retrolog",
+    "torch",
+    "numpy",
+    "pandas",
+    "scikit-learn",
+    "scipy",
+    "transformers",
+    "jax",
+    "tensorflow",
+    "lightning",
+    "pytorch-lightning",
+    "torchvision",
+    "accelerate",
+)
 
 
 def _package_versions() -> dict[str, str]:

@@ -136,9 +136,18 @@ class Writer:
             elif head is Event.CHECKPOINT:
                 c = record[1]
                 checkpoints.append(
-                    (run_id, c.ctx_id, c.loop_name, c.kind, c.manifest, c.nbytes,
-                     c.capture_seconds, c.write_seconds, c.created_at)
-                )  # fmt: skip
+                    (
+                        run_id,
+                        c.ctx_id,
+                        c.loop_name,
+                        c.kind,
+                        c.manifest,
+                        c.nbytes,
+                        c.capture_seconds,
+                        c.write_seconds,
+                        c.created_at,
+                    )
+                )
             elif head is Event.PROFILE:
                 profile.append((run_id, *record[1:]))
             elif head is Event.RUN_UPDATE:
@@ -154,9 +163,7 @@ class Writer:
                     starts,
                 )
             if ends:
-                conn.executemany(
-                    "UPDATE loops SET t_end = ? WHERE run_id = ? AND ctx_id = ?", ends
-                )
+                conn.executemany("UPDATE loops SET t_end = ? WHERE run_id = ? AND ctx_id = ?", ends)
             if logs:
                 conn.executemany(
                     "INSERT INTO logs(run_id, ctx_id, name, value, value_type)"
