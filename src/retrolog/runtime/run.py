@@ -255,6 +255,9 @@ class Run:
             stack.pop()
             self.ctx = parent_ctx
             if bar is not None:
+                # The writer updates the latest values as it drains; drain once so the final
+                # line shows the values the loop ended with.
+                self.writer.flush(timeout=1.0)
                 bar.close()
             loop_seconds = clock() - loop_started
             if depth == 0:
