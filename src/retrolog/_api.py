@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from retrolog.errors import ArgumentError, NotAvailableError, UsageError
 from retrolog.runtime.args import cast, split_argv
-from retrolog.runtime.values import PLAIN_TYPES
+from retrolog.runtime.values import FAST_TYPES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-_PLAIN = PLAIN_TYPES
+_FAST = FAST_TYPES
 _active: Run | None = None
 _original_argv: list[str] = list(sys.argv)
 _overrides: dict[str, str] = {}
@@ -73,15 +73,16 @@ def arg(name: str, default: T) -> T:
 def log(name: str, value: T) -> T:
     """Record ``value`` under ``name`` in the current loop context; returns ``value``.
 
-    Cheap enough for inner loops: floats, ints, strs, bools and None are queued
-    as they are; anything else is converted at the call (scalars to numbers,
-    arrays and containers to JSON, the rest to text).
+    Cheap enough for inner loops: floats, ints and strs are queued as they
+    are; anything else is converted at the call (bools and None kept, numpy
+    and torch scalars to numbers, arrays and containers to JSON, the rest to
+    text).
     """
     run = _active
     if run is None:
         run = _begin()
-    if type(name) is str and type(value) in _PLAIN:
-        run.records.append((run.ctx, name, value))
+    if type(value) in _FAST and type(name) is str:
+        run.values.append((run.ctx, name, value))
         return value
     if type(name) is not str or not name:
         raise UsageError(f"log() needs a non-empty string name, got {name!r}.")
@@ -214,7 +215,8 @@ def _detach_in_child() -> None:
     # A forked child (DataLoader worker) has no writer thread; what it logs is dropped
     # rather than piling up, and it never ends the parent's run.
     if _active is not None:
-        _active.records = collections.deque(maxlen=0)
+        _active.values = collections.deque(maxlen=0)
+        _active.events = collections.deque(maxlen=0)
 
 
 def _at_exit() -> None:

@@ -26,6 +26,8 @@ def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except click.ClickException:
+            raise  # usage mistakes: click prints them and exits 2
         except RetrologError as exc:
             _fail(str(exc))
         except KeyboardInterrupt:

@@ -29,7 +29,7 @@ from typing import Any
 
 from retrolog.errors import StoreError
 from retrolog.runtime import progress
-from retrolog.runtime.values import PLAIN_TYPES, normalize
+from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
 from retrolog.store.metadata import open_store, process_start_marker
 from retrolog.store.paths import ProjectPaths
@@ -161,30 +161,30 @@ class Run:
             conn.close()
 
         self.writer = Writer(paths.database, self.run_id)
-        self.records = self.writer.records
+        self.values = self.writer.values  # log()'s hot path appends here directly
+        self.events = self.writer.events
         self.writer.start()
         # Package versions take tens of ms to collect: the writer thread evaluates the lambda.
-        self.records.append(
+        self.events.append(
             (Event.RUN_UPDATE, {"packages": lambda: json.dumps(_package_versions())})
         )
 
     # -- values ----------------------------------------------------------------------
 
-    def log(self, name: str, value: Any) -> None:
-        if type(value) not in PLAIN_TYPES:
-            value = normalize(value)
-        self.records.append((self.ctx, name, value))
-
-    def log_run_value(self, name: str, value: Any) -> None:
-        """A run-level value (arguments): no loop context, whatever loop is active."""
-        if type(value) not in PLAIN_TYPES:
-            value = normalize(value)
-        self.records.append((None, name, value))
+    def log(self, name: str, value: Any, *, run_level: bool = False) -> None:
+        """Queue a value (log()'s hot path inlines the float/int/str case)."""
+        ctx = None if run_level else self.ctx
+        if type(value) in FAST_TYPES:
+            self.values.append((ctx, name, value))
+        else:
+            stored, kind = slow_path(value)
+            self.events.append((Event.LOG, ctx, name, stored, kind))
 
     def set_arg(self, name: str, value: Any) -> None:
+        """Record an argument: a run-level value, whatever loop is active, and in runs.args."""
         self.args[name] = value
-        self.log_run_value(name, value)
-        self.records.append((Event.RUN_UPDATE, {"args": json.dumps(self.args, default=str)}))
+        self.log(name, value, run_level=True)
+        self.events.append((Event.RUN_UPDATE, {"args": json.dumps(self.args, default=str)}))
 
     # -- loops -----------------------------------------------------------------------
 
@@ -208,8 +208,7 @@ class Run:
         else:
             role = Role.PLAIN
         frame = _Frame(name, depth, role)
-        records = self.records
-        append = records.append
+        append = self.events.append
         clock = time.perf_counter
         t0 = self._t0
         bar = (
@@ -280,7 +279,7 @@ class Run:
             from retrolog.store.objects import LocalObjectStore
 
             store = LocalObjectStore(self.paths.objects)
-            append = self.records.append
+            append = self.events.append
             self._checkpointer = SynchronousCheckpointer(
                 store, lambda record: append((Event.CHECKPOINT, record))
             )
@@ -316,7 +315,7 @@ class Run:
                 self._checkpointer.close()
         finally:
             if self._first_loop_at is not None:
-                self.records.append(
+                self.events.append(
                     (
                         Event.PROFILE,
                         "prefix",
@@ -326,10 +325,10 @@ class Run:
                     )
                 )
             if self._last_top_loop_end is not None:
-                self.records.append(
+                self.events.append(
                     (Event.PROFILE, "suffix", None, ended - self._last_top_loop_end, None)
                 )
-            self.records.append(
+            self.events.append(
                 (Event.RUN_UPDATE, {"status": status.value, "ended_at": ended, "error": error})
             )
             self.writer.close()

@@ -12,7 +12,9 @@ import json
 import math
 from typing import Any
 
-# Values of these exact types skip normalize(): the writer knows their type from type().
+# Values of these exact types skip normalize(): log()'s hot path, typed by SQLite's typeof().
+FAST_TYPES = frozenset({float, int, str})
+# Loop items of these types are kept as the loop's value.
 PLAIN_TYPES = frozenset({float, int, str, bool, type(None)})
 
 _MAX_LIST_ELEMENTS = 10_000
@@ -63,6 +65,11 @@ def normalize_scalar(value: Any) -> Any:
     if type(value) in PLAIN_TYPES:
         return value
     return normalize(value)
+
+
+def slow_path(value: Any) -> tuple[Any, str]:
+    """The (SQLite value, value_type) of a value that is not a float, int or str."""
+    return storage_form(value if type(value) in PLAIN_TYPES else normalize(value))
 
 
 def _element_count(value: Any) -> int | None:

@@ -1,51 +1,67 @@
 """The background writer: every SQLite write of a recording process goes through it.
 
-The training thread appends plain tuples to a deque (append is atomic under the
-GIL and costs tens of nanoseconds); this thread drains the deque every
+The training thread appends plain tuples to two deques (append is atomic
+under the GIL and costs tens of nanoseconds); this thread drains them every
 ``interval`` seconds into one transaction. A SIGKILL therefore loses at most
 the last interval of records, and the training thread never waits on SQLite.
 
-Record shapes, in append order:
+- ``values``: ``(ctx_id, name, value)`` with value a float, int or str: the
+  hot path of ``log()``. The writer hands these tuples to ``executemany``
+  as they are, so no Python code runs per value on this thread either (it
+  would hold the GIL the training thread needs); SQLite derives value_type.
+- ``events``: ``(Event.X, ...)`` for everything else, see :class:`Event`.
 
-- a log value: ``(ctx_id, name, value)``, where value passed through log()
-- an event: ``(Event.X, ...)``, see :class:`Event`
+A value's loop context is always started (its LOOP_START queued) before the
+value is logged. The writer counts ``values`` before ``events``, so every
+batch holds the loop rows its values refer to.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from retrolog.runtime.values import Typed, storage_form
 from retrolog.store.metadata import connect
 
 FLUSH_INTERVAL = 0.2  # seconds; the crash-loss window is about this long
+_LATEST_SCAN = 256  # values looked at per drain to keep the progress bar's latest values
+
+# Only float, int and str reach the values deque, so SQLite's typeof() names the type;
+# NULL there can only be a NaN float (SQLite stores NaN as NULL).
+_INSERT_VALUES = (
+    "INSERT INTO logs(run_id, ctx_id, name, value, value_type) VALUES ({run}, ?1, ?2, ?3,"
+    " CASE typeof(?3) WHEN 'real' THEN 'float' WHEN 'integer' THEN 'int'"
+    " WHEN 'text' THEN 'str' ELSE 'float' END)"
+)
 
 
 class Event(enum.Enum):
-    """Non-log records the runtime sends to the writer."""
+    """Records other than hot-path values that the runtime sends to the writer."""
 
+    LOG = 0  # (ev, ctx_id, name, stored value, value_type): values of other types
     LOOP_START = 1  # (ev, ctx_id, parent_ctx, name, iteration, value, depth, t_start)
     LOOP_END = 2  # (ev, ctx_id, t_end)
     CHECKPOINT = 3  # (ev, CheckpointRecord)
     PROFILE = 4  # (ev, phase, ctx_id, seconds, block_seconds)
-    RUN_UPDATE = 5  # (ev, {column: value})
-    FLUSH = 6  # (ev, threading.Event set once everything before it is committed)
+    RUN_UPDATE = 5  # (ev, {column: value or zero-argument callable})
+    FLUSH = 6  # (ev, threading.Event set once everything queued before it is committed)
 
 
 class Writer:
-    """Drains a run's record deque into the store from a daemon thread."""
+    """Drains a run's deques into the store from a daemon thread."""
 
     def __init__(self, database: Path, run_id: str, interval: float = FLUSH_INTERVAL) -> None:
         self.database = database
         self.run_id = run_id
         self.interval = interval
-        self.records: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.values: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.events: collections.deque[tuple[Any, ...]] = collections.deque()
         self.latest: dict[str, Any] = {}  # last value per name, for the progress bar
         self.failure: BaseException | None = None
         self.lock_retries = 0
@@ -53,16 +69,17 @@ class Writer:
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="retrolog-writer", daemon=True)
         self._conn: sqlite3.Connection | None = None
+        self._insert_values = _INSERT_VALUES.format(run=_sql_literal(run_id))
 
     def start(self) -> None:
         self._thread.start()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every record appended before this call is committed; False on timeout."""
+        """Wait until everything queued before this call is committed; False on timeout."""
         if not self._thread.is_alive():
-            return not self.records
+            return not self.values and not self.events
         done = threading.Event()
-        self.records.append((Event.FLUSH, done))
+        self.events.append((Event.FLUSH, done))
         self._wake.set()
         return done.wait(timeout)
 
@@ -82,7 +99,13 @@ class Writer:
                 self._wake.wait(self.interval)
                 self._wake.clear()
                 stopping = self._stop
-                self._drain()
+                flushes = self._drain()
+                if flushes:
+                    # Values queued just before a FLUSH may have missed this batch's count
+                    # (values are counted first); one more drain takes them.
+                    self._drain()
+                    for done in flushes:
+                        done.set()
                 if stopping:
                     break
         except BaseException as exc:  # reported to the training thread by Run.check_writer
@@ -92,15 +115,17 @@ class Writer:
             if self._conn is not None:
                 self._conn.close()
 
-    def _drain(self) -> None:
-        records = self.records
-        n = len(records)
-        if n == 0:
-            return
-        batch = [records.popleft() for _ in range(n)]
+    def _drain(self) -> list[threading.Event]:
+        n_values = len(self.values)
+        n_events = len(self.events)
+        if not n_values and not n_events:
+            return []
+        # islice over popleft: the batch is taken without running Python code per value.
+        values = list(itertools.islice(iter(self.values.popleft, None), n_values))
+        events = list(itertools.islice(iter(self.events.popleft, None), n_events))
         while True:
             try:
-                self._write(batch)
+                flushes = self._write(values, events)
                 break
             except sqlite3.OperationalError as exc:
                 # Another process holds the write lock past busy_timeout: keep the batch, retry.
@@ -108,11 +133,12 @@ class Writer:
                     raise
                 self.lock_retries += 1
                 time.sleep(0.05)
-        for record in batch:
-            if record[0] is Event.FLUSH:
-                record[1].set()
+        self._note_latest(values)
+        return flushes
 
-    def _write(self, batch: list[tuple[Any, ...]]) -> None:
+    def _write(
+        self, values: list[tuple[Any, ...]], events: list[tuple[Any, ...]]
+    ) -> list[threading.Event]:
         run_id = self.run_id
         logs: list[tuple[Any, ...]] = []
         starts: list[tuple[Any, ...]] = []
@@ -120,16 +146,13 @@ class Writer:
         checkpoints: list[tuple[Any, ...]] = []
         profile: list[tuple[Any, ...]] = []
         updates: list[dict[str, Any]] = []
-        latest = self.latest
-        for record in batch:
+        flushes: list[threading.Event] = []
+        for record in events:
             head = record[0]
-            if type(head) is not Event:
-                ctx, name, value = record
-                stored, kind = storage_form(value)
-                logs.append((run_id, ctx, name, stored, kind))
-                latest[name] = value.value if type(value) is Typed else value
-                continue
-            if head is Event.LOOP_START:
+            if head is Event.LOG:
+                logs.append((run_id, *record[1:]))
+                self.latest[record[2]] = record[3]
+            elif head is Event.LOOP_START:
                 starts.append((run_id, *record[1:]))
             elif head is Event.LOOP_END:
                 ends.append((record[2], run_id, record[1]))
@@ -152,6 +175,8 @@ class Writer:
                 profile.append((run_id, *record[1:]))
             elif head is Event.RUN_UPDATE:
                 updates.append(record[1])
+            elif head is Event.FLUSH:
+                flushes.append(record[1])
         conn = self._conn
         assert conn is not None
         conn.execute("BEGIN IMMEDIATE")
@@ -164,6 +189,8 @@ class Writer:
                 )
             if ends:
                 conn.executemany("UPDATE loops SET t_end = ? WHERE run_id = ? AND ctx_id = ?", ends)
+            if values:
+                conn.executemany(self._insert_values, values)
             if logs:
                 conn.executemany(
                     "INSERT INTO logs(run_id, ctx_id, name, value, value_type)"
@@ -186,16 +213,30 @@ class Writer:
             for columns in updates:
                 assignments = ", ".join(f"{column} = ?" for column in columns)
                 # A callable value is evaluated here, off the training thread.
-                values = [v() if callable(v) else v for v in columns.values()]
-                conn.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?", (*values, run_id))
+                params = [v() if callable(v) else v for v in columns.values()]
+                conn.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?", (*params, run_id))
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+        return flushes
+
+    def _note_latest(self, values: list[tuple[Any, ...]]) -> None:
+        # Bounded work per drain: the newest few hundred values name what the bar shows.
+        seen: set[str] = set()
+        for _, name, value in itertools.islice(reversed(values), _LATEST_SCAN):
+            if name not in seen:
+                seen.add(name)
+                self.latest[name] = value
 
     def _release_waiters(self) -> None:
-        # After a failure nobody will commit the pending records; unblock flush() callers.
-        while self.records:
-            record = self.records.popleft()
+        # After a failure nobody will commit what is queued; unblock flush() callers.
+        self.values.clear()
+        while self.events:
+            record = self.events.popleft()
             if record[0] is Event.FLUSH:
                 record[1].set()
+
+
+def _sql_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
