@@ -30,6 +30,7 @@ from typing import Any
 from retrolog.store.metadata import connect
 
 FLUSH_INTERVAL = 0.2  # seconds; the crash-loss window is about this long
+_MAX_BATCH = 20_000
 _LATEST_SCAN = 256  # values looked at per drain to keep the progress bar's latest values
 
 # Only float, int and str reach the values deque, so SQLite's typeof() names the type;
@@ -100,12 +101,15 @@ class Writer:
                 self._wake.clear()
                 stopping = self._stop
                 flushes = self._drain()
-                if flushes:
-                    # Values queued just before a FLUSH may have missed this batch's count
-                    # (values are counted first); one more drain takes them.
-                    self._drain()
-                    for done in flushes:
-                        done.set()
+                while len(self.values) >= _MAX_BATCH:  # a backlog: commit it batch by batch
+                    flushes += self._drain()
+                if flushes or stopping:
+                    # Everything queued before a FLUSH (or close) is ahead of it in the deques;
+                    # the thread that asked is waiting, so emptying them terminates.
+                    while self.values or self.events:
+                        flushes += self._drain()
+                for done in flushes:
+                    done.set()
                 if stopping:
                     break
         except BaseException as exc:  # reported to the training thread by Run.check_writer
@@ -116,7 +120,9 @@ class Writer:
                 self._conn.close()
 
     def _drain(self) -> list[threading.Event]:
-        n_values = len(self.values)
+        # At most _MAX_BATCH values per transaction: when logging outpaces SQLite, the backlog
+        # is committed piece by piece (each piece is durable) instead of in one long write.
+        n_values = min(len(self.values), _MAX_BATCH)
         n_events = len(self.events)
         if not n_values and not n_events:
             return []
@@ -141,21 +147,29 @@ class Writer:
     ) -> list[threading.Event]:
         run_id = self.run_id
         logs: list[tuple[Any, ...]] = []
-        starts: list[tuple[Any, ...]] = []
+        starts: list[list[Any]] = []
         ends: list[tuple[Any, ...]] = []
         checkpoints: list[tuple[Any, ...]] = []
         profile: list[tuple[Any, ...]] = []
         updates: list[dict[str, Any]] = []
         flushes: list[threading.Event] = []
+        open_rows: dict[int, list[Any]] = {}
         for record in events:
             head = record[0]
             if head is Event.LOG:
                 logs.append((run_id, *record[1:]))
                 self.latest[record[2]] = record[3]
             elif head is Event.LOOP_START:
-                starts.append((run_id, *record[1:]))
+                row = [run_id, *record[1:], None]
+                starts.append(row)
+                open_rows[record[1]] = row
             elif head is Event.LOOP_END:
-                ends.append((record[2], run_id, record[1]))
+                # Most iterations start and end within one batch: one INSERT, no UPDATE.
+                started = open_rows.pop(record[1], None)
+                if started is not None:
+                    started[-1] = record[2]
+                else:
+                    ends.append((record[2], run_id, record[1]))
             elif head is Event.CHECKPOINT:
                 c = record[1]
                 checkpoints.append(
@@ -184,7 +198,7 @@ class Writer:
             if starts:
                 conn.executemany(
                     "INSERT OR REPLACE INTO loops(run_id, ctx_id, parent_ctx, name, iteration,"
-                    " value, depth, t_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    " value, depth, t_start, t_end) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     starts,
                 )
             if ends:
