@@ -1,0 +1,565 @@
+"""Replay planning: levels, restored vs executed blocks, segments, the estimate (replay/plan.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
+from retrolog.errors import RunNotFoundError, UsageError
+from retrolog.replay.plan import (
+    ReplayPlan,
+    RunProfile,
+    ScanLevel,
+    Segment,
+    format_estimate_vs_actual,
+    format_plan,
+    load_profiles,
+    measure_restore_throughput,
+    plan_replay,
+    scan_level_for,
+)
+from retrolog.replay.statements import Position, StatementSite
+from retrolog.store.metadata import connect
+from retrolog.store.objects import LocalObjectStore
+from retrolog.store.schema import migrate
+
+from conftest import Project
+
+
+def make_profile(
+    n: int = 4,
+    *,
+    run_id: str = "run-a",
+    total: float | list[float] = 10.0,
+    block: float | list[float] = 8.0,
+    checkpoints: set[int] | None = None,
+    restore: float = 0.5,
+    nbytes: int = 1000,
+    overhead: bool = True,
+    end: bool = True,
+    prefix: float = 3.0,
+    suffix: float = 2.0,
+    status: str = "finished",
+) -> RunProfile:
+    """A hand-made profile; every number is exact in binary so sums compare with ==."""
+    ckpts = set(range(n)) if checkpoints is None else checkpoints
+    totals = [total] * n if isinstance(total, float) else total
+    blocks = [block] * n if isinstance(block, float) else block
+    return RunProfile(
+        run_id=run_id,
+        filename="train.py",
+        status=status,
+        outer_loop="epoch",
+        iterations=n,
+        block_checkpoints={i: f"manifest-{i}" for i in sorted(ckpts)},
+        end_checkpoint="manifest-end" if end else None,
+        prefix_seconds=prefix,
+        suffix_seconds=suffix,
+        iteration_seconds=tuple(totals),
+        block_seconds=tuple(blocks),
+        checkpoint_bytes={i: nbytes for i in ckpts},
+        code_version="abc123def456",
+        checkpoint_seconds={i: restore for i in ckpts},
+        # A nested block is captured inside its iteration, on the training thread.
+        record_overhead_seconds={i: restore for i in ckpts} if overhead else {},
+        end_checkpoint_bytes=nbytes if end else 0,
+        end_checkpoint_seconds=1.0 if end else 0.0,
+        end_record_overhead_seconds=1.0 if end else 0.0,
+    )
+
+
+# The profile the arithmetic tests use: 4 epochs of 10 s, 8 s of which in the step
+# loop, checkpoints (0.5 s to materialize) for every epoch but epoch 2, prefix 3 s,
+# suffix 2 s of which 1 s captured the end checkpoint.
+#   non-block: 10 - 8 - 0.5 = 1.5 (epoch 2, no checkpoint captured: 2.0)
+#   executed iteration: 9.5, 9.5, 10, 9.5   restored iteration: 1.5 + 0.5 = 2.0
+#   head = 3, tail = 2 - 1 = 1
+GAPPY = {"checkpoints": {0, 1, 3}}
+
+
+def test_estimate_per_level_is_exact() -> None:
+    profile = make_profile(**GAPPY)  # type: ignore[arg-type]
+    expected = {
+        ScanLevel.PREFIX: 3.0,
+        ScanLevel.SUFFIX: 3.0 + 1.0 + 1.0,  # end restore ~ its materialize time
+        ScanLevel.OUTER_LOOP: 3.0 + (2.0 + 2.0 + 10.0 + 2.0) + 1.0,
+        ScanLevel.INNER_LOOP: 3.0 + (9.5 + 9.5 + 10.0 + 9.5) + 1.0,
+    }
+    for level, seconds in expected.items():
+        plan = plan_replay(level, [profile], workers=1)
+        assert plan.estimate_seconds == seconds, level
+        (run,) = plan.runs
+        assert run.scan is level
+        assert run.estimate_seconds == seconds
+        assert len(run.segments) == 1
+
+
+def test_segments_per_level_say_what_the_worker_does() -> None:
+    profile = make_profile(**GAPPY)  # type: ignore[arg-type]
+    (prefix,) = plan_replay(ScanLevel.PREFIX, [profile], 1).runs[0].segments
+    assert prefix == Segment("run-a", 0, 0, (), (), None, False, 3.0)
+    (suffix,) = plan_replay(ScanLevel.SUFFIX, [profile], 1).runs[0].segments
+    assert suffix == Segment("run-a", 0, 0, (), (), None, True, 5.0, restore_end=True)
+    (outer,) = plan_replay(ScanLevel.OUTER_LOOP, [profile], 1).runs[0].segments
+    assert outer == Segment("run-a", 0, 4, (0, 1, 3), (2,), None, True, 20.0)
+    (inner,) = plan_replay(ScanLevel.INNER_LOOP, [profile], 1).runs[0].segments
+    assert inner == Segment("run-a", 0, 4, (), (0, 1, 2, 3), None, True, 42.5)
+
+
+def test_missing_checkpoints_are_executed_and_noted() -> None:
+    plan = plan_replay(ScanLevel.OUTER_LOOP, [make_profile(6, checkpoints={0, 2, 4})], 1)
+    (run,) = plan.runs
+    assert run.segments[0].restore == (0, 2, 4)
+    assert run.segments[0].execute == (1, 3, 5)
+    assert "3 of 6 blocks have no checkpoint: executed" in run.notes
+
+
+def test_suffix_without_end_checkpoint_falls_back_to_the_outer_loop() -> None:
+    profile = make_profile(end=False, status="crashed", **GAPPY)  # type: ignore[arg-type]
+    (run,) = plan_replay(ScanLevel.SUFFIX, [profile], 1).runs
+    assert run.scan is ScanLevel.OUTER_LOOP
+    assert run.requested is ScanLevel.SUFFIX
+    # No end checkpoint also means no end capture inside the recorded suffix: tail = 2.
+    assert run.estimate_seconds == 3.0 + 16.0 + 2.0
+    assert any("no end checkpoint (the run crashed)" in n for n in run.notes)
+    assert "asked for suffix, planned as outer loop" in format_plan(
+        plan_replay(ScanLevel.SUFFIX, [profile], 1)
+    )
+
+
+def test_levels_per_run_from_a_mapping() -> None:
+    a, b = make_profile(run_id="a"), make_profile(run_id="b")
+    plan = plan_replay({"a": ScanLevel.PREFIX, "b": ScanLevel.OUTER_LOOP}, [a, b], 2)
+    assert [r.scan for r in plan.runs] == [ScanLevel.PREFIX, ScanLevel.OUTER_LOOP]
+    with pytest.raises(UsageError, match="No scan level was given for run b"):
+        plan_replay({"a": ScanLevel.PREFIX}, [a, b], 2)
+    with pytest.raises(UsageError, match="at least one worker"):
+        plan_replay(ScanLevel.PREFIX, [a], 0)
+
+
+def test_scan_level_is_the_deepest_statement_and_unresolved_ones_are_noted() -> None:
+    sites = {
+        "acc": [StatementSite("acc", 10, Position.OUTER, ("epoch",))],
+        "test": [StatementSite("test", 20, Position.SUFFIX, ())],
+    }
+    assert scan_level_for(sites) == (ScanLevel.OUTER_LOOP, ())
+    sites["w"] = [StatementSite("w", 3, Position.INNER, (), "could not resolve: lambda")]
+    level, notes = scan_level_for(sites)
+    assert level is ScanLevel.INNER_LOOP
+    assert notes == ("'w' (line 3): could not resolve: lambda",)
+    plan = plan_replay(level, [make_profile()], 1, notes=notes)
+    assert "could not resolve: lambda" in format_plan(plan)
+
+
+def test_iterations_without_nested_loop_execute_at_the_outer_level() -> None:
+    # Iteration 1 had no nested loop: its whole iteration is the block, and the
+    # statement asked for at the outer level is inside it.
+    profile = make_profile(3, total=[10.0, 6.0, 10.0], block=[8.0, 6.0, 8.0])
+    (run,) = plan_replay(ScanLevel.OUTER_LOOP, [profile], 1).runs
+    assert run.segments[0].restore == (0, 2)
+    assert run.segments[0].execute == (1,)
+    assert run.estimate_seconds == 3.0 + 2.0 + 6.0 + 2.0 + 1.0
+    assert any("1 of 3 iterations have no nested loop" in n for n in run.notes)
+
+
+def test_restore_from_measured_throughput_and_when_slower_than_the_block() -> None:
+    profile = make_profile(2)
+    plan = plan_replay(ScanLevel.OUTER_LOOP, [profile], 1, restore_seconds_per_byte=1 / 1024)
+    # 1000 bytes at 1024 B/s per block; the end checkpoint is not needed at this level.
+    assert plan.estimate_seconds == pytest.approx(3.0 + 2 * (1.5 + 1000 / 1024) + 1.0)
+    assert any("measured" in n for n in plan.notes)
+    slow = plan_replay(ScanLevel.OUTER_LOOP, [profile], 1, restore_seconds_per_byte=0.01)
+    (run,) = slow.runs
+    assert run.segments[0].restore == ()  # 10 s to restore, 8 s to run: run it
+    assert run.estimate_seconds == 3.0 + 2 * 9.5 + 1.0
+    assert any("take longer to restore" in n for n in run.notes)
+
+
+def test_inner_loop_two_workers_exact_split() -> None:
+    plan = plan_replay(ScanLevel.INNER_LOOP, [make_profile(**GAPPY)], 2)  # type: ignore[arg-type]
+    (run,) = plan.runs
+    # [0,2) then [2,4): 3 + 19 = 22 and 3 + (2 + 2) + (10 + 9.5) + 1 = 27.5; the
+    # alternatives cost max(12.5, 35) and max(32, 27.5).
+    assert run.segments == (
+        Segment("run-a", 0, 2, (), (0, 1), 1, False, 22.0),
+        Segment("run-a", 2, 4, (0, 1), (2, 3), None, True, 27.5),
+    )
+    assert plan.estimate_seconds == 27.5
+    assert plan.work_seconds == 49.5
+    assert sorted(len(w) for w in plan.schedule) == [1, 1]
+
+
+def check_segments(profile: RunProfile, segments: tuple[Segment, ...]) -> None:
+    """Contiguous, covering, and each worker's restore/execute lists as pseudo-resume needs."""
+    n = profile.iterations
+    assert segments[0].start == 0
+    assert segments[-1].stop == n
+    for left, right in itertools.pairwise(segments):
+        assert left.stop == right.start
+        assert left.stop_after == left.stop - 1
+        assert not left.run_suffix
+    assert segments[-1].stop_after is None and segments[-1].run_suffix
+    for s in segments:
+        assert s.start < s.stop
+        assert set(s.restore) <= set(profile.block_checkpoints)
+        assert all(i < s.start for i in s.restore)
+        assert sorted((*s.restore, *s.execute)) == list(range(s.stop))
+        assert set(range(s.start, s.stop)) <= set(s.execute)
+
+
+def expected_segment_cost(p: RunProfile, a: int, b: int, seconds_per_byte: float | None) -> float:
+    """The cost model written out per iteration, independently of the planner's prefix sums."""
+    cost = p.prefix_seconds + p.pre_outer_seconds
+    for i in range(b):
+        nested = p.is_nested(i)
+        non_block = (
+            max(
+                p.iteration_seconds[i] - p.block_seconds[i] - p.record_overhead_seconds.get(i, 0),
+                0.0,
+            )
+            if nested
+            else 0.0
+        )
+        block = p.block_seconds[i] if nested else p.iteration_seconds[i]
+        cost += non_block
+        if i < a and i in p.block_checkpoints:
+            restore = (
+                p.checkpoint_bytes[i] * seconds_per_byte
+                if seconds_per_byte is not None
+                else p.checkpoint_seconds[i]
+            )
+            cost += min(restore, block)
+        else:
+            cost += block
+    if b == p.iterations:
+        cost += max(p.post_outer_seconds + p.suffix_seconds - p.end_record_overhead_seconds, 0)
+    return cost
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_inner_loop_balanced_segments(workers: int) -> None:
+    profile = make_profile(30, total=4.0, block=3.5, restore=0.25, prefix=2.0, suffix=1.0)
+    plan = plan_replay(ScanLevel.INNER_LOOP, [profile], workers)
+    (run,) = plan.runs
+    assert len(run.segments) == workers
+    check_segments(profile, run.segments)
+    costs = [s.estimate_seconds for s in run.segments]
+    for s in run.segments:
+        assert s.estimate_seconds == pytest.approx(
+            expected_segment_cost(profile, s.start, s.stop, None)
+        )
+    # Balanced to within one iteration (segments end on iteration boundaries) plus the suffix.
+    assert max(costs) - min(costs) <= 4.0 + 1.0
+    assert plan.estimate_seconds == pytest.approx(max(costs))
+    if workers > 1:
+        single = plan_replay(ScanLevel.INNER_LOOP, [profile], 1).estimate_seconds
+        assert plan.estimate_seconds < single / workers * 1.3
+
+
+def test_missing_early_checkpoints_make_early_boundaries_expensive() -> None:
+    full = make_profile(30, total=4.0, block=3.5, restore=0.25)
+    gappy = make_profile(30, total=4.0, block=3.5, restore=0.25, checkpoints=set(range(10, 30)))
+    full_run = plan_replay(ScanLevel.INNER_LOOP, [full], 3).runs[0]
+    gappy_run = plan_replay(ScanLevel.INNER_LOOP, [gappy], 3).runs[0]
+    check_segments(gappy, gappy_run.segments)
+    # Later segments must execute blocks 0..9 to pseudo-resume, so they take fewer iterations.
+    first = gappy_run.segments[0]
+    assert first.stop > full_run.segments[0].stop
+    for later in gappy_run.segments[1:]:
+        assert set(range(10)) <= set(later.execute)
+    assert any("10 of 30 blocks have no checkpoint" in n for n in gappy_run.notes)
+
+
+def test_without_checkpoints_splitting_does_not_pay() -> None:
+    profile = make_profile(10, checkpoints=set())
+    plan = plan_replay(ScanLevel.INNER_LOOP, [profile], 3)
+    (run,) = plan.runs
+    assert len(run.segments) == 1
+    assert any("not split" in n for n in run.notes)
+
+
+def test_segments_of_several_runs_are_packed_longest_first() -> None:
+    profiles = [
+        make_profile(6, run_id="a", total=8.0, block=7.5, restore=0.25),
+        make_profile(6, run_id="b", total=8.0, block=7.5, restore=0.25),
+        make_profile(6, run_id="c", total=2.0, block=1.5, restore=0.25),
+    ]
+    plan = plan_replay(ScanLevel.INNER_LOOP, profiles, 2)
+    scheduled = [s for worker in plan.schedule for s in worker]
+    all_segments = [s for run in plan.runs for s in run.segments]
+    assert sorted(map(id, scheduled)) == sorted(map(id, all_segments))
+    loads = [sum(s.estimate_seconds for s in worker) for worker in plan.schedule]
+    assert plan.estimate_seconds == pytest.approx(max(loads))
+    assert plan.estimate_seconds >= plan.work_seconds / 2
+    # Two long runs and a short one on two workers: one long run per worker beats splitting.
+    assert plan.estimate_seconds < plan_replay(ScanLevel.INNER_LOOP, profiles, 1).estimate_seconds
+    for p, run in zip(profiles, plan.runs, strict=True):
+        check_segments(p, run.segments)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    times=st.lists(
+        st.tuples(st.floats(0.0, 5.0), st.floats(0.0, 20.0), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=20,
+    ),
+    workers=st.integers(1, 4),
+    restore=st.floats(0.0, 3.0),
+    per_byte=st.one_of(st.none(), st.floats(0.0, 0.01)),
+)
+def test_inner_loop_plan_invariants(
+    times: list[tuple[float, float, bool, bool]],
+    workers: int,
+    restore: float,
+    per_byte: float | None,
+) -> None:
+    n = len(times)
+    profile = make_profile(
+        n,
+        total=[nb + b if nested else b for nb, b, nested, _ in times],
+        block=[b for _, b, _, _ in times],
+        checkpoints={i for i, (_, _, _, has) in enumerate(times) if has},
+        restore=restore,
+    )
+    plan = plan_replay(ScanLevel.INNER_LOOP, [profile], workers, restore_seconds_per_byte=per_byte)
+    (run,) = plan.runs
+    assert 1 <= len(run.segments) <= min(workers, n)
+    check_segments(profile, run.segments)
+    for s in run.segments:
+        expected = expected_segment_cost(profile, s.start, s.stop, per_byte)
+        assert s.estimate_seconds == pytest.approx(expected, abs=1e-9)
+        # A restored block is never the more expensive choice.
+        assert all(i in profile.block_checkpoints for i in s.restore)
+    single = plan_replay(ScanLevel.INNER_LOOP, [profile], 1, restore_seconds_per_byte=per_byte)
+    assert plan.estimate_seconds <= single.estimate_seconds + 1e-9
+    assert plan.estimate_seconds >= max(s.estimate_seconds for s in run.segments) - 1e-9
+
+
+def test_format_plan_shows_runs_levels_and_totals() -> None:
+    plan = plan_replay(
+        {"run-a": ScanLevel.INNER_LOOP, "run-b": ScanLevel.SUFFIX},
+        [make_profile(**GAPPY), make_profile(run_id="run-b")],  # type: ignore[arg-type]
+        2,
+    )
+    text = format_plan(plan)
+    assert "run-a" in text and "run-b" in text
+    assert "inner loop" in text and "suffix" in text
+    assert "abc123def456" in text and "train.py" in text
+    assert "2 run(s) on 2 worker(s)" in text
+    assert "[0, 2)" in text and "[2, 4)" in text  # the inner-loop run's segments
+    assert "total: 54.5s of work, about 27.5s on 2 worker(s)" in text
+    assert "1 of 4 blocks have no checkpoint: executed" in text
+
+
+def test_format_estimate_vs_actual() -> None:
+    plan = plan_replay(
+        ScanLevel.OUTER_LOOP, [make_profile(run_id="a"), make_profile(run_id="b")], 1
+    )
+    text = format_estimate_vs_actual(plan, {"a": 16.0, "b": 19.0})
+    lines = text.splitlines()
+    assert lines[0].split() == ["run", "estimate", "actual", "error"]
+    assert lines[1].split() == ["a", "12.0s", "16.0s", "-25.0%"]
+    assert lines[2].split() == ["b", "12.0s", "19.0s", "-36.8%"]
+    assert lines[3].split() == ["total", "24.0s", "35.0s", "-31.4%"]
+    assert "-" in format_estimate_vs_actual(plan, {"a": 16.0}).splitlines()[2]
+
+
+# -- profiles from a real store ------------------------------------------------------
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[sqlite3.Connection]:
+    conn = connect(tmp_path / "retrolog.db")
+    migrate(conn)
+    yield conn
+    conn.close()
+
+
+def insert_run(
+    conn: sqlite3.Connection, run_id: str, status: str = "finished", **cols: Any
+) -> None:
+    row = {
+        "run_id": run_id,
+        "projid": "proj",
+        "tstamp": "2026-06-23T10:00:00",
+        "filename": "train.py",
+        "status": status,
+        "started_at": 1000.0,
+        "ended_at": 1100.0,
+        "host": "h",
+        "pid": 1,
+        "python": "3.11",
+        "argv": "[]",
+        "code_commit": "0123456789abcdef0123",
+        **cols,
+    }
+    conn.execute(
+        f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+        tuple(row.values()),
+    )
+
+
+def insert_epochs(
+    conn: sqlite3.Connection,
+    run_id: str,
+    epochs: int,
+    *,
+    checkpointed: set[int],
+    finished: bool = True,
+) -> None:
+    """An epoch loop with 2 steps per epoch, 10 s an epoch of which 8 s in the steps."""
+    ctx = 0
+    for e in range(epochs):
+        last = e == epochs - 1
+        t0 = 2.0 + 10.0 * e
+        done = finished or not last
+        conn.execute(
+            "INSERT INTO loops VALUES (?, ?, NULL, 'epoch', ?, ?, 0, ?, ?)",
+            (run_id, ctx, e, e, t0, t0 + 10.0 if done else None),
+        )
+        outer = ctx
+        for s in range(2):
+            ctx += 1
+            conn.execute(
+                "INSERT INTO loops VALUES (?, ?, ?, 'step', ?, ?, 1, ?, ?)",
+                (run_id, ctx, outer, s, s, t0 + 1 + 4 * s, t0 + 5 + 4 * s),
+            )
+        ctx += 1
+        if done:
+            conn.execute(
+                "INSERT INTO profile VALUES (?, 'iteration', ?, 10.0, 8.0)", (run_id, outer)
+            )
+        if e in checkpointed:
+            conn.execute(
+                "INSERT INTO checkpoints (run_id, ctx_id, loop_name, kind, manifest, nbytes,"
+                " capture_seconds, write_seconds, created_at) VALUES (?, ?, 'epoch', 'block',"
+                " ?, 4096, 0.125, 0.375, 0)",
+                (run_id, outer, f"m{e}"),
+            )
+
+
+def test_load_profiles_from_the_store(db: sqlite3.Connection) -> None:
+    insert_run(db, "r1")
+    insert_epochs(db, "r1", 3, checkpointed={0, 2})
+    db.execute("INSERT INTO profile VALUES ('r1', 'prefix', NULL, 2.5, NULL)")
+    db.execute("INSERT INTO profile VALUES ('r1', 'suffix', NULL, 1.5, NULL)")
+    db.execute(
+        "INSERT INTO checkpoints (run_id, ctx_id, loop_name, kind, manifest, nbytes,"
+        " capture_seconds, write_seconds, created_at) VALUES ('r1', NULL, 'epoch', 'end',"
+        " 'mend', 8192, 0.25, 0.25, 0)"
+    )
+    (p,) = load_profiles(db, ["r1"])
+    assert p.run_id == "r1" and p.filename == "train.py" and p.status == "finished"
+    assert p.code_version == "0123456789ab"
+    assert p.outer_loop == "epoch"
+    assert p.iterations == 3
+    assert p.block_checkpoints == {0: "m0", 2: "m2"}
+    assert p.checkpoint_bytes == {0: 4096, 2: 4096}
+    assert p.checkpoint_seconds == {0: 0.5, 2: 0.5}
+    assert p.record_overhead_seconds == {0: 0.5, 2: 0.5}
+    assert p.nested_block == (True, True, True)
+    assert p.iteration_seconds == (10.0, 10.0, 10.0)
+    assert p.block_seconds == (8.0, 8.0, 8.0)
+    assert (p.end_checkpoint, p.end_checkpoint_bytes, p.end_checkpoint_seconds) == (
+        "mend",
+        8192,
+        0.5,
+    )
+    assert (p.prefix_seconds, p.suffix_seconds) == (2.5, 1.5)
+    assert (p.pre_outer_seconds, p.post_outer_seconds) == (0.0, 0.0)
+    assert p.notes == ()
+
+    # non-block 10 - 8 - 0.5 = 1.5 (2 without a checkpoint); restore 0.5; suffix 1.5 - 0.5.
+    plan = plan_replay(ScanLevel.OUTER_LOOP, [p], 1)
+    assert plan.estimate_seconds == 2.5 + (1.5 + 0.5) + (2.0 + 8.0) + (1.5 + 0.5) + 1.0
+    assert plan.runs[0].segments[0].restore == (0, 2)
+    suffix = plan_replay(ScanLevel.SUFFIX, [p], 1)
+    assert suffix.estimate_seconds == 2.5 + 0.5 + 1.0
+
+
+def test_load_profiles_of_a_killed_run(db: sqlite3.Connection) -> None:
+    # SIGKILLed in epoch 2: no prefix/suffix rows, no end checkpoint, epoch 2 unfinished.
+    insert_run(db, "r2", status="crashed", ended_at=None)
+    insert_epochs(db, "r2", 3, checkpointed={0, 1}, finished=False)
+    (p,) = load_profiles(db, ["r2"])
+    assert p.iterations == 3
+    assert p.iteration_seconds == (10.0, 10.0, 10.0)  # the mean of the finished ones
+    assert p.prefix_seconds == 2.0  # run start to the first loop
+    assert p.end_checkpoint is None
+    assert any("mean of the others" in n for n in p.notes)
+    assert any("no prefix timing" in n for n in p.notes)
+    (run,) = plan_replay(ScanLevel.SUFFIX, [p], 1).runs
+    assert run.scan is ScanLevel.OUTER_LOOP
+    assert "the run crashed" in " ".join(run.notes)
+
+
+def test_load_profiles_without_loops_and_of_unknown_runs(db: sqlite3.Connection) -> None:
+    insert_run(db, "r3", ended_at=1042.0)
+    (p,) = load_profiles(db, ["r3"])
+    assert (p.outer_loop, p.iterations, p.prefix_seconds) == (None, 0, 42.0)
+    for level in ScanLevel:
+        assert plan_replay(level, [p], 2).estimate_seconds == 42.0
+    with pytest.raises(RunNotFoundError) as info:
+        load_profiles(db, ["r3", "nope"])
+    assert info.value.run_id == "nope"
+
+
+def test_measure_restore_throughput(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path / ".retrolog" / "objects", durable=False)
+    records: list[CheckpointRecord] = []
+    with SynchronousCheckpointer(store, records.append) as ckpt:
+        state = {"w": np.arange(200_000, dtype=np.float64)}
+        ckpt.capture(ctx_id=0, loop_name="epoch", kind="block", objects=state)
+    rate = measure_restore_throughput(tmp_path / ".retrolog", records[0].manifest)
+    assert rate > 0 and math.isfinite(rate)
+
+
+@pytest.mark.slow
+def test_plan_a_recorded_run(project: Project) -> None:
+    project.write(
+        "train.py",
+        """
+        import json, time
+        import retrolog as rl
+
+        state = {"w": [0.0] * 1000}
+        with rl.checkpointing(state=state):
+            for epoch in rl.loop("epoch", range(3)):
+                for step in rl.loop("step", range(3)):
+                    time.sleep(0.01)
+                    state["w"][0] += 1
+                time.sleep(0.005)
+                rl.log("acc", state["w"][0])
+        rl.log("done", 1)
+        """,
+    )
+    project.run("train.py")
+    conn = connect(project.root / ".retrolog" / "retrolog.db", readonly=True)
+    try:
+        (run_id,) = [r[0] for r in conn.execute("SELECT run_id FROM runs")]
+        (p,) = load_profiles(conn, [run_id])
+    finally:
+        conn.close()
+    assert (p.outer_loop, p.iterations, p.status) == ("epoch", 3, "finished")
+    assert sorted(p.block_checkpoints) == [0, 1, 2] and p.end_checkpoint is not None
+    assert p.nested_block == (True, True, True)
+    assert all(b >= 0.03 for b in p.block_seconds)
+    assert p.prefix_seconds > 0 and p.notes == ()
+    rate = measure_restore_throughput(project.root / ".retrolog", p.block_checkpoints[0])
+    plan = plan_replay(ScanLevel.OUTER_LOOP, [p], 2, restore_seconds_per_byte=1 / rate)
+    inner = plan_replay(ScanLevel.INNER_LOOP, [p], 1, restore_seconds_per_byte=1 / rate)
+    assert plan.estimate_seconds < inner.estimate_seconds
+    assert isinstance(plan, ReplayPlan) and run_id in format_plan(plan)
+    assert json.dumps([s.restore for s in plan.runs[0].segments]) == "[[0, 1, 2]]"
