@@ -1,0 +1,1398 @@
+"""Insert log statements from the newest version of a script into an older version.
+
+A user adds ``rl.log("w_norm", weight_norm(net))`` to today's train.py and asks
+for its values in runs recorded weeks ago. Each run replays in its own code
+version, so the statement must go into the *old* file at the place that
+corresponds to where it sits in the new one. :func:`propagate` does that:
+
+1. find the requested statements in the new file (:func:`find_log_statements`);
+2. align the two syntax trees GumTree-style (Falleri et al., "Fine-grained and
+   accurate source code differencing", ASE 2014): ``rl.loop("name", ...)``
+   loops first, as anchors; then identical subtrees top-down, largest first;
+   then statements and blocks bottom-up by their share of matched descendants;
+   then a recovery pass inside matched blocks;
+3. insert each statement after the old counterpart of its nearest matched
+   preceding sibling (else before the following one, else at the start of the
+   counterpart block);
+4. rename identifiers through the alignment (``model`` in the new file is
+   ``net`` in the old one) and refuse, with a reason, when a name the statement
+   reads is not defined at that point of the old file.
+
+The trees are the standard library's :mod:`ast`: edits are whole lines inserted
+at statement boundaries, so everything else in the old file (comments,
+formatting, line endings) stays byte-identical without a concrete syntax tree.
+See docs/propagation.md for the rules and a table of cases.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import difflib
+import heapq
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "LogStatement",
+    "Placement",
+    "Propagation",
+    "Unplaceable",
+    "find_log_statements",
+    "propagate",
+]
+
+# GumTree's defaults: subtrees lower than MIN_HEIGHT (a bare name or constant) are
+# too common to match on their own and are left to their parents' phases; a
+# container matches when more than MIN_DICE of its matched descendants agree.
+MIN_HEIGHT = 2
+MIN_DICE = 0.5
+# Recovery pairs leftover statements of one kind whose labelled tokens overlap this
+# much: ``model = Net()`` with ``net = Net()`` (0.5), ``lr = 0.01`` with ``lr = 0.02``
+# (0.5), but not ``x = 1`` with ``y = 2`` (0) nor ``f(net, opt)`` with ``net.train()``.
+MIN_SIMILARITY = 0.5
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_SCOPES = (ast.Module, *_DEFS, ast.Lambda)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+# Singletons in CPython's ast (one shared object per operator), so never tree nodes:
+# they go into their parent's label instead.
+_OPERATORS = (ast.expr_context, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+_BLOCK_ITEMS = (ast.stmt, ast.excepthandler, ast.match_case)
+# Compound statements copied whole when they hold nothing but requested log
+# statements, as in ``if step % 100 == 0: rl.log("grad", g)``.
+_COPYABLE = (ast.If, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor)
+_BUILTINS = frozenset(dir(builtins)) | {"__file__", "__builtins__"}
+# Lines as Python's tokenizer sees them; str.splitlines also splits on form feeds.
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+_BLANK = " \t\f"
+# For a file that never imports retrolog (a snippet), as in replay/statements.py.
+_DEFAULT_MODULES = ("rl", "retrolog")
+
+
+@dataclass(frozen=True)
+class LogStatement:
+    """A statement that logs a literal name: ``rl.log("loss", v)`` or ``x = rl.log("x", v)``."""
+
+    name: str
+    line: int
+    end_line: int
+    source: str  # the statement's text as written
+    loops: tuple[str, ...]  # lexically enclosing rl.loop names, outermost first
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A requested statement that now sits in the propagated old file."""
+
+    name: str  # the log name
+    statement: str  # the statement's source as inserted (identifiers mapped)
+    line: int  # 1-based line in the propagated old file where it now sits
+    anchor: str  # where, in the old file's own line numbers
+
+
+@dataclass(frozen=True)
+class Unplaceable:
+    """A requested statement that could not be put into the old file, and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Propagation:
+    """The old file with the requested statements inserted, and what happened to each."""
+
+    source: str
+    placements: tuple[Placement, ...]
+    problems: tuple[Unplaceable, ...]
+
+    def diff(self, old_source: str, filename: str) -> str:
+        """Unified diff from the old file to the propagated one."""
+        return "".join(
+            difflib.unified_diff(
+                _lines(old_source),
+                _lines(self.source),
+                fromfile=f"a/{filename}",
+                tofile=f"b/{filename}",
+            )
+        )
+
+
+def find_log_statements(
+    source: str, names: Sequence[str] | None = None
+) -> dict[str, list[LogStatement]]:
+    """Which statements of ``source`` log which literal names.
+
+    names: the names asked for; None means every name the file logs.
+
+    Returns, per name (in the order asked, else in order of first appearance),
+    its statements ordered by line. Raises ValueError when the source does not
+    parse or a requested name is not logged by any statement.
+    """
+    found = _requested(_parse(source, "new"), names)
+    result: dict[str, list[LogStatement]] = {}
+    for statement, _ in found:
+        result.setdefault(statement.name, []).append(statement)
+    if names is None:
+        return result
+    return {name: result[name] for name in dict.fromkeys(names)}
+
+
+def propagate(new_source: str, old_source: str, names: Sequence[str]) -> Propagation:
+    """Insert the statements of ``new_source`` that log ``names`` into ``old_source``.
+
+    Each statement goes to the place aligned with where it sits in the new file,
+    with identifiers renamed to the old file's. A statement that cannot be placed
+    without guessing is left out and reported in ``problems``; one the old file
+    already has at that place is reported as placed, at its existing line.
+    Raises ValueError when the new source does not parse or does not log a name.
+    """
+    new = _parse(new_source, "new")
+    found = _requested(new, names)
+    try:
+        old = _parse(old_source, "old")
+    except ValueError as exc:
+        problems = tuple(Unplaceable(s.name, str(exc)) for s, _ in found)
+        return Propagation(old_source, (), problems)
+    return _Propagator(new, old, _units(new, found)).run()
+
+
+# --- Reading a version -----------------------------------------------------------------
+
+
+@dataclass
+class _Api:
+    """How one file refers to retrolog: module aliases, and names imported from it."""
+
+    modules: list[str]
+    functions: dict[str, str]  # local name -> retrolog function, e.g. {"log": "log"}
+
+    def function_of(self, node: ast.AST) -> str | None:
+        """The retrolog function a call invokes (``rl.log(...)`` -> "log"), if any."""
+        if not isinstance(node, ast.Call):
+            return None
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            return func.attr if func.value.id in self.modules else None
+        return self.functions.get(func.id) if isinstance(func, ast.Name) else None
+
+
+def _api_of(tree: ast.Module) -> _Api:
+    api = _Api([], {})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "retrolog" or (
+                    alias.name.startswith("retrolog.") and alias.asname is None
+                ):
+                    api.modules.append(alias.asname or "retrolog")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "retrolog":
+            for alias in node.names:
+                if alias.name == "*":
+                    api.functions.update(log="log", loop="loop")
+                else:
+                    api.functions[alias.asname or alias.name] = alias.name
+    if not api.modules and not api.functions:
+        api.modules.extend(_DEFAULT_MODULES)
+    return api
+
+
+@dataclass
+class _Source:
+    """One parsed version of the file and the indexes the passes need."""
+
+    text: str
+    lines: list[str]
+    tree: ast.Module
+    api: _Api
+    parents: dict[int, tuple[ast.AST, str, int]]  # id(node) -> (parent, field, index)
+
+    def col(self, lineno: int, byte_col: int) -> int:
+        """A character column from ast's UTF-8 byte offset."""
+        line = self.lines[lineno - 1]
+        return byte_col if line.isascii() else len(line.encode()[:byte_col].decode())
+
+    def offset_in(self, node: ast.AST, lineno: int, byte_col: int) -> int:
+        """Where (lineno, byte_col) falls in the text of ``node`` (see :meth:`segment`)."""
+        first, col, _, _ = _span(node)
+        if lineno == first:
+            return self.col(lineno, byte_col) - self.col(first, col)
+        before = len(self.lines[first - 1]) - self.col(first, col)
+        before += sum(len(line) for line in self.lines[first : lineno - 1])
+        return before + self.col(lineno, byte_col)
+
+    def segment(self, node: ast.AST) -> str:
+        """The exact source text of a node."""
+        first, col, last, end_col = _span(node)
+        if first == last:
+            return self.lines[first - 1][self.col(first, col) : self.col(last, end_col)]
+        head = self.lines[first - 1][self.col(first, col) :]
+        middle = "".join(self.lines[first : last - 1])
+        return head + middle + self.lines[last - 1][: self.col(last, end_col)]
+
+    def indent(self, lineno: int) -> str:
+        line = self.lines[lineno - 1]
+        return line[: len(line) - len(line.lstrip(_BLANK))]
+
+    def starts_line(self, node: ast.stmt) -> bool:
+        """True if nothing but indentation precedes the statement on its first line."""
+        if getattr(node, "decorator_list", None):
+            return True  # a decorator always starts its line
+        return self.col(node.lineno, node.col_offset) == len(self.indent(node.lineno))
+
+    def ancestors(self, node: ast.AST) -> Iterator[tuple[ast.AST, str]]:
+        """The node's ancestors, innermost first, each with the field leading down."""
+        while (entry := self.parents.get(id(node))) is not None:
+            node, field, _ = entry
+            yield node, field
+
+    def snippet(self, node: ast.stmt) -> str:
+        text = self.segment(node).splitlines()[0].strip()
+        return text if len(text) <= 50 else text[:49] + "…"
+
+
+def _lines(text: str) -> list[str]:
+    return _LINE.findall(text)
+
+
+def _span(node: ast.AST) -> tuple[int, int, int, int]:
+    lineno, col = getattr(node, "lineno", None), getattr(node, "col_offset", None)
+    end, end_col = getattr(node, "end_lineno", None), getattr(node, "end_col_offset", None)
+    if lineno is None or col is None or end is None or end_col is None:
+        raise ValueError(f"{type(node).__name__} carries no position")
+    return lineno, col, end, end_col
+
+
+def _first_line(node: ast.stmt) -> int:
+    decorators = getattr(node, "decorator_list", None) or []
+    return min([node.lineno, *(d.lineno for d in decorators)])
+
+
+def _parse(text: str, which: str) -> _Source:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError) as exc:  # ValueError: source with null bytes
+        raise ValueError(f"the {which} version does not parse: {exc}") from exc
+    parents: dict[int, tuple[ast.AST, str, int]] = {}
+    for node in ast.walk(tree):
+        for field, value in ast.iter_fields(node):
+            if isinstance(value, list):
+                for index, item in enumerate(value):
+                    if isinstance(item, ast.AST):
+                        parents[id(item)] = (node, field, index)
+            elif isinstance(value, ast.AST) and not isinstance(value, _OPERATORS):
+                parents[id(value)] = (node, field, -1)
+    return _Source(text, _lines(text), tree, _api_of(tree), parents)
+
+
+def _literal_name(call: ast.Call) -> str | None:
+    """The name a ``log``/``loop`` call is given as a string literal, if it is one."""
+    arg = call.args[0] if call.args else None
+    if arg is None:
+        arg = next((k.value for k in call.keywords if k.arg == "name"), None)
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return None
+
+
+def _log_call(stmt: ast.AST, api: _Api) -> ast.Call | None:
+    """The ``log`` call a statement consists of (``rl.log(..)``, ``x = rl.log(..)``)."""
+    if not isinstance(stmt, (ast.Expr, ast.Assign, ast.AnnAssign)):
+        return None
+    value = stmt.value
+    return value if isinstance(value, ast.Call) and api.function_of(value) == "log" else None
+
+
+def _loop_name(node: ast.AST, api: _Api) -> str | None:
+    """The name of the ``rl.loop`` a for statement iterates over (also via ``enumerate``)."""
+    if not isinstance(node, (ast.For, ast.AsyncFor)):
+        return None
+    for sub in ast.walk(node.iter):
+        if isinstance(sub, ast.Call) and api.function_of(sub) == "loop":
+            return _literal_name(sub)
+    return None
+
+
+def _requested(src: _Source, names: Sequence[str] | None) -> list[tuple[LogStatement, ast.stmt]]:
+    """The log statements of ``src`` for ``names`` (all when None), in file order."""
+    found: list[tuple[LogStatement, ast.stmt]] = []
+    for node in ast.walk(src.tree):
+        call = _log_call(node, src.api)
+        name = _literal_name(call) if call is not None else None
+        if name is None or not isinstance(node, ast.stmt):
+            continue
+        loops = [
+            loop
+            for parent, field in src.ancestors(node)
+            if field == "body" and (loop := _loop_name(parent, src.api)) is not None
+        ]
+        statement = LogStatement(
+            name, node.lineno, node.end_lineno or node.lineno, src.segment(node), tuple(loops[::-1])
+        )
+        found.append((statement, node))
+    found.sort(key=lambda item: (item[0].line, item[1].col_offset))
+    if names is None:
+        return found
+    logged = {statement.name for statement, _ in found}
+    missing = [name for name in dict.fromkeys(names) if name not in logged]
+    if missing:
+        raise ValueError(_unknown_names_message(missing, logged))
+    wanted = set(names)
+    return [item for item in found if item[0].name in wanted]
+
+
+def _unknown_names_message(missing: list[str], logged: set[str]) -> str:
+    asked = ", ".join(repr(name) for name in missing)
+    if not logged:
+        return f"The new version logs no {asked}; it has no rl.log() call with a literal name."
+    known = ", ".join(sorted(logged))
+    message = f"The new version logs no {asked}; the names it logs are: {known}."
+    close = difflib.get_close_matches(missing[0], sorted(logged), n=1)
+    return message + (f" Did you mean {close[0]!r}?" if close else "")
+
+
+# --- Scopes: which names are bound where ----------------------------------------------
+
+
+@dataclass
+class _Scopes:
+    """Where each scope of a file binds each name, for the is-it-defined check."""
+
+    bindings: dict[int, dict[str, tuple[int, int]]]  # id(scope) -> name -> first binding
+    starred: set[int]  # scopes with ``from x import *``: anything may be bound there
+    scope_of: dict[int, ast.AST]  # id(Name or arg node) -> the scope it belongs to
+
+
+def _scopes(tree: ast.Module) -> _Scopes:
+    result = _Scopes({}, set(), {})
+    stack: list[tuple[ast.AST, ast.AST]] = [(tree, tree)]
+    while stack:
+        node, scope = stack.pop()
+        table = result.bindings.setdefault(id(scope), {})
+        position = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+        def bind(
+            name: str, table: dict[str, tuple[int, int]] = table, at: tuple[int, int] = position
+        ) -> None:
+            if name not in table or at < table[name]:
+                table[name] = at
+
+        inner = node if isinstance(node, (*_DEFS, ast.Lambda, *_COMPREHENSIONS)) else scope
+        if isinstance(node, _DEFS):
+            bind(node.name)
+        if isinstance(node, _FUNCTIONS):
+            own = result.bindings.setdefault(id(node), {})
+            arguments = node.args
+            every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+            for arg in [*every, arguments.vararg, arguments.kwarg]:
+                if arg is not None:
+                    own.setdefault(arg.arg, position)
+                    result.scope_of[id(arg)] = node
+        if isinstance(node, ast.Name):
+            result.scope_of[id(node)] = scope
+            if not isinstance(node.ctx, ast.Load):
+                bind(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    result.starred.add(id(scope))
+                else:
+                    bind(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            bind(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bind(node.rest)
+        for field, child in _children(node):
+            # Decorators, defaults and bases run in the enclosing scope; bodies in their own.
+            in_body = field == "body" or isinstance(node, _COMPREHENSIONS)
+            stack.append((child, inner if in_body else scope))
+    return result
+
+
+def _free_names(node: ast.AST, bound: frozenset[str] = frozenset()) -> Iterator[ast.Name]:
+    """The names a statement reads before binding them itself (in execution order)."""
+    if isinstance(node, ast.Name):
+        if isinstance(node.ctx, ast.Load) and node.id not in bound:
+            yield node
+        return
+    if isinstance(node, ast.Lambda):
+        arguments = node.args
+        yield from _free_names(arguments, bound)
+        every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+        params = {a.arg for a in [*every, arguments.vararg, arguments.kwarg] if a is not None}
+        yield from _free_names(node.body, bound | params)
+        return
+    if isinstance(node, _COMPREHENSIONS):
+        inner = bound
+        for generator in node.generators:
+            yield from _free_names(generator.iter, inner)
+            inner = inner | _stored(generator.target)
+            for condition in generator.ifs:
+                yield from _free_names(condition, inner)
+        parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        for part in parts:
+            yield from _free_names(part, inner)
+        return
+    if isinstance(node, ast.ExceptHandler) and node.name:
+        bound = bound | {node.name}
+    fields = list(ast.iter_fields(node))
+    blocks = [v for _, v in fields if isinstance(v, list) and v and isinstance(v[0], _BLOCK_ITEMS)]
+    headers = [(f, v) for f, v in fields if not any(v is b for b in blocks)]
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        headers.sort(key=lambda item: item[0] != "iter")  # ``for x in f(x)`` reads x first
+    parts = [i for _, v in headers for i in (v if isinstance(v, list) else [v])]
+    for part in parts:
+        if isinstance(part, ast.AST):
+            yield from _free_names(part, bound)
+    if not blocks:
+        return  # a simple statement binds its targets only after evaluating them
+    for part in parts:
+        if isinstance(part, ast.AST):
+            bound = bound | _stored(part)
+    for block in blocks:
+        local = bound
+        for statement in block:
+            yield from _free_names(statement, local)
+            local = local | _stored(statement)
+
+
+def _stored(node: ast.AST) -> frozenset[str]:
+    """The names a target (or a whole statement) binds."""
+    return frozenset(
+        n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+    )
+
+
+# --- Alignment (GumTree) ---------------------------------------------------------------
+
+
+def _children(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
+    for field, value in ast.iter_fields(node):
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, ast.AST) and not isinstance(item, _OPERATORS):
+                yield field, item
+
+
+def _label(node: ast.AST) -> str:
+    """The value part of a node, next to its kind: an identifier, a constant, an operator."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Constant):
+        return repr(node.value)
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.arg):
+        return node.arg
+    if isinstance(node, ast.keyword):
+        return node.arg or "**"
+    if isinstance(node, ast.alias):
+        return f"{node.name} as {node.asname}"
+    if isinstance(node, ast.ImportFrom):
+        return "." * node.level + (node.module or "")
+    if isinstance(node, (ast.BinOp, ast.AugAssign, ast.UnaryOp, ast.BoolOp)):
+        return type(node.op).__name__
+    if isinstance(node, ast.Compare):
+        return " ".join(type(op).__name__ for op in node.ops)
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return ",".join(node.names)
+    name = getattr(node, "name", None)
+    return name if isinstance(name, str) else ""
+
+
+class _Node:
+    """A syntax tree node as GumTree sees it: kind, label, shape hash and partner."""
+
+    __slots__ = (
+        "ast",
+        "children",
+        "field",
+        "hash",
+        "height",
+        "holes",
+        "index",
+        "kind",
+        "label",
+        "parent",
+        "partner",
+        "pre",
+        "size",
+    )
+
+    def __init__(self, node: ast.AST, field: str, parent: _Node | None, pre: int) -> None:
+        self.ast = node
+        self.kind = type(node).__name__
+        self.label = _label(node)
+        self.field = field
+        self.parent = parent
+        self.pre = pre
+        self.index = len(parent.children) if parent is not None else 0
+        self.children: list[_Node] = []
+        self.holes: set[int] = set()  # child indexes a skipped (requested) statement preceded
+        self.partner: _Node | None = None
+        self.size = self.height = self.hash = 0
+
+
+class _Tree:
+    """A file's syntax tree in pre-order, minus the skipped statements."""
+
+    def __init__(self, root: ast.AST, skip: set[int]) -> None:
+        self.nodes: list[_Node] = []
+        self.of: dict[int, _Node] = {}
+        stack: list[tuple[ast.AST, _Node | None, str]] = [(root, None, "")]
+        while stack:  # iterative: a long chain of ``a + b + ...`` must not hit the recursion limit
+            node, parent, field = stack.pop()
+            item = _Node(node, field, parent, len(self.nodes))
+            self.nodes.append(item)
+            self.of[id(node)] = item
+            if parent is not None:
+                parent.children.append(item)
+            kids: list[tuple[str, ast.AST]] = []
+            for f, child in _children(node):
+                if id(child) in skip:
+                    item.holes.add(len(kids))
+                else:
+                    kids.append((f, child))
+            stack.extend((child, item, f) for f, child in reversed(kids))
+        for item in reversed(self.nodes):
+            item.size = 1 + sum(c.size for c in item.children)
+            item.height = 1 + max((c.height for c in item.children), default=0)
+            item.hash = hash((item.kind, item.label, tuple(c.hash for c in item.children)))
+        self.root = self.nodes[0]
+
+    def subtree(self, node: _Node) -> list[_Node]:
+        return self.nodes[node.pre : node.pre + node.size]
+
+
+class _Alignment:
+    """A one-to-one mapping between the nodes of the new and the old tree."""
+
+    def __init__(self, new: _Tree, old: _Tree) -> None:
+        self.new, self.old = new, old
+        self._tokens: dict[int, Counter[tuple[str, str]]] = {}
+
+    def run(self, new_api: _Api, old_api: _Api) -> None:
+        # GumTree maps the roots last; mapping them first lets top-level candidates
+        # use "same parent" when duplicates are resolved.
+        self._link(self.new.root, self.old.root)
+        self._anchor_loops(new_api, old_api)
+        self._top_down()
+        self._bottom_up()
+        for node in self.new.nodes:
+            if node.partner is not None and node.hash != node.partner.hash:
+                self._recover(node, node.partner)
+
+    def _link(self, a: _Node, b: _Node) -> None:
+        a.partner, b.partner = b, a
+
+    def _link_subtrees(self, a: _Node, b: _Node) -> None:
+        for x, y in zip(self.new.subtree(a), self.old.subtree(b), strict=True):
+            if x.partner is None and y.partner is None:
+                self._link(x, y)
+
+    def _anchor_loops(self, new_api: _Api, old_api: _Api) -> None:
+        """``rl.loop("step", ...)`` loops with the same name match, whatever their bodies."""
+        loops: tuple[dict[str, list[_Node]], dict[str, list[_Node]]] = ({}, {})
+        for tree, api, found in ((self.new, new_api, loops[0]), (self.old, old_api, loops[1])):
+            for node in tree.nodes:
+                if (name := _loop_name(node.ast, api)) is not None:
+                    found.setdefault(name, []).append(node)
+        for name, ours in loops[0].items():
+            theirs = loops[1].get(name, [])
+            if len(ours) != len(theirs):
+                continue  # several same-named loops with different counts: let the tree decide
+            for a, b in zip(ours, theirs, strict=True):
+                self._link(a, b)
+                if a.hash == b.hash:
+                    self._link_subtrees(a, b)
+
+    def _top_down(self) -> None:
+        """GumTree phase 1: isomorphic subtrees, tallest first; unique pairs at once."""
+        heaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = (
+            [(-self.new.root.height, 0)],
+            [(-self.old.root.height, 0)],
+        )
+        trees = (self.new, self.old)
+        ambiguous: list[list[tuple[_Node, _Node]]] = []
+
+        def pop_level(side: int) -> list[_Node]:
+            heap, height, level = heaps[side], heaps[side][0][0], []
+            while heap and heap[0][0] == height:
+                level.append(trees[side].nodes[heapq.heappop(heap)[1]])
+            return level
+
+        def open_(side: int, node: _Node) -> None:
+            for child in node.children:
+                heapq.heappush(heaps[side], (-child.height, child.pre))
+
+        while heaps[0] and heaps[1]:
+            heights = (-heaps[0][0][0], -heaps[1][0][0])
+            if max(heights) < MIN_HEIGHT:
+                break
+            if heights[0] != heights[1]:
+                side = 0 if heights[0] > heights[1] else 1
+                for node in pop_level(side):
+                    open_(side, node)
+                continue
+            groups: tuple[dict[int, list[_Node]], dict[int, list[_Node]]] = ({}, {})
+            for side in (0, 1):
+                for node in pop_level(side):
+                    if node.partner is None:
+                        groups[side].setdefault(node.hash, []).append(node)
+                    elif node.partner.hash == node.hash:  # an anchor whose bodies agree
+                        pair = (node, node.partner) if side == 0 else (node.partner, node)
+                        self._link_subtrees(*pair)
+                    else:
+                        open_(side, node)
+            for digest, ours in groups[0].items():
+                theirs = groups[1].get(digest)
+                if theirs is None:
+                    continue
+                if len(ours) == len(theirs) == 1:
+                    self._link_subtrees(ours[0], theirs[0])
+                else:
+                    ambiguous.append([(a, b) for a in ours for b in theirs])
+            for side in (0, 1):
+                for digest, nodes in groups[side].items():
+                    if digest not in groups[1 - side]:
+                        for node in nodes:
+                            open_(side, node)
+        # Duplicates inside blocks already mapped (the module, the loop anchors) are
+        # paired in order first, as a line diff would; GumTree's parent-dice ranking
+        # only settles what order cannot.
+        for node in self.new.nodes:
+            if node.partner is not None and node.hash != node.partner.hash:
+                self._align_in_order(node, node.partner)
+        for pairs in ambiguous:
+            self._resolve(pairs)
+
+    def _align_in_order(self, x: _Node, y: _Node) -> None:
+        """Link identical children of two linked nodes along their longest common subsequence."""
+        for field, ours in _by_field(x).items():
+            theirs = _by_field(y).get(field)
+            if not theirs:
+                continue
+            if x.holes:
+                pairs = _weighted_lcs(ours, theirs, x.holes)
+            else:
+                matcher = difflib.SequenceMatcher(
+                    None, [c.hash for c in ours], [c.hash for c in theirs], autojunk=False
+                )
+                pairs = [
+                    (ours[i + k], theirs[j + k])
+                    for i, j, size in matcher.get_matching_blocks()
+                    for k in range(size)
+                ]
+            for p, q in pairs:
+                if p.partner is None and q.partner is None:
+                    self._link_subtrees(p, q)
+
+    def _resolve(self, pairs: list[tuple[_Node, _Node]]) -> None:
+        """Pick among duplicates: same parent, then parents' dice (GumTree), then neighbours."""
+        dice_cache: dict[tuple[int, int], float] = {}
+
+        def score(pair: tuple[_Node, _Node]) -> tuple[bool, float, int, int, int, int]:
+            a, b = pair
+            pa, pb = a.parent, b.parent
+            if pa is None or pb is None:
+                return (False, 0.0, 0, 0, -a.pre, -b.pre)
+            key = (pa.pre, pb.pre)
+            if key not in dice_cache:
+                dice_cache[key] = self._dice(pa, pb)
+            context = 0
+            for step in (-1, 1):
+                i, j = a.index + step, b.index + step
+                if 0 <= i < len(pa.children) and 0 <= j < len(pb.children):
+                    context += pa.children[i].partner is pb.children[j]
+            from_end = (len(pa.children) - a.index) - (len(pb.children) - b.index)
+            distance = min(abs(a.index - b.index), abs(from_end))
+            return (pa.partner is pb, dice_cache[key], context, -distance, -a.pre, -b.pre)
+
+        # Ranked once, as GumTree does: rescoring after every link is quadratic in the
+        # group, and groups of repeated small expressions (``(x, y)``) can be large.
+        for a, b in sorted(pairs, key=score, reverse=True):
+            if a.partner is None and b.partner is None:
+                self._link_subtrees(a, b)
+
+    def _dice(self, a: _Node, b: _Node) -> float:
+        """Share of the two nodes' descendants that are mapped onto each other."""
+        if a.size + b.size <= 2:
+            return 0.0
+        end = b.pre + b.size
+        common = sum(
+            1
+            for d in self.new.subtree(a)[1:]
+            if d.partner is not None and b.pre < d.partner.pre < end
+        )
+        return 2 * common / (a.size + b.size - 2)
+
+    def _bottom_up(self) -> None:
+        """GumTree phase 2: a statement or block maps where most of its descendants went."""
+        for node in reversed(self.new.nodes):  # children before parents
+            if node.partner is not None or not node.children:
+                continue
+            if not isinstance(node.ast, _BLOCK_ITEMS):
+                continue  # expressions are mapped by recovery, inside their statements
+            counts: Counter[int] = Counter()
+            for descendant in self.new.subtree(node)[1:]:
+                ancestor = descendant.partner.parent if descendant.partner else None
+                while ancestor is not None:
+                    if ancestor.kind == node.kind and ancestor.partner is None:
+                        counts[ancestor.pre] += 1
+                    ancestor = ancestor.parent
+            best, best_key = None, (MIN_DICE, False)
+            for pre, common in counts.items():
+                candidate = self.old.nodes[pre]
+                dice = 2 * common / (node.size + candidate.size - 2)
+                key = (dice, candidate.label == node.label)
+                if key > best_key:
+                    best, best_key = candidate, key
+            if best is not None:
+                self._link(node, best)
+                self._recover(node, best)
+
+    def _recover(self, a: _Node, b: _Node) -> None:
+        """GumTree's recovery, simplified: pair leftover children by kind and similarity."""
+        stack = [(a, b)]
+        while stack:
+            x, y = stack.pop()
+            self._align_in_order(x, y)
+            theirs = _by_field(y)
+            for field, xs in _by_field(x).items():
+                ys = theirs.get(field)
+                if not ys:
+                    continue
+                if len(xs) == len(ys) and not isinstance(xs[0].ast, _BLOCK_ITEMS):
+                    # Same-shaped expression slots: position is the evidence (targets, args).
+                    pairs = [
+                        (p, q)
+                        for p, q in zip(xs, ys, strict=True)
+                        if p.partner is None and q.partner is None and p.kind == q.kind
+                    ]
+                else:
+                    pairs = self._similar_pairs(xs, ys)
+                for p, q in pairs:
+                    self._link(p, q)
+                    stack.append((p, q))
+
+    def _similar_pairs(self, xs: list[_Node], ys: list[_Node]) -> list[tuple[_Node, _Node]]:
+        scored = []
+        for p in xs:
+            for q in ys:
+                if p.partner is None and q.partner is None and p.kind == q.kind:
+                    similarity = self._similarity(p, q)
+                    if similarity >= MIN_SIMILARITY:
+                        scored.append((similarity, -abs(p.index - q.index), -p.pre, -q.pre, p, q))
+        scored.sort(key=lambda item: item[:4], reverse=True)
+        taken: set[int] = set()
+        pairs = []
+        for *_, p, q in scored:
+            if id(p) not in taken and id(q) not in taken:
+                taken.update((id(p), id(q)))
+                pairs.append((p, q))
+        return pairs
+
+    def _similarity(self, p: _Node, q: _Node) -> float:
+        if isinstance(p.ast, _DEFS) and p.label == q.label:
+            return 1.0  # a function keeps its identity through any rewrite of its body
+        ours, theirs = self._bag(p, self.new), self._bag(q, self.old)
+        total = sum(ours.values()) + sum(theirs.values())
+        if total == 0:
+            return 1.0  # ``pass``, ``break``: nothing but their kind, which agrees
+        common = sum((ours & theirs).values())
+        return max(2 * common / total, self._dice(p, q))
+
+    def _bag(self, node: _Node, tree: _Tree) -> Counter[tuple[str, str]]:
+        """The labelled tokens of a subtree: names, constants, attributes, operators.
+
+        Only labelled ones: on a small statement the unlabelled structure (Expr,
+        Call) would outweigh the identifiers that say what the statement does.
+        """
+        if id(node) not in self._tokens:
+            bag = Counter((n.kind, n.label) for n in tree.subtree(node) if n.label)
+            self._tokens[id(node)] = bag
+        return self._tokens[id(node)]
+
+    def name_votes(self, scopes: _Scopes) -> dict[tuple[int, str], Counter[str]]:
+        """For each (new scope, new name): the old names its mapped occurrences got."""
+        votes: dict[tuple[int, str], Counter[str]] = defaultdict(Counter)
+        for node in self.new.nodes:
+            partner = node.partner
+            if partner is None or partner.kind != node.kind:
+                continue
+            if isinstance(node.ast, (ast.Name, ast.arg)):
+                scope = scopes.scope_of.get(id(node.ast))
+                votes[(id(scope), node.label)][partner.label] += 1
+        return votes
+
+
+# --- Placing -------------------------------------------------------------------------
+
+
+@dataclass
+class _Unit:
+    """What gets copied: a log statement, or a new ``if``/``for``/``with`` holding only them."""
+
+    root: ast.stmt
+    logs: list[LogStatement]
+
+
+def _units(new: _Source, found: list[tuple[LogStatement, ast.stmt]]) -> list[_Unit]:
+    requested = {id(node) for _, node in found}
+
+    def only_requested(block: ast.stmt) -> bool:
+        return all(
+            id(s) in requested or isinstance(s, _COPYABLE)
+            for s in ast.walk(block)
+            if isinstance(s, ast.stmt) and s is not block
+        )
+
+    units: dict[int, _Unit] = {}
+    for statement, node in found:
+        root: ast.stmt = node
+        for parent, _ in new.ancestors(node):
+            if not isinstance(parent, _COPYABLE) or _loop_name(parent, new.api) is not None:
+                break
+            if not only_requested(parent):
+                break
+            root = parent
+        units.setdefault(id(root), _Unit(root, [])).logs.append(statement)
+    return list(units.values())
+
+
+@dataclass
+class _Spot:
+    """Where a unit goes in the old file: after or before an old statement."""
+
+    after: bool
+    stmt: ast.stmt
+    start_of: ast.AST | None = None  # the block's owner, when placed at a block start
+
+
+@dataclass
+class _Edit:
+    """Text to insert: whole lines before old line ``line``, or a splice at ``col``."""
+
+    line: int  # 0-based index into the old lines
+    col: int | None  # character column of an in-line splice; None for whole lines
+    text: str
+    statement: str  # the unit's text as inserted, without the first line's indentation
+
+
+@dataclass
+class _Outcome:
+    """A unit that is in the propagated file: inserted by ``edit``, or already there."""
+
+    unit: _Unit
+    statement: str
+    anchor: str
+    edit: _Edit | None = None  # None: the old file already has it
+    existing_line: int = 0  # 0-based old line of the existing statement
+
+
+class _Propagator:
+    """Places the units of one new version into one old version."""
+
+    def __init__(self, new: _Source, old: _Source, units: list[_Unit]) -> None:
+        self.new, self.old, self.units = new, old, units
+        self.align = _Alignment(
+            _Tree(new.tree, {id(unit.root) for unit in units}), _Tree(old.tree, set())
+        )
+        self.align.run(new.api, old.api)
+        self.new_scopes, self.old_scopes = _scopes(new.tree), _scopes(old.tree)
+        self.votes = self.align.name_votes(self.new_scopes)
+        self.present: dict[int, ast.stmt] = {}  # id(unit root) -> the old file's own copy
+        self.new_functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        for node in ast.walk(new.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.new_functions.setdefault(node.name, []).append(node)
+        self.newline = "\r\n" if old.lines and old.lines[0].endswith("\r\n") else "\n"
+
+    def run(self) -> Propagation:
+        outcomes: list[_Outcome] = []
+        problems: list[Unplaceable] = []
+        for unit in self.units:
+            result = self._place(unit)
+            if isinstance(result, str):
+                problems.extend(Unplaceable(log.name, result) for log in unit.logs)
+            else:
+                outcomes.append(result)
+        source, lines = self._apply(outcomes)
+        placements = []
+        for outcome in outcomes:
+            for log in outcome.unit.logs:
+                if outcome.edit is None:
+                    line = lines[id(outcome)]
+                else:
+                    line = lines[id(outcome)] + log.line - outcome.unit.root.lineno
+                placements.append(Placement(log.name, outcome.statement, line, outcome.anchor))
+        return Propagation(source, tuple(placements), tuple(problems))
+
+    # Where: the aligned spot in the old tree.
+
+    def _place(self, unit: _Unit) -> _Outcome | str:
+        """The unit's outcome, or the reason it cannot be placed."""
+        spot = self._spot(unit.root)
+        if isinstance(spot, str):
+            return spot
+        owner, field, _ = self.old.parents[id(spot.stmt)]
+        anchor = self._describe(spot, owner)
+        if len(unit.logs) == 1:
+            for existing in getattr(owner, field):
+                call = _log_call(existing, self.old.api)
+                if call is not None and _literal_name(call) == unit.logs[0].name:
+                    self.present[id(unit.root)] = existing
+                    present = self.old.segment(existing)
+                    return _Outcome(unit, present, anchor, existing_line=existing.lineno - 1)
+        text = self._text(unit, spot, anchor)
+        if isinstance(text, Unplaceable):
+            return text.reason
+        edit = self._edit(unit, text, spot)
+        if isinstance(edit, str):
+            return edit
+        return _Outcome(unit, edit.statement, anchor, edit)
+
+    def _spot(self, root: ast.stmt) -> _Spot | str:
+        parent, field, index = self.new.parents[id(root)]
+        siblings: list[ast.stmt] = getattr(parent, field)
+        container = self.align.new.of[id(parent)].partner
+        if container is None and not _is_transparent(parent):
+            return (
+                f"it sits in the {_describe_owner(parent, field)} at line "
+                f"{getattr(parent, 'lineno', 0)} of the new version, which has no counterpart "
+                "in the old version"
+            )
+
+        def counterpart(stmt: ast.stmt) -> ast.stmt | None:
+            if id(stmt) in self.present:  # a requested statement the old file already has
+                match: _Node | None = self.align.old.of[id(self.present[id(stmt)])]
+            else:
+                node = self.align.new.of.get(id(stmt))
+                match = node.partner if node is not None else None
+            if match is None or not isinstance(match.ast, ast.stmt):
+                return None
+            if container is not None and not _inside(match, container, field):
+                return None  # mapped into some other block: no evidence for this one
+            return match.ast
+
+        def counterparts(stmt: ast.stmt) -> list[ast.stmt]:
+            match = counterpart(stmt)
+            if match is not None:
+                return [match]
+            return self._inlined(stmt, container, field) if container is not None else []
+
+        for sibling in reversed(siblings[:index]):
+            if found := counterparts(sibling):
+                return _Spot(True, found[-1])
+        for sibling in siblings[index + 1 :]:
+            if found := counterparts(sibling):
+                return _Spot(False, found[0])
+        if container is None:
+            return (
+                f"none of the statements around it in the {_describe_owner(parent, field)} "
+                "exist in the old version"
+            )
+        block = getattr(container.ast, field, None)
+        if not block:
+            return (
+                f"the old version's {_describe_owner(container.ast, 'body')} at line "
+                f"{getattr(container.ast, 'lineno', 0)} has no `{_FIELD_WORDS.get(field, field)}` "
+                "block to put it in"
+            )
+        # A module docstring, a function docstring and __future__ imports must stay first.
+        skip = 0
+        while skip < len(block) and _must_stay_first(block[skip], skip, container.ast):
+            skip += 1
+        if skip:
+            return _Spot(True, block[skip - 1], container.ast)
+        return _Spot(False, block[0], container.ast)
+
+    def _inlined(self, stmt: ast.stmt, container: _Node, field: str) -> list[ast.stmt]:
+        """Old statements of the block that a new statement's call stands for.
+
+        When a train step is extracted into ``def train_epoch()``, the new call
+        ``train_epoch(...)`` has no counterpart, but the function's body maps onto
+        the old inline code: the call stands for those old statements, so a
+        statement after the call goes after them.
+        """
+        old_block: dict[int, ast.stmt] = {}
+        seen: set[int] = set()
+        pending = [stmt]
+        while pending:
+            node = pending.pop()
+            for call in ast.walk(node):
+                if not isinstance(call, ast.Call):
+                    continue
+                func = call.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                for definition in self.new_functions.get(name or "", []):
+                    if id(definition) in seen:
+                        continue
+                    seen.add(id(definition))
+                    pending.extend(definition.body)
+                    for item in self.align.new.subtree(self.align.new.of[id(definition)]):
+                        if item.partner is not None and isinstance(item.ast, ast.stmt):
+                            top = _block_level(item.partner, container, field)
+                            if top is not None and isinstance(top.ast, ast.stmt):
+                                old_block[top.index] = top.ast
+        return [old_block[index] for index in sorted(old_block)]
+
+    def _describe(self, spot: _Spot, owner: ast.AST) -> str:
+        if spot.start_of is not None and not spot.after:
+            start = spot.start_of
+            where = f"at the start of the block of line {getattr(start, 'lineno', 1)}"
+            if isinstance(start, ast.stmt):
+                where += f" `{self.old.snippet(start)}`"
+        else:
+            relation = "after" if spot.after else "before"
+            where = f"{relation} line {spot.stmt.lineno} `{self.old.snippet(spot.stmt)}`"
+        context = " at module level"
+        for node in [owner, *(node for node, _ in self.old.ancestors(owner))]:
+            loop = _loop_name(node, self.old.api)
+            if loop is not None:
+                context = f' in loop "{loop}"'
+                break
+            if isinstance(node, _DEFS):
+                context = f" in function `{node.name}`"
+                break
+        return where + context
+
+    # What: the unit's text with the old file's names.
+
+    def _text(self, unit: _Unit, spot: _Spot, anchor: str) -> str | Unplaceable:
+        point = (
+            (spot.stmt.end_lineno or spot.stmt.lineno, spot.stmt.end_col_offset or 0)
+            if spot.after
+            else (spot.stmt.lineno, spot.stmt.col_offset)
+        )
+        chain = self._old_scopes_at(spot.stmt)
+        new_chain = [node for node, _ in self.new.ancestors(unit.root) if isinstance(node, _SCOPES)]
+        replacements: list[tuple[int, int, str]] = []  # (start, end, text) in the unit's text
+        missing: list[str] = []
+        late: list[str] = []
+
+        def check(name: str, shown: str) -> None:
+            state = self._lookup(name, point, chain)
+            if state == "missing":
+                missing.append(shown)
+            elif state == "late":
+                late.append(shown)
+
+        callee_names: set[int] = set()
+        for node in ast.walk(unit.root):
+            call = _log_call(node, self.new.api)
+            if call is None:
+                continue
+            func = call.func
+            callee = self._old_callee(func)
+            root_name = func.value if isinstance(func, ast.Attribute) else func
+            callee_names.add(id(root_name))
+            if callee is None:
+                missing.append("`log` from retrolog")
+                continue
+            check(callee.split(".")[0], f"`{callee.split('.')[0]}`")
+            if callee != self.new.segment(func):
+                start = self.new.offset_in(unit.root, *_span(func)[:2])
+                end = self.new.offset_in(unit.root, *_span(func)[2:])
+                replacements.append((start, end, callee))
+        for name in _free_names(unit.root):
+            if id(name) in callee_names:
+                continue
+            mapped = self._old_name(new_chain, name.id)
+            shown = f"`{mapped}`" if mapped == name.id else f"`{mapped}` (`{name.id}` here)"
+            check(mapped, shown)
+            if mapped != name.id:
+                start = self.new.offset_in(unit.root, name.lineno, name.col_offset)
+                replacements.append((start, start + len(name.id), mapped))
+        if missing or late:
+            parts = [f"has no {_join(missing)}"] if missing else []
+            if late:
+                parts.append(f"binds {_join(late)} only after that point")
+            reason = f"the old version {' and '.join(parts)} (the statement would go {anchor})"
+            return Unplaceable(unit.logs[0].name, reason)
+        text = self.new.segment(unit.root)
+        for start, end, value in sorted(replacements, reverse=True):
+            text = text[:start] + value + text[end:]
+        return text
+
+    def _old_callee(self, func: ast.expr) -> str | None:
+        """How the old file spells ``log``, preferring the new file's spelling."""
+        api = self.old.api
+        spelled = self.new.segment(func)
+        logs = [name for name, target in api.functions.items() if target == "log"]
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            if func.value.id in api.modules:
+                return spelled
+        elif isinstance(func, ast.Name) and func.id in logs:
+            return spelled
+        if api.modules:
+            return f"{api.modules[0]}.log"
+        return logs[0] if logs else None
+
+    def _old_name(self, chain: Sequence[ast.AST], name: str) -> str:
+        """The old file's name for a new name: the majority of its mapped occurrences.
+
+        chain: the new statement's scopes, innermost first (votes from the innermost
+        scope that has any win). A rename is only believed when the new file no
+        longer binds the old name in the scope that binds the new one: if that scope
+        has both, they are two variables that the alignment merely paired.
+        """
+        for scope in (chain[0], self.new.tree):
+            votes = self.votes.get((id(scope), name))
+            if not votes:
+                continue
+            best, count = votes.most_common(1)[0]
+            if votes.get(name, 0) >= count:
+                return name
+            tables = [self.new_scopes.bindings.get(id(s), {}) for s in chain]
+            home = next((table for table in tables if name in table), tables[0])
+            return name if best in home else best
+        return name
+
+    def _old_scopes_at(self, stmt: ast.stmt) -> list[ast.AST]:
+        return [node for node, _ in self.old.ancestors(stmt) if isinstance(node, _SCOPES)]
+
+    def _lookup(self, name: str, point: tuple[int, int], chain: list[ast.AST]) -> str:
+        """Whether ``name`` is bound at ``point``: "ok", "late" (only after it) or "missing"."""
+        for depth, scope in enumerate(chain):
+            if depth > 0 and isinstance(scope, ast.ClassDef):
+                continue  # class bodies do not enclose their methods
+            if id(scope) in self.old_scopes.starred:
+                return "ok"  # ``import *`` can bind anything: nothing to check against
+            bound = self.old_scopes.bindings.get(id(scope), {}).get(name)
+            if bound is None:
+                continue
+            # In its own scope a name must be bound before the point (a local bound later
+            # is an UnboundLocalError); enclosing scopes are complete by the time it runs.
+            return "late" if depth == 0 and bound >= point else "ok"
+        return "ok" if name in _BUILTINS else "missing"
+
+    # How: the text edit.
+
+    def _edit(self, unit: _Unit, text: str, spot: _Spot) -> _Edit | str:
+        stmt = spot.stmt
+        owner, field, index = self.old.parents[id(stmt)]
+        block: list[ast.stmt] = getattr(owner, field)
+        if spot.after:
+            following = block[index + 1] if index + 1 < len(block) else None
+            end = stmt.end_lineno or stmt.lineno
+            own_line = following is None or _first_line(following) > end
+            if self.old.starts_line(stmt) and own_line:
+                return self._lines_edit(unit, text, end, self.old.indent(stmt.lineno))
+            col = self.old.col(end, stmt.end_col_offset or 0)
+            return self._splice(unit, text, end - 1, col, "; ", "")
+        if self.old.starts_line(stmt):
+            line = _first_line(stmt)
+            # Keep a comment that introduces the statement next to it.
+            floor = (block[index - 1].end_lineno or 0) if index > 0 else line - 1
+            indent = self.old.indent(line)
+            while line - 1 > floor and self.old.lines[line - 2].strip().startswith("#"):
+                if self.old.indent(line - 1) != indent:
+                    break
+                line -= 1
+            return self._lines_edit(unit, text, line - 1, indent)
+        col = self.old.col(stmt.lineno, stmt.col_offset)
+        return self._splice(unit, text, stmt.lineno - 1, col, "", "; ")
+
+    def _lines_edit(self, unit: _Unit, text: str, line: int, indent: str) -> _Edit:
+        """Whole lines before old line ``line`` (0-based), re-indented to the old block."""
+        new_indent = self.new.indent(unit.root.lineno)
+        protected = _string_lines(unit.root)
+        out = []
+        pieces = [piece.rstrip("\r\n") for piece in _lines(text)]
+        for number, piece in enumerate(pieces, start=unit.root.lineno):
+            if number == unit.root.lineno:
+                out.append(indent + piece)
+            elif number not in protected and piece.startswith(new_indent):
+                out.append(indent + piece[len(new_indent) :])
+            else:
+                out.append(piece)
+        inserted = self.newline.join(out)
+        return _Edit(line, None, inserted + self.newline, inserted[len(indent) :])
+
+    def _splice(
+        self, unit: _Unit, text: str, line: int, col: int, before: str, after: str
+    ) -> _Edit | str:
+        if not isinstance(unit.root, (ast.Expr, ast.Assign, ast.AnnAssign)):
+            return (
+                f"line {line + 1} of the old version holds several statements, and a block "
+                "cannot be spliced into it"
+            )
+        return _Edit(line, col, before + text + after, text)
+
+    def _apply(self, outcomes: list[_Outcome]) -> tuple[str, dict[int, int]]:
+        """The propagated text, and each outcome's 1-based line in it."""
+        whole: dict[int, list[_Outcome]] = defaultdict(list)
+        spliced: dict[int, list[_Outcome]] = defaultdict(list)
+        for outcome in outcomes:
+            edit = outcome.edit
+            if edit is not None:
+                (whole if edit.col is None else spliced)[edit.line].append(outcome)
+        lines = list(self.old.lines)
+        if whole.get(len(lines)) and lines and not lines[-1].endswith(("\n", "\r")):
+            lines[-1] += self.newline  # inserting after a last line that has no newline
+        pieces: list[str] = []
+        where: dict[int, int] = {}
+        current = 1
+        existing: dict[int, list[_Outcome]] = defaultdict(list)
+        for outcome in outcomes:
+            if outcome.edit is None:
+                existing[outcome.existing_line].append(outcome)
+        for number in range(len(lines) + 1):
+            for outcome in whole.get(number, []):
+                assert outcome.edit is not None
+                where[id(outcome)] = current
+                pieces.append(outcome.edit.text)
+                current += _count_newlines(outcome.edit.text)
+            if number == len(lines):
+                break
+            line, cut, parts = lines[number], 0, []
+            splices = [(o.edit.col or 0, o.edit.text, o) for o in spliced.get(number, []) if o.edit]
+            for col, text, outcome in sorted(splices, key=lambda item: item[0]):
+                parts.append(line[cut:col])
+                cut = col
+                where[id(outcome)] = current + _count_newlines("".join(parts))
+                parts.append(text)
+            parts.append(line[cut:])
+            for outcome in existing.get(number, []):
+                where[id(outcome)] = current
+            joined = "".join(parts)
+            pieces.append(joined)
+            current += _count_newlines(joined)
+        return "".join(pieces), where
+
+
+def _count_newlines(text: str) -> int:
+    """How many line breaks ``text`` holds (``\r\n`` counts once)."""
+    return len(_LINE.findall(text)) - (0 if text.endswith(("\n", "\r")) else bool(text))
+
+
+def _string_lines(node: ast.AST) -> set[int]:
+    """Lines that continue a multi-line string: re-indenting them would change a value."""
+    lines: set[int] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.Constant, ast.JoinedStr)) and sub.end_lineno:
+            lines.update(range(sub.lineno + 1, sub.end_lineno + 1))
+    return lines
+
+
+def _weighted_lcs(
+    ours: list[_Node], theirs: list[_Node], holes: set[int]
+) -> list[tuple[_Node, _Node]]:
+    """A longest common subsequence of identical subtrees that keeps the holes' neighbours.
+
+    Where several alignments are equally long (``b; <stmt>; b; a`` against
+    ``b; a``: which ``b`` was deleted?), prefer the one that maps the statement
+    just before a requested statement, then the one just after: those are what
+    it will be placed by.
+    """
+    big = 3 * len(holes) + 1  # more than all bonuses together: length comes first
+
+    def weight(node: _Node) -> int:
+        return big + 2 * (node.index + 1 in holes) + (node.index in holes)
+
+    n, m = len(ours), len(theirs)
+    best = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        row, below = best[i], best[i + 1]
+        for j in range(m - 1, -1, -1):
+            value = max(below[j], row[j + 1])
+            if ours[i].hash == theirs[j].hash:
+                value = max(value, weight(ours[i]) + below[j + 1])
+            row[j] = value
+    pairs, i, j = [], 0, 0
+    while i < n and j < m:
+        if ours[i].hash == theirs[j].hash and best[i][j] == weight(ours[i]) + best[i + 1][j + 1]:
+            pairs.append((ours[i], theirs[j]))
+            i, j = i + 1, j + 1
+        elif best[i][j] == best[i + 1][j]:
+            i += 1
+        else:
+            j += 1
+    return pairs
+
+
+def _by_field(node: _Node) -> dict[str, list[_Node]]:
+    fields: dict[str, list[_Node]] = defaultdict(list)
+    for child in node.children:
+        fields[child.field].append(child)
+    return fields
+
+
+def _block_level(node: _Node, container: _Node, field: str) -> _Node | None:
+    """The ancestor-or-self of ``node`` that is a statement of ``container``'s ``field`` block."""
+    while node.parent is not None:
+        if node.parent is container:
+            return node if node.field == field else None
+        node = node.parent
+    return None
+
+
+def _inside(node: _Node, container: _Node, field: str) -> bool:
+    """True if ``node`` lies within ``container``'s ``field`` block (at any depth)."""
+    while node.parent is not None:
+        if node.parent is container:
+            return node.field == field
+        node = node.parent
+    return False
+
+
+def _is_transparent(node: ast.AST) -> bool:
+    """Containers code is commonly moved into: a function, or ``if __name__ == "__main__"``.
+
+    A statement inside a new one of these is placed by its neighbours alone, so a
+    train step extracted into ``def train_epoch()`` still finds its old place.
+    """
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return True
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+    )
+
+
+def _must_stay_first(stmt: ast.stmt, index: int, owner: ast.AST) -> bool:
+    if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__":
+        return True
+    is_docstring = (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Constant)
+        and isinstance(stmt.value.value, str)
+    )
+    return index == 0 and is_docstring and isinstance(owner, (ast.Module, *_DEFS))
+
+
+_FIELD_WORDS = {"orelse": "else", "finalbody": "finally", "handlers": "except", "body": "body"}
+_KIND_WORDS = {
+    "If": "`if` block",
+    "For": "`for` loop",
+    "AsyncFor": "`async for` loop",
+    "While": "`while` loop",
+    "With": "`with` block",
+    "AsyncWith": "`async with` block",
+    "Try": "`try` block",
+    "TryStar": "`try` block",
+    "ExceptHandler": "`except` clause",
+    "match_case": "`case` clause",
+    "Match": "`match` statement",
+}
+
+
+def _describe_owner(node: ast.AST, field: str) -> str:
+    if isinstance(node, _DEFS):
+        word = "class" if isinstance(node, ast.ClassDef) else "function"
+        return f"{word} `{node.name}`"
+    if isinstance(node, ast.Module):
+        return "the module"
+    kind = _KIND_WORDS.get(type(node).__name__, f"`{type(node).__name__}`")
+    return kind if field == "body" else f"`{_FIELD_WORDS.get(field, field)}` part of the {kind}"
+
+
+def _join(items: list[str]) -> str:
+    unique = list(dict.fromkeys(items))
+    return unique[0] if len(unique) == 1 else ", ".join(unique[:-1]) + " or " + unique[-1]
