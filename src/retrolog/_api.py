@@ -17,8 +17,9 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from retrolog.errors import ArgumentError, NotAvailableError, UsageError
+from retrolog.errors import ArgumentError, UsageError
 from retrolog.runtime.args import cast, split_argv
+from retrolog.runtime.run import NO_OVERRIDE
 from retrolog.runtime.values import FAST_TYPES
 
 if TYPE_CHECKING:
@@ -61,11 +62,11 @@ def arg(name: str, default: T) -> T:
     if name in run.args:
         value: Any = run.args[name]
         return value
+    override: Any = NO_OVERRIDE
     if name in _overrides:
-        value = cast(name, _overrides[name], default)
+        override = cast(name, _overrides[name], default)
         _used_overrides.add(name)
-    else:
-        value = default
+    value = run.resolve_arg(name, default, override)
     run.set_arg(name, value)
     return value
 
@@ -155,13 +156,48 @@ def query(sql: str) -> pd.DataFrame:
         return run_query(conn, sql)
 
 
-def replay(names: str | Sequence[str], where: str | None = None, **options: Any) -> pd.DataFrame:
-    """Replay past runs to backfill the values of new log statements (next release)."""
-    raise NotAvailableError(
-        "replay() is not available in this release of retrolog: runs are recorded with "
-        "everything replay will need (code versions, arguments, checkpoints), so they can "
-        "be replayed once it lands. Until then, read recorded values with dataframe() or query()."
-    )
+def replay(
+    names: str | Sequence[str],
+    where: str | None = None,
+    *,
+    script: str | None = None,
+    workers: int | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+) -> pd.DataFrame:
+    """Backfill the values of new log statements into past runs, by replaying them.
+
+    names: log names present in the current version of the script (a list, or
+        a comma-separated string).
+    where: a SQL predicate choosing runs, over the dataframe view's columns.
+    script: the script, when runs of several scripts are recorded.
+    workers: worker processes (default: the number of GPUs, else of CPUs).
+    dry_run: print the plan and the code each run would execute; run nothing.
+    force: recompute values that were already backfilled.
+    Returns the dataframe of ``names`` for the matching runs (empty after a dry run).
+    The plan and a report go to stderr; nothing is asked (the CLI asks).
+    """
+    import pandas as pd
+
+    from retrolog.errors import UnknownNameError
+    from retrolog.query.dataframe import dataframe as build
+    from retrolog.replay.replayer import replay as run_replay
+    from retrolog.store.paths import locate
+
+    wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    with _reader() as conn:
+        result = run_replay(
+            conn, locate(), wanted, where, script=script, workers=workers, dry_run=dry_run,
+            force=force, progress=False,
+        )  # fmt: skip
+        runs = sorted(set(result.outcomes) | set(result.skipped))
+        if dry_run or not runs:
+            return pd.DataFrame()
+        quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in runs)
+        try:
+            return build(conn, wanted, f"run_id IN ({quoted})")
+        except UnknownNameError:  # no run produced a value
+            return pd.DataFrame()
 
 
 # -- run lifecycle -----------------------------------------------------------------------
@@ -170,10 +206,15 @@ def replay(names: str | Sequence[str], where: str | None = None, **options: Any)
 def _begin() -> Run:
     """Start a run for this process (at the first recording call)."""
     global _active
+    from retrolog.runtime.replay import SPEC_ENV, ReplayRun, WorkerSpec
     from retrolog.runtime.run import Run
     from retrolog.store.paths import locate
 
     _install_hooks()
+    spec = os.environ.get(SPEC_ENV)
+    if spec:  # a replay worker: see retrolog.runtime.replay
+        _active = ReplayRun(WorkerSpec.load(spec))  # type: ignore[assignment]
+        return _active  # type: ignore[return-value]
     script = _original_argv[0] if _original_argv else None
     _active = Run(locate(), _original_argv, script)
     return _active

@@ -34,6 +34,8 @@ from retrolog.runtime.writer import Event, Writer
 from retrolog.store.metadata import open_store, process_start_marker
 from retrolog.store.paths import ProjectPaths
 
+NO_OVERRIDE = object()  # arg() had no --kwargs value for this name
+
 
 class Status(str, enum.Enum):
     """Where a run is in its life."""
@@ -63,13 +65,14 @@ class CheckpointScope:
 
 
 class _Frame:
-    __slots__ = ("block_seconds", "block_seen", "ctx", "depth", "name", "role")
+    __slots__ = ("block_seconds", "block_seen", "ctx", "depth", "iteration", "name", "role")
 
     def __init__(self, name: str, depth: int, role: Role) -> None:
         self.name = name
         self.depth = depth
         self.role = role
         self.ctx: int | None = None
+        self.iteration = -1
         self.block_seen = False
         self.block_seconds: float | None = None
 
@@ -128,8 +131,8 @@ class Run:
             conn.execute(
                 "INSERT INTO runs(run_id, projid, tstamp, filename, status, started_at, host, pid,"
                 " pid_start, python, argv, code_ref, code_commit, code_tree, head_commit, git_dir,"
-                " dirty, skipped_files) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-                " ?, ?)",
+                " dirty, skipped_files, cwd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+                " ?, ?, ?, ?)",
                 (
                     self.run_id,
                     paths.projid,
@@ -149,6 +152,7 @@ class Run:
                     str(code.git_dir),
                     int(code.dirty),
                     json.dumps(list(code.skipped)),
+                    _relative_cwd(paths.root),
                 ),
             )
         except Exception as exc:
@@ -179,6 +183,10 @@ class Run:
         else:
             stored, kind = slow_path(value)
             self.events.append((Event.LOG, ctx, name, stored, kind))
+
+    def resolve_arg(self, name: str, default: Any, override: Any) -> Any:
+        """The value of arg(name): the --kwargs override (already cast) or the default."""
+        return default if override is NO_OVERRIDE else override
 
     def set_arg(self, name: str, value: Any) -> None:
         """Record an argument: a run-level value, whatever loop is active, and in runs.args."""
@@ -336,6 +344,14 @@ class Run:
             )
             self.writer.close()
         self.check_writer()
+
+
+def _relative_cwd(root: Path) -> str:
+    """The working directory relative to the project root (replay runs the script there)."""
+    try:
+        return Path.cwd().resolve().relative_to(root).as_posix()
+    except ValueError:
+        return "."
 
 
 def _relative_script(root: Path, script: str | None) -> str:

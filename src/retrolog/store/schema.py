@@ -97,6 +97,42 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     ),
 ]
 
+MIGRATIONS.append(
+    (
+        2,
+        "replay: run cwd, backfill provenance, replays and replay_runs",
+        """
+        ALTER TABLE runs ADD COLUMN cwd TEXT;
+        ALTER TABLE logs ADD COLUMN code_object TEXT;
+        ALTER TABLE logs ADD COLUMN checkpoint TEXT;
+        CREATE TABLE replays (
+            replay_id   TEXT PRIMARY KEY,
+            started_at  REAL NOT NULL,
+            ended_at    REAL,
+            names       TEXT NOT NULL,
+            where_sql   TEXT,
+            filename    TEXT NOT NULL,
+            workers     INTEGER NOT NULL,
+            status      TEXT NOT NULL,
+            estimate_seconds REAL
+        );
+        CREATE TABLE replay_runs (
+            replay_id   TEXT NOT NULL,
+            run_id      TEXT NOT NULL,
+            scan        TEXT NOT NULL,
+            code_object TEXT,
+            status      TEXT NOT NULL,
+            estimate_seconds REAL,
+            actual_seconds   REAL,
+            backfilled  INTEGER NOT NULL DEFAULT 0,
+            mismatches  TEXT,
+            error       TEXT,
+            PRIMARY KEY (replay_id, run_id)
+        ) WITHOUT ROWID;
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,64 @@
+"""Temporary checkouts of a run's code version, with the statements propagated in.
+
+A checkout is a fresh directory under the system's temp dir: the run's commit
+materialised there (never a worktree of the user's repository, so their HEAD,
+index and branches cannot be touched), the propagated script written over the
+old one, and every top-level path of the project that the code version lacks
+(ignored data directories like ``./data``, files skipped for size) linked
+back, so relative paths resolve as they did when the run was recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from retrolog.versions.git import materialize
+
+_NEVER_LINKED = {".git", ".retrolog"}
+
+
+def make_checkout(
+    *,
+    root: Path,
+    store: Path,
+    git_dir: Path,
+    commit: str,
+    filename: str,
+    script_source: str,
+    skipped: list[str],
+    prefix: str,
+) -> Path:
+    """Materialise ``commit`` into a new temporary directory prepared for a replay worker."""
+    dest = Path(tempfile.mkdtemp(prefix=f"retrolog-{prefix}-"))
+    try:
+        materialize(git_dir, commit, dest)
+        target = dest / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(script_source)
+        _link_missing(root, store, dest, skipped)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return dest
+
+
+def _link_missing(root: Path, store: Path, dest: Path, skipped: list[str]) -> None:
+    for entry in root.iterdir():
+        if entry.name in _NEVER_LINKED or entry.resolve() == store.resolve():
+            continue
+        if not (dest / entry.name).exists() and not (dest / entry.name).is_symlink():
+            os.symlink(entry, dest / entry.name)
+    for relpath in skipped:
+        source = root / relpath
+        link = dest / relpath
+        if source.exists() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(source, link)
+
+
+def remove_checkout(path: Path) -> None:
+    """Delete a checkout; the links in it are removed, never followed."""
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,193 @@
+"""Running replay segments as worker processes, one temporary checkout each.
+
+Workers are real processes (``python <script> <recorded argv>``), so a crash,
+a hang or a CUDA error in one cannot take the others or the coordinator down.
+At most ``workers`` run at once, longest estimated segment first; with GPUs
+each worker sees one device through ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retrolog.replay.checkout import make_checkout, remove_checkout
+from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
+
+_TAIL_LINES = 15
+
+
+@dataclass
+class Job:
+    """One segment to run: where, how, and what came of it."""
+
+    key: str  # "<run_id>#<segment index>"
+    run_id: str
+    spec: WorkerSpec
+    argv: list[str]  # the run's recorded command line (argv[0] is the script)
+    filename: str
+    cwd: str  # relative to the checkout root
+    source: str  # the propagated script
+    git_dir: Path
+    commit: str
+    skipped: list[str]
+    estimate_seconds: float
+    log_path: Path
+    # filled in while it runs
+    seconds: float = 0.0
+    returncode: int | None = None
+    output: dict[str, Any] | None = None
+    error: str | None = None
+    checkout: Path | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started: float = 0.0
+
+
+def gpu_count() -> int:
+    """GPUs visible on this machine, without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def default_workers() -> int:
+    """The number of GPUs if any, otherwise the number of CPUs."""
+    return gpu_count() or os.cpu_count() or 1
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    *,
+    root: Path,
+    store: Path,
+    workers: int,
+    python: str = sys.executable,
+    on_done: Callable[[Job], None] | None = None,
+) -> None:
+    """Run ``jobs`` (already ordered longest first), at most ``workers`` at a time."""
+    pending = list(jobs)
+    running: list[Job] = []
+    gpus = gpu_count()
+    free_devices = list(range(gpus))
+    device_of: dict[str, int] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                job = pending.pop(0)
+                device = free_devices.pop(0) if free_devices else None
+                if device is not None:
+                    device_of[job.key] = device
+                _start(job, root=root, store=store, python=python, device=device)
+                running.append(job)
+            time.sleep(0.05)
+            for job in list(running):
+                assert job.process is not None
+                if job.process.poll() is None:
+                    continue
+                _finish(job)
+                running.remove(job)
+                if job.key in device_of:
+                    free_devices.append(device_of.pop(job.key))
+                if on_done is not None:
+                    on_done(job)
+    except BaseException:
+        for job in running:
+            _kill(job)
+        raise
+    finally:
+        for job in jobs:
+            if job.checkout is not None:
+                remove_checkout(job.checkout)
+                job.checkout = None
+
+
+def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None) -> None:
+    job.checkout = make_checkout(
+        root=root,
+        store=store,
+        git_dir=job.git_dir,
+        commit=job.commit,
+        filename=job.filename,
+        script_source=job.source,
+        skipped=job.skipped,
+        prefix=job.run_id,
+    )
+    spec_path = job.log_path.with_suffix(".spec.json")
+    job.spec.output = str(job.log_path.with_suffix(".out.json"))
+    job.spec.save(spec_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env.update({SPEC_ENV: str(spec_path), "RETROLOG_PROGRESS": "0", "PYTHONUNBUFFERED": "1"})
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(device)
+    cwd = job.checkout / job.cwd
+    if not cwd.is_dir():
+        cwd = job.checkout
+    log = job.log_path.open("wb")
+    try:
+        job.started = time.perf_counter()
+        job.process = subprocess.Popen(
+            [python, str(job.checkout / job.filename), *job.argv[1:]],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches the coordinator, which stops workers itself
+        )
+    finally:
+        log.close()
+
+
+def _finish(job: Job) -> None:
+    assert job.process is not None
+    job.seconds = time.perf_counter() - job.started
+    job.returncode = job.process.returncode
+    out = Path(job.spec.output)
+    if job.returncode == 0 and out.exists():
+        job.output = json.loads(out.read_text())
+    else:
+        job.error = (
+            f"worker exited with code {job.returncode}"
+            if job.returncode
+            else "worker wrote no output (did the script reach retrolog?)"
+        )
+
+
+def _kill(job: Job) -> None:
+    process = job.process
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def log_tail(path: Path, lines: int = _TAIL_LINES) -> str:
+    """The last lines of a worker's log, for a failure report."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

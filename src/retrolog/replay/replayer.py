@@ -1,0 +1,534 @@
+"""``retrolog replay``: plan, propagate, confirm, execute, backfill, report.
+
+newest script ──locate_statements──> scan level
+store ──candidates(where, lacking values)──> runs ──load_profiles──> plan
+each run's code version ──propagate──> script to run (kept as a git blob)
+plan ──run_jobs──> worker processes ──outputs──> backfill + deferred check
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retrolog.errors import QueryError, UsageError
+from retrolog.replay.backfill import Mismatch, backfill, check_recorded
+from retrolog.replay.execute import Job, default_workers, log_tail, run_jobs
+from retrolog.replay.plan import (
+    ReplayPlan,
+    RunPlan,
+    ScanLevel,
+    format_estimate_vs_actual,
+    format_plan,
+    load_profiles,
+    measure_restore_throughput,
+    plan_replay,
+    scan_level_for,
+)
+from retrolog.replay.propagate import Propagation, propagate
+from retrolog.replay.statements import Position, locate_statements
+from retrolog.runtime.replay import WorkerSpec
+from retrolog.store.paths import ProjectPaths
+
+
+@dataclass
+class RunOutcome:
+    """What happened to one run in a replay."""
+
+    run_id: str
+    status: str  # "replayed", "failed", "partial", "unplaceable", "planned"
+    scan: str = ""
+    estimate_seconds: float = 0.0
+    actual_seconds: float = 0.0
+    backfilled: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    error: str | None = None
+    log_paths: list[str] = field(default_factory=list)
+    diff: str = ""
+
+
+@dataclass
+class ReplayResult:
+    """A replay's plan and outcome per run."""
+
+    replay_id: str
+    names: list[str]
+    filename: str
+    plan: ReplayPlan | None
+    outcomes: dict[str, RunOutcome]
+    skipped: list[str]  # runs that already had every value (without --force)
+    executed: bool
+
+
+Echo = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def replay(
+    conn: sqlite3.Connection,
+    paths: ProjectPaths,
+    names: Sequence[str],
+    where: str | None = None,
+    *,
+    script: str | None = None,
+    workers: int | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    confirm: Callable[[str], bool] | None = None,
+    echo: Echo = _stderr,
+    progress: bool = True,
+) -> ReplayResult:
+    """Replay past runs of a script to backfill the values of ``names``.
+
+    confirm: asked with the plan text before executing; returning False stops.
+    """
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        raise UsageError(
+            "Name at least one log statement to replay, e.g. `retrolog replay w_norm`."
+        )
+    filename = _script(conn, paths, script)
+    source = _read_newest(paths, filename)
+    sites = locate_statements(source, names, filename)
+    level, notes = scan_level_for(sites)
+    # Without a requested statement after the outer loop, workers stop at its end: the rest
+    # of the script only recomputes recorded values, and may use variables of skipped blocks.
+    needs_suffix = any(
+        site.position is Position.SUFFIX for group in sites.values() for site in group
+    )
+    candidates = _candidates(conn, filename, where)
+    if not candidates:
+        raise UsageError(
+            f"No finished or crashed run of {filename} matches"
+            + (f" the predicate {where!r}" if where else "")
+            + "; `retrolog runs` lists the runs."
+        )
+    complete = set() if force else _complete_runs(conn, candidates, names)
+    todo = [r for r in candidates if r not in complete]
+    replay_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+    outcomes: dict[str, RunOutcome] = {}
+    if not todo:
+        echo(
+            f"Every matching run already has {', '.join(names)}; nothing to replay "
+            "(--force recomputes them)."
+        )
+        return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
+
+    runs = _run_rows(conn, todo)
+    propagations: dict[str, Propagation] = {}
+    old_sources: dict[str, str] = {}
+    for run_id in todo:
+        row = runs[run_id]
+        old = _old_source(row, filename)
+        old_sources[run_id] = old
+        result = propagate(source, old, names)
+        if result.problems:
+            reasons = "; ".join(f"{p.name}: {p.reason}" for p in result.problems)
+            outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=reasons)
+        else:
+            propagations[run_id] = result
+    placeable = [r for r in todo if r in propagations]
+
+    plan: ReplayPlan | None = None
+    if placeable:
+        profiles = load_profiles(conn, placeable)
+        per_byte = _restore_seconds_per_byte(paths, profiles)
+        count = workers or default_workers()
+        plan = plan_replay(level, profiles, count, restore_seconds_per_byte=per_byte, notes=notes)
+        for run_plan in plan.runs:
+            outcomes[run_plan.run_id] = RunOutcome(
+                run_plan.run_id,
+                "planned",
+                scan=run_plan.scan.name,
+                estimate_seconds=run_plan.estimate_seconds,
+                diff=propagations[run_plan.run_id].diff(old_sources[run_plan.run_id], filename),
+            )
+    text = _plan_text(plan, outcomes, complete, names, filename)
+    echo(text)
+    if dry_run:
+        for outcome in outcomes.values():
+            if outcome.diff:
+                echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
+        return ReplayResult(replay_id, names, filename, plan, outcomes, sorted(complete), False)
+    if plan is None:
+        return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
+    if confirm is not None and not confirm(text):
+        echo("Replay cancelled; nothing was run.")
+        return ReplayResult(replay_id, names, filename, plan, outcomes, sorted(complete), False)
+
+    _execute(
+        conn, paths, plan, runs, propagations, outcomes, names,
+        replay_id=replay_id, filename=filename, where=where, force=force,
+        echo=echo, progress=progress, needs_suffix=needs_suffix,
+    )  # fmt: skip
+    actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
+    if actual:
+        echo(format_estimate_vs_actual(plan, actual))
+    _report(outcomes, echo)
+    return ReplayResult(replay_id, names, filename, plan, outcomes, sorted(complete), True)
+
+
+# -- choosing runs ---------------------------------------------------------------------
+
+
+def _script(conn: sqlite3.Connection, paths: ProjectPaths, script: str | None) -> str:
+    if script is not None:
+        path = Path(script).expanduser()
+        path = path.resolve() if path.is_absolute() else (Path.cwd() / path).resolve()
+        try:
+            return path.relative_to(paths.root).as_posix()
+        except ValueError:
+            raise UsageError(
+                f"--script {script} is outside the project {paths.root}; give a script of "
+                "this project."
+            ) from None
+    rows = [r[0] for r in conn.execute("SELECT DISTINCT filename FROM runs ORDER BY filename")]
+    rows = [r for r in rows if not r.startswith("<")]
+    if len(rows) == 1:
+        return str(rows[0])
+    if not rows:
+        raise UsageError("No run of a script is recorded yet; record one before replaying.")
+    raise UsageError(
+        f"Runs of several scripts are recorded ({', '.join(rows)}); choose one with --script FILE."
+    )
+
+
+def _read_newest(paths: ProjectPaths, filename: str) -> str:
+    path = paths.root / filename
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise UsageError(
+            f"Cannot read the newest version of {filename} at {path} ({exc.strerror}); replay "
+            "takes the statements to add from the script as it is now."
+        ) from exc
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _candidates(conn: sqlite3.Connection, filename: str, where: str | None) -> list[str]:
+    rows = [
+        r[0]
+        for r in conn.execute(
+            "SELECT run_id FROM runs WHERE filename = ? AND status != 'running'"
+            " ORDER BY started_at, run_id",
+            (filename,),
+        )
+    ]
+    if not where or not rows:
+        return rows
+    return [r for r in rows if r in _matching(conn, where)]
+
+
+def _matching(conn: sqlite3.Connection, where: str) -> set[str]:
+    """Runs with at least one row of the dataframe view satisfying ``where``."""
+    from retrolog.query.dataframe import dataframe, logged_names
+
+    logged = set(logged_names(conn))
+    referenced = [n for n in dict.fromkeys(_IDENTIFIER.findall(where)) if n in logged]
+    if referenced:
+        frame = dataframe(conn, referenced, where)
+        return set(frame["run_id"])
+    try:
+        rows = conn.execute(
+            f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) WHERE {where}"
+        ).fetchall()
+    except sqlite3.Error as exc:
+        raise QueryError(
+            f"The predicate {where!r} cannot be used to choose runs ({exc}). It may use "
+            "projid, run_id, tstamp, filename and the names logged in this store.",
+            sql=where,
+        ) from exc
+    return {r[0] for r in rows}
+
+
+def _complete_runs(conn: sqlite3.Connection, runs: Sequence[str], names: Sequence[str]) -> set[str]:
+    marks_n = ", ".join("?" for _ in names)
+    marks_r = ", ".join("?" for _ in runs)
+    return {
+        r[0]
+        for r in conn.execute(
+            f"SELECT run_id FROM logs WHERE name IN ({marks_n}) AND run_id IN ({marks_r})"
+            " GROUP BY run_id HAVING COUNT(DISTINCT name) = ?",
+            (*names, *runs, len(set(names))),
+        )
+    }
+
+
+def _run_rows(conn: sqlite3.Connection, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    conn.row_factory = sqlite3.Row
+    try:
+        marks = ", ".join("?" for _ in run_ids)
+        rows = conn.execute(f"SELECT * FROM runs WHERE run_id IN ({marks})", tuple(run_ids))
+        return {row["run_id"]: dict(row) for row in rows}
+    finally:
+        conn.row_factory = None
+
+
+def _old_source(row: dict[str, Any], filename: str) -> str:
+    from retrolog.versions.git import read_file
+
+    return read_file(Path(row["git_dir"]), row["code_commit"], filename).decode()
+
+
+def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> float | None:
+    for profile in profiles:
+        manifest = next(iter(profile.block_checkpoints.values()), None) or profile.end_checkpoint
+        if manifest is not None:
+            try:
+                throughput = measure_restore_throughput(paths.store, manifest)
+            except Exception:  # the estimate falls back to record-time timings
+                return None
+            return 1.0 / throughput if throughput > 0 else None
+    return None
+
+
+# -- executing ---------------------------------------------------------------------------
+
+
+def _execute(
+    conn: sqlite3.Connection,
+    paths: ProjectPaths,
+    plan: ReplayPlan,
+    runs: dict[str, dict[str, Any]],
+    propagations: dict[str, Propagation],
+    outcomes: dict[str, RunOutcome],
+    names: list[str],
+    *,
+    replay_id: str,
+    filename: str,
+    where: str | None,
+    force: bool,
+    echo: Echo,
+    progress: bool,
+    needs_suffix: bool,
+) -> None:
+    logs_dir = paths.store / "replays" / replay_id
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    code_objects = {
+        run_id: _store_code(Path(runs[run_id]["git_dir"]), propagations[run_id].source)
+        for run_id in propagations
+    }
+    conn.execute(
+        "INSERT INTO replays(replay_id, started_at, names, where_sql, filename, workers, status,"
+        " estimate_seconds) VALUES (?, ?, ?, ?, ?, ?, 'running', ?)",
+        (replay_id, time.time(), json.dumps(names), where, filename, plan.workers,
+         plan.estimate_seconds),
+    )  # fmt: skip
+    by_run = {rp.run_id: rp for rp in plan.runs}
+    jobs = _jobs(
+        conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
+        needs_suffix,
+    )  # fmt: skip
+    bar = None
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="replay", unit="segment", file=sys.stderr)
+
+    def done(job: Job) -> None:
+        if bar is not None:
+            bar.update(1)
+
+    status = "finished"
+    try:
+        run_jobs(jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done)
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        _collect(conn, jobs, by_run, outcomes, names, replay_id, code_objects, force)
+        conn.execute(
+            "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
+            (time.time(), status, replay_id),
+        )
+
+
+def _jobs(
+    conn: sqlite3.Connection,
+    plan: ReplayPlan,
+    runs: dict[str, dict[str, Any]],
+    propagations: dict[str, Propagation],
+    code_objects: dict[str, str | None],
+    names: list[str],
+    paths: ProjectPaths,
+    logs_dir: Path,
+    replay_id: str,
+    needs_suffix: bool,
+) -> list[Job]:
+    jobs: list[Job] = []
+    for run_plan in plan.runs:
+        row = runs[run_plan.run_id]
+        profile = run_plan.profile
+        assert profile is not None
+        args = json.loads(row["args"] or "{}")
+        nested = profile.nested_block or tuple(True for _ in range(profile.iterations))
+        whole = [i for i, has_nested in enumerate(nested) if not has_nested]
+        for index, segment in enumerate(run_plan.segments):
+            spec = WorkerSpec(
+                replay_id=replay_id,
+                run_id=run_plan.run_id,
+                store=str(paths.store),
+                names=list(names),
+                check_names=_recorded_names(conn, run_plan.run_id, args, names),
+                args=args,
+                outer_loop=profile.outer_loop,
+                block_checkpoints={str(i): m for i, m in profile.block_checkpoints.items()},
+                end_checkpoint=profile.end_checkpoint,
+                restore=list(segment.restore),
+                whole_iterations=whole,
+                stop_after=_stop_after(segment, run_plan, needs_suffix),
+                restore_end=segment.restore_end,
+                prefix_only=run_plan.scan is ScanLevel.PREFIX,
+                output="",
+                code_object=code_objects.get(run_plan.run_id),
+            )
+            jobs.append(
+                Job(
+                    key=f"{run_plan.run_id}#{index}",
+                    run_id=run_plan.run_id,
+                    spec=spec,
+                    argv=json.loads(row["argv"]),
+                    filename=row["filename"],
+                    cwd=row.get("cwd") or ".",
+                    source=propagations[run_plan.run_id].source,
+                    git_dir=Path(row["git_dir"]),
+                    commit=row["code_commit"],
+                    skipped=json.loads(row["skipped_files"] or "[]"),
+                    estimate_seconds=segment.estimate_seconds,
+                    log_path=logs_dir / f"{run_plan.run_id}-{index}.log",
+                )
+            )
+    jobs.sort(key=lambda j: -j.estimate_seconds)
+    return jobs
+
+
+def _stop_after(segment: Any, run_plan: RunPlan, needs_suffix: bool) -> int | None:
+    """The outer iteration after which the worker exits (None: it runs to the end)."""
+    if not segment.run_suffix:
+        return segment.stop_after
+    profile = run_plan.profile
+    inside_loop = run_plan.scan in (ScanLevel.OUTER_LOOP, ScanLevel.INNER_LOOP)
+    if inside_loop and not needs_suffix and profile is not None and profile.iterations:
+        return profile.iterations - 1
+    return None
+
+
+def _recorded_names(
+    conn: sqlite3.Connection, run_id: str, args: dict[str, Any], names: Sequence[str]
+) -> list[str]:
+    """Names the run recorded that replay recomputes (arguments are not re-logged)."""
+    rows = conn.execute(
+        "SELECT DISTINCT name FROM logs WHERE run_id = ? AND origin = 'recorded'", (run_id,)
+    )
+    return sorted({r[0] for r in rows} - set(args) - set(names))
+
+
+def _store_code(git_dir: Path, source: str) -> str | None:
+    """Keep the propagated script as a git blob, so any value traces back to its code."""
+    out = subprocess.run(
+        ["git", "--git-dir", str(git_dir), "hash-object", "-w", "--stdin"],
+        input=source.encode(),
+        capture_output=True,
+        check=False,
+    )
+    return out.stdout.decode().strip() or None if out.returncode == 0 else None
+
+
+def _collect(
+    conn: sqlite3.Connection,
+    jobs: Sequence[Job],
+    by_run: dict[str, RunPlan],
+    outcomes: dict[str, RunOutcome],
+    names: list[str],
+    replay_id: str,
+    code_objects: dict[str, str | None],
+    force: bool,
+) -> None:
+    per_run: dict[str, list[Job]] = {}
+    for job in jobs:
+        per_run.setdefault(job.run_id, []).append(job)
+    for run_id, run_jobs_ in per_run.items():
+        outcome = outcomes[run_id]
+        outcome.log_paths = [str(j.log_path) for j in run_jobs_]
+        finished = [j for j in run_jobs_ if j.output is not None]
+        failed = [j for j in run_jobs_ if j.error is not None]
+        if not finished and not failed:
+            outcome.status = "interrupted"
+            continue
+        outcome.actual_seconds = sum(j.seconds for j in run_jobs_)
+        rows = [row for j in finished for row in (j.output or {}).get("values", [])]
+        outcome.backfilled = backfill(
+            conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
+            rows=rows, names=names, force=force,
+        )  # fmt: skip
+        hindsight = set(names)
+        recomputed = [r for r in rows if r[1] not in hindsight]
+        outcome.mismatches = check_recorded(conn, run_id, recomputed)
+        if failed:
+            outcome.status = "partial" if finished else "failed"
+            job = failed[0]
+            outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
+        else:
+            outcome.status = "replayed"
+        conn.execute(
+            "INSERT OR REPLACE INTO replay_runs(replay_id, run_id, scan, code_object, status,"
+            " estimate_seconds, actual_seconds, backfilled, mismatches, error)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                replay_id, run_id, by_run[run_id].scan.name, code_objects.get(run_id),
+                outcome.status, outcome.estimate_seconds, outcome.actual_seconds,
+                outcome.backfilled, json.dumps([m.__dict__ for m in outcome.mismatches]),
+                outcome.error,
+            ),
+        )  # fmt: skip
+
+
+# -- reporting ---------------------------------------------------------------------------
+
+
+def _plan_text(
+    plan: ReplayPlan | None,
+    outcomes: dict[str, RunOutcome],
+    complete: set[str],
+    names: list[str],
+    filename: str,
+) -> str:
+    lines = [f"Replay of {filename} for {', '.join(names)}"]
+    if plan is not None:
+        lines.append(format_plan(plan))
+    for outcome in outcomes.values():
+        if outcome.status == "unplaceable":
+            lines.append(f"run {outcome.run_id}: not replayed: {outcome.error}")
+    if complete:
+        lines.append(f"{len(complete)} run(s) already have these values (--force recomputes them)")
+    return "\n".join(lines)
+
+
+def _report(outcomes: dict[str, RunOutcome], echo: Echo) -> None:
+    for outcome in outcomes.values():
+        if outcome.status in ("failed", "partial"):
+            echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
+        for m in outcome.mismatches:
+            echo(
+                f"run {outcome.run_id}: recorded {m.name!r} differs in replay in {m.count} of "
+                f"{m.compared} places ({m.example})"
+            )
+    done = [o for o in outcomes.values() if o.status == "replayed"]
+    added = sum(o.backfilled for o in outcomes.values())
+    echo(f"Replayed {len(done)} run(s); backfilled {added} value(s).")

@@ -1,0 +1,284 @@
+"""The runtime of a replay worker: the script runs again, in its own code version.
+
+``retrolog replay`` starts each worker as ``python <script> <original argv>``
+in a temporary checkout, with ``RETROLOG_REPLAY_SPEC`` naming a JSON
+:class:`WorkerSpec`. When that variable is set, the first recording call makes
+a :class:`ReplayRun` instead of a recording :class:`~retrolog.runtime.run.Run`:
+
+- nothing is recorded as a new run: values go to the spec's output file,
+  keyed by the *recorded* context they belong to (mapped by loop name,
+  occurrence and iteration under the same parent), and the coordinator
+  backfills them;
+- ``arg()`` returns the run's historical values;
+- the OUTER loop under ``checkpointing`` follows the segment: a block whose
+  iteration is in ``restore`` is not executed; its checkpoint is restored into
+  the live objects (and RNG states) where the block ended, so the code after
+  it sees what it saw during record (pseudo-resume); ``restore_end`` skips the
+  whole loop by restoring the end checkpoint; after ``stop_after`` the worker
+  writes its output and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retrolog.runtime.run import NO_OVERRIDE, CheckpointScope, Role, Status, _Frame
+from retrolog.runtime.values import FAST_TYPES, slow_path, storage_form
+
+SPEC_ENV = "RETROLOG_REPLAY_SPEC"
+_UNMAPPED = -1  # a context the recorded run does not have (values there are dropped, counted)
+
+
+@dataclass
+class WorkerSpec:
+    """What one replay worker does: one segment of one run."""
+
+    replay_id: str
+    run_id: str
+    store: str  # the store directory (objects/ and retrolog.db)
+    names: list[str]  # hindsight names to backfill
+    check_names: list[str]  # recorded names recomputed here: compared afterwards
+    args: dict[str, Any]  # the run's recorded arg() values
+    outer_loop: str | None
+    block_checkpoints: dict[str, str]  # outer iteration (as str, JSON keys) -> manifest
+    end_checkpoint: str | None
+    restore: list[int]  # outer iterations whose block is restored instead of executed
+    whole_iterations: list[int]  # outer iterations with no nested loop: the iteration is the block
+    stop_after: int | None  # exit after this outer iteration ends
+    restore_end: bool  # skip the outer loop by restoring the end checkpoint
+    prefix_only: bool  # exit when the first top-level loop starts
+    output: str  # JSON file the worker writes
+    code_object: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: str) -> WorkerSpec:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+class ReplayRun:
+    """A replay worker's stand-in for Run, with the same surface for the public calls."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from collections import deque
+
+        self.spec = spec
+        self.run_id = spec.run_id
+        self.args: dict[str, Any] = {}
+        self.status = Status.RUNNING
+        self.ctx: int | None = None
+        self.scope: CheckpointScope | None = None
+        self._stack: list[_Frame] = []
+        self.values: deque[tuple[Any, ...]] = deque()
+        self.events: deque[tuple[Any, ...]] = deque()
+        self._pid = os.getpid()
+        self._wanted = set(spec.names) | set(spec.check_names)
+        whole = set(spec.whole_iterations)
+        self._restore = set(spec.restore) - whole  # restored where the nested loop would run
+        self._restore_whole = set(spec.restore) & whole  # the iteration is skipped whole
+        self._last_checkpoint: str | None = None
+        # (values queued, events queued, manifest) at each restore: a value's checkpoint is the
+        # last one restored before it was logged.
+        self._checkpoint_at: list[tuple[int, int, str]] = []
+        self._started = time.perf_counter()
+        self._restore_seconds = 0.0
+        self._restored = 0
+        self._contexts = _load_contexts(Path(spec.store) / "retrolog.db", spec.run_id)
+        self._occurrences: dict[tuple[int | None, str], int] = {}
+        self._outer_seen = False
+        self._store: Any = None
+        self.writer = None
+
+    # -- the public calls ------------------------------------------------------------
+
+    def resolve_arg(self, name: str, default: Any, override: Any) -> Any:
+        if name in self.spec.args:
+            return self.spec.args[name]
+        return default if override is NO_OVERRIDE else override
+
+    def set_arg(self, name: str, value: Any) -> None:
+        self.args[name] = value
+
+    def log(self, name: str, value: Any, *, run_level: bool = False) -> None:
+        ctx = None if run_level else self.ctx
+        if type(value) in FAST_TYPES:
+            self.values.append((ctx, name, value))
+        else:
+            stored, kind = slow_path(value)
+            self.events.append((ctx, name, stored, kind))
+
+    def loop(self, name: str, iterable: Iterable[Any]) -> Iterator[Any]:
+        stack = self._stack
+        depth = len(stack)
+        parent_ctx = self.ctx
+        outer = stack[-1] if stack else None
+        scope = self.scope
+        first_nested = False
+        if outer is not None and not outer.block_seen:
+            first_nested = outer.block_seen = True
+        if scope is not None and depth == scope.depth:
+            role = Role.OUTER
+        elif first_nested and outer is not None and outer.role is Role.OUTER:
+            role = Role.BLOCK
+        else:
+            role = Role.PLAIN
+        if depth == 0 and self.spec.prefix_only:
+            self.finish()
+        key = (parent_ctx, name)
+        occurrence = self._occurrences.get(key, -1) + 1
+        self._occurrences[key] = occurrence
+        frame = _Frame(name, depth, role)
+
+        if role is Role.OUTER and self.spec.restore_end and not self._outer_seen:
+            self._outer_seen = True
+            self._restore_checkpoint(self.spec.end_checkpoint, scope)
+            return
+        if role is Role.BLOCK and outer is not None:
+            iteration_of_outer = outer.iteration
+            if iteration_of_outer in self._restore:
+                manifest = self.spec.block_checkpoints.get(str(iteration_of_outer))
+                self._restore_checkpoint(manifest, scope)
+                return
+        if role is Role.OUTER:
+            self._outer_seen = True
+
+        stack.append(frame)
+        contexts = self._contexts
+        try:
+            for iteration, item in enumerate(iterable):
+                if parent_ctx == _UNMAPPED:
+                    ctx = _UNMAPPED
+                else:
+                    ctx = contexts.get((parent_ctx, name, occurrence, iteration), _UNMAPPED)
+                frame.ctx = ctx
+                frame.block_seen = False
+                frame.iteration = iteration
+                self.ctx = ctx
+                if role is Role.OUTER and iteration in self._restore_whole:
+                    # No nested loop: the whole iteration is the block; skip it by restoring.
+                    self._restore_checkpoint(self.spec.block_checkpoints.get(str(iteration)), scope)
+                    self.ctx = parent_ctx
+                    if self.spec.stop_after == iteration:
+                        self.finish()
+                    continue
+                yield item
+                self.ctx = parent_ctx
+                if role is Role.OUTER and self.spec.stop_after == iteration:
+                    self.finish()
+        finally:
+            stack.pop()
+            self.ctx = parent_ctx
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def _restore_checkpoint(self, manifest: str | None, scope: CheckpointScope | None) -> None:
+        from retrolog.checkpoint.capture import restore_checkpoint
+        from retrolog.store.objects import LocalObjectStore
+
+        if manifest is None or scope is None:
+            raise RuntimeError(
+                "retrolog replay: the plan asked to restore a checkpoint this run does not have"
+            )
+        if self._store is None:
+            self._store = LocalObjectStore(Path(self.spec.store) / "objects")
+        started = time.perf_counter()
+        restore_checkpoint(scope.objects, self._store, manifest)
+        self._restore_seconds += time.perf_counter() - started
+        self._restored += 1
+        self._checkpoint_at.append((len(self.values), len(self.events), manifest))
+        self._last_checkpoint = manifest
+
+    # -- the end ---------------------------------------------------------------------
+
+    def owned_by_this_process(self) -> bool:
+        return os.getpid() == self._pid
+
+    def commit(self, status: Status = Status.FINISHED, error: str | None = None) -> None:
+        if self.status is not Status.RUNNING:
+            return
+        self.status = status
+        self._write_output(status, error)
+
+    def finish(self) -> None:
+        """The segment is done: write the output and leave without running the rest."""
+        self.commit()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def _write_output(self, status: Status, error: str | None) -> None:
+        wanted = self._wanted
+        rows: list[list[Any]] = []
+        dropped = 0
+        marks = self._checkpoint_at
+        for position, (ctx, name, value) in enumerate(self.values):
+            if name not in wanted:
+                continue
+            if ctx == _UNMAPPED:
+                dropped += 1
+                continue
+            stored, kind = storage_form(value)
+            rows.append([ctx, name, stored, kind, _checkpoint_before(marks, 0, position)])
+        for position, (ctx, name, stored, kind) in enumerate(self.events):
+            if name not in wanted:
+                continue
+            if ctx == _UNMAPPED:
+                dropped += 1
+                continue
+            rows.append([ctx, name, stored, kind, _checkpoint_before(marks, 1, position)])
+        out = {
+            "status": status.value,
+            "error": error,
+            "values": rows,
+            "unmapped": dropped,
+            "restored": self._restored,
+            "restore_seconds": self._restore_seconds,
+            "seconds": time.perf_counter() - self._started,
+            "last_checkpoint": self._last_checkpoint,
+        }
+        path = Path(self.spec.output)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, path)
+
+
+def _checkpoint_before(marks: list[tuple[int, int, str]], which: int, position: int) -> str | None:
+    found = None
+    for n_values, n_events, manifest in marks:  # few restores per segment: a scan is fine
+        if (n_events if which else n_values) <= position:
+            found = manifest
+        else:
+            break
+    return found
+
+
+def _load_contexts(database: Path, run_id: str) -> Mapping[tuple[int | None, str, int, int], int]:
+    """Recorded contexts keyed by (parent, loop name, occurrence under parent, iteration)."""
+    conn = sqlite3.connect(f"file:{database}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT ctx_id, parent_ctx, name, iteration FROM loops WHERE run_id = ?"
+            " ORDER BY ctx_id",
+            (run_id,),
+        ).fetchall()
+    finally:
+        conn.close()
+    occurrence: dict[tuple[int | None, str], int] = {}
+    mapping: dict[tuple[int | None, str, int, int], int] = {}
+    for ctx, parent, name, iteration in rows:
+        key = (parent, name)
+        if iteration == 0:
+            occurrence[key] = occurrence.get(key, -1) + 1
+        mapping[(parent, name, occurrence.get(key, 0), iteration)] = ctx
+    return mapping
