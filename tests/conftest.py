@@ -73,6 +73,7 @@ class Project:
             [sys.executable, "-m", "retrolog", *args],
             cwd=self.root,
             env=self.env(**env),
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=120,

@@ -62,11 +62,6 @@ def test_every_error_derives_from_the_base_and_is_drawn_in_the_docstring() -> No
         assert cls.__name__ in doc
 
 
-def test_replay_says_it_is_not_available_yet() -> None:
-    with pytest.raises(errors.NotAvailableError, match="not available in this release"):
-        retrolog.replay("w_norm")
-
-
 def test_sqlite_errors_on_open_are_store_errors(tmp_path: Path) -> None:
     from retrolog.store.metadata import connect
 

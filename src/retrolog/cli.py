@@ -168,17 +168,85 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
 @cli.command("replay")
 @click.argument("names")
 @click.argument("where", required=False)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--dry-run", is_flag=True, help="Print the plan and each run's code diff; run nothing."
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), help="Worker processes (default: GPUs, else CPUs)."
+)
+@click.option("--script", help="The script whose runs to replay (needed when several have runs).")
+@click.option("--force", is_flag=True, help="Recompute values that were already backfilled.")
 @_handle_errors
-def replay_command(names: str, where: str | None) -> None:
-    """Backfill new log statements into past runs (not in this release).
+def replay_command(
+    names: str, where: str | None, yes: bool, dry_run: bool, workers: int | None,
+    script: str | None, force: bool,
+) -> None:  # fmt: skip
+    """Backfill new log statements into past runs by replaying them.
+
+    NAMES is a comma-separated list of names logged by the current version of the
+    script; WHERE an optional SQL predicate over the dataframe view choosing runs.
+    Each run is replayed in its own code version with the statements inserted,
+    skipping training it does not need by restoring checkpoints.
 
     \b
     Example:
-      retrolog replay w_norm "lr > 0.005"
+      retrolog replay w_norm "lr > 0.005" --dry-run
+      retrolog replay w_norm,grad_norm --yes --workers 2
     """
-    from retrolog import replay
+    from retrolog.replay.replayer import replay
+    from retrolog.store.paths import locate
 
-    replay(names.split(","), where)
+    def confirm(_: str) -> bool:
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            raise click.UsageError("Not asking on a non-interactive input: pass --yes to replay.")
+        return click.confirm("Replay these runs?", default=True, err=True)
+
+    with _store() as conn:
+        result = replay(
+            conn, locate(), names.split(","), where, script=script, workers=workers,
+            dry_run=dry_run, force=force, confirm=confirm,
+        )  # fmt: skip
+    failed = [o for o in result.outcomes.values() if o.status in ("failed", "partial")]
+    if failed:
+        sys.exit(1)
+
+
+@cli.command("propagate")
+@click.argument("new_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("old_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--names", required=True, help="Comma-separated log names to carry over.")
+@click.option("--diff", "as_diff", is_flag=True, help="Print a unified diff instead of the file.")
+@_handle_errors
+def propagate_command(new_file: str, old_file: str, names: str, as_diff: bool) -> None:
+    """Print OLD_FILE with NEW_FILE's log statements for NAMES inserted where they align.
+
+    This is what replay runs in each past version; use it to review a propagation.
+
+    \b
+    Example:
+      retrolog propagate train.py old_train.py --names w_norm --diff
+    """
+    from pathlib import Path
+
+    from retrolog.errors import UsageError
+    from retrolog.replay.propagate import propagate
+
+    new = Path(new_file).read_text()
+    old = Path(old_file).read_text()
+    try:
+        result = propagate(new, old, [n.strip() for n in names.split(",") if n.strip()])
+    except ValueError as exc:
+        raise UsageError(f"{new_file}: {exc}") from exc
+    click.echo(result.diff(old, old_file) if as_diff else result.source, nl=False)
+    for placement in result.placements:
+        click.echo(f"{placement.name}: line {placement.line}, {placement.anchor}", err=True)
+    for problem in result.problems:
+        click.echo(f"{problem.name}: not placed: {problem.reason}", err=True)
+    if result.problems:
+        sys.exit(1)
 
 
 class _store:

@@ -13,8 +13,7 @@ codecs are converted where they enter our code (``raise ... from exc``)::
     │   └── RunNotFoundError        no run matches the given id
     ├── StoreError                  the store cannot be opened, read or written
     │   └── CorruptObjectError      a stored object fails its checksum
-    ├── VersionError                git failed while capturing or reading a code version
-    └── NotAvailableError           the feature belongs to a later release
+    └── VersionError                git failed while capturing or reading a code version
 
     RetrologWarning (UserWarning)   something worth knowing that does not stop the run
 """
@@ -92,10 +91,6 @@ class VersionError(RetrologError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
-
-
-class NotAvailableError(RetrologError):
-    """The feature is part of the design but not part of this release."""
 
 
 class RetrologWarning(UserWarning):

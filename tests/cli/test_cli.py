@@ -113,12 +113,22 @@ def test_json_and_csv_together_is_a_usage_error(recorded: Project) -> None:
     assert out.returncode == 2
 
 
-def test_replay_command_explains_it_is_not_available(recorded: Project) -> None:
-    out = recorded.cli("replay", "w_norm")
-    assert out.returncode == 1 and "not available" in out.stderr
+def test_replay_of_a_name_the_script_does_not_log_is_a_clear_error(recorded: Project) -> None:
+    out = recorded.cli("replay", "acuracy", "--yes")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "acc" in out.stderr  # the names it does log, with a suggestion
 
 
-@pytest.mark.parametrize("command", [[], ["runs"], ["show"], ["dataframe"], ["query"], ["replay"]])
+def test_replay_without_yes_on_a_pipe_refuses_to_ask(recorded: Project) -> None:
+    recorded.write("train.py", SCRIPT + '    rl.log("double", 2 * lr)\n')
+    out = recorded.cli("replay", "double")
+    assert out.returncode == 2 and "--yes" in out.stderr and "Traceback" not in out.stderr
+    assert "suffix" in out.stderr  # the plan was shown before asking
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["runs"], ["show"], ["dataframe"], ["query"], ["replay"], ["propagate"]]
+)
 def test_every_command_has_help_with_an_example(command: list[str]) -> None:
     result = CliRunner().invoke(cli, [*command, "--help"])
     assert result.exit_code == 0
