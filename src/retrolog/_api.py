@@ -142,7 +142,7 @@ def dataframe(*names: str, where: str | None = None) -> pd.DataFrame:
     columns (e.g. epoch, step) and the requested names; run-level values such
     as arguments are repeated on each row of their run.
     """
-    from retrolog.query.dataframe import dataframe as build
+    from retrolog._query.dataframe import dataframe as build
 
     with _reader() as conn:
         return build(conn, list(names), where)
@@ -150,7 +150,7 @@ def dataframe(*names: str, where: str | None = None) -> pd.DataFrame:
 
 def query(sql: str) -> pd.DataFrame:
     """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
-    from retrolog.query.sql import query as run_query
+    from retrolog._query.sql import query as run_query
 
     with _reader() as conn:
         return run_query(conn, sql)
@@ -179,9 +179,9 @@ def replay(
     """
     import pandas as pd
 
+    from retrolog._query.dataframe import dataframe as build
+    from retrolog._replay.replayer import replay as run_replay
     from retrolog.errors import UnknownNameError
-    from retrolog.query.dataframe import dataframe as build
-    from retrolog.replay.replayer import replay as run_replay
     from retrolog.store.paths import locate
 
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)

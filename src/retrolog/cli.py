@@ -98,7 +98,7 @@ def runs_command(limit: int | None, as_json: bool, as_csv: bool) -> None:
     Example:
       retrolog runs --limit 5
     """
-    from retrolog.query.runs import list_runs
+    from retrolog._query.runs import list_runs
 
     with _store() as conn:
         _emit(list_runs(conn, limit), as_json, as_csv)
@@ -117,7 +117,7 @@ def show_command(run: str, as_json: bool) -> None:
     Example:
       retrolog show 20261122-1635
     """
-    from retrolog.query.runs import run_details
+    from retrolog._query.runs import run_details
 
     with _store() as conn:
         details = run_details(conn, run)
@@ -141,7 +141,7 @@ def dataframe_command(
     Example:
       retrolog dataframe lr acc --where "lr > 0.005"
     """
-    from retrolog.query.dataframe import dataframe
+    from retrolog._query.dataframe import dataframe
 
     split = [n for name in names for n in name.split(",") if n]
     with _store() as conn:
@@ -159,7 +159,7 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     Example:
       retrolog query "SELECT name, COUNT(*) FROM logs GROUP BY name"
     """
-    from retrolog.query.sql import query
+    from retrolog._query.sql import query
 
     with _store() as conn:
         _emit(query(conn, sql), as_json, as_csv)
@@ -194,7 +194,7 @@ def replay_command(
       retrolog replay w_norm "lr > 0.005" --dry-run
       retrolog replay w_norm,grad_norm --yes --workers 2
     """
-    from retrolog.replay.replayer import replay
+    from retrolog._replay.replayer import replay
     from retrolog.store.paths import locate
 
     def confirm(_: str) -> bool:
@@ -231,8 +231,8 @@ def propagate_command(new_file: str, old_file: str, names: str, as_diff: bool) -
     """
     from pathlib import Path
 
+    from retrolog._replay.propagate import propagate
     from retrolog.errors import UsageError
-    from retrolog.replay.propagate import propagate
 
     new = Path(new_file).read_text()
     old = Path(old_file).read_text()

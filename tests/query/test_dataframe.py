@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from retrolog._query.dataframe import dataframe, logged_names
 from retrolog.errors import QueryError, UnknownNameError
-from retrolog.query.dataframe import dataframe, logged_names
 from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
 

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from retrolog._query.sql import DOCUMENTED_TABLES, query
 from retrolog.errors import QueryError
-from retrolog.query.sql import DOCUMENTED_TABLES, query
 from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
 

@@ -15,9 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
-from retrolog.errors import RunNotFoundError, UsageError
-from retrolog.replay.plan import (
+from retrolog._replay.plan import (
     ReplayPlan,
     RunProfile,
     ScanLevel,
@@ -29,7 +27,9 @@ from retrolog.replay.plan import (
     plan_replay,
     scan_level_for,
 )
-from retrolog.replay.statements import Position, StatementSite
+from retrolog._replay.statements import Position, StatementSite
+from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
+from retrolog.errors import RunNotFoundError, UsageError
 from retrolog.store.metadata import connect
 from retrolog.store.objects import LocalObjectStore
 from retrolog.store.schema import migrate

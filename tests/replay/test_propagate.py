@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrolog.replay.propagate import (
+from retrolog._replay.propagate import (
     Propagation,
     find_log_statements,
     propagate,

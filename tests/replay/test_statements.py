@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
+from retrolog._replay import statements
+from retrolog._replay.statements import Position, StatementSite, locate_statements
 from retrolog.errors import UnknownNameError, UsageError
-from retrolog.replay import statements
-from retrolog.replay.statements import Position, StatementSite, locate_statements
 
 TRAIN = """
     import random

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog.replay.checkout import make_checkout, remove_checkout
+from retrolog._replay.checkout import make_checkout, remove_checkout
 from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 
 _TAIL_LINES = 15

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retrolog._replay.statements import Position, StatementSite
 from retrolog.errors import RunNotFoundError, StoreError, UsageError
-from retrolog.replay.statements import Position, StatementSite
 from retrolog.store.objects import ObjectStore
 
 

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog.errors import QueryError, UsageError
-from retrolog.replay.backfill import Mismatch, backfill, check_recorded
-from retrolog.replay.execute import Job, default_workers, log_tail, run_jobs
-from retrolog.replay.plan import (
+from retrolog._replay.backfill import Mismatch, backfill, check_recorded
+from retrolog._replay.execute import Job, default_workers, log_tail, run_jobs
+from retrolog._replay.plan import (
     ReplayPlan,
     RunPlan,
     ScanLevel,
@@ -34,8 +33,9 @@ from retrolog.replay.plan import (
     plan_replay,
     scan_level_for,
 )
-from retrolog.replay.propagate import Propagation, propagate
-from retrolog.replay.statements import Position, locate_statements
+from retrolog._replay.propagate import Propagation, propagate
+from retrolog._replay.statements import Position, locate_statements
+from retrolog.errors import QueryError, UsageError
 from retrolog.runtime.replay import WorkerSpec
 from retrolog.store.paths import ProjectPaths
 
@@ -235,7 +235,7 @@ def _candidates(conn: sqlite3.Connection, filename: str, where: str | None) -> l
 
 def _matching(conn: sqlite3.Connection, where: str) -> set[str]:
     """Runs with at least one row of the dataframe view satisfying ``where``."""
-    from retrolog.query.dataframe import dataframe, logged_names
+    from retrolog._query.dataframe import dataframe, logged_names
 
     logged = set(logged_names(conn))
     referenced = [n for n in dict.fromkeys(_IDENTIFIER.findall(where)) if n in logged]

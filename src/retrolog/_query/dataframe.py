@@ -1,0 +1,693 @@
+"""The wide view: one row per (run, loop context), one column per requested name.
+
+FlorDB's dataframe, computed by SQLite (see :func:`_ctes`, :func:`_rows_sql`):
+
+==============  ===============================================================
+``hop``         the runs that logged a requested loop-level name, found by
+                hopping along the ``logs_by_name`` index from run to run
+``run_values``  the run-level values (logged outside loops: arguments, final
+                metrics) pivoted into one row per run
+``chosen``      the runs that get rows, numbered in start order, with their
+                run-level values
+``wide``        each loop context of a chosen run (``a0``, in execution order)
+                joined to the log record holding each name's value there, and to
+                its ancestors (``a1``, ``a2``, ... one self-join of ``loops`` per
+                level) so that every loop name becomes a column; only contexts
+                where a requested name has a value are kept, and a run with
+                run-level values only gets one row
+outer query     the user's ``where`` predicate, then the order
+==============  ===============================================================
+
+Of several records for one (run, context, name) the value is the newest
+recorded one, else the newest backfilled one.
+
+Python writes the SQL text and gives each column its dtype. sqlite3 builds a
+Python object per cell, which at 100,000 rows costs as much as the query, so
+some columns travel in a cheaper form than the view shows them: the run columns
+come once per run (spread over the rows with one vectorized take), an empty
+dimension comes as -1, and the value types of up to eight names come as one
+bit mask per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from retrolog._query.sql import execute_read
+from retrolog.errors import QueryError, UnknownNameError
+
+META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
+"""The run columns every wide view starts with."""
+
+VALUE_TYPES: tuple[str, ...] = ("float", "int", "bool", "str", "text", "json", "none")
+"""The values of ``logs.value_type``, in the order of their bit in a type mask."""
+
+# A row key is (runs.rowid << 32) + ctx_id + 1: it names the run for the run
+# columns and, since rows come in (run, ctx) order, shows a (run, ctx) seen twice.
+# ctx_id stays far below 2**32 - 1: that many loop iterations would not fit a store.
+_ROW_KEY = "__retrolog_row"
+_CTX_BITS = 32
+# A type mask packs 8 names, 8 bits each (7 used), into one SQLite integer.
+_NAMES_PER_MASK = 8
+# Recorded values outrank backfilled ones: this rank is added above any log_id.
+_RECORDED_FIRST = 1 << 62
+_NO_SUCH_COLUMN = re.compile(r"no such column: (.+)$")
+# A double-quoted identifier, skipping single-quoted strings and comments.
+_DOUBLE_QUOTED = re.compile(r"'(?:[^']|'')*'|--[^\n]*|/\*.*?\*/|\"((?:[^\"]|\"\")*)\"", re.S)
+
+
+@dataclass(frozen=True)
+class _Name:
+    """A log name that becomes a column of the view (shown, or used by ``where`` only)."""
+
+    name: str
+    shown: bool  # False for a name only the where-predicate refers to
+    in_loops: bool  # logged inside some loop
+    at_run: bool  # logged outside every loop somewhere
+    repeated: bool = False  # logged more than once in some (run, context)
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The loop names that may become dimension columns, and how deep loops nest."""
+
+    names: list[str]  # outermost first, then by first occurrence
+    depth: int  # the deepest loop's depth (0 when loops are not nested)
+
+
+def logged_names(conn: sqlite3.Connection) -> list[str]:
+    """The distinct names logged in the store, sorted."""
+    # Hops from name to name along the logs_by_name index instead of reading every record.
+    sql = (
+        "WITH RECURSIVE n(name) AS ("
+        " SELECT min(name) FROM logs"
+        " UNION ALL"
+        " SELECT (SELECT min(name) FROM logs WHERE name > n.name) FROM n WHERE n.name IS NOT NULL"
+        ") SELECT name FROM n WHERE name IS NOT NULL"
+    )
+    return [row[0] for row in conn.execute(sql)]
+
+
+def dataframe(
+    conn: sqlite3.Connection, names: Sequence[str], where: str | None = None
+) -> pd.DataFrame:
+    """The wide view of ``names``: a row per (run, loop context) where one of them has a value.
+
+    names: log names, one column each in this order. A name logged outside loops
+        (an argument, a final metric) is broadcast to every row of its run.
+    where: a SQL predicate over the view's columns, e.g. ``"lr > 0.005 AND epoch = 4"``;
+        it may also use logged names that are not requested.
+
+    Columns: ``projid, run_id, tstamp, filename``, one ``Int64`` column per loop
+    name in the ancestry of the rows (outermost first, e.g. ``epoch, step``), then
+    the names. Rows are ordered by run start, then execution order.
+
+    Raises UnknownNameError for a name never logged in the store and QueryError
+    for a predicate that is malformed, uses an unknown column, or tries to write.
+    """
+    requested = list(dict.fromkeys(names))
+    if not requested:
+        raise QueryError(
+            "dataframe() needs at least one log name, e.g. dataframe(['loss', 'acc']); "
+            f"the names logged in this store are: {_listing(logged_names(conn))}."
+        )
+    with _snapshot(conn):
+        for name in requested:
+            _require_logged(conn, name)
+        dims = _dimensions(conn)
+        _check_collisions(requested, dims.names)
+        # A name logged twice in one context shows as two rows for that context. Without
+        # a predicate they are found in the result (cheaper than asking first); a
+        # predicate could drop one of the two, so then the names are checked first.
+        check = where is not None
+        columns = [_describe(conn, name, shown=True, check_repeats=check) for name in requested]
+        if where is not None:
+            columns += _quoted_names(conn, where, columns, dims)
+        query = _WideQuery(conn, columns, dims, where, requested)
+        rows = query.rows()
+        if not check and _has_repeats(rows[_ROW_KEY]):
+            query.columns = [
+                dataclasses.replace(c, repeated=_repeated(conn, c.name)) if c.in_loops else c
+                for c in query.columns
+            ]
+            rows = query.rows()
+        runs = query.runs()
+        take = _run_positions(rows, runs)
+        types = _types_in(rows, runs, take, query.columns)
+        mixed = [c.name for c in query.per_row if _dtype_for(types[c.name]) is None]
+        if mixed:
+            # Types that share a Python class (bool and int; json and str) need each
+            # cell's type to be decoded: ask again for those.
+            query.per_cell = mixed
+            rows = query.rows()
+        for name, kinds in types.items():
+            if not kinds:  # no value in any row: take the types the store has
+                types[name] = _store_types(conn, name)
+    return _typed_frame(rows, runs, take, query, types)
+
+
+class _WideQuery:
+    """The statements of one dataframe() call, re-run as it learns about the names."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        columns: list[_Name],
+        dims: _Dims,
+        where: str | None,
+        requested: list[str],
+    ) -> None:
+        self.conn = conn
+        self.columns = columns
+        self.dims = dims
+        self.where = where
+        self.requested = requested
+        self.per_cell: list[str] = []  # shown loop-level names whose cells carry their type
+
+    @property
+    def per_row(self) -> list[_Name]:
+        """The shown names that travel per row: those logged inside loops."""
+        return [c for c in self.columns if c.shown and c.in_loops]
+
+    @property
+    def per_run(self) -> list[_Name]:
+        """The shown names that travel once per run: those logged outside loops only."""
+        return [c for c in self.columns if c.shown and not c.in_loops]
+
+    def rows(self) -> dict[str, tuple[Any, ...]]:
+        """The rows of the view, as columns by name.
+
+        A logged name the predicate uses without requesting it (sqlite reports
+        "no such column") becomes a hidden column, and the query runs again.
+        """
+        while True:
+            sql = _rows_sql(self.columns, self.dims, self.where, self.per_cell)
+            try:
+                return _columns(*self._read(sql))
+            except QueryError as exc:
+                missing = _missing_column(exc)
+                if (
+                    self.where is None
+                    or missing is None
+                    or any(c.name == missing for c in self.columns)
+                    or not _is_logged(self.conn, missing)
+                ):
+                    raise
+                hidden = _describe(self.conn, missing, shown=False, check_repeats=True)
+                self.columns.append(hidden)
+
+    def runs(self) -> dict[str, tuple[Any, ...]]:
+        """The runs that have rows: their run columns and run-level values, by name."""
+        return _columns(*self._read(_runs_sql(self.columns)))
+
+    def _read(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Execute ``sql`` read-only; a failure is explained in terms of the predicate."""
+        where = self.where
+
+        def usage() -> str:
+            visible = _listing([*META_COLUMNS, *self.dims.names, *self.requested])
+            return (
+                f"It must be one SQL expression over the columns {visible}, or over any logged "
+                f'name ({_listing(logged_names(self.conn))}), e.g. "lr > 0.005 AND epoch = 4".'
+            )
+
+        def malformed(complaint: str) -> str:
+            if where is None:
+                # Without a predicate the SQL is ours alone: a failure is a bug or a damaged store.
+                return f"The dataframe query failed: SQLite says {complaint!r}."
+            return (
+                f"The where-predicate {where!r} cannot be applied: SQLite says {complaint!r}. "
+                + usage()
+            )
+
+        def writes(action: str, complaint: str) -> str:
+            return (
+                f"dataframe() is read-only: the where-predicate {where!r} tries to {action} "
+                f"(SQLite says {complaint!r}). " + usage()
+            )
+
+        return execute_read(self.conn, sql, subject=where, malformed=malformed, writes=writes)
+
+
+def _columns(header: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+    """Rows turned into columns, by name."""
+    # One comprehension per column is about three times faster than zip(*rows).
+    return {h: tuple([row[j] for row in rows]) for j, h in enumerate(header)}
+
+
+@contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """Read every statement of one dataframe() from the same snapshot of the store.
+
+    A training process may add runs and logs meanwhile; in WAL mode the read
+    transaction sees none of them and does not block the writer.
+    """
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
+
+
+def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
+    """The common table expressions of the view; ``wide`` is the view itself."""
+    at_run = [(i, c) for i, c in enumerate(columns) if c.at_run]
+    shown_in_loops = [(i, c) for i, c in enumerate(columns) if c.in_loops and c.shown]
+
+    # A run's run-level records (ctx_id NULL) come first in the index and are skipped.
+    seeds = "\n  UNION ALL ".join(
+        f"SELECT {_literal(c.name)}, (SELECT min(run_id) FROM logs"
+        f" WHERE name = {_literal(c.name)} AND ctx_id IS NOT NULL)"
+        for _, c in shown_in_loops
+    )
+    hop = (
+        "hop(name, run_id) AS (\n  "
+        + (seeds or "SELECT NULL, NULL WHERE 0")
+        + "\n  UNION ALL\n  SELECT name, (SELECT min(run_id) FROM logs"
+        " WHERE name = hop.name AND run_id > hop.run_id AND ctx_id IS NOT NULL)"
+        "\n  FROM hop WHERE run_id IS NOT NULL\n)"
+    )
+    looped = "looped AS (SELECT DISTINCT run_id FROM hop WHERE run_id IS NOT NULL)"
+
+    run_in = ", ".join(_literal(c.name) for _, c in at_run) or "NULL"
+    run_shown = " OR ".join(f"name = {_literal(c.name)}" for _, c in at_run if c.shown) or "0"
+    run_pivot = "".join(
+        f",\n    max(CASE WHEN name = {_literal(c.name)} THEN value END) AS v{i}"
+        f",\n    max(CASE WHEN name = {_literal(c.name)} THEN value_type END) AS t{i}"
+        for i, c in at_run
+    )
+    run_values = (
+        "run_values AS (\n"
+        f"  SELECT run_id, max({run_shown}) AS shown{run_pivot}\n"
+        "  FROM (SELECT run_id, name, value, value_type,"
+        f" max((origin = 'recorded') * {_RECORDED_FIRST} + log_id)\n"
+        f"        FROM logs WHERE name IN ({run_in}) AND ctx_id IS NULL GROUP BY name, run_id)\n"
+        "  GROUP BY run_id\n)"
+    )
+
+    run_columns = "".join(f", r.v{i}, r.t{i}" for i, _ in at_run)
+    chosen = (
+        "chosen AS MATERIALIZED (\n"
+        "  SELECT u.rowid AS run_key, u.run_id, u.projid, u.tstamp, u.filename,\n"
+        "    row_number() OVER (ORDER BY u.started_at, u.run_id) AS run_order,\n"
+        f"    u.run_id IN looped AS looped{run_columns}\n"
+        "  FROM runs u LEFT JOIN run_values r ON r.run_id = u.run_id\n"
+        "  WHERE u.run_id IN looped OR r.shown\n)"
+    )
+
+    levels = [(f"a{j}.name", f"a{j}.iteration") for j in range(dims.depth + 1)]
+    select = [
+        f"(h.run_key << {_CTX_BITS}) + COALESCE(a0.ctx_id + 1, 0) AS {_ROW_KEY}",
+        "h.projid",
+        "h.run_id",
+        "h.tstamp",
+        "h.filename",
+    ]
+    for dim in dims.names:
+        cases = " ".join(f"WHEN {n} = {_literal(dim)} THEN {it}" for n, it in levels)
+        select.append(f"CASE {cases} END AS {_ident(dim)}")
+    joins = ["LEFT JOIN loops a0 ON h.looped AND a0.run_id = h.run_id"]
+    for i, c in enumerate(columns):
+        if c.in_loops:
+            joins.append(
+                f"LEFT JOIN logs v{i} ON v{i}.name = {_literal(c.name)}"
+                f" AND v{i}.run_id = a0.run_id AND v{i}.ctx_id = a0.ctx_id"
+                + (_not_superseded(f"v{i}") if c.repeated else "")
+            )
+        # A name logged both in and outside loops in one run: the loop value wins in its row.
+        if c.in_loops and c.at_run:
+            value = f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.value ELSE h.v{i} END"
+            vtype = f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.value_type ELSE h.t{i} END"
+        elif c.in_loops:
+            value, vtype = f"v{i}.value", f"v{i}.value_type"
+        else:
+            value, vtype = f"h.v{i}", f"h.t{i}"
+        select.append(f"{value} AS {_ident(c.name)}")
+        if c.shown and c.in_loops:
+            select.append(f"{vtype} AS {_ident(_type_column(c.name))}")
+    joins += [
+        f"LEFT JOIN loops a{j} ON a{j}.run_id = a0.run_id AND a{j}.ctx_id = a{j - 1}.parent_ctx"
+        for j in range(1, dims.depth + 1)
+    ]
+    select += ["h.run_order AS __retrolog_run_order", "a0.ctx_id AS __retrolog_ctx_id"]
+    has_value = "".join(f" OR v{i}.log_id IS NOT NULL" for i, _ in shown_in_loops)
+    wide = (
+        "wide AS (\n  SELECT\n    "
+        + ",\n    ".join(select)
+        + "\n  FROM chosen h\n  "
+        + "\n  ".join(joins)
+        + f"\n  WHERE NOT h.looped{has_value}\n)"
+    )
+    return "WITH RECURSIVE\n" + ",\n".join([hop, looped, run_values, chosen, wide])
+
+
+def _rows_sql(
+    columns: Sequence[_Name], dims: _Dims, where: str | None, per_cell: Sequence[str]
+) -> str:
+    """The rows of the view that pass ``where``, in order, as Python reads them.
+
+    That is the row key, the dimensions (-1 for empty), the shown loop-level
+    names, and their types as bit masks; names logged outside loops only come
+    from :func:`_runs_sql`.
+    """
+    outer = [_ROW_KEY]
+    outer += [f"COALESCE({_ident(d)}, -1) AS {_ident(d)}" for d in dims.names]
+    masks: dict[int, list[str]] = {}
+    for slot, c in enumerate(c for c in columns if c.shown and c.in_loops):
+        outer.append(_ident(c.name))
+        if c.name in per_cell:
+            outer.append(_ident(_type_column(c.name)))
+        group, place = divmod(slot, _NAMES_PER_MASK)
+        bit = _type_bit(_ident(_type_column(c.name)))
+        masks.setdefault(group, []).append(f"({bit} << {8 * place})")
+    outer += [f"{' | '.join(bits)} AS {_mask_column(g)}" for g, bits in masks.items()]
+    predicate = "" if where is None else f"WHERE (\n{where}\n)\n"
+    return (
+        _ctes(columns, dims)
+        + "\nSELECT "
+        + ",\n  ".join(outer)
+        + f"\nFROM wide\n{predicate}ORDER BY __retrolog_run_order, __retrolog_ctx_id"
+    )
+
+
+def _runs_sql(columns: Sequence[_Name]) -> str:
+    """The runs of the view with their run columns and their run-only names and types."""
+    select = ["run_key", *META_COLUMNS]
+    for i, c in enumerate(columns):
+        if c.shown and not c.in_loops:
+            select += [f"v{i} AS {_ident(c.name)}", f"t{i} AS {_ident(_type_column(c.name))}"]
+    # The rows' dimensions do not matter here: no self-join is written.
+    return _ctes(columns, _Dims([], 0)) + f"\nSELECT {', '.join(select)} FROM chosen"
+
+
+def _not_superseded(alias: str) -> str:
+    """A join condition keeping only the record of ``alias`` whose value counts.
+
+    That is the newest recorded record of its (run, ctx, name), else the newest
+    backfilled one. It costs a second index search per row, so it is only used
+    for names logged more than once in some context.
+    """
+    rank_b = "(b.origin = 'recorded')"
+    rank_v = f"({alias}.origin = 'recorded')"
+    return (
+        f" AND NOT EXISTS (SELECT 1 FROM logs b WHERE b.name = {alias}.name"
+        f" AND b.run_id = {alias}.run_id AND b.ctx_id = {alias}.ctx_id"
+        f" AND b.log_id <> {alias}.log_id"
+        f" AND ({rank_b} > {rank_v} OR ({rank_b} = {rank_v} AND b.log_id > {alias}.log_id)))"
+    )
+
+
+def _type_bit(vtype: str) -> str:
+    """SQL for the bit of a value type (0 when the cell is empty)."""
+    cases = " ".join(f"WHEN {_literal(t)} THEN {1 << b}" for b, t in enumerate(VALUE_TYPES))
+    return f"(CASE {vtype} {cases} ELSE 0 END)"
+
+
+def _dimensions(conn: sqlite3.Connection) -> _Dims:
+    """The store's loop names, outermost first then by first occurrence, and the max depth.
+
+    A loop name outside the ancestry of every row of a view is left out of it
+    afterwards (its column is all empty).
+    """
+    # DISTINCT keeps the few pairs in a small b-tree, far cheaper than GROUP BY's sort.
+    pairs = conn.execute("SELECT DISTINCT name, depth FROM loops").fetchall()
+    names: list[str] = []
+    for name, _ in sorted(pairs, key=lambda pair: pair[1]):  # stable: keeps first occurrence
+        if name not in names:
+            names.append(name)
+    return _Dims(names, max((depth for _, depth in pairs), default=0))
+
+
+def _describe(conn: sqlite3.Connection, name: str, *, shown: bool, check_repeats: bool) -> _Name:
+    """Where ``name`` was logged: inside loops, outside them, or both.
+
+    check_repeats: also find out whether it was logged twice in one context (a
+        scan of its index entries); otherwise it is assumed not to be.
+    """
+    # These probes read only the logs_by_name index (ctx_id is in it). A name's
+    # run-level records are few, so that probe hops from run to run rather than
+    # reading every entry of the name.
+    in_loops = conn.execute(
+        "SELECT 1 FROM logs WHERE name = ? AND ctx_id IS NOT NULL LIMIT 1", (name,)
+    ).fetchone()
+    at_run = conn.execute(
+        "WITH RECURSIVE r(run_id) AS ("
+        " SELECT min(run_id) FROM logs WHERE name = ?1"
+        " UNION ALL"
+        " SELECT (SELECT min(run_id) FROM logs WHERE name = ?1 AND run_id > r.run_id)"
+        " FROM r WHERE run_id IS NOT NULL)"
+        " SELECT 1 FROM r WHERE run_id IS NOT NULL AND EXISTS"
+        " (SELECT 1 FROM logs WHERE name = ?1 AND run_id = r.run_id AND ctx_id IS NULL)"
+        " LIMIT 1",
+        (name,),
+    ).fetchone()
+    repeated = check_repeats and in_loops is not None and _repeated(conn, name)
+    return _Name(name, shown, in_loops is not None, at_run is not None, repeated)
+
+
+def _repeated(conn: sqlite3.Connection, name: str) -> bool:
+    """Whether ``name`` was logged more than once in some (run, context)."""
+    row = conn.execute(
+        "SELECT 1 FROM logs WHERE name = ? GROUP BY run_id, ctx_id HAVING count(*) > 1 LIMIT 1",
+        (name,),
+    ).fetchone()
+    return row is not None
+
+
+def _has_repeats(row_keys: Sequence[int]) -> bool:
+    """Whether two rows share a (run, context): a name had several records there."""
+    keys = np.array(row_keys, dtype=np.int64)
+    return bool(len(keys) > 1 and (keys[1:] == keys[:-1]).any())
+
+
+def _quoted_names(
+    conn: sqlite3.Connection, where: str, columns: Sequence[_Name], dims: _Dims
+) -> list[_Name]:
+    """Hidden columns for the double-quoted logged names of ``where`` that are not columns.
+
+    SQLite reads an unknown double-quoted name as a string literal, which would
+    compare against text instead of failing, so such a name that is not logged
+    either is refused here.
+    """
+    taken = {n.casefold() for n in (*META_COLUMNS, *dims.names)}
+    taken.update(c.name.casefold() for c in columns)
+    hidden = []
+    for name in _quoted_identifiers(where):
+        if name.casefold() in taken:
+            continue
+        if not _is_logged(conn, name):
+            visible = [*META_COLUMNS, *dims.names, *(c.name for c in columns)]
+            raise QueryError(
+                f'The where-predicate {where!r} uses "{name}", which is neither one of the '
+                f"columns {_listing(visible)} nor a logged name "
+                f"({_listing(logged_names(conn))}); SQL quotes strings with single quotes, "
+                "e.g. filename = 'train.py'.",
+                sql=where,
+            )
+        hidden.append(_describe(conn, name, shown=False, check_repeats=True))
+        taken.add(name.casefold())
+    return hidden
+
+
+def _run_positions(
+    rows: dict[str, tuple[Any, ...]], runs: dict[str, tuple[Any, ...]]
+) -> np.ndarray:
+    """For each row, the position of its run in ``runs``."""
+    run_keys = np.array(rows[_ROW_KEY], dtype=np.int64) >> _CTX_BITS
+    return pd.Index(np.array(runs["run_key"], dtype=np.int64)).get_indexer(run_keys)
+
+
+def _types_in(
+    rows: dict[str, tuple[Any, ...]],
+    runs: dict[str, tuple[Any, ...]],
+    take: np.ndarray,
+    columns: Sequence[_Name],
+) -> dict[str, set[str]]:
+    """The value types each shown name has in the result."""
+    types: dict[str, set[str]] = {}
+    for slot, c in enumerate(c for c in columns if c.shown and c.in_loops):
+        group, place = divmod(slot, _NAMES_PER_MASK)
+        masks = np.array(rows[_mask_column(group)], dtype=np.int64)
+        bits = (int(np.bitwise_or.reduce(masks)) if len(masks) else 0) >> (8 * place)
+        types[c.name] = {t for b, t in enumerate(VALUE_TYPES) if bits & (1 << b)}
+    present = np.unique(take)
+    for c in columns:
+        if c.shown and not c.in_loops:
+            run_types = runs[_type_column(c.name)]
+            types[c.name] = {run_types[k] for k in present if run_types[k] is not None}
+    return types
+
+
+def _store_types(conn: sqlite3.Connection, name: str) -> set[str]:
+    """The value types ``name`` has anywhere in the store."""
+    sql = "SELECT DISTINCT value_type FROM logs WHERE name = ?"
+    return {row[0] for row in conn.execute(sql, (name,))}
+
+
+def _dtype_for(types: set[str]) -> str | None:
+    """The dtype of a column holding values of ``types``; None when cells need their own type."""
+    present = types - {"none"}
+    if not present or present <= {"str", "text"}:
+        return "object"
+    if present <= {"float", "int"}:
+        return "float64" if "float" in present else "Int64"
+    if present == {"bool"}:
+        return "boolean"
+    if present == {"json"}:
+        return "json"
+    return None
+
+
+def _typed_frame(
+    rows: dict[str, tuple[Any, ...]],
+    runs: dict[str, tuple[Any, ...]],
+    take: np.ndarray,
+    query: _WideQuery,
+    types: dict[str, set[str]],
+) -> pd.DataFrame:
+    """The view as a DataFrame with each column's dtype; per-run columns spread over rows."""
+    data: dict[str, Any] = {}
+    for meta in META_COLUMNS:
+        data[meta] = pd.Series(_objects(runs[meta])[take], dtype=object)
+    for dim in query.dims.names:
+        iterations = np.array(rows[dim], dtype=np.int64)
+        empty = iterations < 0
+        if not empty.all():  # the loop is in the ancestry of some row
+            data[dim] = pd.arrays.IntegerArray(iterations, empty)
+    per_run = {c.name for c in query.per_run}
+    for name in query.requested:
+        if name in per_run:
+            column = _typed(runs[name], runs[_type_column(name)], types[name])
+            data[name] = column.take(take).reset_index(drop=True)
+        else:
+            cell_types = rows.get(_type_column(name))
+            data[name] = _typed(rows[name], cell_types, types[name])
+    return pd.DataFrame(data)
+
+
+def _typed(
+    values: Sequence[Any], cell_types: Sequence[str | None] | None, types: set[str]
+) -> pd.Series:
+    """One name's values as a Series of the dtype its ``types`` call for."""
+    kind = _dtype_for(types)
+    if kind is None:
+        if cell_types is None:
+            raise AssertionError("a mixed-type column was read without its cell types")
+        return pd.Series(_objects(map(_decode, values, cell_types)), dtype=object)
+    if kind == "float64":
+        return pd.Series(np.array(values, dtype=np.float64), copy=False)
+    if kind in ("Int64", "boolean"):
+        return pd.Series(pd.array(values, dtype=kind))
+    if kind == "json":
+        decoded = (None if v is None else json.loads(v) for v in values)
+        return pd.Series(_objects(decoded), dtype=object)
+    return pd.Series(_objects(values), dtype=object)
+
+
+def _decode(value: Any, value_type: str | None) -> Any:
+    """One cell of a mixed-type column, as the Python value that was logged."""
+    if value_type == "float":
+        return math.nan if value is None else float(value)
+    if value_type == "bool":
+        return None if value is None else bool(value)
+    if value_type == "json":
+        return None if value is None else json.loads(value)
+    return value
+
+
+def _objects(values: Iterable[Any]) -> np.ndarray:
+    """An object array holding ``values`` as elements (lists stay lists, strs stay str)."""
+    return np.fromiter(values, dtype=object)
+
+
+def _mask_column(group: int) -> str:
+    return f"__retrolog_types_{group}"
+
+
+def _type_column(name: str) -> str:
+    return f"__retrolog_type_of_{name}"
+
+
+def _is_logged(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone() is not None
+
+
+def _require_logged(conn: sqlite3.Connection, name: str) -> None:
+    """Raise UnknownNameError, with the closest logged names, unless ``name`` was logged."""
+    if _is_logged(conn, name):
+        return
+    known = logged_names(conn)
+    if not known:
+        raise UnknownNameError(
+            f"No run logged {name!r}: this store holds no logged values yet. Record a run "
+            "with rl.log(...) calls first.",
+            name=name,
+        )
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise UnknownNameError(
+        f"No run logged {name!r}; the names logged in this store are: {_listing(known)}.{hint}",
+        name=name,
+    )
+
+
+def _missing_column(exc: QueryError) -> str | None:
+    """The column sqlite said does not exist, if that was the complaint."""
+    cause = exc.__cause__
+    if not isinstance(cause, sqlite3.OperationalError):
+        return None
+    match = _NO_SUCH_COLUMN.search(str(cause))
+    return match.group(1) if match else None
+
+
+def _quoted_identifiers(where: str) -> list[str]:
+    """The double-quoted identifiers in ``where``."""
+    found = (m.group(1) for m in _DOUBLE_QUOTED.finditer(where))
+    return [name.replace('""', '"') for name in found if name is not None]
+
+
+def _check_collisions(requested: Sequence[str], dims: Sequence[str]) -> None:
+    """Refuse a name that would share its column name with another column.
+
+    SQL compares column names without regard to case, so 'Loss' and 'loss' collide too.
+    """
+    taken = {c.casefold(): c for c in (*META_COLUMNS, *dims)}
+    for name in requested:
+        other = taken.get(name.casefold())
+        if other is not None:
+            raise QueryError(
+                f"The log name {name!r} would share its column with {other!r} (a run column, "
+                "a loop name or another requested name; SQL ignores case), so dataframe() "
+                "cannot show both; read it with query(), e.g. "
+                f"SELECT run_id, ctx_id, value FROM logs WHERE name = {_literal(name)}.",
+            )
+        taken[name.casefold()] = name
+
+
+def _listing(names: Sequence[str], limit: int = 30) -> str:
+    if len(names) <= limit:
+        return ", ".join(names) if names else "(none)"
+    return ", ".join(names[:limit]) + f", ... ({len(names) - limit} more)"
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ident(text: str) -> str:
+    return '"' + text.replace('"', '""') + '"'

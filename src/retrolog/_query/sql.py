@@ -1,0 +1,248 @@
+"""Read-only SQL over the store, as a DataFrame.
+
+``query(conn, sql)`` runs one statement with a SQLite authorizer that allows
+reads only, so neither a user's query nor a ``where`` predicate spliced into
+``dataframe()``'s SQL can change the store or the connection. The tables a
+user may read are listed in :data:`DOCUMENTED_TABLES`.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pandas as pd
+
+from retrolog.errors import QueryError
+
+DOCUMENTED_TABLES: dict[str, str] = {
+    "runs": "one row per run: run_id, projid, tstamp, filename, status, args, code version",
+    "loops": "one row per loop iteration: run_id, ctx_id, parent_ctx, name, iteration, depth",
+    "logs": "one row per logged value: run_id, ctx_id, name, value, value_type, origin",
+    "checkpoints": "one row per checkpoint: run_id, ctx_id, loop_name, kind, manifest, nbytes",
+    "profile": "record-time timings for the replay cost model: run_id, phase, ctx_id, seconds",
+    "migrations": "the schema migrations applied to this store",
+}
+"""The tables ``query()`` documents for users, with what a row is."""
+
+# Pragmas that only report (their argument, if any, names an object to report on).
+_REPORTING_PRAGMAS = frozenset(
+    {
+        "collation_list",
+        "compile_options",
+        "database_list",
+        "foreign_key_check",
+        "foreign_key_list",
+        "function_list",
+        "index_info",
+        "index_list",
+        "index_xinfo",
+        "integrity_check",
+        "module_list",
+        "pragma_list",
+        "quick_check",
+        "table_info",
+        "table_list",
+        "table_xinfo",
+    }
+)
+# Pragmas that are settings: reading one (no argument) is allowed, setting it is not.
+_READABLE_SETTINGS = frozenset(
+    {
+        "application_id",
+        "auto_vacuum",
+        "busy_timeout",
+        "cache_size",
+        "data_version",
+        "encoding",
+        "foreign_keys",
+        "freelist_count",
+        "journal_mode",
+        "locking_mode",
+        "max_page_count",
+        "mmap_size",
+        "page_count",
+        "page_size",
+        "query_only",
+        "schema_version",
+        "synchronous",
+        "temp_store",
+        "user_version",
+        "wal_autocheckpoint",
+    }
+)
+# Python's sqlite3 only names SQLITE_RECURSIVE when built against SQLite >= 3.8.3.
+_SQLITE_RECURSIVE = getattr(sqlite3, "SQLITE_RECURSIVE", 33)
+_SCHEMA_TABLES = frozenset({"sqlite_master", "sqlite_temp_master"})
+# REINDEX writes but never calls the authorizer, so it is refused by its first word.
+_UNAUTHORIZED_WRITE = re.compile(r"^(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*REINDEX\b", re.I | re.S)
+
+
+class _Refusal:
+    """What the authorizer denied first during one statement's preparation."""
+
+    def __init__(self) -> None:
+        self.action: str | None = None
+
+    def authorize(
+        self, action: int, arg1: str | None, arg2: str | None, db: str | None, source: str | None
+    ) -> int:
+        """The sqlite3 authorizer callback: SQLITE_OK for reads, SQLITE_DENY otherwise."""
+        if action in (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, _SQLITE_RECURSIVE):
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION:
+            if arg2 == "load_extension":
+                return self._deny("load an extension (load_extension)")
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_PRAGMA:
+            name = (arg1 or "").lower()
+            if name in _REPORTING_PRAGMAS or (name in _READABLE_SETTINGS and arg2 is None):
+                return sqlite3.SQLITE_OK
+            setting = f"PRAGMA {arg1}" + (f" = {arg2}" if arg2 is not None else "")
+            return self._deny(f"change a setting ({setting})")
+        if action == sqlite3.SQLITE_UPDATE and arg1 in _SCHEMA_TABLES:
+            # SQLite reports this while it sets up a table-valued function (json_each,
+            # pragma_table_info); a real UPDATE of the schema table is refused by SQLite itself.
+            return sqlite3.SQLITE_OK
+        if arg1 in _SCHEMA_TABLES and action in _SCHEMA_CHANGES:
+            # CREATE and DROP are first reported as a write to the schema table.
+            return self._deny(_SCHEMA_CHANGES[action])
+        return self._deny(_ACTION_NAMES.get(action, f"do what SQLite calls action {action}"))
+
+    def _deny(self, what: str) -> int:
+        if self.action is None:
+            self.action = what
+        return sqlite3.SQLITE_DENY
+
+
+_ACTION_NAMES: dict[int, str] = {
+    sqlite3.SQLITE_INSERT: "insert rows (INSERT)",
+    sqlite3.SQLITE_UPDATE: "update rows (UPDATE)",
+    sqlite3.SQLITE_DELETE: "delete rows (DELETE)",
+    sqlite3.SQLITE_ALTER_TABLE: "alter a table (ALTER TABLE)",
+    sqlite3.SQLITE_ATTACH: "attach a database (ATTACH or VACUUM)",
+    sqlite3.SQLITE_DETACH: "detach a database (DETACH)",
+    sqlite3.SQLITE_TRANSACTION: "control a transaction (BEGIN, COMMIT, ROLLBACK)",
+    sqlite3.SQLITE_SAVEPOINT: "control a transaction (SAVEPOINT, RELEASE)",
+    sqlite3.SQLITE_ANALYZE: "write statistics (ANALYZE)",
+    sqlite3.SQLITE_REINDEX: "rebuild indexes (REINDEX)",
+    **{
+        code: "create an object (CREATE)"
+        for name, code in vars(sqlite3).items()
+        if name.startswith("SQLITE_CREATE_")
+    },
+    **{
+        code: "drop an object (DROP)"
+        for name, code in vars(sqlite3).items()
+        if name.startswith("SQLITE_DROP_")
+    },
+}
+_SCHEMA_CHANGES = {
+    sqlite3.SQLITE_INSERT: "create an object (CREATE)",
+    sqlite3.SQLITE_DELETE: "drop an object (DROP)",
+}
+
+
+@contextmanager
+def read_only(conn: sqlite3.Connection) -> Iterator[_Refusal]:
+    """Install the read-only authorizer on ``conn`` for the duration of the block.
+
+    Yields the refusal record: when a statement fails, its ``action`` says whether
+    it failed because it tried to write. Afterwards no authorizer is installed.
+    """
+    refusal = _Refusal()
+    conn.set_authorizer(refusal.authorize)
+    try:
+        yield refusal
+    finally:
+        conn.set_authorizer(None)
+
+
+def execute_read(
+    conn: sqlite3.Connection,
+    sql: str,
+    *,
+    subject: str | None,
+    malformed: Callable[[str], str],
+    writes: Callable[[str, str], str],
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Run one statement under the read-only authorizer; returns its column names and rows.
+
+    subject: the text the user wrote (the query, or a predicate spliced into ``sql``);
+        it becomes the QueryError's ``sql``.
+    malformed: sqlite's complaint -> the message when the statement fails.
+    writes: (what it tried, sqlite's complaint) -> the message when it tries to write.
+    """
+    if _UNAUTHORIZED_WRITE.match(sql):
+        what = "rebuild indexes (REINDEX)"
+        raise QueryError(writes(what, "not authorized"), sql=subject)
+    with read_only(conn) as refusal:
+        try:
+            cursor = conn.execute(sql)
+            rows = cursor.fetchall()
+        # Python < 3.12 reports a second statement as sqlite3.Warning, not an Error.
+        except (sqlite3.Error, sqlite3.Warning) as exc:
+            if refusal.action is not None:
+                raise QueryError(writes(refusal.action, _complaint(exc)), sql=subject) from exc
+            raise QueryError(malformed(_complaint(exc)), sql=subject) from exc
+    columns = [d[0] for d in cursor.description] if cursor.description else []
+    return columns, rows
+
+
+def query(conn: sqlite3.Connection, sql: str) -> pd.DataFrame:
+    """Run one read-only SQL statement over the store; returns its rows as a DataFrame.
+
+    The documented tables are runs, loops, logs, checkpoints, profile and
+    migrations (see :data:`DOCUMENTED_TABLES`). Values keep their SQLite types:
+    a column of integers is int64 (``Int64`` when it holds NULLs), of reals
+    float64 (NULL reads as NaN), anything else object holding the Python values
+    sqlite3 returns (str, bytes, None, or a mix).
+
+    Raises QueryError when the statement would write or change the connection,
+    is malformed, or is more than one statement.
+    """
+    tables = ", ".join(DOCUMENTED_TABLES)
+
+    def malformed(complaint: str) -> str:
+        return (
+            f"The query {sql!r} cannot be run: SQLite says {complaint!r}. Give one SELECT "
+            f"statement over the store's tables: {tables}."
+        )
+
+    def writes(action: str, complaint: str) -> str:
+        return (
+            f"query() is read-only: {sql!r} tries to {action}, which would change the store "
+            f"or the connection (SQLite says {complaint!r}). Use SELECT (or WITH ... SELECT) "
+            f"to read the tables {tables}; retrolog itself writes runs, logs and checkpoints."
+        )
+
+    columns, rows = execute_read(conn, sql, subject=sql, malformed=malformed, writes=writes)
+    return frame_from_rows(columns, rows)
+
+
+def frame_from_rows(columns: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> pd.DataFrame:
+    """A DataFrame whose columns keep the SQLite storage classes of their values."""
+    values = [[row[j] for row in rows] for j in range(len(columns))]
+    frame = pd.DataFrame({j: _sqlite_column(col) for j, col in enumerate(values)})
+    frame.columns = pd.Index(list(columns))
+    return frame
+
+
+def _sqlite_column(values: Sequence[Any]) -> pd.Series:
+    """One column: int64 (Int64 with NULLs), float64, or object for text, blobs and mixes."""
+    kinds = {type(v) for v in values}
+    nulls = type(None) in kinds
+    kinds.discard(type(None))
+    if kinds == {int}:
+        return pd.Series(pd.array(values, dtype="Int64") if nulls else list(values), dtype=None)
+    if kinds == {float}:
+        return pd.Series(list(values), dtype="float64")
+    return pd.Series(list(values), dtype=object)
+
+
+def _complaint(exc: BaseException) -> str:
+    """sqlite's message, without its final period (it is quoted inside a sentence)."""
+    return str(exc).rstrip(".") or type(exc).__name__

@@ -1,1 +1,0 @@
-"""retrolog.query"""
