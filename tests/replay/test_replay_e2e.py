@@ -227,3 +227,40 @@ def test_python_api_returns_the_dataframe(
     assert frame["w_norm"].dtype == "float64" and frame["w_norm"].notna().all()
     details = json.loads(project.cli("show", runs[1], "--json").stdout)
     assert any(n["name"] == "w_norm" and n["origin"] == "backfilled" for n in details["names"])
+
+
+def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    runs = _record(project)
+    before = (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD"))
+    with subprocess.Popen(
+        [sys.executable, "-m", "retrolog", "replay", "grad", "--yes", "--workers", "2"],
+        cwd=project.root,
+        env=project.env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        replays = project.root / ".retrolog" / "replays"
+        deadline = time.monotonic() + 120
+        while not list(replays.glob("*/*.log")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the workers are importing torch or training
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Interrupted" in err and "Traceback" not in err
+    for run_id in runs:
+        assert not list(Path(tempfile.gettempdir()).glob(f"retrolog-{run_id}-*"))
+        # Workers run from their checkout, whose path holds the run id: none is left.
+        left = subprocess.run(["pgrep", "-f", f"retrolog-{run_id}"], capture_output=True)
+        assert left.stdout == b"", left.stdout
+    assert (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD")) == before
+    ((status,),) = read_db(project.root, "SELECT status FROM replays")
+    assert status == "interrupted"
