@@ -12,7 +12,8 @@ run's record-time profile (DESIGN.md, "Cost estimate")::
 Times are the recorded ones minus what recording added and replay does not
 repeat (checkpoint capture on the training thread). Restore time comes from a
 measured decode throughput when the caller has one, else from the recorded
-materialize time of that checkpoint (Flor's c = 1).
+materialize time of that checkpoint (Flor's c = 1). The profiles, and that
+throughput, come from profile.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ import bisect
 import enum
 import heapq
 import math
-import sqlite3
-import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+# Profiles are read in profile.py; RunProfile, load_profiles and
+# measure_restore_throughput stay importable from here.
+from retrolog._replay.profile import RunProfile
+from retrolog._replay.profile import load_profiles as load_profiles
+from retrolog._replay.profile import (
+    measure_restore_throughput as measure_restore_throughput,
+)
 from retrolog._replay.statements import Position, StatementSite
-from retrolog.errors import RunNotFoundError, StoreError, UsageError
-from retrolog.store.objects import ObjectStore
+from retrolog.errors import UsageError
 
 
 class ScanLevel(enum.IntEnum):
@@ -66,63 +69,6 @@ def scan_level_for(
             if site.note.startswith("could not resolve"):
                 notes.append(f"{name!r} (line {site.line}): {site.note}")
     return level, tuple(notes)
-
-
-@dataclass(frozen=True)
-class RunProfile:
-    """What the planner knows about one recorded run: its loop, checkpoints and timings.
-
-    Iterations are the outer loop's, 0-based. ``block_seconds[i]`` equals
-    ``iteration_seconds[i]`` when iteration i had no nested loop (the whole
-    iteration is its block).
-    """
-
-    run_id: str
-    filename: str
-    status: str
-    outer_loop: str | None
-    iterations: int
-    block_checkpoints: dict[int, str]  # outer iteration -> manifest key
-    end_checkpoint: str | None
-    prefix_seconds: float
-    suffix_seconds: float
-    iteration_seconds: tuple[float, ...]
-    block_seconds: tuple[float, ...]
-    checkpoint_bytes: dict[int, int]  # outer iteration -> bytes of its block checkpoint
-    code_version: str | None = None  # short commit of the run's code
-    # capture + write time of each block checkpoint: the restore estimate when no
-    # throughput was measured (restore ~ materialize, Flor's c = 1)
-    checkpoint_seconds: dict[int, float] = field(default_factory=dict)
-    # Checkpoint time recording spent on the training thread inside iteration i's
-    # recorded seconds (a nested block is captured inside its iteration); replay
-    # does not checkpoint, so the estimate leaves it out.
-    record_overhead_seconds: dict[int, float] = field(default_factory=dict)
-    nested_block: tuple[bool, ...] | None = None  # None: iteration i is nested iff block < total
-    end_checkpoint_bytes: int = 0
-    end_checkpoint_seconds: float = 0.0  # capture + write of the end checkpoint
-    end_record_overhead_seconds: float = 0.0  # of that, inside the recorded post + suffix
-    pre_outer_seconds: float = 0.0  # other top-level loops between the prefix and the outer loop
-    post_outer_seconds: float = 0.0  # other top-level loops between the outer loop and the suffix
-    notes: tuple[str, ...] = ()  # what loading the profile had to guess
-
-    def __post_init__(self) -> None:
-        n = self.iterations
-        if len(self.iteration_seconds) != n or len(self.block_seconds) != n:
-            raise ValueError(
-                f"run {self.run_id}: {n} iterations but {len(self.iteration_seconds)} iteration "
-                f"and {len(self.block_seconds)} block timings"
-            )
-        if self.nested_block is not None and len(self.nested_block) != n:
-            raise ValueError(f"run {self.run_id}: nested_block has the wrong length")
-        outside = [i for i in self.block_checkpoints if not 0 <= i < n]
-        if outside:
-            raise ValueError(f"run {self.run_id}: checkpoints for iterations {outside} of {n}")
-
-    def is_nested(self, i: int) -> bool:
-        """Whether iteration i's block is a nested loop (else the whole iteration is the block)."""
-        if self.nested_block is not None:
-            return self.nested_block[i]
-        return self.block_seconds[i] < self.iteration_seconds[i]
 
 
 @dataclass(frozen=True)
@@ -179,237 +125,6 @@ class ReplayPlan:
     def work_seconds(self) -> float:
         """The sum of all segments' estimates (the wall time on one worker)."""
         return sum(run.estimate_seconds for run in self.runs)
-
-
-# -- loading profiles ------------------------------------------------------------------
-
-
-def load_profiles(conn: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunProfile]:
-    """Read the runs' loops, checkpoints and timing profile from the store.
-
-    Raises RunNotFoundError for an id that is not in the store.
-    """
-    try:
-        return [_load_profile(conn, run_id) for run_id in run_ids]
-    except sqlite3.Error as exc:
-        raise StoreError(f"Cannot read the timing profile from the store: {exc}.") from exc
-
-
-@dataclass
-class _LoopRow:
-    ctx: int
-    name: str
-    depth: int
-    t_start: float
-    t_end: float | None
-
-
-def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
-    row = conn.execute(
-        "SELECT filename, status, code_commit, started_at, ended_at FROM runs WHERE run_id = ?",
-        (run_id,),
-    ).fetchone()
-    if row is None:
-        raise RunNotFoundError(
-            f'No run {run_id!r} in the store; `retrolog query "SELECT run_id FROM runs"` '
-            "lists the runs there are.",
-            run_id=run_id,
-        )
-    filename, status, commit, started_at, ended_at = row
-    notes: list[str] = []
-    if status == "crashed":
-        notes.append("the run crashed: its replay is expected to stop where it did")
-
-    loops = [
-        _LoopRow(ctx, name, depth, t_start, t_end)
-        for ctx, name, depth, t_start, t_end in conn.execute(
-            "SELECT ctx_id, name, depth, t_start, t_end FROM loops"
-            " WHERE run_id = ? AND depth <= 1 ORDER BY ctx_id",
-            (run_id,),
-        )
-    ]
-    with_children = {
-        parent
-        for (parent,) in conn.execute(
-            "SELECT DISTINCT parent_ctx FROM loops WHERE run_id = ? AND parent_ctx IS NOT NULL",
-            (run_id,),
-        )
-    }
-    checkpoints: dict[int, tuple[str, int, float]] = {}  # ctx -> (manifest, bytes, seconds)
-    end: tuple[str, int, float] | None = None
-    checkpoint_loops: list[str] = []
-    for ctx, loop_name, kind, manifest, nbytes, capture, write in conn.execute(
-        "SELECT ctx_id, loop_name, kind, manifest, nbytes, capture_seconds, write_seconds"
-        " FROM checkpoints WHERE run_id = ? ORDER BY checkpoint_id",
-        (run_id,),
-    ):
-        checkpoint_loops.append(loop_name)
-        if kind == "end":
-            end = (manifest, nbytes, capture + write)
-        elif ctx is not None:
-            checkpoints[ctx] = (manifest, nbytes, capture + write)
-    phases: dict[str, float] = {}
-    iteration_rows: dict[int, tuple[float, float]] = {}
-    for phase, ctx, seconds, block in conn.execute(
-        "SELECT phase, ctx_id, seconds, block_seconds FROM profile WHERE run_id = ?", (run_id,)
-    ):
-        if phase == "iteration" and ctx is not None:
-            iteration_rows[ctx] = (seconds, seconds if block is None else block)
-        elif phase in ("prefix", "suffix"):
-            phases[phase] = seconds
-
-    top = [r for r in loops if r.depth == 0]
-    outer = _outer_loop_name(checkpoint_loops, top, iteration_rows)
-    candidates = [r for r in loops if r.name == outer]
-    depth = min((r.depth for r in candidates), default=0)
-    outer_rows = [r for r in candidates if r.depth == depth]
-    if depth > 0:
-        notes.append(f"loop {outer!r} is nested in another loop: the estimate is rough")
-
-    seconds, blocks, nested, missing = [], [], [], 0
-    for r in outer_rows:
-        if r.ctx in iteration_rows:
-            total, block = iteration_rows[r.ctx]
-        elif r.t_end is not None:
-            total = block = r.t_end - r.t_start
-        else:
-            total = block = math.nan
-            missing += 1
-        seconds.append(total)
-        blocks.append(block)
-        nested.append(r.ctx in with_children or block < total)
-    if missing:
-        known = [(s, b) for s, b in zip(seconds, blocks, strict=True) if not math.isnan(s)]
-        mean_s = sum(s for s, _ in known) / len(known) if known else 0.0
-        mean_b = sum(b for _, b in known) / len(known) if known else 0.0
-        seconds = [mean_s if math.isnan(s) else s for s in seconds]
-        blocks = [mean_b if math.isnan(b) else b for b in blocks]
-        notes.append(
-            f"{missing} iteration(s) have no timing (unfinished when the run ended): "
-            "estimated as the mean of the others"
-        )
-
-    index = {r.ctx: i for i, r in enumerate(outer_rows)}
-    block_checkpoints = {index[c]: m for c, (m, _, _) in checkpoints.items() if c in index}
-    overhead = {
-        index[c]: s for c, (_, _, s) in checkpoints.items() if c in index and nested[index[c]]
-    }
-
-    if "prefix" in phases:
-        prefix = phases["prefix"]
-    elif top:
-        prefix = top[0].t_start
-        notes.append(
-            "no prefix timing (the process died): taken from the run's start to its first "
-            "loop, without interpreter start-up"
-        )
-    else:
-        prefix = (ended_at - started_at) if ended_at is not None else 0.0
-        notes.append("no loop was recorded: the whole script is its prefix")
-    suffix = phases.get("suffix", 0.0)
-    if "suffix" not in phases and top:
-        notes.append("no suffix timing (the process died): counted as 0")
-
-    pre = post = 0.0
-    if outer_rows and top:
-        pre = max(outer_rows[0].t_start - top[0].t_start, 0.0)
-        last_end = outer_rows[-1].t_end
-        ends = [r.t_end for r in top if r.t_end is not None]
-        if last_end is not None and ends:
-            post = max(max(ends) - last_end, 0.0)
-
-    return RunProfile(
-        run_id=run_id,
-        filename=filename,
-        status=status,
-        outer_loop=outer,
-        iterations=len(outer_rows),
-        block_checkpoints=block_checkpoints,
-        end_checkpoint=end[0] if end else None,
-        prefix_seconds=prefix,
-        suffix_seconds=suffix,
-        iteration_seconds=tuple(seconds),
-        block_seconds=tuple(blocks),
-        checkpoint_bytes={index[c]: b for c, (_, b, _) in checkpoints.items() if c in index},
-        code_version=commit[:12] if commit else None,
-        checkpoint_seconds={index[c]: s for c, (_, _, s) in checkpoints.items() if c in index},
-        record_overhead_seconds=overhead,
-        nested_block=tuple(nested),
-        end_checkpoint_bytes=end[1] if end else 0,
-        end_checkpoint_seconds=end[2] if end else 0.0,
-        end_record_overhead_seconds=end[2] if end else 0.0,
-        pre_outer_seconds=pre,
-        post_outer_seconds=post,
-        notes=tuple(notes),
-    )
-
-
-def _outer_loop_name(
-    checkpoint_loops: list[str],
-    top: list[_LoopRow],
-    iteration_rows: Mapping[int, tuple[float, float]],
-) -> str | None:
-    """The checkpointed loop; without checkpoints, the top-level loop that took longest."""
-    if checkpoint_loops:
-        return max(set(checkpoint_loops), key=checkpoint_loops.count)
-    if not top:
-        return None
-    totals: dict[str, float] = {}
-    for r in top:
-        spent = iteration_rows.get(r.ctx, (0.0, 0.0))[0]
-        totals[r.name] = totals.get(r.name, 0.0) + spent
-    return max(totals, key=lambda name: totals[name])
-
-
-# -- restore throughput ------------------------------------------------------------------
-
-
-class _CountingStore(ObjectStore):
-    """Delegates reads and counts the bytes of the distinct objects read."""
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.sizes: dict[str, int] = {}
-
-    def put(self, data: bytes) -> str:
-        return self.inner.put(data)
-
-    def get(self, key: str) -> bytes:
-        data = self.inner.get(key)
-        self.sizes[key] = len(data)
-        return data
-
-    def has(self, key: str) -> bool:
-        return self.inner.has(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-
-def measure_restore_throughput(store_root: Path, manifest: str) -> float:
-    """Bytes per second at which a real checkpoint decodes, for the restore estimate.
-
-    store_root: the store directory (``.retrolog``, holding ``objects/``).
-    manifest: the manifest key of one of the checkpoints to be restored.
-
-    Pass ``1 / throughput`` to :func:`plan_replay` as ``restore_seconds_per_byte``.
-    """
-    from retrolog.checkpoint.capture import load_checkpoint
-    from retrolog.store.objects import LocalObjectStore
-
-    store = _CountingStore(LocalObjectStore(store_root / "objects"))
-    had_torch = "torch" in sys.modules
-    started = time.perf_counter()
-    load_checkpoint(store, manifest)
-    elapsed = time.perf_counter() - started
-    if not had_torch and "torch" in sys.modules:
-        # The first decode imported torch, which a worker pays in its prefix: time a
-        # second decode (from the page cache, so a little optimistic for a cold disk).
-        store.sizes.clear()
-        started = time.perf_counter()
-        load_checkpoint(store, manifest)
-        elapsed = time.perf_counter() - started
-    return sum(store.sizes.values()) / max(elapsed, 1e-9)
 
 
 # -- planning ----------------------------------------------------------------------------

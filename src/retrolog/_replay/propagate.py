@@ -21,19 +21,25 @@ corresponds to where it sits in the new one. :func:`propagate` does that:
 The trees are the standard library's :mod:`ast`: edits are whole lines inserted
 at statement boundaries, so everything else in the old file (comments,
 formatting, line endings) stays byte-identical without a concrete syntax tree.
-See docs/propagation.md for the rules and a table of cases.
+Step 2 lives in _align.py, the scope analysis behind step 4 in _scopes.py; this
+module reads the versions, places, renames and edits. See docs/propagation.md
+for the rules and a table of cases.
 """
 
 from __future__ import annotations
 
 import ast
-import builtins
 import difflib
-import heapq
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from retrolog._replay._align import MIN_DICE as MIN_DICE
+from retrolog._replay._align import MIN_HEIGHT as MIN_HEIGHT
+from retrolog._replay._align import MIN_SIMILARITY as MIN_SIMILARITY
+from retrolog._replay._align import _Alignment, _inside, _Node, _Tree
+from retrolog._replay._scopes import _DEFS, _OPERATORS, _SCOPES, _free_names, _scopes
 
 __all__ = [
     "LogStatement",
@@ -44,28 +50,9 @@ __all__ = [
     "propagate",
 ]
 
-# GumTree's defaults: subtrees lower than MIN_HEIGHT (a bare name or constant) are
-# too common to match on their own and are left to their parents' phases; a
-# container matches when more than MIN_DICE of its matched descendants agree.
-MIN_HEIGHT = 2
-MIN_DICE = 0.5
-# Recovery pairs leftover statements of one kind whose labelled tokens overlap this
-# much: ``model = Net()`` with ``net = Net()`` (0.5), ``lr = 0.01`` with ``lr = 0.02``
-# (0.5), but not ``x = 1`` with ``y = 2`` (0) nor ``f(net, opt)`` with ``net.train()``.
-MIN_SIMILARITY = 0.5
-
-_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-_SCOPES = (ast.Module, *_DEFS, ast.Lambda)
-_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-# Singletons in CPython's ast (one shared object per operator), so never tree nodes:
-# they go into their parent's label instead.
-_OPERATORS = (ast.expr_context, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
-_BLOCK_ITEMS = (ast.stmt, ast.excepthandler, ast.match_case)
 # Compound statements copied whole when they hold nothing but requested log
 # statements, as in ``if step % 100 == 0: rl.log("grad", g)``.
 _COPYABLE = (ast.If, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor)
-_BUILTINS = frozenset(dir(builtins)) | {"__file__", "__builtins__"}
 # Lines as Python's tokenizer sees them; str.splitlines also splits on form feeds.
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 _BLANK = " \t\f"
@@ -355,483 +342,6 @@ def _unknown_names_message(missing: list[str], logged: set[str]) -> str:
     return message + (f" Did you mean {close[0]!r}?" if close else "")
 
 
-# --- Scopes: which names are bound where ----------------------------------------------
-
-
-@dataclass
-class _Scopes:
-    """Where each scope of a file binds each name, for the is-it-defined check."""
-
-    bindings: dict[int, dict[str, tuple[int, int]]]  # id(scope) -> name -> first binding
-    starred: set[int]  # scopes with ``from x import *``: anything may be bound there
-    scope_of: dict[int, ast.AST]  # id(Name or arg node) -> the scope it belongs to
-
-
-def _scopes(tree: ast.Module) -> _Scopes:
-    result = _Scopes({}, set(), {})
-    stack: list[tuple[ast.AST, ast.AST]] = [(tree, tree)]
-    while stack:
-        node, scope = stack.pop()
-        table = result.bindings.setdefault(id(scope), {})
-        position = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
-
-        def bind(
-            name: str, table: dict[str, tuple[int, int]] = table, at: tuple[int, int] = position
-        ) -> None:
-            if name not in table or at < table[name]:
-                table[name] = at
-
-        inner = node if isinstance(node, (*_DEFS, ast.Lambda, *_COMPREHENSIONS)) else scope
-        if isinstance(node, _DEFS):
-            bind(node.name)
-        if isinstance(node, _FUNCTIONS):
-            own = result.bindings.setdefault(id(node), {})
-            arguments = node.args
-            every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
-            for arg in [*every, arguments.vararg, arguments.kwarg]:
-                if arg is not None:
-                    own.setdefault(arg.arg, position)
-                    result.scope_of[id(arg)] = node
-        if isinstance(node, ast.Name):
-            result.scope_of[id(node)] = scope
-            if not isinstance(node.ctx, ast.Load):
-                bind(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                if alias.name == "*":
-                    result.starred.add(id(scope))
-                else:
-                    bind(alias.asname or alias.name.split(".")[0])
-        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
-            bind(node.name)
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            bind(node.rest)
-        for field, child in _children(node):
-            # Decorators, defaults and bases run in the enclosing scope; bodies in their own.
-            in_body = field == "body" or isinstance(node, _COMPREHENSIONS)
-            stack.append((child, inner if in_body else scope))
-    return result
-
-
-def _free_names(node: ast.AST, bound: frozenset[str] = frozenset()) -> Iterator[ast.Name]:
-    """The names a statement reads before binding them itself (in execution order)."""
-    if isinstance(node, ast.Name):
-        if isinstance(node.ctx, ast.Load) and node.id not in bound:
-            yield node
-        return
-    if isinstance(node, ast.Lambda):
-        arguments = node.args
-        yield from _free_names(arguments, bound)
-        every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
-        params = {a.arg for a in [*every, arguments.vararg, arguments.kwarg] if a is not None}
-        yield from _free_names(node.body, bound | params)
-        return
-    if isinstance(node, _COMPREHENSIONS):
-        inner = bound
-        for generator in node.generators:
-            yield from _free_names(generator.iter, inner)
-            inner = inner | _stored(generator.target)
-            for condition in generator.ifs:
-                yield from _free_names(condition, inner)
-        parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
-        for part in parts:
-            yield from _free_names(part, inner)
-        return
-    if isinstance(node, ast.ExceptHandler) and node.name:
-        bound = bound | {node.name}
-    fields = list(ast.iter_fields(node))
-    blocks = [v for _, v in fields if isinstance(v, list) and v and isinstance(v[0], _BLOCK_ITEMS)]
-    headers = [(f, v) for f, v in fields if not any(v is b for b in blocks)]
-    if isinstance(node, (ast.For, ast.AsyncFor)):
-        headers.sort(key=lambda item: item[0] != "iter")  # ``for x in f(x)`` reads x first
-    parts = [i for _, v in headers for i in (v if isinstance(v, list) else [v])]
-    for part in parts:
-        if isinstance(part, ast.AST):
-            yield from _free_names(part, bound)
-    if not blocks:
-        return  # a simple statement binds its targets only after evaluating them
-    for part in parts:
-        if isinstance(part, ast.AST):
-            bound = bound | _stored(part)
-    for block in blocks:
-        local = bound
-        for statement in block:
-            yield from _free_names(statement, local)
-            local = local | _stored(statement)
-
-
-def _stored(node: ast.AST) -> frozenset[str]:
-    """The names a target (or a whole statement) binds."""
-    return frozenset(
-        n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
-    )
-
-
-# --- Alignment (GumTree) ---------------------------------------------------------------
-
-
-def _children(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
-    for field, value in ast.iter_fields(node):
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, ast.AST) and not isinstance(item, _OPERATORS):
-                yield field, item
-
-
-def _label(node: ast.AST) -> str:
-    """The value part of a node, next to its kind: an identifier, a constant, an operator."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Constant):
-        return repr(node.value)
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    if isinstance(node, ast.arg):
-        return node.arg
-    if isinstance(node, ast.keyword):
-        return node.arg or "**"
-    if isinstance(node, ast.alias):
-        return f"{node.name} as {node.asname}"
-    if isinstance(node, ast.ImportFrom):
-        return "." * node.level + (node.module or "")
-    if isinstance(node, (ast.BinOp, ast.AugAssign, ast.UnaryOp, ast.BoolOp)):
-        return type(node.op).__name__
-    if isinstance(node, ast.Compare):
-        return " ".join(type(op).__name__ for op in node.ops)
-    if isinstance(node, (ast.Global, ast.Nonlocal)):
-        return ",".join(node.names)
-    name = getattr(node, "name", None)
-    return name if isinstance(name, str) else ""
-
-
-class _Node:
-    """A syntax tree node as GumTree sees it: kind, label, shape hash and partner."""
-
-    __slots__ = (
-        "ast",
-        "children",
-        "field",
-        "hash",
-        "height",
-        "holes",
-        "index",
-        "kind",
-        "label",
-        "parent",
-        "partner",
-        "pre",
-        "size",
-    )
-
-    def __init__(self, node: ast.AST, field: str, parent: _Node | None, pre: int) -> None:
-        self.ast = node
-        self.kind = type(node).__name__
-        self.label = _label(node)
-        self.field = field
-        self.parent = parent
-        self.pre = pre
-        self.index = len(parent.children) if parent is not None else 0
-        self.children: list[_Node] = []
-        self.holes: set[int] = set()  # child indexes a skipped (requested) statement preceded
-        self.partner: _Node | None = None
-        self.size = self.height = self.hash = 0
-
-
-class _Tree:
-    """A file's syntax tree in pre-order, minus the skipped statements."""
-
-    def __init__(self, root: ast.AST, skip: set[int]) -> None:
-        self.nodes: list[_Node] = []
-        self.of: dict[int, _Node] = {}
-        stack: list[tuple[ast.AST, _Node | None, str]] = [(root, None, "")]
-        while stack:  # iterative: a long chain of ``a + b + ...`` must not hit the recursion limit
-            node, parent, field = stack.pop()
-            item = _Node(node, field, parent, len(self.nodes))
-            self.nodes.append(item)
-            self.of[id(node)] = item
-            if parent is not None:
-                parent.children.append(item)
-            kids: list[tuple[str, ast.AST]] = []
-            for f, child in _children(node):
-                if id(child) in skip:
-                    item.holes.add(len(kids))
-                else:
-                    kids.append((f, child))
-            stack.extend((child, item, f) for f, child in reversed(kids))
-        for item in reversed(self.nodes):
-            item.size = 1 + sum(c.size for c in item.children)
-            item.height = 1 + max((c.height for c in item.children), default=0)
-            item.hash = hash((item.kind, item.label, tuple(c.hash for c in item.children)))
-        self.root = self.nodes[0]
-
-    def subtree(self, node: _Node) -> list[_Node]:
-        return self.nodes[node.pre : node.pre + node.size]
-
-
-class _Alignment:
-    """A one-to-one mapping between the nodes of the new and the old tree."""
-
-    def __init__(self, new: _Tree, old: _Tree) -> None:
-        self.new, self.old = new, old
-        self._tokens: dict[int, Counter[tuple[str, str]]] = {}
-
-    def run(self, new_api: _Api, old_api: _Api) -> None:
-        # GumTree maps the roots last; mapping them first lets top-level candidates
-        # use "same parent" when duplicates are resolved.
-        self._link(self.new.root, self.old.root)
-        self._anchor_loops(new_api, old_api)
-        self._top_down()
-        self._bottom_up()
-        for node in self.new.nodes:
-            if node.partner is not None and node.hash != node.partner.hash:
-                self._recover(node, node.partner)
-
-    def _link(self, a: _Node, b: _Node) -> None:
-        a.partner, b.partner = b, a
-
-    def _link_subtrees(self, a: _Node, b: _Node) -> None:
-        for x, y in zip(self.new.subtree(a), self.old.subtree(b), strict=True):
-            if x.partner is None and y.partner is None:
-                self._link(x, y)
-
-    def _anchor_loops(self, new_api: _Api, old_api: _Api) -> None:
-        """``rl.loop("step", ...)`` loops with the same name match, whatever their bodies."""
-        loops: tuple[dict[str, list[_Node]], dict[str, list[_Node]]] = ({}, {})
-        for tree, api, found in ((self.new, new_api, loops[0]), (self.old, old_api, loops[1])):
-            for node in tree.nodes:
-                if (name := _loop_name(node.ast, api)) is not None:
-                    found.setdefault(name, []).append(node)
-        for name, ours in loops[0].items():
-            theirs = loops[1].get(name, [])
-            if len(ours) != len(theirs):
-                continue  # several same-named loops with different counts: let the tree decide
-            for a, b in zip(ours, theirs, strict=True):
-                self._link(a, b)
-                if a.hash == b.hash:
-                    self._link_subtrees(a, b)
-
-    def _top_down(self) -> None:
-        """GumTree phase 1: isomorphic subtrees, tallest first; unique pairs at once."""
-        heaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = (
-            [(-self.new.root.height, 0)],
-            [(-self.old.root.height, 0)],
-        )
-        trees = (self.new, self.old)
-        ambiguous: list[list[tuple[_Node, _Node]]] = []
-
-        def pop_level(side: int) -> list[_Node]:
-            heap, height, level = heaps[side], heaps[side][0][0], []
-            while heap and heap[0][0] == height:
-                level.append(trees[side].nodes[heapq.heappop(heap)[1]])
-            return level
-
-        def open_(side: int, node: _Node) -> None:
-            for child in node.children:
-                heapq.heappush(heaps[side], (-child.height, child.pre))
-
-        while heaps[0] and heaps[1]:
-            heights = (-heaps[0][0][0], -heaps[1][0][0])
-            if max(heights) < MIN_HEIGHT:
-                break
-            if heights[0] != heights[1]:
-                side = 0 if heights[0] > heights[1] else 1
-                for node in pop_level(side):
-                    open_(side, node)
-                continue
-            groups: tuple[dict[int, list[_Node]], dict[int, list[_Node]]] = ({}, {})
-            for side in (0, 1):
-                for node in pop_level(side):
-                    if node.partner is None:
-                        groups[side].setdefault(node.hash, []).append(node)
-                    elif node.partner.hash == node.hash:  # an anchor whose bodies agree
-                        pair = (node, node.partner) if side == 0 else (node.partner, node)
-                        self._link_subtrees(*pair)
-                    else:
-                        open_(side, node)
-            for digest, ours in groups[0].items():
-                theirs = groups[1].get(digest)
-                if theirs is None:
-                    continue
-                if len(ours) == len(theirs) == 1:
-                    self._link_subtrees(ours[0], theirs[0])
-                else:
-                    ambiguous.append([(a, b) for a in ours for b in theirs])
-            for side in (0, 1):
-                for digest, nodes in groups[side].items():
-                    if digest not in groups[1 - side]:
-                        for node in nodes:
-                            open_(side, node)
-        # Duplicates inside blocks already mapped (the module, the loop anchors) are
-        # paired in order first, as a line diff would; GumTree's parent-dice ranking
-        # only settles what order cannot.
-        for node in self.new.nodes:
-            if node.partner is not None and node.hash != node.partner.hash:
-                self._align_in_order(node, node.partner)
-        for pairs in ambiguous:
-            self._resolve(pairs)
-
-    def _align_in_order(self, x: _Node, y: _Node) -> None:
-        """Link identical children of two linked nodes along their longest common subsequence."""
-        for field, ours in _by_field(x).items():
-            theirs = _by_field(y).get(field)
-            if not theirs:
-                continue
-            if x.holes:
-                pairs = _weighted_lcs(ours, theirs, x.holes)
-            else:
-                matcher = difflib.SequenceMatcher(
-                    None, [c.hash for c in ours], [c.hash for c in theirs], autojunk=False
-                )
-                pairs = [
-                    (ours[i + k], theirs[j + k])
-                    for i, j, size in matcher.get_matching_blocks()
-                    for k in range(size)
-                ]
-            for p, q in pairs:
-                if p.partner is None and q.partner is None:
-                    self._link_subtrees(p, q)
-
-    def _resolve(self, pairs: list[tuple[_Node, _Node]]) -> None:
-        """Pick among duplicates: same parent, then parents' dice (GumTree), then neighbours."""
-        dice_cache: dict[tuple[int, int], float] = {}
-
-        def score(pair: tuple[_Node, _Node]) -> tuple[bool, float, int, int, int, int]:
-            a, b = pair
-            pa, pb = a.parent, b.parent
-            if pa is None or pb is None:
-                return (False, 0.0, 0, 0, -a.pre, -b.pre)
-            key = (pa.pre, pb.pre)
-            if key not in dice_cache:
-                dice_cache[key] = self._dice(pa, pb)
-            context = 0
-            for step in (-1, 1):
-                i, j = a.index + step, b.index + step
-                if 0 <= i < len(pa.children) and 0 <= j < len(pb.children):
-                    context += pa.children[i].partner is pb.children[j]
-            from_end = (len(pa.children) - a.index) - (len(pb.children) - b.index)
-            distance = min(abs(a.index - b.index), abs(from_end))
-            return (pa.partner is pb, dice_cache[key], context, -distance, -a.pre, -b.pre)
-
-        # Ranked once, as GumTree does: rescoring after every link is quadratic in the
-        # group, and groups of repeated small expressions (``(x, y)``) can be large.
-        for a, b in sorted(pairs, key=score, reverse=True):
-            if a.partner is None and b.partner is None:
-                self._link_subtrees(a, b)
-
-    def _dice(self, a: _Node, b: _Node) -> float:
-        """Share of the two nodes' descendants that are mapped onto each other."""
-        if a.size + b.size <= 2:
-            return 0.0
-        end = b.pre + b.size
-        common = sum(
-            1
-            for d in self.new.subtree(a)[1:]
-            if d.partner is not None and b.pre < d.partner.pre < end
-        )
-        return 2 * common / (a.size + b.size - 2)
-
-    def _bottom_up(self) -> None:
-        """GumTree phase 2: a statement or block maps where most of its descendants went."""
-        for node in reversed(self.new.nodes):  # children before parents
-            if node.partner is not None or not node.children:
-                continue
-            if not isinstance(node.ast, _BLOCK_ITEMS):
-                continue  # expressions are mapped by recovery, inside their statements
-            counts: Counter[int] = Counter()
-            for descendant in self.new.subtree(node)[1:]:
-                ancestor = descendant.partner.parent if descendant.partner else None
-                while ancestor is not None:
-                    if ancestor.kind == node.kind and ancestor.partner is None:
-                        counts[ancestor.pre] += 1
-                    ancestor = ancestor.parent
-            best, best_key = None, (MIN_DICE, False)
-            for pre, common in counts.items():
-                candidate = self.old.nodes[pre]
-                dice = 2 * common / (node.size + candidate.size - 2)
-                key = (dice, candidate.label == node.label)
-                if key > best_key:
-                    best, best_key = candidate, key
-            if best is not None:
-                self._link(node, best)
-                self._recover(node, best)
-
-    def _recover(self, a: _Node, b: _Node) -> None:
-        """GumTree's recovery, simplified: pair leftover children by kind and similarity."""
-        stack = [(a, b)]
-        while stack:
-            x, y = stack.pop()
-            self._align_in_order(x, y)
-            theirs = _by_field(y)
-            for field, xs in _by_field(x).items():
-                ys = theirs.get(field)
-                if not ys:
-                    continue
-                if len(xs) == len(ys) and not isinstance(xs[0].ast, _BLOCK_ITEMS):
-                    # Same-shaped expression slots: position is the evidence (targets, args).
-                    pairs = [
-                        (p, q)
-                        for p, q in zip(xs, ys, strict=True)
-                        if p.partner is None and q.partner is None and p.kind == q.kind
-                    ]
-                else:
-                    pairs = self._similar_pairs(xs, ys)
-                for p, q in pairs:
-                    self._link(p, q)
-                    stack.append((p, q))
-
-    def _similar_pairs(self, xs: list[_Node], ys: list[_Node]) -> list[tuple[_Node, _Node]]:
-        scored = []
-        for p in xs:
-            for q in ys:
-                if p.partner is None and q.partner is None and p.kind == q.kind:
-                    similarity = self._similarity(p, q)
-                    if similarity >= MIN_SIMILARITY:
-                        scored.append((similarity, -abs(p.index - q.index), -p.pre, -q.pre, p, q))
-        scored.sort(key=lambda item: item[:4], reverse=True)
-        taken: set[int] = set()
-        pairs = []
-        for *_, p, q in scored:
-            if id(p) not in taken and id(q) not in taken:
-                taken.update((id(p), id(q)))
-                pairs.append((p, q))
-        return pairs
-
-    def _similarity(self, p: _Node, q: _Node) -> float:
-        if isinstance(p.ast, _DEFS) and p.label == q.label:
-            return 1.0  # a function keeps its identity through any rewrite of its body
-        ours, theirs = self._bag(p, self.new), self._bag(q, self.old)
-        total = sum(ours.values()) + sum(theirs.values())
-        if total == 0:
-            return 1.0  # ``pass``, ``break``: nothing but their kind, which agrees
-        common = sum((ours & theirs).values())
-        return max(2 * common / total, self._dice(p, q))
-
-    def _bag(self, node: _Node, tree: _Tree) -> Counter[tuple[str, str]]:
-        """The labelled tokens of a subtree: names, constants, attributes, operators.
-
-        Only labelled ones: on a small statement the unlabelled structure (Expr,
-        Call) would outweigh the identifiers that say what the statement does.
-        """
-        if id(node) not in self._tokens:
-            bag = Counter((n.kind, n.label) for n in tree.subtree(node) if n.label)
-            self._tokens[id(node)] = bag
-        return self._tokens[id(node)]
-
-    def name_votes(self, scopes: _Scopes) -> dict[tuple[int, str], Counter[str]]:
-        """For each (new scope, new name): the old names its mapped occurrences got."""
-        votes: dict[tuple[int, str], Counter[str]] = defaultdict(Counter)
-        for node in self.new.nodes:
-            partner = node.partner
-            if partner is None or partner.kind != node.kind:
-                continue
-            if isinstance(node.ast, (ast.Name, ast.arg)):
-                scope = scopes.scope_of.get(id(node.ast))
-                votes[(id(scope), node.label)][partner.label] += 1
-        return votes
-
-
-# --- Placing -------------------------------------------------------------------------
-
-
 @dataclass
 class _Unit:
     """What gets copied: a log statement, or a new ``if``/``for``/``with`` holding only them."""
@@ -901,7 +411,9 @@ class _Propagator:
         self.align = _Alignment(
             _Tree(new.tree, {id(unit.root) for unit in units}), _Tree(old.tree, set())
         )
-        self.align.run(new.api, old.api)
+        self.align.run(
+            lambda node: _loop_name(node, new.api), lambda node: _loop_name(node, old.api)
+        )
         self.new_scopes, self.old_scopes = _scopes(new.tree), _scopes(old.tree)
         self.votes = self.align.name_votes(self.new_scopes)
         self.present: dict[int, ast.stmt] = {}  # id(unit root) -> the old file's own copy
@@ -982,7 +494,9 @@ class _Propagator:
             match = counterpart(stmt)
             if match is not None:
                 return [match]
-            return self._inlined(stmt, container, field) if container is not None else []
+            if container is None:
+                return []
+            return self.align.inlined(stmt, container, field, self.new_functions)
 
         for sibling in reversed(siblings[:index]):
             if found := counterparts(sibling):
@@ -1009,36 +523,6 @@ class _Propagator:
         if skip:
             return _Spot(True, block[skip - 1], container.ast)
         return _Spot(False, block[0], container.ast)
-
-    def _inlined(self, stmt: ast.stmt, container: _Node, field: str) -> list[ast.stmt]:
-        """Old statements of the block that a new statement's call stands for.
-
-        When a train step is extracted into ``def train_epoch()``, the new call
-        ``train_epoch(...)`` has no counterpart, but the function's body maps onto
-        the old inline code: the call stands for those old statements, so a
-        statement after the call goes after them.
-        """
-        old_block: dict[int, ast.stmt] = {}
-        seen: set[int] = set()
-        pending = [stmt]
-        while pending:
-            node = pending.pop()
-            for call in ast.walk(node):
-                if not isinstance(call, ast.Call):
-                    continue
-                func = call.func
-                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-                for definition in self.new_functions.get(name or "", []):
-                    if id(definition) in seen:
-                        continue
-                    seen.add(id(definition))
-                    pending.extend(definition.body)
-                    for item in self.align.new.subtree(self.align.new.of[id(definition)]):
-                        if item.partner is not None and isinstance(item.ast, ast.stmt):
-                            top = _block_level(item.partner, container, field)
-                            if top is not None and isinstance(top.ast, ast.stmt):
-                                old_block[top.index] = top.ast
-        return [old_block[index] for index in sorted(old_block)]
 
     def _describe(self, spot: _Spot, owner: ast.AST) -> str:
         if spot.start_of is not None and not spot.after:
@@ -1075,7 +559,7 @@ class _Propagator:
         late: list[str] = []
 
         def check(name: str, shown: str) -> None:
-            state = self._lookup(name, point, chain)
+            state = self.old_scopes.lookup(name, point, chain)
             if state == "missing":
                 missing.append(shown)
             elif state == "late":
@@ -1101,7 +585,7 @@ class _Propagator:
         for name in _free_names(unit.root):
             if id(name) in callee_names:
                 continue
-            mapped = self._old_name(new_chain, name.id)
+            mapped = self.new_scopes.old_name(name.id, new_chain, self.votes)
             shown = f"`{mapped}`" if mapped == name.id else f"`{mapped}` (`{name.id}` here)"
             check(mapped, shown)
             if mapped != name.id:
@@ -1132,43 +616,8 @@ class _Propagator:
             return f"{api.modules[0]}.log"
         return logs[0] if logs else None
 
-    def _old_name(self, chain: Sequence[ast.AST], name: str) -> str:
-        """The old file's name for a new name: the majority of its mapped occurrences.
-
-        chain: the new statement's scopes, innermost first (votes from the innermost
-        scope that has any win). A rename is only believed when the new file no
-        longer binds the old name in the scope that binds the new one: if that scope
-        has both, they are two variables that the alignment merely paired.
-        """
-        for scope in (chain[0], self.new.tree):
-            votes = self.votes.get((id(scope), name))
-            if not votes:
-                continue
-            best, count = votes.most_common(1)[0]
-            if votes.get(name, 0) >= count:
-                return name
-            tables = [self.new_scopes.bindings.get(id(s), {}) for s in chain]
-            home = next((table for table in tables if name in table), tables[0])
-            return name if best in home else best
-        return name
-
     def _old_scopes_at(self, stmt: ast.stmt) -> list[ast.AST]:
         return [node for node, _ in self.old.ancestors(stmt) if isinstance(node, _SCOPES)]
-
-    def _lookup(self, name: str, point: tuple[int, int], chain: list[ast.AST]) -> str:
-        """Whether ``name`` is bound at ``point``: "ok", "late" (only after it) or "missing"."""
-        for depth, scope in enumerate(chain):
-            if depth > 0 and isinstance(scope, ast.ClassDef):
-                continue  # class bodies do not enclose their methods
-            if id(scope) in self.old_scopes.starred:
-                return "ok"  # ``import *`` can bind anything: nothing to check against
-            bound = self.old_scopes.bindings.get(id(scope), {}).get(name)
-            if bound is None:
-                continue
-            # In its own scope a name must be bound before the point (a local bound later
-            # is an UnboundLocalError); enclosing scopes are complete by the time it runs.
-            return "late" if depth == 0 and bound >= point else "ok"
-        return "ok" if name in _BUILTINS else "missing"
 
     # How: the text edit.
 
@@ -1277,67 +726,6 @@ def _string_lines(node: ast.AST) -> set[int]:
         if isinstance(sub, (ast.Constant, ast.JoinedStr)) and sub.end_lineno:
             lines.update(range(sub.lineno + 1, sub.end_lineno + 1))
     return lines
-
-
-def _weighted_lcs(
-    ours: list[_Node], theirs: list[_Node], holes: set[int]
-) -> list[tuple[_Node, _Node]]:
-    """A longest common subsequence of identical subtrees that keeps the holes' neighbours.
-
-    Where several alignments are equally long (``b; <stmt>; b; a`` against
-    ``b; a``: which ``b`` was deleted?), prefer the one that maps the statement
-    just before a requested statement, then the one just after: those are what
-    it will be placed by.
-    """
-    big = 3 * len(holes) + 1  # more than all bonuses together: length comes first
-
-    def weight(node: _Node) -> int:
-        return big + 2 * (node.index + 1 in holes) + (node.index in holes)
-
-    n, m = len(ours), len(theirs)
-    best = [[0] * (m + 1) for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-        row, below = best[i], best[i + 1]
-        for j in range(m - 1, -1, -1):
-            value = max(below[j], row[j + 1])
-            if ours[i].hash == theirs[j].hash:
-                value = max(value, weight(ours[i]) + below[j + 1])
-            row[j] = value
-    pairs, i, j = [], 0, 0
-    while i < n and j < m:
-        if ours[i].hash == theirs[j].hash and best[i][j] == weight(ours[i]) + best[i + 1][j + 1]:
-            pairs.append((ours[i], theirs[j]))
-            i, j = i + 1, j + 1
-        elif best[i][j] == best[i + 1][j]:
-            i += 1
-        else:
-            j += 1
-    return pairs
-
-
-def _by_field(node: _Node) -> dict[str, list[_Node]]:
-    fields: dict[str, list[_Node]] = defaultdict(list)
-    for child in node.children:
-        fields[child.field].append(child)
-    return fields
-
-
-def _block_level(node: _Node, container: _Node, field: str) -> _Node | None:
-    """The ancestor-or-self of ``node`` that is a statement of ``container``'s ``field`` block."""
-    while node.parent is not None:
-        if node.parent is container:
-            return node if node.field == field else None
-        node = node.parent
-    return None
-
-
-def _inside(node: _Node, container: _Node, field: str) -> bool:
-    """True if ``node`` lies within ``container``'s ``field`` block (at any depth)."""
-    while node.parent is not None:
-        if node.parent is container:
-            return node.field == field
-        node = node.parent
-    return False
 
 
 def _is_transparent(node: ast.AST) -> bool:
