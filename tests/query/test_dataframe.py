@@ -532,3 +532,11 @@ def test_an_empty_view_keeps_the_requested_columns_and_their_dtypes(store: Store
     assert len(frame) == 0
     assert list(frame.columns) == ["projid", "run_id", "tstamp", "filename", "loss", "acc", "lr"]
     assert [str(t) for t in frame.dtypes] == ["object"] * 4 + ["float64"] * 3
+
+
+def test_names_that_need_quoting_and_a_lone_string(store: Store) -> None:
+    store.log("a", 0, "val/acc", 0.25, "float")
+    store.log("a", 0, "it's", "yes", "str")
+    frame = dataframe(store.conn, ["val/acc", "it's"], where='"val/acc" < 0.5')
+    assert records(frame) == [("proj", "a", "2024-01-01T00:00:20", "train.py", 0, 0.25, "yes")]
+    assert list(dataframe(store.conn, "test_acc", where="  ").test_acc) == [0.9, 0.8, 0.7]

@@ -105,10 +105,12 @@ def dataframe(
 ) -> pd.DataFrame:
     """The wide view of ``names``: a row per (run, loop context) where one of them has a value.
 
-    names: log names, one column each in this order. A name logged outside loops
-        (an argument, a final metric) is broadcast to every row of its run.
+    names: log names, one column each in this order (repeats are dropped). A name
+        logged outside loops (an argument, a final metric) is broadcast to every row
+        of its run.
     where: a SQL predicate over the view's columns, e.g. ``"lr > 0.005 AND epoch = 4"``;
-        it may also use logged names that are not requested.
+        it may also use logged names that are not requested (double-quote a name
+        that is not a plain identifier: ``"val/acc" > 0.9``).
 
     Columns: ``projid, run_id, tstamp, filename``, one ``Int64`` column per loop
     name in the ancestry of the rows (outermost first, e.g. ``epoch, step``), then
@@ -117,7 +119,10 @@ def dataframe(
     Raises UnknownNameError for a name never logged in the store and QueryError
     for a predicate that is malformed, uses an unknown column, or tries to write.
     """
-    requested = list(dict.fromkeys(names))
+    # A lone string is one name, not a sequence of one-letter names.
+    requested = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+    if where is not None and not where.strip():
+        where = None
     if not requested:
         raise QueryError(
             "dataframe() needs at least one log name, e.g. dataframe(['loss', 'acc']); "
