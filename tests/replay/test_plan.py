@@ -117,6 +117,17 @@ def test_segments_per_level_say_what_the_worker_does() -> None:
     assert inner == Segment("run-a", 0, 4, (), (0, 1, 2, 3), None, True, 42.5)
 
 
+def test_without_a_statement_after_the_loop_workers_stop_at_its_end() -> None:
+    profile = make_profile(**GAPPY)  # type: ignore[arg-type]
+    (outer,) = plan_replay(ScanLevel.OUTER_LOOP, [profile], 1, run_suffix=False).runs[0].segments
+    assert outer == Segment("run-a", 0, 4, (0, 1, 3), (2,), 3, False, 19.0)  # no 1 s tail
+    inner = plan_replay(ScanLevel.INNER_LOOP, [profile], 2, run_suffix=False).runs[0].segments
+    assert inner[-1].stop_after == 3 and not inner[-1].run_suffix
+    # A suffix scan needs the suffix whatever is asked.
+    (suffix,) = plan_replay(ScanLevel.SUFFIX, [profile], 1, run_suffix=False).runs[0].segments
+    assert suffix.run_suffix and suffix.estimate_seconds == 5.0
+
+
 def test_missing_checkpoints_are_executed_and_noted() -> None:
     plan = plan_replay(ScanLevel.OUTER_LOOP, [make_profile(6, checkpoints={0, 2, 4})], 1)
     (run,) = plan.runs

@@ -19,6 +19,7 @@ throughput, come from profile.py (re-exported here).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import heapq
 import math
@@ -210,6 +211,7 @@ def plan_replay(
     *,
     restore_seconds_per_byte: float | None = None,
     notes: Sequence[str] = (),
+    run_suffix: bool = True,
 ) -> ReplayPlan:
     """Plan the replay of ``profiles`` on ``workers`` workers and estimate its time.
 
@@ -218,6 +220,8 @@ def plan_replay(
         inverse); without it a restore is estimated as the checkpoint's
         recorded capture + write time.
     notes: plan-wide notes to carry (e.g. from :func:`scan_level_for`).
+    run_suffix: False when no requested statement sits after the outer loop: outer-
+        and inner-loop workers then stop at the loop's end and the estimate has no tail.
     """
     if workers < 1:
         raise UsageError(f"A replay needs at least one worker, not {workers}.")
@@ -227,7 +231,7 @@ def plan_replay(
             f"{restore_seconds_per_byte!r}."
         )
     drafts = [
-        _draft(profile, _level_of(levels, profile.run_id), restore_seconds_per_byte)
+        _draft(profile, _level_of(levels, profile.run_id), restore_seconds_per_byte, run_suffix)
         for profile in profiles
     ]
     splits = _choose_splits(drafts, workers)
@@ -277,6 +281,7 @@ class _Draft:
     scan: ScanLevel
     costs: _Costs
     notes: list[str]
+    stops_early: bool = False  # the worker exits after the outer loop's last iteration
     _splits: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
@@ -332,8 +337,8 @@ class _Draft:
                     c.n,
                     tuple(sorted(restored)),
                     tuple(i for i in range(c.n) if i not in restored),
-                    None,
-                    True,
+                    c.n - 1 if self.stops_early else None,
+                    not self.stops_early,
                     self.single_cost(),
                 )
             ]
@@ -347,8 +352,8 @@ class _Draft:
                         b,
                         tuple(i for i in range(a) if c.restorable[i]),
                         (*(i for i in range(a) if not c.restorable[i]), *range(a, b)),
-                        b - 1 if b < c.n else None,
-                        b == c.n,
+                        b - 1 if b < c.n or self.stops_early else None,
+                        b == c.n and not self.stops_early,
                         c.segment(a, b),
                     )
                 )
@@ -370,12 +375,15 @@ class _Draft:
         )
 
 
-def _draft(profile: RunProfile, requested: ScanLevel, seconds_per_byte: float | None) -> _Draft:
+def _draft(
+    profile: RunProfile, requested: ScanLevel, seconds_per_byte: float | None, run_suffix: bool
+) -> _Draft:
     costs = _costs(profile, seconds_per_byte)
     notes = list(profile.notes)
     scan = requested
     if scan is ScanLevel.SUFFIX and costs.end_restore is None:
         scan = ScanLevel.OUTER_LOOP
+        run_suffix = True
         why = "the run crashed" if profile.status == "crashed" else "it did not checkpoint"
         notes.append(f"no end checkpoint ({why}): the suffix scan steps through the outer loop")
     n = profile.iterations
@@ -387,7 +395,10 @@ def _draft(profile: RunProfile, requested: ScanLevel, seconds_per_byte: float | 
                 f"{whole} of {n} iterations have no nested loop, so the whole iteration is the "
                 "block: executed"
             )
-    return _Draft(profile, requested, scan, costs, notes)
+    stops_early = not run_suffix and scan in (ScanLevel.OUTER_LOOP, ScanLevel.INNER_LOOP)
+    if stops_early and costs.n:
+        costs = dataclasses.replace(costs, tail=0.0)
+    return _Draft(profile, requested, scan, costs, notes, stops_early=stops_early)
 
 
 def _checkpoint_notes(profile: RunProfile, costs: _Costs) -> list[str]:

@@ -146,7 +146,10 @@ def replay(
         profiles = load_profiles(conn, placeable)
         per_byte = _restore_seconds_per_byte(paths, profiles)
         count = workers or default_workers()
-        plan = plan_replay(level, profiles, count, restore_seconds_per_byte=per_byte, notes=notes)
+        plan = plan_replay(
+            level, profiles, count, restore_seconds_per_byte=per_byte, notes=notes,
+            run_suffix=needs_suffix,
+        )  # fmt: skip
         for run_plan in plan.runs:
             outcomes[run_plan.run_id] = RunOutcome(
                 run_plan.run_id,
@@ -171,7 +174,7 @@ def replay(
     _execute(
         conn, paths, plan, runs, propagations, outcomes, names,
         replay_id=replay_id, filename=filename, where=where, force=force,
-        echo=echo, progress=progress, needs_suffix=needs_suffix,
+        echo=echo, progress=progress,
     )  # fmt: skip
     actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
     if actual:
@@ -314,7 +317,6 @@ def _execute(
     force: bool,
     echo: Echo,
     progress: bool,
-    needs_suffix: bool,
 ) -> None:
     logs_dir = paths.store / "replays" / replay_id
     logs_dir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +333,6 @@ def _execute(
     by_run = {rp.run_id: rp for rp in plan.runs}
     jobs = _jobs(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
-        needs_suffix,
     )  # fmt: skip
     bar = None
     if progress and sys.stderr.isatty():
@@ -369,7 +370,6 @@ def _jobs(
     paths: ProjectPaths,
     logs_dir: Path,
     replay_id: str,
-    needs_suffix: bool,
 ) -> list[Job]:
     jobs: list[Job] = []
     for run_plan in plan.runs:
@@ -392,7 +392,7 @@ def _jobs(
                 end_checkpoint=profile.end_checkpoint,
                 restore=list(segment.restore),
                 whole_iterations=whole,
-                stop_after=_stop_after(segment, run_plan, needs_suffix),
+                stop_after=segment.stop_after,
                 restore_end=segment.restore_end,
                 prefix_only=run_plan.scan is ScanLevel.PREFIX,
                 output="",
@@ -416,17 +416,6 @@ def _jobs(
             )
     jobs.sort(key=lambda j: -j.estimate_seconds)
     return jobs
-
-
-def _stop_after(segment: Any, run_plan: RunPlan, needs_suffix: bool) -> int | None:
-    """The outer iteration after which the worker exits (None: it runs to the end)."""
-    if not segment.run_suffix:
-        return segment.stop_after
-    profile = run_plan.profile
-    inside_loop = run_plan.scan in (ScanLevel.OUTER_LOOP, ScanLevel.INNER_LOOP)
-    if inside_loop and not needs_suffix and profile is not None and profile.iterations:
-        return profile.iterations - 1
-    return None
 
 
 def _recorded_names(
