@@ -29,13 +29,12 @@ from retrolog._replay.plan import (
     format_estimate_vs_actual,
     format_plan,
     load_profiles,
-    measure_restore_throughput,
     plan_replay,
     scan_level_for,
 )
 from retrolog._replay.propagate import Propagation, propagate
 from retrolog._replay.statements import Position, locate_statements
-from retrolog.errors import QueryError, UsageError
+from retrolog.errors import QueryError, RetrologError, UsageError
 from retrolog.runtime.replay import WorkerSpec
 from retrolog.store.paths import ProjectPaths
 
@@ -288,14 +287,27 @@ def _old_source(row: dict[str, Any], filename: str) -> str:
 
 
 def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> float | None:
+    """Seconds per checkpoint byte to read and verify one checkpoint's objects.
+
+    Reading and checksumming the objects is most of a restore; decoding them into
+    tensors is not. Measured here without importing torch, which alone takes seconds.
+    """
+    from retrolog.checkpoint.codec import manifest_blobs
+    from retrolog.store.objects import LocalObjectStore
+
     for profile in profiles:
         manifest = next(iter(profile.block_checkpoints.values()), None) or profile.end_checkpoint
-        if manifest is not None:
-            try:
-                throughput = measure_restore_throughput(paths.store, manifest)
-            except Exception:  # the estimate falls back to record-time timings
-                return None
-            return 1.0 / throughput if throughput > 0 else None
+        if manifest is None:
+            continue
+        store = LocalObjectStore(paths.objects)
+        try:
+            started = time.perf_counter()
+            total = len(store.get(manifest))
+            total += sum(len(store.get(key)) for key in manifest_blobs(manifest, store))
+            seconds = time.perf_counter() - started
+        except RetrologError:  # the estimate falls back to record-time timings
+            return None
+        return seconds / total if total else None
     return None
 
 
