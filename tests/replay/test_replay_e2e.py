@@ -264,3 +264,23 @@ def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
     assert (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD")) == before
     ((status,),) = read_db(project.root, "SELECT status FROM replays")
     assert status == "interrupted"
+
+
+def test_renamed_variable_and_bad_where(project: Project) -> None:
+    runs = _record(project)
+    # Today's code calls the model `model`; the recorded versions call it `net`.
+    renamed = NEWEST.replace("net", "model")
+    project.write("train.py", renamed)
+    out = project.cli("replay", "w_norm", "lr < 0.07", "--yes")
+    assert out.returncode == 0, out.stderr
+    values = read_db(
+        project.root, "SELECT run_id, COUNT(*) FROM logs WHERE name = 'w_norm' GROUP BY 1"
+    )
+    assert values == [(runs[0], 4)]  # the where clause chose the lr=0.05 run only
+    fresh = _fresh(project, ["lr=0.05"])
+    assert _replayed(project, runs[0], "w_norm") == _expected(fresh, "w_norm")
+
+    bad = project.cli("replay", "w_norm", "lr >>> 1", "--yes", "--force")
+    assert bad.returncode == 1 and "lr >>> 1" in bad.stderr and "Traceback" not in bad.stderr
+    unknown = project.cli("replay", "w_nrom", "--yes")
+    assert unknown.returncode == 1 and "w_norm" in unknown.stderr
