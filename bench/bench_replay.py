@@ -1,0 +1,952 @@
+"""Benchmark: hindsight replay against retraining, parallel replay, cost estimates, FlorDB.
+
+Run from the repository root with the project's venv (retrolog and torch installed):
+
+    python bench/bench_replay.py               # about 20 minutes on a 2-core machine
+    python bench/bench_replay.py --reps 5 --epochs 8 --no-flordb
+
+The workload (bench/_replay_workload.py) is a real PyTorch CPU training script
+(a small CNN on synthetic images; dropout, a shuffled DataLoader, an LR
+scheduler; one thread) with ``rl.checkpointing(model=..., optimizer=...)``,
+``rl.loop("epoch")`` around a nested ``rl.loop("step")``, ``loss`` logged per
+step and ``acc`` per epoch. Each repetition, in a fresh temporary git project:
+
+1. record 3 runs of 2 code versions (v1 lr=0.05, v1 lr=0.1, v2 lr=0.1), each
+   ``python train.py --kwargs ...`` as a user would; then write today's code
+   (v2 plus an outer-loop statement ``w_norm`` and an inner-loop statement
+   ``grad_norm``) and keep a copy of the recorded store;
+2. retrain: run today's script fresh for each run's ``--kwargs``, one after the
+   other, each into a scratch store (``RETROLOG_STORE``). Its wall time is the
+   baseline, its values the reference;
+3. replay, each time from a fresh copy of the recorded store: (a) ``retrolog
+   replay w_norm --yes`` with 1 and with 2 workers; (b) ``retrolog replay
+   grad_norm --yes`` with 1 and with 2 workers. Wall time of the command, as the
+   user waits for it. The order of the 1- and 2-worker replays alternates
+   between repetitions.
+
+Checks (any failure stops the benchmark, so no figure can come from a wrong
+replay): the recorded runs' loss and acc equal the fresh runs' (the workload is
+deterministic); every backfilled value equals the fresh run's value bit for
+bit, one per epoch (w_norm) or per step (grad_norm) of every run; every run is
+replayed and replay's own deferred check found no difference; the project's
+HEAD and working tree are unchanged by replay.
+
+(c) Estimates: ``replay_runs.estimate_seconds`` against ``actual_seconds`` per
+run and replay (error = (estimate - actual) / actual), and the plan's wall-time
+estimate against the replay's measured execution time.
+
+(d) FlorDB 4.0.1 (``--flordb-reps`` times, default once): the same script
+written against its API, recorded the same way in a fresh git project, then
+``python -m flordb replay w_norm`` answered "y". FlorDB runs in its own venv
+(bench/.venv-flordb, created as bench_log.py does), which has no torch: the
+benchmark links this interpreter's torch and its dependencies that the venv
+lacks into a directory on FlorDB's ``PYTHONPATH``, so both train with the same
+torch build. Its wall time, exit status and error are recorded as they come,
+and its backfilled values are compared with the same references (valid because
+its recorded loss and acc equal retrolog's fresh runs', which is checked).
+
+Results: bench/results/replay.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import _replay_workload as workload
+from bench_log import FLORDB_VERSION, GIT_ENV, BenchError, flordb_python, source_fingerprint, tail
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS = BENCH_DIR / "results" / "replay.json"
+CHILD_TIMEOUT = 1800  # seconds; a run that never ends is a failure, not a figure
+WORKER_COUNTS = (1, 2)
+IDEAL_PARALLEL_SPEEDUP = 2.0
+# Torch and what importing it needs, for FlorDB's venv (which has none of them).
+TORCH_MODULES = (
+    "torch",
+    "torchgen",
+    "functorch",
+    "filelock",
+    "fsspec",
+    "jinja2",
+    "markupsafe",
+    "networkx",
+    "sympy",
+    "mpmath",
+    "typing_extensions",
+)
+STARTUP_SNIPPET = (
+    "import torch; torch.set_num_threads(1); "
+    "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)"
+)
+
+VALUES_SQL = """
+SELECT l.run_id, l.name, e.iteration, s.iteration, l.value FROM logs l
+LEFT JOIN loops s ON s.run_id = l.run_id AND s.ctx_id = l.ctx_id AND s.depth = 1
+LEFT JOIN loops e ON e.run_id = l.run_id AND e.depth = 0
+    AND e.ctx_id = COALESCE(s.parent_ctx, l.ctx_id)
+WHERE l.name = ? AND l.origin = ?
+"""
+
+Key = tuple[int | None, int | None]  # (epoch, step) of a logged value
+Values = dict[Key, Any]
+
+
+# -- processes and projects ----------------------------------------------------------------
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RETROLOG_", "FLOR"))}
+    env.pop("PYTHONPATH", None)
+    env.update(GIT_ENV, RETROLOG_PROGRESS="0", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+@dataclass
+class Timing:
+    """What one command cost."""
+
+    seconds: float  # wall clock, as the user waits
+    cpu_seconds: float  # user + system CPU of the command and every process it waited for
+    returncode: int
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(
+    cmd: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    log: Path,
+    *,
+    stdin_text: str | None = None,
+    check: bool = True,
+) -> Timing:
+    """Run ``cmd``, stdout and stderr to ``log``, and time it."""
+    with log.open("w") as out:
+        cpu0 = children_cpu()
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            cmd,
+            cwd=cwd,
+            env=env,
+            input=stdin_text,
+            stdin=None if stdin_text is not None else subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=CHILD_TIMEOUT,
+            check=False,
+        )
+        seconds = time.perf_counter() - t0
+        cpu = children_cpu() - cpu0
+    if check and proc.returncode != 0:
+        raise BenchError(
+            f"{' '.join(cmd)} (in {cwd}) exited with {proc.returncode}:\n"
+            f"{tail(clean_output(log.read_text(errors='replace')))}"
+        )
+    return Timing(seconds, cpu, proc.returncode)
+
+
+def git(cwd: Path, env: dict[str, str], *args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True)
+    return out.stdout.decode()
+
+
+def new_project(path: Path, env: dict[str, str], first_version: str) -> None:
+    """A git repository whose one commit holds the first version of train.py."""
+    path.mkdir(parents=True)
+    git(path, env, "-c", "init.defaultBranch=main", "init", "-q")
+    (path / "train.py").write_text(first_version)
+    git(path, env, "add", "train.py")
+    git(path, env, "commit", "-q", "-m", "training script")
+
+
+def run_kwargs(kwargs: dict[str, str], epochs: int, n_train: int) -> list[str]:
+    merged = {**kwargs, "epochs": str(epochs), "n_train": str(n_train)}
+    return ["--kwargs", *(f"{k}={v}" for k, v in merged.items())]
+
+
+def clean_output(text: str) -> str:
+    """Drop progress-bar redraws (tqdm lines) from a captured log."""
+    kept = []
+    for line in text.replace("\r", "\n").splitlines():
+        if "it/s]" in line or "s/it]" in line or "%|" in line or "\x1b[A" in line:
+            continue
+        if line.strip():
+            kept.append(line)
+    return "\n".join(kept)
+
+
+# -- reading stores ------------------------------------------------------------------------
+
+
+def read_rows(db: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def run_ids(db: Path) -> list[str]:
+    return [r for (r,) in read_rows(db, "SELECT run_id FROM runs ORDER BY started_at")]
+
+
+def values(db: Path, name: str, origin: str) -> dict[str, Values]:
+    """Per run id, the values of ``name`` keyed by (epoch, step)."""
+    found: dict[str, Values] = {}
+    for run_id, _, epoch, step, value in read_rows(db, VALUES_SQL, (name, origin)):
+        found.setdefault(run_id, {})[epoch, step] = value
+    return found
+
+
+def compare(got: Values, expected: Values) -> dict[str, Any]:
+    """How many expected values ``got`` holds exactly, and the largest difference."""
+    exact = sum(1 for k, v in expected.items() if k in got and got[k] == v)
+    diffs = [
+        abs(float(got[k]) - float(v))
+        for k, v in expected.items()
+        if k in got and got[k] != v and isinstance(v, (int, float))
+    ]
+    return {
+        "expected": len(expected),
+        "present": sum(1 for k in expected if k in got),
+        "exact": exact,
+        "extra": len(set(got) - set(expected)),
+        "max_abs_diff": max(diffs, default=0.0),
+    }
+
+
+def merge_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "expected": sum(p["expected"] for p in parts),
+        "present": sum(p["present"] for p in parts),
+        "exact": sum(p["exact"] for p in parts),
+        "extra": sum(p["extra"] for p in parts),
+        "max_abs_diff": max((p["max_abs_diff"] for p in parts), default=0.0),
+    }
+
+
+def all_exact(counts: dict[str, Any]) -> bool:
+    return counts["expected"] > 0 and counts["exact"] == counts["expected"] and counts["extra"] == 0
+
+
+# -- one repetition ------------------------------------------------------------------------
+
+
+def startup_floor(python: Path, env: dict[str, str], log: Path, cwd: Path) -> float:
+    """Interpreter start, ``import torch`` and a first optimizer: what every process pays."""
+    return timed([str(python), "-c", STARTUP_SNIPPET], cwd, env, log).seconds
+
+
+def retrolog_rep(
+    rep: int, python: Path, epochs: int, n_train: int, keep: Path | None
+) -> dict[str, Any]:
+    """Record, retrain, replay; return timings, estimates and checks of one repetition."""
+    work = Path(tempfile.mkdtemp(prefix="retrolog-bench-replay-"))
+    try:
+        env = base_env()
+        project = work / "bench-replay"
+        logs = work / "logs"
+        logs.mkdir()
+        new_project(project, env, workload.V1)
+        db = project / ".retrolog" / "retrolog.db"
+
+        record_seconds = []
+        for index, (version, kwargs) in enumerate(workload.RUNS):
+            (project / "train.py").write_text(workload.VERSIONS[version])
+            cmd = [str(python), "train.py", *run_kwargs(kwargs, epochs, n_train)]
+            record_seconds.append(timed(cmd, project, env, logs / f"record-{index}.log").seconds)
+        runs = run_ids(db)
+        if len(runs) != len(workload.RUNS):
+            raise BenchError(f"expected {len(workload.RUNS)} recorded runs, found {runs}")
+        statuses = read_rows(db, "SELECT status FROM runs")
+        if {s for (s,) in statuses} != {"finished"}:
+            raise BenchError(f"recorded runs did not all finish: {statuses}")
+        workload_facts = describe_recording(db, runs)
+        (project / "train.py").write_text(workload.NEWEST)
+        recorded_store = work / "recorded-store"
+        shutil.copytree(project / ".retrolog", recorded_store)
+
+        # Retraining from scratch: today's script, fresh, each run's arguments.
+        retrain: list[Timing] = []
+        reference: dict[str, list[Values]] = {}
+        names = ("loss", "acc", workload.OUTER_NAME, workload.INNER_NAME)
+        for index, (_, kwargs) in enumerate(workload.RUNS):
+            store = work / f"fresh-{index}"
+            cmd = [str(python), "train.py", *run_kwargs(kwargs, epochs, n_train)]
+            fresh_env = {**env, "RETROLOG_STORE": str(store)}
+            retrain.append(timed(cmd, project, fresh_env, logs / f"fresh-{index}.log"))
+            for name in names:
+                got = values(store / "retrolog.db", name, "recorded")
+                if len(got) != 1:
+                    raise BenchError(f"fresh run {index}: {name} from {len(got)} runs")
+                reference.setdefault(name, []).append(next(iter(got.values())))
+
+        # The workload is deterministic: the recording saw what a fresh run sees.
+        determinism = []
+        for name in ("loss", "acc"):
+            recorded = values(db, name, "recorded")
+            for index, run_id in enumerate(runs):
+                determinism.append(compare(recorded.get(run_id, {}), reference[name][index]))
+        determinism_counts = merge_counts(determinism)
+        if not all_exact(determinism_counts):
+            raise BenchError(
+                "the workload is not deterministic: recorded loss/acc differ from a fresh run's "
+                f"({determinism_counts}); replay exactness cannot be checked"
+            )
+
+        git_before = git_state(project, env)
+        replays: dict[str, dict[str, Any]] = {}
+        order = WORKER_COUNTS if rep % 2 == 0 else tuple(reversed(WORKER_COUNTS))
+        for probe, name in (("outer", workload.OUTER_NAME), ("inner", workload.INNER_NAME)):
+            for workers in order:
+                shutil.rmtree(project / ".retrolog")
+                shutil.copytree(recorded_store, project / ".retrolog")
+                replays[f"{probe}-{workers}"] = replay_once(
+                    python, project, env, logs, name, workers, runs, reference[name]
+                )
+        if git_state(project, env) != git_before:
+            raise BenchError("replay changed the project's HEAD or working tree")
+        reference_digest = {
+            name: [sorted(v.items(), key=str) for v in per_run]
+            for name, per_run in reference.items()
+        }
+        return {
+            "record_seconds": record_seconds,
+            "retrain_seconds": [t.seconds for t in retrain],
+            "retrain_cpu_seconds": [t.cpu_seconds for t in retrain],
+            "replays": replays,
+            "workload": workload_facts,
+            "determinism": determinism_counts,
+            "reference": reference,
+            "reference_digest": json.dumps(reference_digest, sort_keys=True),
+        }
+    except BenchError:
+        if keep is not None:
+            shutil.copytree(work, keep / f"rep-{rep}", dirs_exist_ok=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def describe_recording(db: Path, runs: list[str]) -> dict[str, Any]:
+    """Per run: epochs, steps, checkpoints, prefix and mean epoch time from the profile."""
+    facts = []
+    for run_id in runs:
+        (epochs,) = read_rows(
+            db, "SELECT COUNT(*) FROM loops WHERE run_id = ? AND depth = 0", (run_id,)
+        )[0]
+        (steps,) = read_rows(
+            db, "SELECT COUNT(*) FROM loops WHERE run_id = ? AND depth = 1", (run_id,)
+        )[0]
+        ckpts, nbytes = read_rows(
+            db, "SELECT COUNT(*), SUM(nbytes) FROM checkpoints WHERE run_id = ?", (run_id,)
+        )[0]
+        phases: dict[str, list[float]] = {}
+        for phase, seconds in read_rows(
+            db, "SELECT phase, seconds FROM profile WHERE run_id = ?", (run_id,)
+        ):
+            phases.setdefault(phase, []).append(seconds)
+        facts.append(
+            {
+                "run_id": run_id,
+                "epochs": epochs,
+                "steps": steps,
+                "checkpoints": ckpts,
+                "checkpoint_bytes": nbytes,
+                "prefix_seconds": sum(phases.get("prefix", [0.0])),
+                "epoch_seconds": statistics.fmean(phases.get("iteration", [0.0])),
+            }
+        )
+    return {"runs": facts}
+
+
+def git_state(project: Path, env: dict[str, str]) -> tuple[str, str, str]:
+    return (
+        git(project, env, "rev-parse", "HEAD"),
+        git(project, env, "status", "--porcelain"),
+        git(project, env, "branch", "--show-current"),
+    )
+
+
+def replay_once(
+    python: Path,
+    project: Path,
+    env: dict[str, str],
+    logs: Path,
+    name: str,
+    workers: int,
+    runs: list[str],
+    reference: list[Values],
+) -> dict[str, Any]:
+    """One ``retrolog replay NAME --yes --workers N`` on a fresh copy of the recorded store."""
+    log = logs / f"replay-{name}-{workers}.log"
+    cmd = [str(python), "-m", "retrolog", "replay", name, "--yes", "--workers", str(workers)]
+    timing = timed(cmd, project, env, log)
+    seconds = timing.seconds
+    db = project / ".retrolog" / "retrolog.db"
+    output = log.read_text(errors="replace")
+    ((replay_id, started, ended, plan_estimate, plan_workers),) = read_rows(
+        db, "SELECT replay_id, started_at, ended_at, estimate_seconds, workers FROM replays"
+    )
+    per_run = {
+        row[0]: row[1:]
+        for row in read_rows(
+            db,
+            "SELECT run_id, scan, status, estimate_seconds, actual_seconds, backfilled,"
+            " mismatches, error FROM replay_runs WHERE replay_id = ?",
+            (replay_id,),
+        )
+    }
+    got = values(db, name, "backfilled")
+    problems = []
+    counts = []
+    run_figures = []
+    segments_dir = project / ".retrolog" / "replays" / replay_id
+    for index, run_id in enumerate(runs):
+        row = per_run.get(run_id)
+        if row is None:
+            problems.append(f"run {run_id} is not in replay_runs")
+            continue
+        scan, status, estimate, actual, backfilled, mismatches, error = row
+        if status != "replayed":
+            problems.append(f"run {run_id}: {status} ({error})")
+        if mismatches not in (None, "", "[]"):
+            problems.append(f"run {run_id}: deferred check found differences {mismatches}")
+        count = compare(got.get(run_id, {}), reference[index])
+        counts.append(count)
+        if not all_exact(count):
+            problems.append(f"run {run_id}: {count}")
+        run_figures.append(
+            {
+                "run_id": run_id,
+                "scan": scan,
+                "estimate_seconds": estimate,
+                "actual_seconds": actual,
+                "error_pct": (estimate - actual) / actual * 100 if actual else None,
+                "segments": len(list(segments_dir.glob(f"{run_id}-*.spec.json"))),
+                "backfilled": backfilled,
+            }
+        )
+    if "differs" in output:
+        problems.append("replay reported a difference from the recorded values")
+    if problems:
+        raise BenchError(
+            f"retrolog replay {name} --workers {workers} is not exact:\n  "
+            + "\n  ".join(problems)
+            + f"\n{tail(clean_output(output))}"
+        )
+    execution = ended - started
+    return {
+        "seconds": seconds,
+        "cpu_seconds": timing.cpu_seconds,
+        "load_average_after": os.getloadavg()[0],
+        "execution_seconds": execution,
+        "before_workers_seconds": seconds - execution,
+        "plan_estimate_seconds": plan_estimate,
+        "plan_error_pct": (plan_estimate - execution) / execution * 100,
+        "workers": plan_workers,
+        "worker_seconds": sum(r["actual_seconds"] for r in run_figures),
+        "segments": sum(r["segments"] for r in run_figures),
+        "runs": run_figures,
+        "values": merge_counts(counts),
+    }
+
+
+# -- FlorDB --------------------------------------------------------------------------------
+
+
+def torch_path_for(flor_python: Path, where: Path) -> tuple[Path | None, str]:
+    """A directory of links to this interpreter's torch (and deps) that FlorDB's venv lacks."""
+    where.mkdir(parents=True, exist_ok=True)
+    missing = subprocess.run(
+        [
+            str(flor_python),
+            "-c",
+            "import importlib.util, sys\n"
+            f"for m in {TORCH_MODULES!r}:\n"
+            "    if importlib.util.find_spec(m) is None: print(m)",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
+    for module in missing:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            return None, f"{module} (needed by torch) is not installed in {sys.executable}"
+        origin = Path(spec.origin)
+        target = origin.parent if origin.name == "__init__.py" else origin
+        (where / target.name).symlink_to(target)
+    check = subprocess.run(
+        [str(flor_python), "-c", "import torch; print(torch.__version__)"],
+        env={**base_env(), "PYTHONPATH": str(where)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if check.returncode != 0:
+        return None, f"torch does not import in FlorDB's venv: {tail(check.stderr, 3)}"
+    return where, f"torch {check.stdout.strip()} linked from {sys.executable}"
+
+
+def flordb_rep(
+    flor_python: Path,
+    torch_path: Path,
+    epochs: int,
+    n_train: int,
+    reference: dict[str, list[Values]],
+) -> dict[str, Any]:
+    """Record the FlorDB twin of the workload, replay w_norm with FlorDB, compare its values."""
+    work = Path(tempfile.mkdtemp(prefix="retrolog-bench-replay-flordb-"))
+    try:
+        env = base_env()
+        # FlorDB's replay starts its children as plain `python`: its venv must come first.
+        env["PATH"] = f"{flor_python.parent}{os.pathsep}{env.get('PATH', '')}"
+        env["PYTHONPATH"] = str(torch_path)
+        project = work / "bench-replay-flordb"
+        logs = work / "logs"
+        logs.mkdir()
+        new_project(project, env, workload.flordb_source(workload.V1))
+        record_seconds = []
+        for index, (version, kwargs) in enumerate(workload.RUNS):
+            (project / "train.py").write_text(workload.flordb_source(workload.VERSIONS[version]))
+            cmd = [str(flor_python), "train.py", *run_kwargs(kwargs, epochs, n_train)]
+            log = logs / f"flordb-record-{index}.log"
+            record_seconds.append(timed(cmd, project, env, log).seconds)
+        (project / "train.py").write_text(workload.flordb_source(workload.NEWEST))
+        log = logs / "flordb-replay.log"
+        cmd = [str(flor_python), "-m", "flordb", "replay", workload.OUTER_NAME]
+        timing = timed(cmd, project, env, log, stdin_text="y\n", check=False)
+        seconds, returncode = timing.seconds, timing.returncode
+        output = clean_output(log.read_text(errors="replace"))
+
+        db = project / ".flor" / f"{project.name}.db"
+        tstamps = [
+            t
+            for (t,) in read_rows(
+                db,
+                "SELECT DISTINCT tstamp FROM logs WHERE source = 'forward' AND value_name = 'lr'"
+                " ORDER BY tstamp",
+            )
+        ]
+        if len(tstamps) != len(workload.RUNS):
+            raise BenchError(f"FlorDB recorded {len(tstamps)} runs, expected {len(workload.RUNS)}")
+        # Its recorded values equal retrolog's fresh runs': the two scripts compute the same.
+        equivalence = merge_counts(
+            [
+                compare(flordb_values(db, name, "forward", ts), reference[name][index])
+                for name in ("loss", "acc")
+                for index, ts in enumerate(tstamps)
+            ]
+        )
+        per_run = [
+            compare(
+                flordb_values(db, workload.OUTER_NAME, "replay", ts),
+                reference[workload.OUTER_NAME][index],
+            )
+            for index, ts in enumerate(tstamps)
+        ]
+        return {
+            "record_seconds": record_seconds,
+            "replay_seconds": seconds,
+            "replay_cpu_seconds": timing.cpu_seconds,
+            "returncode": returncode,
+            "runs_with_values": sum(1 for c in per_run if c["present"]),
+            "values": merge_counts(per_run),
+            "values_per_run": per_run,
+            "workload_equivalent": all_exact(equivalence),
+            "equivalence_check": equivalence,
+            "error": flordb_error(output) if returncode != 0 else None,
+            "output_tail": tail(output, 25),
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def flordb_values(db: Path, name: str, source: str, tstamp: str) -> Values:
+    found: Values = {}
+    for ctx, value in read_rows(
+        db,
+        "SELECT ctx, value FROM logs WHERE value_name = ? AND source = ? AND tstamp = ?",
+        (name, source, tstamp),
+    ):
+        segments = json.loads(ctx) if ctx else []
+        index = {seg["name"]: seg["iteration"] for seg in segments}
+        found[index.get("epoch"), index.get("step")] = float(value)
+    return found
+
+
+def flordb_error(output: str) -> str:
+    """The lines of FlorDB's output that say why its replay stopped."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Exception raised during"):
+            block = [line]
+            for nxt in lines[i + 1 :]:
+                if nxt.startswith(("Checking out", "Traceback")):
+                    break
+                block.append(nxt)
+            return "\n".join(block)
+    errors = [line for line in lines if re.match(r"^\w+(\.\w+)*(Error|Exception)\b", line)]
+    return "\n".join(errors[-3:]) or tail(output, 5)
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def summary(samples: list[float]) -> dict[str, Any]:
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "samples": samples,
+    }
+
+
+def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    retrain = [sum(r["retrain_seconds"]) for r in reps]
+    out: dict[str, Any] = {
+        "record_seconds_3_runs": summary([sum(r["record_seconds"]) for r in reps]),
+        "retrain_seconds_3_runs": summary(retrain),
+        "retrain_cores_used": summary(
+            [sum(r["retrain_cpu_seconds"]) / sum(r["retrain_seconds"]) for r in reps]
+        ),
+        "epoch_seconds": summary(
+            [run["epoch_seconds"] for r in reps for run in r["workload"]["runs"]]
+        ),
+        "prefix_seconds": summary(
+            [run["prefix_seconds"] for r in reps for run in r["workload"]["runs"]]
+        ),
+    }
+    for probe in ("outer", "inner"):
+        block: dict[str, Any] = {}
+        for workers in WORKER_COUNTS:
+            rs = [r["replays"][f"{probe}-{workers}"] for r in reps]
+            errors = [run["error_pct"] for x in rs for run in x["runs"]]
+            block[f"workers_{workers}"] = {
+                "replay_seconds": summary([x["seconds"] for x in rs]),
+                "execution_seconds": summary([x["execution_seconds"] for x in rs]),
+                "before_workers_seconds": summary([x["before_workers_seconds"] for x in rs]),
+                "worker_seconds": summary([x["worker_seconds"] for x in rs]),
+                "cores_used": summary([x["cpu_seconds"] / x["seconds"] for x in rs]),
+                "load_average_after": summary([x["load_average_after"] for x in rs]),
+                "segments": summary([x["segments"] for x in rs]),
+                "speedup_vs_retrain": summary(
+                    [t / x["seconds"] for t, x in zip(retrain, rs, strict=True)]
+                ),
+                "estimate_error_pct_per_run": {
+                    "median": statistics.median(errors),
+                    "median_abs": statistics.median(abs(e) for e in errors),
+                    "worst": max(errors, key=abs),
+                    "samples": errors,
+                },
+                "plan_wall_error_pct": summary([x["plan_error_pct"] for x in rs]),
+                "values": merge_counts([x["values"] for x in rs]),
+            }
+        one, two = ([r["replays"][f"{probe}-{w}"]["seconds"] for r in reps] for w in WORKER_COUNTS)
+        block["parallel_speedup"] = summary([a / b for a, b in zip(one, two, strict=True)])
+        block["parallel_efficiency"] = summary(
+            [a / b / IDEAL_PARALLEL_SPEEDUP for a, b in zip(one, two, strict=True)]
+        )
+        out[probe] = block
+    return out
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of record/retrain/replay")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs per run (at least 6)")
+    parser.add_argument(
+        "--n-train",
+        type=int,
+        default=6000,
+        help="training images per epoch: 6000 is about 3 s per epoch on one core",
+    )
+    parser.add_argument("--no-flordb", action="store_true", help="skip the FlorDB anchor")
+    parser.add_argument("--flordb-reps", type=int, default=1, help="FlorDB repetitions")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="results JSON file")
+    parser.add_argument(
+        "--keep-failed",
+        type=Path,
+        default=None,
+        help="copy a failing repetition's project and logs into this directory",
+    )
+    args = parser.parse_args(argv)
+    if args.reps < 3:
+        print(
+            f"note: {args.reps} repetitions; figures for the record use at least 3.",
+            file=sys.stderr,
+        )
+    workload.check_sources()
+    try:
+        retrolog_version = metadata.version("retrolog")
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError as exc:
+        print(
+            f"{exc.name} is not installed in {sys.executable}; run this with the project's "
+            "venv: .venv/bin/python bench/bench_replay.py",
+            file=sys.stderr,
+        )
+        return 1
+    python = Path(sys.executable)
+    flor_python, flordb_note = (None, "skipped (--no-flordb)")
+    if not args.no_flordb:
+        flor_python, flordb_note = flordb_python()
+
+    started = time.time()
+    load_before = os.getloadavg()
+    source = source_fingerprint()
+    scratch = Path(tempfile.mkdtemp(prefix="retrolog-bench-replay-scratch-"))
+    reps: list[dict[str, Any]] = []
+    flordb_reps: list[dict[str, Any]] = []
+    try:
+        env = base_env()
+        floor = [startup_floor(python, env, scratch / "floor.log", scratch) for _ in range(3)]
+        for rep in range(args.reps):
+            print(f"rep {rep + 1}/{args.reps}: record, retrain, replay", file=sys.stderr)
+            reps.append(retrolog_rep(rep, python, args.epochs, args.n_train, args.keep_failed))
+            last = reps[-1]
+            print(
+                f"  retrain {sum(last['retrain_seconds']):.1f}s, replay "
+                + ", ".join(f"{k} {v['seconds']:.1f}s" for k, v in last["replays"].items()),
+                file=sys.stderr,
+            )
+        torch_path = None
+        if flor_python is not None:
+            torch_path, torch_note = torch_path_for(flor_python, scratch / "torch-path")
+            flordb_note += f"; {torch_note}"
+            if torch_path is None:
+                print(f"flordb unavailable: {torch_note}", file=sys.stderr)
+        if flor_python is not None and torch_path is not None:
+            for rep in range(args.flordb_reps):
+                print(f"flordb {rep + 1}/{args.flordb_reps}: record, replay", file=sys.stderr)
+                flordb_reps.append(
+                    flordb_rep(
+                        flor_python, torch_path, args.epochs, args.n_train, reps[-1]["reference"]
+                    )
+                )
+    except (BenchError, subprocess.SubprocessError) as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    load_after = os.getloadavg()
+    source_after = source_fingerprint()
+    if source_after != source:
+        print(
+            "warning: retrolog's source changed while the benchmark ran "
+            f"({source.get('sha256')} -> {source_after.get('sha256')}); run it again.",
+            file=sys.stderr,
+        )
+
+    reference_stable = len({r["reference_digest"] for r in reps}) == 1
+    figs = figures(reps)
+    result: dict[str, Any] = {
+        "benchmark": "replay",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - started, 1),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "nproc": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "repetitions": args.reps,
+        "retrolog_version": retrolog_version,
+        "retrolog_source": source,
+        "retrolog_source_changed_during_run": source_after != source,
+        "torch_version": torch_version,
+        "workload": {
+            "script": "bench/_replay_workload.py",
+            "epochs": args.epochs,
+            "n_train": args.n_train,
+            "runs": [{"version": v, "kwargs": k} for v, k in workload.RUNS],
+            "outer_statement": workload.OUTER_NAME,
+            "inner_statement": workload.INNER_NAME,
+            "threads_per_process": 1,
+            "recorded_last_rep": reps[-1]["workload"]["runs"],
+            "startup_floor_seconds": summary(floor),
+            "startup_floor_is": "python -c '" + STARTUP_SNIPPET + "'",
+        },
+        "units": "seconds are wall time of the command as the user waits for it; speedup = "
+        "retraining the 3 runs sequentially / the replay; parallel speedup = replay with 1 "
+        "worker / with 2 workers (ideal 2.0, and the machine has only nproc cores); estimate "
+        "error = (estimate - actual) / actual per run (worker-seconds)",
+        **figs,
+        "checks": {
+            "recorded_equals_fresh_run": reps[-1]["determinism"],
+            "all_replayed_values_exact": True,  # a difference stops the benchmark
+            "outer_values": merge_counts(
+                [figs["outer"][f"workers_{n}"]["values"] for n in WORKER_COUNTS]
+            ),
+            "inner_values": merge_counts(
+                [figs["inner"][f"workers_{n}"]["values"] for n in WORKER_COUNTS]
+            ),
+            "deferred_check_clean": True,
+            "project_head_and_tree_unchanged": True,
+            "reference_values_identical_across_reps": reference_stable,
+        },
+        "flordb": flordb_result(flor_python, flordb_note, flordb_reps, figs),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.output.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(args.output)
+    print_report(result)
+    print(f"\nresults: {args.output}")
+    return 0
+
+
+def flordb_result(
+    flor_python: Path | None, note: str, reps: list[dict[str, Any]], figs: dict[str, Any]
+) -> dict[str, Any]:
+    if flor_python is None or not reps:
+        return {"available": False, "note": note}
+    last = reps[-1]
+    replay = summary([r["replay_seconds"] for r in reps])
+    return {
+        "available": True,
+        "version": FLORDB_VERSION,
+        "note": note,
+        "repetitions": len(reps),
+        "command": f"python -m flordb replay {workload.OUTER_NAME}  (stdin: y)",
+        "record_seconds_3_runs": summary([sum(r["record_seconds"]) for r in reps]),
+        "replay_seconds": replay,
+        "returncode": [r["returncode"] for r in reps],
+        "completed": all(r["returncode"] == 0 for r in reps),
+        "runs_with_values": [r["runs_with_values"] for r in reps],
+        "values": last["values"],
+        "values_per_run": last["values_per_run"],
+        "values_exact": all_exact(last["values"]),
+        "workload_equivalent": all(r["workload_equivalent"] for r in reps),
+        "equivalence_check": last["equivalence_check"],
+        "error": last["error"],
+        "output_tail": last["output_tail"],
+        "replay_over_retrolog_outer_1_worker": replay["median"]
+        / figs["outer"]["workers_1"]["replay_seconds"]["median"],
+        "replay_over_retrain": replay["median"] / figs["retrain_seconds_3_runs"]["median"],
+    }
+
+
+def print_report(result: dict[str, Any]) -> None:
+    def cell(stats: dict[str, Any], fmt: str, unit: str = "") -> str:
+        return f"{stats['median']:{fmt}}{unit} [{stats['min']:{fmt}}..{stats['max']:{fmt}}]"
+
+    w = result["workload"]
+    print(
+        f"\nreplay benchmark: Python {result['python']}, torch {result['torch_version']}, "
+        f"{result['nproc']} cores, {result['repetitions']} repetitions, load average "
+        f"{result['load_average_before'][0]:.1f} -> {result['load_average_after'][0]:.1f}"
+    )
+    rec = w["recorded_last_rep"][0]
+    print(
+        f"workload: 3 runs x {w['epochs']} epochs x {rec['steps'] // max(rec['epochs'], 1)} "
+        f"steps, 2 code versions, {rec['checkpoints']} checkpoints per run; epoch "
+        f"{cell(result['epoch_seconds'], '.1f', 's')}, prefix (start to first epoch) "
+        f"{cell(result['prefix_seconds'], '.1f', 's')}; process start-up floor "
+        f"(python + import torch + first optimizer) {cell(w['startup_floor_seconds'], '.1f', 's')}"
+    )
+    print("median [min..max], wall seconds\n")
+    header = (
+        f"{'query':22} {'seconds':>20} {'vs retrain':>17} {'cores':>5} {'before workers':>14} "
+        f"{'worker-s':>8} {'segs':>4} {'est. error/run':>16}"
+    )
+    print(header)
+    print("-" * len(header))
+    print(
+        f"{'retrain 3 runs':22} {cell(result['retrain_seconds_3_runs'], '.1f'):>20} "
+        f"{'':>17} {result['retrain_cores_used']['median']:>5.2f}"
+    )
+    for probe, name in (("outer", w["outer_statement"]), ("inner", w["inner_statement"])):
+        for workers in WORKER_COUNTS:
+            f = result[probe][f"workers_{workers}"]
+            err = f["estimate_error_pct_per_run"]
+            print(
+                f"{f'{probe} {name} w={workers}':22} {cell(f['replay_seconds'], '.1f'):>20} "
+                f"{cell(f['speedup_vs_retrain'], '.1f', 'x'):>17} "
+                f"{f['cores_used']['median']:>5.2f} "
+                f"{f['before_workers_seconds']['median']:>14.1f} "
+                f"{f['worker_seconds']['median']:>8.1f} {f['segments']['median']:>4.0f} "
+                f"{err['median']:>+7.1f}% ({err['worst']:+.0f}%)"
+            )
+    print(
+        "\ncores: CPU seconds / wall seconds; before workers: command start to the first "
+        "worker (imports, planning); worker-s: sum of the segments' durations; est. error/run: "
+        "median over runs and repetitions of (estimate - actual) / actual, worst in parentheses"
+    )
+    outer = result["outer"]["workers_1"]["speedup_vs_retrain"]
+    print(
+        f"(a) outer-loop probe, 1 worker: {outer['median']:.1f}x faster than retraining "
+        f"[{outer['min']:.1f}..{outer['max']:.1f}]; 2 workers: "
+        f"{result['outer']['workers_2']['speedup_vs_retrain']['median']:.1f}x"
+    )
+    one = result["outer"]["workers_1"]
+    runs = len(w["runs"])
+    print(
+        f"    where its time goes: {one['before_workers_seconds']['median']:.1f}s before the "
+        f"first worker starts, then {one['worker_seconds']['median'] / runs:.1f}s per run; a "
+        "bare python process that imports torch and builds an optimizer takes "
+        f"{w['startup_floor_seconds']['median']:.1f}s"
+    )
+    par = result["inner"]["parallel_speedup"]
+    print(
+        f"(b) inner-loop probe, 2 workers vs 1: {par['median']:.2f}x "
+        f"[{par['min']:.2f}..{par['max']:.2f}], ideal {IDEAL_PARALLEL_SPEEDUP:.1f}x, on "
+        f"{result['nproc']} cores"
+    )
+    for probe in ("outer", "inner"):
+        for workers in WORKER_COUNTS:
+            err = result[probe][f"workers_{workers}"]["estimate_error_pct_per_run"]
+            print(
+                f"(c) estimate error per run, {probe} w={workers}: median |error| "
+                f"{err['median_abs']:.1f}%, worst {err['worst']:+.1f}%"
+            )
+    c = result["checks"]
+    print(
+        f"checks: {c['outer_values']['exact']}/{c['outer_values']['expected']} outer and "
+        f"{c['inner_values']['exact']}/{c['inner_values']['expected']} inner values exact "
+        "(every replay, 1 and 2 workers), deferred check clean, project untouched"
+    )
+    fl = result["flordb"]
+    if not fl["available"]:
+        print(f"(d) flordb unavailable: {fl['note']}")
+        return
+    v = fl["values"]
+    print(
+        f"(d) flordb {fl['version']} replay {w['outer_statement']}: "
+        f"{cell(fl['replay_seconds'], '.1f', 's')}, exit code {fl['returncode']}, runs with values "
+        f"{fl['runs_with_values']} of 3, {v['exact']}/{v['expected']} values exact "
+        f"({v['present']} present); workload equivalent: {fl['workload_equivalent']}"
+    )
+    if fl["error"]:
+        print("    flordb error: " + fl["error"].replace("\n", "\n    "))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
