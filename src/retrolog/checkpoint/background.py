@@ -1,0 +1,359 @@
+"""Checkpoints whose encoding and writing happen off the training thread.
+
+DESIGN.md, "Background materialization": the training thread only takes a
+snapshot; hashing, compression and I/O happen elsewhere. The choice of a
+thread over a forked child or a worker process was made from measurements
+(docs/materialization.md, bench/bench_materialize.py)::
+
+    training thread                   retrolog-checkpoint-writer thread
+    ---------------                   ---------------------------------
+    capture()
+      snapshot(objects)  ──> pending ──> encode(snap, store): blobs first, manifest last
+      (a deep copy: the    (at most      ──> sink(record), in capture order
+       only work here)     max_in_flight)
+
+The thread works because what it spends its time on releases the GIL:
+hashlib's sha256 on buffers over 2 KiB and the file writes in
+:class:`~retrolog.store.objects.LocalObjectStore`. Memory is bounded: at most
+``max_in_flight`` snapshots are held (queued or being written); when a block
+ends while all are taken, ``when_full`` decides, explicitly and with a
+warning the first time, whether the training thread waits or the checkpoint
+is skipped (counted, and listed in :attr:`BackgroundCheckpointer.skips` so the
+adaptive rule can account for it).
+
+Visibility: the sink is called only after :func:`~retrolog.checkpoint.codec.encode`
+returned, and encode puts the manifest after every blob it references, each
+object being written to a temp file and renamed into place under its sha256.
+So a checkpoint row never points at a missing or partial object, and a crash
+mid-write leaves at most unreferenced objects for garbage collection, never a
+checkpoint replay could pick.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
+from retrolog.checkpoint.codec import encode
+from retrolog.checkpoint.state import Snapshot, snapshot
+from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
+from retrolog.store.objects import ObjectStore
+
+WhenFull = Literal["wait", "skip"]
+WHEN_FULL: tuple[WhenFull, ...] = ("wait", "skip")
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint that was not taken because the writer was behind (``when_full="skip"``)."""
+
+    ctx_id: int | None
+    loop_name: str
+    kind: str
+    at: float  # time.time() of the capture() call
+    in_flight: int  # snapshots held by the writer at that moment
+
+
+@dataclass
+class _Job:
+    """One snapshot waiting for (or going through) the writer."""
+
+    ctx_id: int | None
+    loop_name: str
+    kind: str
+    snap: Snapshot | None  # dropped as soon as it is encoded, to free its memory early
+    created_at: float
+    capture_seconds: float
+
+
+class BackgroundCheckpointer(Checkpointer):
+    """Snapshots on the calling thread; encodes, writes and reports on a writer thread.
+
+    ``store`` and ``sink`` are as for
+    :class:`~retrolog.checkpoint.capture.SynchronousCheckpointer`; ``sink`` is
+    called on the writer thread, once per written checkpoint, in capture order.
+    ``max_in_flight`` bounds the snapshots held at once (each is a full copy of
+    the state). ``when_full`` is what a capture does when that bound is reached:
+    ``"wait"`` blocks until the oldest is written (counted in
+    :attr:`waited_seconds`), ``"skip"`` takes no checkpoint (counted in
+    :attr:`skipped`). The ``end`` checkpoint is never skipped: it is the only
+    one replay always needs, so it waits.
+
+    A failure on the writer thread is raised in the training thread, as
+    StoreError (or CheckpointTargetError for a value that cannot be encoded),
+    at the next :meth:`capture` or at :meth:`close`; the checkpoints still
+    queued behind it are not written and the message says how many.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        sink: Callable[[CheckpointRecord], None],
+        *,
+        max_in_flight: int = 2,
+        when_full: WhenFull = "wait",
+    ) -> None:
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int of at least 1, not {max_in_flight!r}")
+        if when_full not in WHEN_FULL:
+            raise ValueError(f"when_full must be one of {WHEN_FULL}, not {when_full!r}")
+        self.store = store
+        self.sink = sink
+        self.max_in_flight = max_in_flight
+        self.when_full: WhenFull = when_full
+        self._cond = threading.Condition()
+        # Queued jobs and, at the head, the one being written: len() is the
+        # number of snapshots held, which is what max_in_flight bounds.
+        self._pending: deque[_Job] = deque()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._closed = False
+        self._error: BaseException | None = None  # the writer's failure, converted
+        self._error_reported = False
+        self._warned = False
+        self._captured = 0
+        self._written = 0
+        self._waited_seconds = 0.0
+        self._skips: list[SkippedCheckpoint] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"BackgroundCheckpointer({self.store!r}, max_in_flight={self.max_in_flight}, "
+            f"when_full={self.when_full!r})"
+        )
+
+    def __enter__(self) -> BackgroundCheckpointer:
+        return self
+
+    # -- counters ------------------------------------------------------------------------
+
+    @property
+    def captured(self) -> int:
+        """Snapshots taken and handed to the writer."""
+        return self._captured
+
+    @property
+    def written(self) -> int:
+        """Checkpoints completely written and reported to the sink."""
+        return self._written
+
+    @property
+    def skipped(self) -> int:
+        """Checkpoints not taken because the writer was behind (``when_full="skip"``)."""
+        return len(self._skips)
+
+    @property
+    def skips(self) -> tuple[SkippedCheckpoint, ...]:
+        """The skipped checkpoints, oldest first."""
+        return tuple(self._skips)
+
+    @property
+    def waited_seconds(self) -> float:
+        """Training-thread time spent waiting for the writer (``when_full="wait"``)."""
+        return self._waited_seconds
+
+    @property
+    def in_flight(self) -> int:
+        """Snapshots held right now: queued or being written."""
+        with self._cond:
+            return len(self._pending)
+
+    # -- training thread -----------------------------------------------------------------
+
+    def capture(
+        self, *, ctx_id: int | None, loop_name: str, kind: str, objects: Mapping[str, object]
+    ) -> None:
+        """Snapshot ``objects`` and the RNGs now; they are written in the background."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+        created_at = time.time()
+        start = time.perf_counter()
+        with self._cond:
+            self._raise_if_failed()
+            if self._closing:
+                raise StoreError(
+                    "This checkpointer is closed; create a new one to checkpoint again."
+                )
+            if len(self._pending) >= self.max_in_flight:
+                if self.when_full == "skip" and kind != "end":
+                    self._skip(ctx_id, loop_name, kind, created_at)
+                    return
+                self._wait_for_slot(ctx_id)
+        # The snapshot is taken outside the lock so the writer can report the
+        # previous checkpoint meanwhile; only this thread adds jobs, so the
+        # slot found above is still free.
+        snap = snapshot(objects)
+        job = _Job(
+            ctx_id=ctx_id,
+            loop_name=loop_name,
+            kind=kind,
+            snap=snap,
+            created_at=created_at,
+            # Waiting for a slot is main-thread time this checkpoint cost, so it
+            # is part of what the adaptive rule sees as M.
+            capture_seconds=time.perf_counter() - start,
+        )
+        with self._cond:
+            self._raise_if_failed()
+            self._pending.append(job)
+            self._captured += 1
+            self._ensure_writer()
+            self._cond.notify_all()
+
+    def _skip(self, ctx_id: int | None, loop_name: str, kind: str, at: float) -> None:
+        self._skips.append(SkippedCheckpoint(ctx_id, loop_name, kind, at, len(self._pending)))
+        self._warn_once(
+            f"skipped this checkpoint (ctx {ctx_id}); skipped ones are counted and the adaptive "
+            "checkpointing rule sees them as not taken, so replay executes those blocks"
+        )
+
+    def _wait_for_slot(self, ctx_id: int | None) -> None:
+        """Block (holding nothing but the condition) until the writer frees a slot."""
+        began = time.perf_counter()
+        while len(self._pending) >= self.max_in_flight and self._error is None:
+            self._cond.wait()
+        waited = time.perf_counter() - began
+        self._waited_seconds += waited
+        self._raise_if_failed()
+        self._warn_once(
+            f"made training wait {waited:.3f} s for a free slot (ctx {ctx_id}); waits are "
+            "counted in waited_seconds and in each checkpoint's capture time"
+        )
+
+    def _warn_once(self, what: str) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"retrolog's checkpoint writer fell behind: {self.max_in_flight} checkpoint(s) to "
+            f"{self.store!r} were still being written when the next one was due, so it "
+            f"{what}. This is reported once per run. If it keeps happening, checkpoints are "
+            "produced faster than the store takes them: raise max_in_flight (memory: one copy "
+            "of the state each) or use a faster store.",
+            RetrologWarning,
+            stacklevel=4,
+        )
+
+    def close(self) -> None:
+        """Write and report every checkpoint in flight, stop the writer, raise its failure."""
+        with self._cond:
+            self._closing = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._cond:
+            if not self._closed:
+                self._closed = True
+                atexit.unregister(self._close_at_exit)
+            self._raise_if_failed()
+
+    def _close_at_exit(self) -> None:
+        # A run's commit() closes its checkpointer; this catches a checkpointer
+        # used on its own and never closed, so interpreter exit still flushes
+        # (atexit runs before daemon threads are stopped).
+        try:
+            self.close()
+        except StoreError as exc:
+            # Nobody is left to raise to at exit; stderr is the last place to say it.
+            warnings.warn(str(exc), RetrologWarning, stacklevel=1)
+
+    def _raise_if_failed(self) -> None:
+        """Raise the writer's failure here; close() raises it only if no capture did already."""
+        error = self._error
+        if error is None:
+            return
+        if self._error_reported and self._closing:
+            return  # close() after the failure was already raised at a capture
+        self._error_reported = True
+        raise error
+
+    def _ensure_writer(self) -> None:
+        if self._thread is None:
+            # Started on the first capture, not at construction: importing or
+            # configuring retrolog must not start threads.
+            self._thread = threading.Thread(
+                target=self._run, name="retrolog-checkpoint-writer", daemon=True
+            )
+            self._thread.start()
+            atexit.register(self._close_at_exit)
+
+    # -- writer thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                job = self._pending[0]
+            try:
+                self._write(job)
+            except BaseException as exc:  # all of it goes to the training thread, none is lost
+                with self._cond:
+                    dropped = len(self._pending) - 1
+                    self._pending.clear()
+                    self._error = _converted(exc, job, dropped)
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._pending.popleft()
+                self._written += 1
+                self._cond.notify_all()
+
+    def _write(self, job: _Job) -> None:
+        snap = job.snap
+        assert snap is not None
+        started = time.perf_counter()
+        manifest, nbytes = encode(snap, self.store)
+        written = time.perf_counter()
+        job.snap = None
+        # Only now, with the manifest (written last by encode) in place, may the
+        # checkpoint become visible.
+        self.sink(
+            CheckpointRecord(
+                ctx_id=job.ctx_id,
+                loop_name=job.loop_name,
+                kind=job.kind,
+                manifest=manifest,
+                nbytes=nbytes,
+                capture_seconds=job.capture_seconds,
+                write_seconds=written - started,
+                created_at=job.created_at,
+            )
+        )
+
+
+def _converted(exc: BaseException, job: _Job, dropped: int) -> BaseException:
+    """``exc`` from the writer thread as the error the training thread should see."""
+    where = (
+        f"the end checkpoint of loop {job.loop_name!r}"
+        if job.kind == "end"
+        else f"the checkpoint of loop {job.loop_name!r} at context {job.ctx_id}"
+    )
+    lost = (
+        f" The {dropped} checkpoint(s) queued after it were not written either." if dropped else ""
+    )
+    if isinstance(exc, CheckpointTargetError):
+        # The user's fix is in the original message (a value that cannot be
+        # encoded); keep its type so callers and the CLI treat it as a usage error.
+        converted: BaseException = CheckpointTargetError(
+            f"Writing {where} failed in the background: {exc}{lost}", name=exc.name
+        )
+    else:
+        converted = StoreError(
+            f"Writing {where} failed in the background checkpoint writer: "
+            f"{type(exc).__name__}: {exc}.{lost} No later checkpoint is taken; fix the cause "
+            "(disk full? permissions?) and run again.",
+            path=getattr(exc, "path", None),
+        )
+    converted.__cause__ = exc
+    return converted

@@ -1,0 +1,410 @@
+"""The background checkpointer: exact checkpoints, bounded memory, ordered reports, loud failures.
+
+The writer is made to fall behind deterministically with a store whose put()
+blocks on a threading.Event, so no test depends on timing except as a lower
+bound on a wait it forced.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from retrolog.checkpoint import background
+from retrolog.checkpoint.background import BackgroundCheckpointer
+from retrolog.checkpoint.capture import CheckpointRecord, restore_checkpoint
+from retrolog.checkpoint.codec import decode, encode, manifest_blobs
+from retrolog.checkpoint.state import Snapshot, snapshot
+from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
+from retrolog.store.objects import LocalObjectStore, ObjectStore
+
+GATE_TIMEOUT = 20  # seconds; a test that would hang fails instead
+
+
+class GatedStore(ObjectStore):
+    """A local store whose put() waits until ``gate`` is set, to make the writer fall behind."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.entered = threading.Event()  # set once the writer is inside put()
+
+    def put(self, data: bytes) -> str:
+        self.entered.set()
+        if not self.gate.wait(GATE_TIMEOUT):
+            raise AssertionError("the test never opened the gate")
+        return self.inner.put(data)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.inner.has(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+class FailingStore(GatedStore):
+    """Every put() fails, the way a full disk would."""
+
+    def __init__(self, inner: ObjectStore, error: BaseException) -> None:
+        super().__init__(inner)
+        self.error = error
+
+    def put(self, data: bytes) -> str:
+        raise self.error
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalObjectStore:
+    return LocalObjectStore(tmp_path / "objects", durable=False)
+
+
+@pytest.fixture
+def gated(store: LocalObjectStore) -> Iterator[GatedStore]:
+    gated = GatedStore(store)
+    yield gated
+    gated.gate.set()  # never leave a writer thread blocked behind a failed test
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Tiny ops on a busy machine: one thread is much faster than an oversubscribed pool.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_training() -> tuple[dict[str, Any], Callable[[], float]]:
+    """A seeded model with Adam, a numpy array and a dict, and a step that draws from every RNG."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    data = torch.randn(32, 5)
+    target = data.sum(dim=1, keepdim=True)
+    net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    noise = np.zeros(5, dtype=np.float32)
+    progress: dict[str, Any] = {"step": 0, "picked": []}
+
+    def step() -> float:
+        idx = np.random.permutation(32)[:8]
+        noise[:] = np.random.standard_normal(5).astype(np.float32) * 0.01
+        if random.random() < 0.5:
+            noise[0] += 1.0
+        x = data[torch.from_numpy(idx)] + torch.from_numpy(noise)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(net(x), target[torch.from_numpy(idx)])
+        loss.backward()
+        opt.step()
+        progress["step"] += 1
+        progress["picked"].append(int(idx[0]))
+        return loss.item()
+
+    return {"model": net, "optimizer": opt, "noise": noise, "progress": progress}, step
+
+
+def manifest_of(snap: Snapshot, tmp_path: Path) -> str:
+    """The manifest key ``snap`` encodes to: equal keys mean byte-identical checkpoints."""
+    return encode(snap, LocalObjectStore(tmp_path / "reference", durable=False))[0]
+
+
+def capture(ckpt: BackgroundCheckpointer, objects: dict[str, Any], ctx: int | None) -> None:
+    kind = "end" if ctx is None else "block"
+    ckpt.capture(ctx_id=ctx, loop_name="epoch", kind=kind, objects=objects)
+
+
+def in_thread(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    """Run ``fn`` as a second training thread; its exception, if any, lands in the list."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+# -- what is written ------------------------------------------------------------------------
+
+
+def test_checkpoint_is_exactly_the_state_at_capture(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    objects, step = make_training()
+    for _ in range(3):
+        step()
+    expected = snapshot(objects)
+    records: list[CheckpointRecord] = []
+
+    def sink(record: CheckpointRecord) -> None:
+        # Visible only once complete: the manifest and every object it names are stored.
+        assert store.has(record.manifest)
+        assert all(store.has(key) for key in manifest_blobs(record.manifest, store))
+        records.append(record)
+
+    with BackgroundCheckpointer(store, sink) as ckpt:
+        capture(ckpt, objects, 3)
+    assert [r.ctx_id for r in records] == [3]
+    assert records[0].manifest == manifest_of(expected, tmp_path)
+    assert set(decode(records[0].manifest, store).rng) == {"random", "numpy", "torch"}
+
+    # Restoring it and training on repeats what training did after the capture, bit for bit.
+    losses = [step() for _ in range(4)]
+    params = [p.detach().clone() for p in objects["model"].parameters()]
+    restore_checkpoint(objects, store, records[0].manifest)
+    assert objects["progress"]["step"] == 3
+    assert [step() for _ in range(4)] == losses
+    assert all(
+        torch.equal(a, b) for a, b in zip(params, objects["model"].parameters(), strict=True)
+    )
+    assert ckpt.captured == ckpt.written == 1 and ckpt.skipped == 0
+
+
+def test_training_after_capture_does_not_leak_into_the_checkpoint(
+    gated: GatedStore, tmp_path: Path
+) -> None:
+    objects, step = make_training()
+    step()
+    expected = manifest_of(snapshot(objects), tmp_path)
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(gated, records.append)
+    capture(ckpt, objects, 0)
+    assert gated.entered.wait(GATE_TIMEOUT)  # the writer is encoding ...
+    for _ in range(3):  # ... while training changes every tensor, the array and the dict
+        step()
+    objects["noise"][:] = 7.0
+    objects["progress"]["picked"].append(-1)
+    gated.gate.set()
+    ckpt.close()
+    assert [r.manifest for r in records] == [expected]
+
+
+def test_close_flushes_everything_in_capture_order(gated: GatedStore, tmp_path: Path) -> None:
+    objects, step = make_training()
+    expected = []
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=4)
+    for ctx in range(4):
+        step()
+        expected.append(manifest_of(snapshot(objects), tmp_path))
+        capture(ckpt, objects, ctx)
+    assert records == [] and ckpt.in_flight == 4
+    time.sleep(0.3)  # the first checkpoint's write takes at least this long
+    gated.gate.set()
+    ckpt.close()
+    assert [r.ctx_id for r in records] == [0, 1, 2, 3]
+    assert [r.manifest for r in records] == expected
+    assert ckpt.in_flight == 0 and ckpt.written == 4
+    # capture_seconds is the training thread's time only; the blocked write is write_seconds.
+    assert records[0].write_seconds >= 0.3 > max(r.capture_seconds for r in records)
+    assert all(r.nbytes > 0 and r.kind == "block" for r in records)
+    with pytest.raises(StoreError, match="closed"):
+        capture(ckpt, objects, 4)
+    ckpt.close()  # closing twice is harmless
+
+
+@pytest.mark.filterwarnings("ignore:retrolog's checkpoint writer fell behind")
+def test_many_checkpoints_are_reported_in_order(store: LocalObjectStore) -> None:
+    state = {"x": np.zeros(1000)}
+    records: list[CheckpointRecord] = []
+    with BackgroundCheckpointer(store, records.append, max_in_flight=3) as ckpt:
+        for ctx in range(30):
+            state["x"][:] = ctx
+            capture(ckpt, state, ctx)
+        capture(ckpt, state, None)
+    assert [r.ctx_id for r in records] == [*range(30), None]
+    assert [decode(r.manifest, store).objects["x"][0] for r in records[:30]] == list(range(30))
+    assert ckpt.captured == ckpt.written == 31
+
+
+# -- the in-flight bound --------------------------------------------------------------------
+
+
+def count_snapshots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record how many snapshots background.py takes (each is a copy of the state in memory)."""
+    taken: list[int] = []
+
+    def counting(objects: Any) -> Snapshot:
+        taken.append(1)
+        return snapshot(objects)
+
+    monkeypatch.setattr(background, "snapshot", counting)
+    return taken
+
+
+def test_when_full_wait_blocks_the_training_thread(
+    gated: GatedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken = count_snapshots(monkeypatch)
+    state = {"x": np.arange(10.0)}
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2, when_full="wait")
+    with pytest.warns(RetrologWarning, match="fell behind.*made training wait") as warned:
+        capture(ckpt, state, 0)
+        capture(ckpt, state, 1)
+        third, errors = in_thread(lambda: capture(ckpt, state, 2))
+        third.join(0.3)
+        assert third.is_alive()  # blocked: two snapshots are held, the writer cannot finish
+        assert len(taken) == 2 and ckpt.in_flight == 2
+        gated.gate.set()
+        third.join(GATE_TIMEOUT)
+        assert not third.is_alive() and errors == []
+        capture(ckpt, state, 3)
+        ckpt.close()
+    assert len(warned) == 1  # once per checkpointer, however often it happens
+    assert [r.ctx_id for r in records] == [0, 1, 2, 3]
+    assert ckpt.waited_seconds >= 0.25
+    assert records[2].capture_seconds >= 0.25  # the wait is main-thread cost of that checkpoint
+    assert ckpt.skipped == 0 and ckpt.captured == 4
+
+
+def test_when_full_skip_drops_the_checkpoint_but_never_the_end(
+    gated: GatedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken = count_snapshots(monkeypatch)
+    state = {"x": np.arange(10.0)}
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=1, when_full="skip")
+    with pytest.warns(RetrologWarning, match="fell behind.*skipped") as warned:
+        capture(ckpt, state, 0)
+        assert gated.entered.wait(GATE_TIMEOUT)
+        capture(ckpt, state, 1)
+        capture(ckpt, state, 2)
+        assert len(taken) == 1  # a skipped checkpoint costs no snapshot
+        end, errors = in_thread(lambda: capture(ckpt, state, None))
+        end.join(0.3)
+        assert end.is_alive()  # the end checkpoint waits instead
+        gated.gate.set()
+        end.join(GATE_TIMEOUT)
+        assert errors == []
+        ckpt.close()
+    assert len(warned) == 1
+    assert [r.ctx_id for r in records] == [0, None]  # the sink never saw the skipped ones
+    assert ckpt.skipped == 2 and ckpt.captured == 2
+    assert [(s.ctx_id, s.loop_name, s.kind, s.in_flight) for s in ckpt.skips] == [
+        (1, "epoch", "block", 1),
+        (2, "epoch", "block", 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_in_flight": 0}, "max_in_flight"), ({"when_full": "drop"}, "when_full")],
+)
+def test_bad_settings_are_refused(
+    store: LocalObjectStore, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        BackgroundCheckpointer(store, lambda record: None, **kwargs)
+
+
+# -- failures -------------------------------------------------------------------------------
+
+
+def test_store_failure_is_raised_at_the_next_capture(store: LocalObjectStore) -> None:
+    cause = StoreError("No space left on device", path="/x/objects/ab/cd")
+    failing = FailingStore(store, cause)
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(failing, records.append, max_in_flight=1)
+    state = {"x": np.arange(10.0)}
+    capture(ckpt, state, 0)  # the failure happens on the writer thread, after this returns
+    with pytest.raises(StoreError, match=r"context 0.*No space left") as raised:
+        capture(ckpt, state, 1)  # waits for the slot, then sees the failure
+    assert raised.value.__cause__ is cause and raised.value.path == cause.path
+    with pytest.raises(StoreError, match="No space left"):
+        capture(ckpt, state, 2)  # still failed: no checkpoint is quietly taken
+    ckpt.close()  # already reported, so close does not raise it again
+    assert records == [] and ckpt.written == 0
+
+
+def test_store_failure_is_raised_at_close(store: LocalObjectStore) -> None:
+    ckpt = BackgroundCheckpointer(FailingStore(store, OSError("I/O error")), lambda r: None)
+    ckpt.capture(ctx_id=None, loop_name="epoch", kind="end", objects={"x": np.ones(3)})
+    with pytest.raises(StoreError, match=r"end checkpoint of loop 'epoch'.*OSError: I/O error"):
+        ckpt.close()
+
+
+def test_failure_names_the_checkpoints_it_cost(gated: GatedStore) -> None:
+    gated.inner = FailingStore(gated.inner, OSError("I/O error"))
+    ckpt = BackgroundCheckpointer(gated, lambda r: None, max_in_flight=3)
+    for ctx in range(3):
+        capture(ckpt, {"x": np.ones(3)}, ctx)
+    gated.gate.set()
+    with pytest.raises(StoreError, match=r"2 checkpoint.*queued after it were not written"):
+        ckpt.close()
+
+
+def test_a_value_that_cannot_be_encoded_is_a_target_error(store: LocalObjectStore) -> None:
+    ckpt = BackgroundCheckpointer(store, lambda r: None)
+    ckpt.capture(ctx_id=0, loop_name="epoch", kind="block", objects={"d": {"f": lambda: 0}})
+    with pytest.raises(CheckpointTargetError, match=r"background.*cannot be pickled"):
+        ckpt.close()
+
+
+def test_a_failing_sink_is_raised(store: LocalObjectStore) -> None:
+    def sink(record: CheckpointRecord) -> None:
+        raise RuntimeError("metadata queue gone")
+
+    ckpt = BackgroundCheckpointer(store, sink)
+    capture(ckpt, {"x": np.ones(3)}, 0)
+    with pytest.raises(StoreError, match="RuntimeError: metadata queue gone"):
+        ckpt.close()
+
+
+# -- process exit ---------------------------------------------------------------------------
+
+
+def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
+    # No close(): the checkpointer's atexit hook must still write and report everything.
+    script = textwrap.dedent(
+        f"""
+        import time
+        import numpy as np
+        from retrolog.checkpoint.background import BackgroundCheckpointer
+        from retrolog.store.objects import LocalObjectStore
+
+        class SlowStore(LocalObjectStore):
+            def put(self, data):
+                time.sleep(0.05)
+                return super().put(data)
+
+        ckpt = BackgroundCheckpointer(
+            SlowStore({str(tmp_path / "objects")!r}, durable=False),
+            lambda r: print("written", r.ctx_id, r.manifest, flush=True),
+            max_in_flight=5,
+        )
+        for ctx in range(5):
+            ckpt.capture(ctx_id=ctx, loop_name="epoch", kind="block",
+                         objects={{"x": np.full(100, ctx)}})
+        print("training done", flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "training done"
+    written = [line.split() for line in lines[1:]]
+    assert [int(w[1]) for w in written] == [0, 1, 2, 3, 4]
+    store = LocalObjectStore(tmp_path / "objects")
+    assert [int(decode(w[2], store).objects["x"][0]) for w in written] == [0, 1, 2, 3, 4]
