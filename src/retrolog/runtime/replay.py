@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog.runtime.run import NO_OVERRIDE, CheckpointScope, Role, Status, _Frame
+from retrolog.runtime.run import NO_OVERRIDE, CheckpointScope, Role, Status, _Frame, loop_role
 from retrolog.runtime.values import FAST_TYPES, slow_path, storage_form
 
 SPEC_ENV = "RETROLOG_REPLAY_SPEC"
@@ -124,15 +124,7 @@ class ReplayRun:
         parent_ctx = self.ctx
         outer = stack[-1] if stack else None
         scope = self.scope
-        first_nested = False
-        if outer is not None and not outer.block_seen:
-            first_nested = outer.block_seen = True
-        if scope is not None and depth == scope.depth:
-            role = Role.OUTER
-        elif first_nested and outer is not None and outer.role is Role.OUTER:
-            role = Role.BLOCK
-        else:
-            role = Role.PLAIN
+        role, _ = loop_role(stack, scope)
         if depth == 0 and self.spec.prefix_only:
             self.finish()
         key = (parent_ctx, name)

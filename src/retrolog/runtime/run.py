@@ -77,6 +77,24 @@ class _Frame:
         self.block_seconds: float | None = None
 
 
+def loop_role(stack: list[_Frame], scope: CheckpointScope | None) -> tuple[Role, bool]:
+    """The role of a loop starting now, and whether it is the first one nested in its parent.
+
+    The first loop nested in an iteration is its block: for the profile always, and for
+    checkpointing when the enclosing loop is OUTER. Marks the parent as having one.
+    Record and replay both decide roles here, so they always agree.
+    """
+    outer = stack[-1] if stack else None
+    first_nested = False
+    if outer is not None and not outer.block_seen:
+        first_nested = outer.block_seen = True
+    if scope is not None and len(stack) == scope.depth:
+        return Role.OUTER, first_nested
+    if first_nested and outer is not None and outer.role is Role.OUTER:
+        return Role.BLOCK, first_nested
+    return Role.PLAIN, first_nested
+
+
 def new_run_id() -> str:
     """A sortable, readable id: start time plus random hex (unique across hosts)."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
@@ -203,18 +221,7 @@ class Run:
         depth = len(stack)
         parent_ctx = self.ctx
         outer = stack[-1] if stack else None
-        scope = self.scope
-        # The first loop nested in an iteration is its block, for the profile always and
-        # for checkpointing when the enclosing loop is OUTER.
-        first_nested = False
-        if outer is not None and not outer.block_seen:
-            first_nested = outer.block_seen = True
-        if scope is not None and depth == scope.depth:
-            role = Role.OUTER
-        elif first_nested and outer is not None and outer.role is Role.OUTER:
-            role = Role.BLOCK
-        else:
-            role = Role.PLAIN
+        role, first_nested = loop_role(stack, self.scope)
         frame = _Frame(name, depth, role)
         append = self.events.append
         clock = time.perf_counter
