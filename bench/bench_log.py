@@ -71,6 +71,34 @@ GIT_ENV = {
 }
 
 
+def conditions(
+    name: str,
+    started: float,
+    load_before: Any,
+    load_after: Any,
+    reps: int,
+    retrolog_version: str,
+    source: Any,
+    source_after: Any,
+) -> dict[str, Any]:
+    """The head of a results file: what ran, when, where, and under which load."""
+    return {
+        "benchmark": name,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - started, 1),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "nproc": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "repetitions": reps,
+        "retrolog_version": retrolog_version,
+        "retrolog_source": source,
+        "retrolog_source_changed_during_run": source_after != source,
+    }
+
+
 class BenchError(Exception):
     """A measurement that could not be taken or did not check out."""
 
@@ -356,19 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         figures.setdefault(lib, {})[shape] = {"n": n, **summarize(samples)}
     ours_inner = figures["retrolog"]["inner"]["cost_us_per_value"]
     result: dict[str, Any] = {
-        "benchmark": "log",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.time() - started, 1),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "nproc": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": load_after,
-        "repetitions": args.reps,
-        "retrolog_version": retrolog_version,
-        "retrolog_source": source,
-        "retrolog_source_changed_during_run": source_after != source,
+        **conditions(
+            "log",
+            started,
+            load_before,
+            load_after,
+            args.reps,
+            retrolog_version,
+            source,
+            source_after,
+        ),
         "units": "cost_us_per_value = (logging loop - bare loop) / N; end_to_end adds the "
         "flush (end of loop to commit() returned); cpu counts every thread of the process",
         "target_us_per_value": TARGET_US,

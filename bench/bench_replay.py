@@ -51,11 +51,9 @@ Results: bench/results/replay.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.util
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -71,7 +69,15 @@ from pathlib import Path
 from typing import Any
 
 import _replay_workload as workload
-from bench_log import FLORDB_VERSION, GIT_ENV, BenchError, flordb_python, source_fingerprint, tail
+from bench_log import (
+    FLORDB_VERSION,
+    GIT_ENV,
+    BenchError,
+    conditions,
+    flordb_python,
+    source_fingerprint,
+    tail,
+)
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "replay.json"
@@ -768,19 +774,16 @@ def main(argv: list[str] | None = None) -> int:
     reference_stable = len({r["reference_digest"] for r in reps}) == 1
     figs = figures(reps)
     result: dict[str, Any] = {
-        "benchmark": "replay",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.time() - started, 1),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "nproc": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": load_after,
-        "repetitions": args.reps,
-        "retrolog_version": retrolog_version,
-        "retrolog_source": source,
-        "retrolog_source_changed_during_run": source_after != source,
+        **conditions(
+            "replay",
+            started,
+            load_before,
+            load_after,
+            args.reps,
+            retrolog_version,
+            source,
+            source_after,
+        ),
         "torch_version": torch_version,
         "workload": {
             "script": "bench/_replay_workload.py",
