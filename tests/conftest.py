@@ -46,6 +46,9 @@ class Project:
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
         env["RETROLOG_PROGRESS"] = "0"
+        # Tests that check where checkpoints are taken, or replay from them, want every
+        # block checkpointed; the adaptive rule is tested with RETROLOG_CHECKPOINTS=adaptive.
+        env["RETROLOG_CHECKPOINTS"] = "every"
         env.update(extra)
         return env
 
@@ -105,6 +108,7 @@ def plain_dir(tmp_path: Path) -> Project:
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RETROLOG_PROGRESS", "0")
+    monkeypatch.setenv("RETROLOG_CHECKPOINTS", "every")
     monkeypatch.delenv("RETROLOG_STORE", raising=False)
 
 

@@ -3,7 +3,27 @@
 Log a little while training; ask for anything later. See README.md.
 """
 
-from retrolog._api import arg, checkpointing, commit, dataframe, log, loop, query, replay
+from retrolog._api import (
+    arg,
+    checkpointing,
+    commit,
+    configure,
+    dataframe,
+    log,
+    loop,
+    query,
+    replay,
+)
 
-__all__ = ["arg", "checkpointing", "commit", "dataframe", "log", "loop", "query", "replay"]
+__all__ = [
+    "arg",
+    "checkpointing",
+    "commit",
+    "configure",
+    "dataframe",
+    "log",
+    "loop",
+    "query",
+    "replay",
+]
 __version__ = "0.1.0"

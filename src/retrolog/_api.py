@@ -122,6 +122,39 @@ def checkpointing(**objects: Any) -> Iterator[None]:
         run.scope = scope.parent
 
 
+def configure(
+    *,
+    overhead_tolerance: float | None = None,
+    checkpoints: str | None = None,
+    max_in_flight: int | None = None,
+    when_full: str | None = None,
+    restore_ratio: float | None = None,
+) -> None:
+    """Set how this process checkpoints; a setting left as None keeps its current value.
+
+    overhead_tolerance: the share of training time checkpointing may cost
+        (eps, default 1/15; env RETROLOG_OVERHEAD_TOLERANCE).
+    checkpoints: "adaptive" (default: as often as the tolerance allows) or
+        "every" (every block, whatever it costs; env RETROLOG_CHECKPOINTS).
+    max_in_flight: snapshots held in memory while the background writer stores
+        them (default 2; env RETROLOG_MAX_IN_FLIGHT).
+    when_full: when the writer is behind, "wait" (default) or "skip" the
+        checkpoint (replay then executes that block; env RETROLOG_WHEN_FULL).
+    restore_ratio: restore time over materialize time, Flor's c (default 1;
+        env RETROLOG_RESTORE_RATIO).
+    Takes effect at the run's first checkpoint; call it before the training loop.
+    """
+    from retrolog.checkpoint import settings
+
+    settings.configure(
+        overhead_tolerance=overhead_tolerance,
+        checkpoints=checkpoints,
+        max_in_flight=max_in_flight,
+        when_full=when_full,
+        restore_ratio=restore_ratio,
+    )
+
+
 def commit() -> None:
     """End the current run (also done at interpreter exit). A later call starts a new run."""
     global _active

@@ -169,8 +169,12 @@ class BackgroundCheckpointer(Checkpointer):
 
     def capture(
         self, *, ctx_id: int | None, loop_name: str, kind: str, objects: Mapping[str, object]
-    ) -> None:
-        """Snapshot ``objects`` and the RNGs now; they are written in the background."""
+    ) -> float | None:
+        """Snapshot ``objects`` and the RNGs now; they are written in the background.
+
+        Returns the training-thread seconds this took (waiting for a slot
+        included), or None when the checkpoint was skipped.
+        """
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
         created_at = time.time()
@@ -184,7 +188,7 @@ class BackgroundCheckpointer(Checkpointer):
             if len(self._pending) >= self.max_in_flight:
                 if self.when_full == "skip" and kind != "end":
                     self._skip(ctx_id, loop_name, kind, created_at)
-                    return
+                    return None
                 self._wait_for_slot(ctx_id)
         # The snapshot is taken outside the lock so the writer can report the
         # previous checkpoint meanwhile; only this thread adds jobs, so the
@@ -206,6 +210,7 @@ class BackgroundCheckpointer(Checkpointer):
             self._captured += 1
             self._ensure_writer()
             self._cond.notify_all()
+        return job.capture_seconds
 
     def _skip(self, ctx_id: int | None, loop_name: str, kind: str, at: float) -> None:
         self._skips.append(SkippedCheckpoint(ctx_id, loop_name, kind, at, len(self._pending)))
@@ -313,8 +318,10 @@ class BackgroundCheckpointer(Checkpointer):
         snap = job.snap
         assert snap is not None
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         manifest, nbytes = encode(snap, self.store)
         written = time.perf_counter()
+        cpu = time.thread_time() - cpu_started
         job.snap = None
         # Only now, with the manifest (written last by encode) in place, may the
         # checkpoint become visible.
@@ -328,6 +335,7 @@ class BackgroundCheckpointer(Checkpointer):
                 capture_seconds=job.capture_seconds,
                 write_seconds=written - started,
                 created_at=job.created_at,
+                writer_cpu_seconds=cpu,
             )
         )
 

@@ -6,7 +6,8 @@ a sink, which receives a :class:`CheckpointRecord` only once every object the
 manifest references is written. :class:`SynchronousCheckpointer` does all of
 it on the calling thread; the background materializer (DESIGN.md,
 "Background materialization") replaces it behind the same two methods, which
-is why ``capture`` returns nothing and ``close`` is the only flush.
+is why ``capture`` returns only the calling thread's cost (what the adaptive
+rule sees) and ``close`` is the only flush.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class CheckpointRecord:
     capture_seconds: float  # main-thread time spent taking the snapshot
     write_seconds: float  # time spent encoding and writing
     created_at: float  # time.time() when the capture began
+    writer_cpu_seconds: float | None = None  # CPU time the writer spent (None: not measured)
 
 
 class Checkpointer(abc.ABC):
@@ -45,11 +47,12 @@ class Checkpointer(abc.ABC):
     @abc.abstractmethod
     def capture(
         self, *, ctx_id: int | None, loop_name: str, kind: str, objects: Mapping[str, object]
-    ) -> None:
+    ) -> float | None:
         """Checkpoint the current state of ``objects`` and the RNGs.
 
         The state is the one at the moment of the call, even if the writing
-        finishes later.
+        finishes later. Returns the seconds the calling thread spent, or None
+        when the checkpoint was not taken.
         """
 
     @abc.abstractmethod
@@ -78,7 +81,7 @@ class SynchronousCheckpointer(Checkpointer):
 
     def capture(
         self, *, ctx_id: int | None, loop_name: str, kind: str, objects: Mapping[str, object]
-    ) -> None:
+    ) -> float:
         """Write a checkpoint of ``objects`` now, then report it to the sink."""
         if self._closed:
             raise StoreError("This checkpointer is closed; create a new one to checkpoint again.")
@@ -102,6 +105,7 @@ class SynchronousCheckpointer(Checkpointer):
                 created_at=created_at,
             )
         )
+        return written - start
 
     def close(self) -> None:
         """Nothing is ever in flight here; later captures are refused."""

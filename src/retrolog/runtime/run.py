@@ -138,6 +138,8 @@ class Run:
         self._first_loop_at: float | None = None
         self._last_top_loop_end: float | None = None
         self._checkpointer: Any = None
+        self._policy: Any = None
+        self._settings: Any = None
         self._pid = os.getpid()
 
         conn = open_store(paths, create=True)
@@ -262,7 +264,7 @@ class Run:
                     block = frame.block_seconds if frame.block_seen else seconds
                     append((profile, "iteration", ctx, seconds, block))
                 if is_outer and not frame.block_seen:
-                    self._capture(ctx, name, "block")
+                    self._block_ended(ctx, name, seconds=t_end - t_iter)
                 if bar is not None:
                     bar.tick()
                 iteration += 1
@@ -282,27 +284,98 @@ class Run:
             if first_nested and outer is not None:
                 outer.block_seconds = loop_seconds
             if role is Role.BLOCK and outer is not None:
-                self._capture(outer.ctx, outer.name, "block")
+                self._block_ended(outer.ctx, outer.name, seconds=loop_seconds)
             elif role is Role.OUTER:
                 self._capture(None, name, "end")
 
     # -- checkpoints -----------------------------------------------------------------
 
+    def _block_ended(self, ctx: int | None, loop_name: str, seconds: float) -> None:
+        """A skippable block took ``seconds``; checkpoint it if the adaptive rule says so."""
+        scope = self.scope
+        if scope is None or not scope.objects:
+            return
+        checkpointer, policy = self._checkpointing()
+        if not policy.decide(loop_name, seconds):
+            return
+        spent = checkpointer.capture(
+            ctx_id=ctx, loop_name=loop_name, kind="block", objects=scope.objects
+        )
+        if spent is None:
+            policy.not_taken(loop_name, 0.0)
+        else:
+            policy.captured(loop_name, spent)
+
     def _capture(self, ctx: int | None, loop_name: str, kind: str) -> None:
         scope = self.scope
         if scope is None or not scope.objects:
             return
-        if self._checkpointer is None:
-            from retrolog.checkpoint.capture import SynchronousCheckpointer
-            from retrolog.store.objects import LocalObjectStore
+        checkpointer, _ = self._checkpointing()
+        checkpointer.capture(ctx_id=ctx, loop_name=loop_name, kind=kind, objects=scope.objects)
 
-            store = LocalObjectStore(self.paths.objects)
-            append = self.events.append
-            self._checkpointer = SynchronousCheckpointer(
-                store, lambda record: append((Event.CHECKPOINT, record))
-            )
-        self._checkpointer.capture(
-            ctx_id=ctx, loop_name=loop_name, kind=kind, objects=scope.objects
+    def _checkpointing(self) -> tuple[Any, Any]:
+        """The run's background checkpointer and adaptive policy, made at the first block end."""
+        if self._checkpointer is not None:
+            return self._checkpointer, self._policy
+        from retrolog.checkpoint import settings
+        from retrolog.checkpoint.background import BackgroundCheckpointer
+        from retrolog.checkpoint.policy import AdaptivePolicy
+        from retrolog.store.objects import LocalObjectStore
+
+        config = settings.current()
+        torch = sys.modules.get("torch")
+        # Training on a GPU leaves the CPU to the writer; training on the CPU
+        # shares it, so the writer's CPU time is training's loss too.
+        on_gpu = bool(torch is not None and torch.cuda.is_initialized())
+        policy = AdaptivePolicy(
+            eps=config.overhead_tolerance,
+            c=config.restore_ratio,
+            every=config.checkpoints == "every",
+            count_writer_cpu=not on_gpu,
+        )
+        append = self.events.append
+        checkpoint_event = Event.CHECKPOINT
+
+        def sink(record: Any) -> None:
+            if record.kind == "block" and record.writer_cpu_seconds is not None:
+                policy.written(record.loop_name, record.writer_cpu_seconds)
+            append((checkpoint_event, record))
+
+        self._checkpointer = BackgroundCheckpointer(
+            LocalObjectStore(self.paths.objects),
+            sink,
+            max_in_flight=config.max_in_flight,
+            when_full=config.when_full,  # type: ignore[arg-type]
+        )
+        self._policy = policy
+        self._settings = config
+        return self._checkpointer, policy
+
+    def _checkpointing_summary(self) -> str:
+        """What checkpointing did in this run, for runs.checkpointing (JSON)."""
+        config, policy, checkpointer = self._settings, self._policy, self._checkpointer
+        blocks = {
+            name: {
+                "executions": stats.executions,
+                "checkpoints": stats.checkpoints,
+                "mean_block_seconds": stats.compute_seconds / max(stats.executions, 1),
+                "mean_capture_seconds": stats.capture_seconds / max(stats.captures, 1),
+                "mean_writer_cpu_seconds": stats.writer_cpu_seconds / max(stats.writes, 1),
+            }
+            for name, stats in policy.blocks.items()
+        }
+        return json.dumps(
+            {
+                "mode": config.checkpoints,
+                "overhead_tolerance": config.overhead_tolerance,
+                "restore_ratio": config.restore_ratio,
+                "max_in_flight": config.max_in_flight,
+                "when_full": config.when_full,
+                "writer_cpu_counted": policy.count_writer_cpu,
+                "blocks": blocks,
+                "skipped_writer_behind": checkpointer.skipped,
+                "waited_seconds": checkpointer.waited_seconds,
+            }
         )
 
     # -- lifecycle -------------------------------------------------------------------
@@ -330,7 +403,12 @@ class Run:
         ended = time.time()
         try:
             if self._checkpointer is not None:
-                self._checkpointer.close()
+                try:
+                    self._checkpointer.close()
+                finally:
+                    self.events.append(
+                        (Event.RUN_UPDATE, {"checkpointing": self._checkpointing_summary()})
+                    )
         finally:
             if self._first_loop_at is not None:
                 self.events.append(

@@ -183,6 +183,7 @@ class Writer:
                         c.capture_seconds,
                         c.write_seconds,
                         c.created_at,
+                        c.writer_cpu_seconds,
                     )
                 )
             elif head is Event.PROFILE:
@@ -214,8 +215,8 @@ class Writer:
             if checkpoints:
                 conn.executemany(
                     "INSERT INTO checkpoints(run_id, ctx_id, loop_name, kind, manifest, nbytes,"
-                    " capture_seconds, write_seconds, created_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " capture_seconds, write_seconds, created_at, writer_cpu_seconds)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     checkpoints,
                 )
             if profile:

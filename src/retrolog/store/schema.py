@@ -133,6 +133,17 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        3,
+        "background checkpoints: writer CPU time per checkpoint, the run's checkpoint policy",
+        """
+        ALTER TABLE checkpoints ADD COLUMN writer_cpu_seconds REAL;
+        ALTER TABLE runs ADD COLUMN checkpointing TEXT;
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,153 @@
+"""The adaptive rule (Flor's joint invariant) and the settings that steer it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from retrolog.checkpoint import settings
+from retrolog.checkpoint.policy import AdaptivePolicy
+from retrolog.errors import UsageError
+
+
+def _run(
+    policy: AdaptivePolicy, blocks: list[float], m: float, writer_cpu: float = 0.0
+) -> list[int]:
+    """Feed block times through the policy; each checkpoint costs ``m`` on the main thread."""
+    taken = []
+    for i, seconds in enumerate(blocks):
+        if policy.decide("epoch", seconds):
+            taken.append(i)
+            policy.captured("epoch", m)
+            policy.written("epoch", writer_cpu)
+    return taken
+
+
+def _expected(blocks: list[float], m: float, bound: float) -> list[int]:
+    """The invariant written out independently: first always, then (k+1)*M < n*mean(C)*bound."""
+    taken: list[int] = []
+    total = spent = 0.0  # summed as the policy sums them, so ties round the same way
+    for i, seconds in enumerate(blocks):
+        total += seconds
+        n, k = i + 1, len(taken)
+        if not taken or (k + 1) * (spent / k) < n * (total / n) * bound:
+            taken.append(i)
+            spent += m
+    return taken
+
+
+def test_first_block_is_always_checkpointed_however_expensive() -> None:
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.decide("epoch", 0.001)
+    policy.captured("epoch", 10.0)
+    assert not policy.decide("epoch", 0.001)
+
+
+def test_checkpoints_follow_the_invariant_with_equal_blocks() -> None:
+    # M = C: a checkpoint costs a whole block, so at eps = 1/15 the k-th one
+    # waits until n > 15 k: blocks 0, 30, 45 and 60 of 64 (0-based n = i + 1).
+    policy = AdaptivePolicy(eps=1 / 15)
+    taken = _run(policy, [1.0] * 64, m=1.0)
+    assert taken == [0, 30, 45, 60]
+    assert taken == _expected([1.0] * 64, 1.0, 1 / 15)
+
+
+def test_cheap_checkpoints_are_taken_every_block() -> None:
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert _run(policy, [2.0] * 20, m=0.01) == list(range(20))
+
+
+def test_overhead_stays_under_eps_for_any_block_times() -> None:
+    blocks = [0.5 + (i * 37 % 11) / 10 for i in range(200)]
+    for m in (0.001, 0.02, 0.1, 0.7, 3.0):
+        policy = AdaptivePolicy(eps=1 / 15)
+        taken = _run(policy, blocks, m=m)
+        assert taken == _expected(blocks, m, 1 / 15)
+        # Every checkpoint after the first one kept the total under eps.
+        assert (len(taken) - 1) * m <= sum(blocks) / 15 + 1e-9
+
+
+def test_restore_ratio_tightens_the_bound_when_restoring_is_slow() -> None:
+    # c = 29: a restore costs 29 materializations, so the bound is 1/30 < eps.
+    policy = AdaptivePolicy(eps=1 / 15, c=29.0)
+    assert policy.bound() == pytest.approx(1 / 30)
+    assert _run(policy, [1.0] * 64, m=1.0) == _expected([1.0] * 64, 1.0, 1 / 30)
+
+
+def test_writer_cpu_counts_towards_m_only_when_training_shares_the_cpu() -> None:
+    blocks = [1.0] * 40
+    cpu = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
+    gpu = AdaptivePolicy(eps=1 / 15, count_writer_cpu=False)
+    assert _run(cpu, blocks, m=0.01, writer_cpu=0.99) == _expected(blocks, 1.0, 1 / 15)
+    assert _run(gpu, blocks, m=0.01, writer_cpu=0.99) == list(range(40))
+
+
+def test_every_mode_checkpoints_every_block() -> None:
+    policy = AdaptivePolicy(eps=1 / 15, every=True)
+    assert _run(policy, [0.001] * 10, m=5.0) == list(range(10))
+
+
+def test_a_skipped_checkpoint_does_not_count_as_taken() -> None:
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.decide("epoch", 1.0)
+    policy.captured("epoch", 0.001)
+    assert policy.decide("epoch", 1.0)
+    policy.not_taken("epoch", 0.0)
+    assert policy.blocks["epoch"].checkpoints == 1
+    assert policy.decide("epoch", 1.0)
+
+
+def test_blocks_of_different_loops_are_counted_apart() -> None:
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.decide("epoch", 1.0)
+    policy.captured("epoch", 100.0)
+    assert policy.decide("round", 1.0)  # its own first execution
+
+
+def test_settings_come_from_configure_over_environment_over_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(settings, "_configured", {})
+    env = {"RETROLOG_OVERHEAD_TOLERANCE": "0.02", "RETROLOG_CHECKPOINTS": "adaptive"}
+    got = settings.current(env)
+    assert got.overhead_tolerance == 0.02
+    assert got.checkpoints == "adaptive"
+    assert got.max_in_flight == 2 and got.when_full == "wait" and got.restore_ratio == 1.0
+    assert settings.current({}).overhead_tolerance == pytest.approx(1 / 15)
+    settings.configure(overhead_tolerance=0.05, max_in_flight=3, when_full="skip")
+    got = settings.current(env)
+    assert (got.overhead_tolerance, got.max_in_flight, got.when_full) == (0.05, 3, "skip")
+    settings.configure(checkpoints=None)  # None leaves it
+    assert settings.current(env).checkpoints == "adaptive"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("RETROLOG_OVERHEAD_TOLERANCE", "0", "in (0, 1]"),
+        ("RETROLOG_OVERHEAD_TOLERANCE", "lots", "in (0, 1]"),
+        ("RETROLOG_CHECKPOINTS", "sometimes", "'adaptive'"),
+        ("RETROLOG_MAX_IN_FLIGHT", "0", "at least 1"),
+        ("RETROLOG_WHEN_FULL", "drop", "'wait'"),
+        ("RETROLOG_RESTORE_RATIO", "-1", "positive"),
+    ],
+)
+def test_bad_environment_values_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, fragment: str
+) -> None:
+    monkeypatch.setattr(settings, "_configured", {})
+    with pytest.raises(UsageError) as info:
+        settings.current({variable: value})
+    assert variable in str(info.value) and fragment in str(info.value)
+
+
+def test_configure_refuses_unknown_and_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings, "_configured", {})
+    with pytest.raises(UsageError, match="no setting 'eps'"):
+        settings.configure(eps=0.1)
+    with pytest.raises(UsageError, match=r"configure\(max_in_flight=...\)"):
+        settings.configure(max_in_flight=1.5)
+    with pytest.raises(UsageError, match="in \\(0, 1\\]"):
+        settings.configure(overhead_tolerance=math.inf)
+    assert settings._configured == {}
