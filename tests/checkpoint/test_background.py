@@ -179,6 +179,50 @@ def test_checkpoint_is_exactly_the_state_at_capture(
     assert ckpt.captured == ckpt.written == 1 and ckpt.skipped == 0
 
 
+@pytest.mark.filterwarnings("ignore:retrolog's checkpoint writer fell behind")
+def test_reused_snapshot_buffers_never_leak_a_later_state(gated: GatedStore) -> None:
+    # Tensors over POOLED_BYTES are copied into buffers that later snapshots reuse; with
+    # the writer held back, captures overlap writes, and every checkpoint must still hold
+    # the state of its own capture.
+    big = torch.zeros(4, 20_000)  # 320 KB: pooled
+    small = torch.zeros(3)  # cloned
+    objects = {"state": {"big": big, "small": small}}
+    expected = []
+    pointers = set()
+    records: list[CheckpointRecord] = []
+    original = background.snapshot
+
+    def spying(objs: Any, buffers: Any = None) -> Snapshot:
+        snap = original(objs, buffers)
+        pointers.add(snap.objects["state"]["big"].data_ptr())
+        return snap
+
+    def step(i: int) -> None:
+        big.fill_(float(i))
+        big[0, i] = -1.0
+        small.fill_(float(i) / 2)
+        expected.append((big.clone(), small.clone()))
+        capture(ckpt, objects, i)
+
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2)
+    background.snapshot = spying
+    try:
+        step(0)
+        assert gated.entered.wait(GATE_TIMEOUT)  # the writer holds snapshot 0 ...
+        step(1)  # ... while snapshot 1 fills the second slot
+        threading.Timer(0.3, gated.gate.set).start()
+        for i in range(2, 8):  # each waits for a slot, then reuses its buffers
+            step(i)
+        ckpt.close()
+    finally:
+        background.snapshot = original
+    assert len(pointers) == 2
+    assert [r.ctx_id for r in records] == list(range(8))
+    for record, (want_big, want_small) in zip(records, expected, strict=True):
+        got = decode(record.manifest, gated).objects["state"]
+        assert torch.equal(got["big"], want_big) and torch.equal(got["small"], want_small)
+
+
 def test_training_after_capture_does_not_leak_into_the_checkpoint(
     gated: GatedStore, tmp_path: Path
 ) -> None:
@@ -243,9 +287,9 @@ def count_snapshots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record how many snapshots background.py takes (each is a copy of the state in memory)."""
     taken: list[int] = []
 
-    def counting(objects: Any) -> Snapshot:
+    def counting(objects: Any, buffers: Any = None) -> Snapshot:
         taken.append(1)
-        return snapshot(objects)
+        return snapshot(objects, buffers)
 
     monkeypatch.setattr(background, "snapshot", counting)
     return taken

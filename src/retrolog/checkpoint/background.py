@@ -42,7 +42,7 @@ from typing import Literal
 
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
 from retrolog.checkpoint.codec import encode
-from retrolog.checkpoint.state import Snapshot, snapshot
+from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, snapshot
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
 from retrolog.store.objects import ObjectStore
 
@@ -71,6 +71,7 @@ class _Job:
     snap: Snapshot | None  # dropped as soon as it is encoded, to free its memory early
     created_at: float
     capture_seconds: float
+    buffers: SnapshotBuffers  # the memory the snapshot's large tensors live in
 
 
 class BackgroundCheckpointer(Checkpointer):
@@ -122,6 +123,11 @@ class BackgroundCheckpointer(Checkpointer):
         self._written = 0
         self._waited_seconds = 0.0
         self._skips: list[SkippedCheckpoint] = []
+        # One set of reusable buffers per snapshot that may be held at once; a job
+        # takes one when it is captured and gives it back once it is written.
+        self._free_buffers: list[SnapshotBuffers] = [
+            SnapshotBuffers() for _ in range(max_in_flight)
+        ]
 
     def __repr__(self) -> str:
         return (
@@ -190,10 +196,16 @@ class BackgroundCheckpointer(Checkpointer):
                     self._skip(ctx_id, loop_name, kind, created_at)
                     return None
                 self._wait_for_slot(ctx_id)
+            buffers = self._free_buffers.pop()
         # The snapshot is taken outside the lock so the writer can report the
         # previous checkpoint meanwhile; only this thread adds jobs, so the
         # slot found above is still free.
-        snap = snapshot(objects)
+        try:
+            snap = snapshot(objects, buffers)
+        except BaseException:
+            with self._cond:
+                self._free_buffers.append(buffers)
+            raise
         job = _Job(
             ctx_id=ctx_id,
             loop_name=loop_name,
@@ -203,6 +215,7 @@ class BackgroundCheckpointer(Checkpointer):
             # Waiting for a slot is main-thread time this checkpoint cost, so it
             # is part of what the adaptive rule sees as M.
             capture_seconds=time.perf_counter() - start,
+            buffers=buffers,
         )
         with self._cond:
             self._raise_if_failed()
@@ -311,6 +324,7 @@ class BackgroundCheckpointer(Checkpointer):
                 return
             with self._cond:
                 self._pending.popleft()
+                self._free_buffers.append(job.buffers)
                 self._written += 1
                 self._cond.notify_all()
 

@@ -149,27 +149,71 @@ def validate_targets(objects: Mapping[str, object]) -> None:
 
 # ---------------------------------------------------------------- copying
 
+POOLED_BYTES = 64 * 1024  # smaller tensors are cloned: a lookup would cost more than it saves
 
-def freeze(value: Any) -> Any:
+
+class SnapshotBuffers:
+    """Reusable host memory for the large tensors of one snapshot, in traversal order.
+
+    Copying the state into memory that was already touched costs a memcpy;
+    copying into fresh memory also pays a page fault per 4 KiB (the thread
+    design's 64 ms vs the shared-memory slot's 28 ms for 82 MB in
+    docs/materialization.md). A checkpointer keeps one of these per snapshot
+    it may hold at once and hands it to :func:`snapshot`; the snapshot's
+    tensors then *are* these buffers, so the holder must not reuse them until
+    the snapshot has been written. Buffers are matched by position, shape and
+    dtype, so a state that changes shape just allocates anew.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[Any] = []
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def rewind(self) -> None:
+        """Start filling from the first buffer again (one snapshot per rewind)."""
+        self._next = 0
+
+    def like(self, source: Any, pin: bool) -> Any:
+        """A CPU tensor with ``source``'s shape and dtype, reused when one is at this position."""
+        torch = import_torch("Copying a tensor")
+        index = self._next
+        self._next += 1
+        if index < len(self._buffers):
+            buffer = self._buffers[index]
+            if buffer.shape == source.shape and buffer.dtype == source.dtype:
+                return buffer
+        # Pinned host memory makes the device-to-host copy a DMA transfer.
+        buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
+        if index < len(self._buffers):
+            self._buffers[index] = buffer
+        else:
+            self._buffers.append(buffer)
+        return buffer
+
+
+def freeze(value: Any, buffers: SnapshotBuffers | None = None) -> Any:
     """A deep copy of ``value`` that later training cannot change.
 
-    Tensors are detached and cloned (to the CPU, remembering their device),
-    arrays copied, containers rebuilt with the same types; other leaves are
-    deep-copied.
+    Tensors are detached and copied (to the CPU, remembering their device;
+    into ``buffers`` when given), arrays copied, containers rebuilt with the
+    same types; other leaves are deep-copied.
     """
     t = type(value)
     if t in _IMMUTABLE:
         return value
     if t is dict:
-        return {k: freeze(v) for k, v in value.items()}
+        return {k: freeze(v, buffers) for k, v in value.items()}
     if t is list:
-        return [freeze(v) for v in value]
+        return [freeze(v, buffers) for v in value]
     if t is tuple:
-        return tuple(freeze(v) for v in value)
+        return tuple(freeze(v, buffers) for v in value)
     if t is OrderedDict:
         # A module's state_dict is an OrderedDict whose _metadata carries the
         # per-submodule versions that load_state_dict uses to upgrade old formats.
-        out: OrderedDict[Any, Any] = OrderedDict((k, freeze(v)) for k, v in value.items())
+        out: OrderedDict[Any, Any] = OrderedDict((k, freeze(v, buffers)) for k, v in value.items())
         metadata = getattr(value, "_metadata", None)
         if metadata is not None:
             out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
@@ -179,24 +223,49 @@ def freeze(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value
     if is_tensor(value):
-        return _freeze_tensor(value)
+        return _freeze_tensor(value, buffers)
     if t is DeviceTensor:
-        return DeviceTensor(freeze(value.tensor), value.device)
+        return DeviceTensor(freeze(value.tensor, buffers), value.device)
     if _is_torch_immutable(value):
         return value
     return copy.deepcopy(value)
 
 
-def _freeze_tensor(tensor: Any) -> Any:
+def _freeze_tensor(tensor: Any, buffers: SnapshotBuffers | None) -> Any:
     detached = tensor.detach()
-    # For a GPU tensor the device-to-host copy is the training thread's only
-    # work; a later issue moves it off the critical path.
-    saved = detached.to("cpu", copy=True)
-    if tensor.requires_grad:
-        saved.requires_grad_(True)
-    if detached.device.type != "cpu":
+    on_cpu = detached.device.type == "cpu"
+    if (
+        buffers is None
+        or tensor.requires_grad  # a buffer that requires grad cannot be copied into again
+        or detached.layout is not _torch_strided()
+        or detached.is_quantized
+        or detached.numel() * detached.element_size() < POOLED_BYTES
+    ):
+        saved = detached.to("cpu", copy=True)
+        if tensor.requires_grad:
+            saved.requires_grad_(True)
+    else:
+        saved = buffers.like(detached, pin=not on_cpu)
+        if on_cpu and detached.is_contiguous():
+            # One memcpy on this thread: torch's copy_ may fan out to its thread
+            # pool, which on a busy machine was measured far slower than one thread.
+            np.copyto(_bytes_view(saved), _bytes_view(detached))
+        else:
+            saved.copy_(detached)
+    if not on_cpu:
         return DeviceTensor(saved, str(detached.device))
     return saved
+
+
+def _torch_strided() -> Any:
+    torch = loaded_torch()
+    return None if torch is None else torch.strided
+
+
+def _bytes_view(tensor: Any) -> np.ndarray[Any, Any]:
+    """The bytes of a contiguous CPU tensor as a flat uint8 numpy array (no copy)."""
+    torch = import_torch("Copying a tensor")
+    return tensor.reshape(-1).view(torch.uint8).numpy()  # type: ignore[no-any-return]
 
 
 def thaw(value: Any) -> Any:
@@ -293,21 +362,27 @@ def _restore_cuda_rng(torch: ModuleType, states: list[Any]) -> None:
 # ---------------------------------------------------------------- snapshot / restore
 
 
-def _capture_one(obj: object, kind: str) -> Any:
+def _capture_one(obj: object, kind: str, buffers: SnapshotBuffers | None) -> Any:
     if kind == "state_dict":
-        return freeze(obj.state_dict())  # type: ignore[attr-defined]
+        return freeze(obj.state_dict(), buffers)  # type: ignore[attr-defined]
     if kind == "random":
         return obj.getstate()  # type: ignore[attr-defined]
     if kind == "np_generator":
         bit_generator = obj.bit_generator if isinstance(obj, np.random.Generator) else obj
         return freeze(bit_generator.state)  # type: ignore[attr-defined]
-    return freeze(obj)
+    return freeze(obj, buffers)
 
 
-def snapshot(objects: Mapping[str, object]) -> Snapshot:
-    """Copy the state of ``objects`` and of the RNGs as it is now."""
+def snapshot(objects: Mapping[str, object], buffers: SnapshotBuffers | None = None) -> Snapshot:
+    """Copy the state of ``objects`` and of the RNGs as it is now.
+
+    buffers: reusable memory for the copies of large tensors (see
+    :class:`SnapshotBuffers`); the snapshot then shares it.
+    """
     validate_targets(objects)
-    captured = {name: _capture_one(obj, _kind(obj) or "") for name, obj in objects.items()}
+    if buffers is not None:
+        buffers.rewind()
+    captured = {name: _capture_one(obj, _kind(obj) or "", buffers) for name, obj in objects.items()}
     return Snapshot(objects=captured, rng=capture_rng())
 
 

@@ -1,0 +1,223 @@
+"""The training scripts bench_record.py times, each in three variants.
+
+One template per workload, with markers that each variant fills in:
+
+================  ===========================  ===================  ======================
+marker            retrolog                     plain                flordb
+================  ===========================  ===================  ======================
+``IMPORT``        ``import retrolog as rl``    (nothing)            ``import flordb as flor``
+``LOOP(n, it)``   ``rl.loop(n, it)``           ``it``               ``flor.loop(n, it)``
+``LOG(n, v)``     ``rl.log(n, v)``             ``v``                ``flor.log(n, v)``
+``CKPT(...)``     ``rl.checkpointing(...)``    ``nullcontext()``    ``flor.checkpointing(...)``
+``COMMIT``        ``rl.commit()``              ``pass``             ``flor.commit()``
+================  ===========================  ===================  ======================
+
+Every variant computes the same values (``LOG(n, v)`` still evaluates ``v``)
+and times the same span: from just before the first recording call to just
+after ``COMMIT`` returns, so retrolog's run start (capturing the code version)
+and its flush at the end (the last checkpoints written) are inside it. Data
+and models are built before the span, from fixed seeds. The script prints one
+JSON line: ``{"seconds": ..., "epochs": ...}``.
+
+Workloads (sized for a 2-core machine; all take arguments ``epochs`` and
+``threads``):
+
+- ``cnn``: a small CNN (two conv layers) on 28x28 synthetic images, Adam,
+  about a second per epoch; the step loop is the block, so a checkpoint per
+  epoch is what the adaptive rule can give;
+- ``stress``: a 25M-parameter MLP with Adam (about 300 MB of state), blocks
+  of about a second: a checkpoint costs as much as a fraction of a block, so
+  the adaptive rule has to thin them out;
+- ``finetune``: a frozen 6M-parameter backbone with a small trainable head,
+  Adam on the head only: most of the state never changes.
+"""
+
+from __future__ import annotations
+
+import re
+
+HEADER = """\
+import json
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+IMPORT
+
+epochs = int(sys.argv[1])
+torch.set_num_threads(int(sys.argv[2]))
+torch.manual_seed(0)
+"""
+
+FOOTER = """\
+print(json.dumps({"seconds": time.perf_counter() - t0, "epochs": epochs}))
+"""
+
+CNN = """\
+x = torch.randn(1024, 1, 28, 28)
+y = torch.randint(0, 10, (1024,))
+net = nn.Sequential(
+    nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+)
+opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+t0 = time.perf_counter()
+with CKPT(net=net, opt=opt):
+    for epoch in LOOP("epoch", range(epochs)):
+        for xb, yb in LOOP("step", batches):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(xb), yb)
+            loss.backward()
+            opt.step()
+            LOG("loss", loss.item())
+        with torch.no_grad():
+            LOG("acc", (net(x[:512]).argmax(1) == y[:512]).float().mean().item())
+COMMIT
+"""
+
+STRESS = """\
+net = nn.Sequential(
+    nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+    nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10),
+)
+opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+x = torch.randn(96, 1024)
+y = torch.randint(0, 10, (96,))
+batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x), 32)]
+t0 = time.perf_counter()
+with CKPT(net=net, opt=opt):
+    for epoch in LOOP("epoch", range(epochs)):
+        for xb, yb in LOOP("step", batches):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(xb), yb)
+            loss.backward()
+            opt.step()
+            LOG("loss", loss.item())
+COMMIT
+"""
+
+FINETUNE = """\
+backbone = nn.Sequential(
+    nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+    nn.Linear(2048, 512), nn.ReLU(),
+)
+for p in backbone.parameters():
+    p.requires_grad_(False)
+head = nn.Linear(512, 10)
+net = nn.Sequential(backbone, head)
+opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+x = torch.randn(2048, 512)
+y = torch.randint(0, 10, (2048,))
+batches = [(x[i:i + 128], y[i:i + 128]) for i in range(0, len(x), 128)]
+t0 = time.perf_counter()
+with CKPT(net=net, opt=opt):
+    for epoch in LOOP("epoch", range(epochs)):
+        for xb, yb in LOOP("step", batches):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(xb), yb)
+            loss.backward()
+            opt.step()
+            LOG("loss", loss.item())
+COMMIT
+"""
+
+WORKLOADS = {"cnn": CNN, "stress": STRESS, "finetune": FINETUNE}
+
+# Main-thread blocking of one checkpoint of the stress state, against torch.save of the
+# same state and a plain copy into preallocated buffers (the floor), in one process with
+# one torch thread. Prints one JSON line of per-repetition seconds.
+BLOCKING = """\
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+from retrolog.checkpoint.background import BackgroundCheckpointer
+from retrolog.store.objects import LocalObjectStore
+
+reps = int(sys.argv[1])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+net = nn.Sequential(
+    nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+    nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10),
+)
+opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+for _ in range(2):
+    opt.zero_grad()
+    nn.functional.cross_entropy(net(torch.randn(32, 1024)), torch.randint(0, 10, (32,))).backward()
+    opt.step()
+objects = {"net": net, "opt": opt}
+tensors = [t for t in net.state_dict().values()] + [
+    v for s in opt.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)
+]
+nbytes = sum(t.numel() * t.element_size() for t in tensors)
+buffers = [torch.empty_like(t) for t in tensors]
+out = {"state_mb": nbytes / 1e6, "retrolog": [], "torch_save": [], "copy": []}
+with tempfile.TemporaryDirectory() as tmp:
+    store = LocalObjectStore(os.path.join(tmp, "objects"))
+    with BackgroundCheckpointer(store, lambda record: None, max_in_flight=1) as ckpt:
+        for i in range(reps):
+            out["retrolog"].append(
+                ckpt.capture(ctx_id=i, loop_name="epoch", kind="block", objects=objects)
+            )
+            # Let the writer finish so each capture finds a free slot, as the adaptive
+            # rule's spacing makes it in training; waiting would be counted otherwise.
+            while ckpt.in_flight:
+                time.sleep(0.05)
+    for i in range(reps):
+        path = os.path.join(tmp, f"state{i}.pt")
+        began = time.perf_counter()
+        torch.save({"net": net.state_dict(), "opt": opt.state_dict()}, path)
+        out["torch_save"].append(time.perf_counter() - began)
+        os.unlink(path)
+    for i in range(reps):
+        began = time.perf_counter()
+        for buffer, t in zip(buffers, tensors):
+            buffer.copy_(t)
+        out["copy"].append(time.perf_counter() - began)
+print(json.dumps(out))
+"""
+VARIANTS = ("plain", "retrolog", "flordb")
+
+_FILL = {
+    "retrolog": (
+        "import retrolog as rl",
+        "rl.loop(",
+        "rl.log(",
+        "rl.checkpointing(",
+        "rl.commit()",
+    ),
+    "plain": ("", "(", "(", "nullcontext(", "pass"),
+    "flordb": (
+        "import flordb as flor",
+        "flor.loop(",
+        "flor.log(",
+        "flor.checkpointing(",
+        "flor.commit()",
+    ),
+}
+
+
+def source(workload: str, variant: str) -> str:
+    """The script text of ``workload`` in ``variant``."""
+    imp, loop, log, ckpt, commit = _FILL[variant]
+    body = WORKLOADS[workload]
+    if variant == "plain":
+        # LOOP("name", it) -> it; LOG("name", v) -> v; the loop variable and value stay.
+        body = re.sub(r'LOOP\("\w+", (.*?)\):', r"\1:", body)
+        body = re.sub(r'LOG\("\w+", (.*)\)\n', r"\1\n", body)
+        body = body.replace("CKPT(net=net, opt=opt)", "nullcontext()")
+    else:
+        body = body.replace("LOOP(", loop).replace("LOG(", log).replace("CKPT(", ckpt)
+    body = body.replace("COMMIT", commit)
+    return HEADER.replace("IMPORT", imp) + body + FOOTER

@@ -1,0 +1,322 @@
+"""Benchmark: what recording costs training, against the same script without retrolog.
+
+Run from the repository root with the project's venv (retrolog and torch installed):
+
+    python bench/bench_record.py              # about 8 minutes on a 2-core machine
+    python bench/bench_record.py --reps 5 --no-flordb
+
+(a) Record overhead. Three workloads (bench/_record_workload.py), each run as
+a plain script and as the same script recording with retrolog (default
+settings: background checkpoints, adaptive rule, eps = 1/15), in a fresh git
+project and a fresh process each time; the span timed is from just before the
+first recording call to just after ``commit()`` returns, so the run start and
+the last checkpoint writes are inside it:
+
+- cnn: a small CNN, a checkpoint per epoch allowed; target: median overhead <= 1%;
+- stress: a 25M-parameter MLP with Adam (300 MB of state) and blocks of a
+  second or two; target: overhead <= eps (1/15) in every repetition, with the
+  checkpoint count the adaptive rule chose;
+- finetune: a frozen 6M-parameter backbone with a trainable head; target: <= 1%;
+- the cnn workload recorded with FlorDB 4.0.1 (bench/.venv-flordb, torch linked
+  in as bench_replay.py does), for its overhead on the same script.
+
+Overhead per repetition = recorded span / plain span - 1, with the plain and
+recorded runs of a repetition back to back (their order alternating), so load
+from elsewhere on the shared machine hits both alike. Medians with min and max.
+
+(b) Main-thread blocking per checkpoint: from the stress runs' checkpoints
+table (capture_seconds), and measured in one process on the same 300 MB state
+(bench/_record_workload.BLOCKING): retrolog's capture vs ``torch.save`` of the
+same state (target: at most 0.3x) and vs a plain copy into preallocated
+buffers (the floor), one torch thread.
+
+Results: bench/results/record.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import _record_workload as workload  # noqa: E402
+from bench_log import (  # noqa: E402
+    GIT_ENV,
+    BenchError,
+    conditions,
+    flordb_python,
+    git,
+    source_fingerprint,
+    tail,
+)
+
+RESULTS = BENCH_DIR / "results" / "record.json"
+EPS = 1 / 15
+EPOCHS = {"cnn": 6, "stress": 8, "finetune": 6}
+TARGETS = {"cnn": 0.01, "stress": EPS, "finetune": 0.01}
+CHILD_TIMEOUT = 900
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env.update(GIT_ENV)
+    env["RETROLOG_PROGRESS"] = "0"
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def run_once(
+    python: Path, name: str, variant: str, threads: int, env: dict[str, str]
+) -> dict[str, Any]:
+    """Run ``name`` in ``variant`` in a fresh git project; the span and what the store holds."""
+    work = Path(tempfile.mkdtemp(prefix=f"retrolog-bench-record-{name}-"))
+    try:
+        project = work / "proj"
+        project.mkdir()
+        git(project, env, "init", "-q")
+        (project / "train.py").write_text(workload.source(name, variant))
+        git(project, env, "add", "train.py")
+        git(project, env, "commit", "-q", "-m", "workload")
+        cmd = [str(python), "train.py", str(EPOCHS[name]), str(threads)]
+        done = subprocess.run(
+            cmd,
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise BenchError(f"{name}/{variant} failed:\n{tail(done.stderr)}")
+        figures: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        if variant == "retrolog":
+            figures.update(store_figures(project / ".retrolog" / "retrolog.db", EPOCHS[name]))
+        return figures
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def store_figures(db: Path, epochs: int) -> dict[str, Any]:
+    """What the recorded run's store says about its checkpoints; fails on a short store."""
+    conn = sqlite3.connect(db)
+    try:
+        ((status, policy_json),) = conn.execute("SELECT status, checkpointing FROM runs")
+        rows = conn.execute(
+            "SELECT kind, capture_seconds, writer_cpu_seconds, nbytes FROM checkpoints"
+        ).fetchall()
+        (losses,) = conn.execute("SELECT count(*) FROM logs WHERE name = 'loss'").fetchone()
+    finally:
+        conn.close()
+    if status != "finished":
+        raise BenchError(f"the recorded run ended {status}")
+    blocks = [r for r in rows if r[0] == "block"]
+    ends = [r for r in rows if r[0] == "end"]
+    if len(ends) != 1 or not blocks or losses == 0:
+        raise BenchError(f"the store holds {len(blocks)} block and {len(ends)} end checkpoints")
+    policy = json.loads(policy_json)
+    return {
+        "block_checkpoints": len(blocks),
+        "block_executions": policy["blocks"]["epoch"]["executions"],
+        "capture_ms": [r[1] * 1e3 for r in rows],
+        "writer_cpu_ms": [(r[2] or 0.0) * 1e3 for r in rows],
+        "checkpoint_mb": [r[3] / 1e6 for r in rows],
+        "waited_seconds": policy["waited_seconds"],
+        "skipped_writer_behind": policy["skipped_writer_behind"],
+    }
+
+
+def stats(values: list[float]) -> dict[str, Any]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "samples": values,
+    }
+
+
+def torch_path(flor_python: Path, scratch: Path) -> tuple[Path | None, str]:
+    from bench_replay import torch_path_for
+
+    return torch_path_for(flor_python, scratch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every run")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    parser.add_argument("--no-flordb", action="store_true", help="skip the FlorDB anchor")
+    parser.add_argument("--blocking-reps", type=int, default=7)
+    parser.add_argument("--output", type=Path, default=RESULTS, help="results JSON file")
+    parser.add_argument(
+        "--workloads", default=",".join(workload.WORKLOADS), help="comma-separated subset"
+    )
+    args = parser.parse_args(argv)
+    started = time.time()
+    load_before = os.getloadavg()
+    source = source_fingerprint()
+    python = Path(sys.executable)
+    env = base_env()
+    names = [n for n in args.workloads.split(",") if n]
+
+    flor_python, flordb_note, flor_env = None, "skipped (--no-flordb)", dict(env)
+    scratch = Path(tempfile.mkdtemp(prefix="retrolog-bench-record-"))
+    if not args.no_flordb and "cnn" in names:
+        flor_python, flordb_note = flordb_python()
+        if flor_python is not None:
+            linked, note = torch_path(flor_python, scratch / "torch-path")
+            flordb_note += f"; {note}"
+            if linked is None:
+                flor_python = None
+            else:
+                flor_env["PYTHONPATH"] = str(linked)
+                flor_env["PATH"] = f"{flor_python.parent}{os.pathsep}{env.get('PATH', '')}"
+        if flor_python is None:
+            print(f"flordb unavailable: {flordb_note}", file=sys.stderr)
+
+    samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    flordb_samples: list[dict[str, Any]] = []
+    try:
+        for rep in range(args.reps):
+            for name in names:
+                order = ["plain", "retrolog"] if rep % 2 == 0 else ["retrolog", "plain"]
+                got = {v: run_once(python, name, v, args.threads, env) for v in order}
+                if name == "cnn" and flor_python is not None:
+                    got["flordb"] = run_once(flor_python, name, "flordb", args.threads, flor_env)
+                    flordb_samples.append(got["flordb"])
+                got["overhead"] = got["retrolog"]["seconds"] / got["plain"]["seconds"] - 1
+                if "flordb" in got:
+                    got["flordb_overhead"] = got["flordb"]["seconds"] / got["plain"]["seconds"] - 1
+                samples[name].append(got)
+                print(
+                    f"rep {rep + 1}/{args.reps} {name:9s} plain {got['plain']['seconds']:6.2f} s"
+                    f"  retrolog {got['retrolog']['seconds']:6.2f} s"
+                    f"  overhead {got['overhead'] * 100:+.2f}%"
+                    f"  checkpoints {got['retrolog']['block_checkpoints']}"
+                    f"/{got['retrolog']['block_executions']} blocks + end"
+                    + (
+                        f"  flordb {got['flordb_overhead'] * 100:+.2f}%"
+                        if "flordb_overhead" in got
+                        else ""
+                    ),
+                    file=sys.stderr,
+                )
+        blocking = subprocess.run(
+            [str(python), "-c", workload.BLOCKING, str(args.blocking_reps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT,
+            check=False,
+        )
+        if blocking.returncode != 0:
+            raise BenchError(f"blocking measurement failed:\n{tail(blocking.stderr)}")
+        block = json.loads(blocking.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    result: dict[str, Any] = conditions(
+        "record",
+        started,
+        load_before,
+        os.getloadavg(),
+        args.reps,
+        metadata.version("retrolog"),
+        source,
+        source_fingerprint(),
+    )
+    result["torch_version"] = metadata.version("torch")
+    result["torch_threads"] = args.threads
+    result["overhead_tolerance"] = EPS
+    result["workloads"] = {}
+    for name, reps in samples.items():
+        overheads = [s["overhead"] * 100 for s in reps]
+        entry: dict[str, Any] = {
+            "epochs": EPOCHS[name],
+            "plain_seconds": stats([s["plain"]["seconds"] for s in reps]),
+            "retrolog_seconds": stats([s["retrolog"]["seconds"] for s in reps]),
+            "overhead_pct": stats(overheads),
+            "target_pct": TARGETS[name] * 100,
+            "target_met": (
+                max(overheads) <= TARGETS[name] * 100
+                if name == "stress"
+                else statistics.median(overheads) <= TARGETS[name] * 100
+            ),
+            "block_checkpoints": [s["retrolog"]["block_checkpoints"] for s in reps],
+            "block_executions": reps[0]["retrolog"]["block_executions"],
+            "capture_ms": stats([x for s in reps for x in s["retrolog"]["capture_ms"]]),
+            "writer_cpu_ms": stats([x for s in reps for x in s["retrolog"]["writer_cpu_ms"]]),
+            "checkpoint_mb": statistics.median(
+                x for s in reps for x in s["retrolog"]["checkpoint_mb"]
+            ),
+            "waited_seconds": [s["retrolog"]["waited_seconds"] for s in reps],
+        }
+        if name == "cnn" and flordb_samples:
+            entry["flordb_seconds"] = stats([s["seconds"] for s in flordb_samples])
+            entry["flordb_overhead_pct"] = stats([s["flordb_overhead"] * 100 for s in reps])
+        result["workloads"][name] = entry
+    result["flordb"] = {"available": flor_python is not None, "note": flordb_note}
+    ours, saved, copied = block["retrolog"], block["torch_save"], block["copy"]
+    result["blocking"] = {
+        "state_mb": block["state_mb"],
+        "retrolog_ms": stats([x * 1e3 for x in ours]),
+        "torch_save_ms": stats([x * 1e3 for x in saved]),
+        "copy_ms": stats([x * 1e3 for x in copied]),
+        "ratio_vs_torch_save": statistics.median(ours) / statistics.median(saved),
+        "ratio_vs_copy": statistics.median(ours) / statistics.median(copied),
+        "target_ratio_vs_torch_save": 0.3,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print_report(result)
+    print(f"\nwrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def print_report(result: dict[str, Any]) -> None:
+    def cell(s: dict[str, Any], fmt: str) -> str:
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}..{s['max']:{fmt}}]"
+
+    print(
+        f"record overhead: Python {result['python']}, torch {result['torch_version']} "
+        f"({result['torch_threads']} threads), {result['nproc']} cores, "
+        f"{result['repetitions']} reps, load {result['load_average_before'][0]:.1f} -> "
+        f"{result['load_average_after'][0]:.1f}"
+    )
+    print(
+        f"{'workload':9s} {'plain s':>22s} {'retrolog s':>22s} {'overhead %':>24s} "
+        f"{'target':>7s} checkpoints/blocks  capture ms"
+    )
+    for name, w in result["workloads"].items():
+        print(
+            f"{name:9s} {cell(w['plain_seconds'], '6.2f'):>22s} "
+            f"{cell(w['retrolog_seconds'], '6.2f'):>22s} {cell(w['overhead_pct'], '+6.2f'):>24s} "
+            f"{w['target_pct']:6.2f}% {w['block_checkpoints']}/{w['block_executions']}"
+            f"  {w['capture_ms']['median']:.1f}  {'met' if w['target_met'] else 'NOT met'}"
+        )
+        if "flordb_overhead_pct" in w:
+            print(f"{'':9s} flordb 4.0.1 overhead %: {cell(w['flordb_overhead_pct'], '+6.2f')}")
+    b = result["blocking"]
+    print(
+        f"\nblocking per checkpoint of {b['state_mb']:.0f} MB: retrolog "
+        f"{cell(b['retrolog_ms'], '.1f')} ms, torch.save {cell(b['torch_save_ms'], '.1f')} ms "
+        f"(ratio {b['ratio_vs_torch_save']:.2f}, target <= 0.3), plain copy "
+        f"{cell(b['copy_ms'], '.1f')} ms (ratio {b['ratio_vs_copy']:.2f})"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
