@@ -265,7 +265,7 @@ def _torch_strided() -> Any:
 def _bytes_view(tensor: Any) -> np.ndarray[Any, Any]:
     """The bytes of a contiguous CPU tensor as a flat uint8 numpy array (no copy)."""
     torch = import_torch("Copying a tensor")
-    return tensor.reshape(-1).view(torch.uint8).numpy()  # type: ignore[no-any-return]
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def thaw(value: Any) -> Any:
