@@ -72,6 +72,7 @@ class _Job:
     created_at: float
     capture_seconds: float
     buffers: SnapshotBuffers  # the memory the snapshot's large tensors live in
+    frame_locals: bytes | None = None  # stored with the checkpoint as they are
 
 
 class BackgroundCheckpointer(Checkpointer):
@@ -174,7 +175,13 @@ class BackgroundCheckpointer(Checkpointer):
     # -- training thread -----------------------------------------------------------------
 
     def capture(
-        self, *, ctx_id: int | None, loop_name: str, kind: str, objects: Mapping[str, object]
+        self,
+        *,
+        ctx_id: int | None,
+        loop_name: str,
+        kind: str,
+        objects: Mapping[str, object],
+        frame_locals: bytes | None = None,
     ) -> float | None:
         """Snapshot ``objects`` and the RNGs now; they are written in the background.
 
@@ -216,6 +223,7 @@ class BackgroundCheckpointer(Checkpointer):
             # is part of what the adaptive rule sees as M.
             capture_seconds=time.perf_counter() - start,
             buffers=buffers,
+            frame_locals=frame_locals,
         )
         with self._cond:
             self._raise_if_failed()
@@ -350,6 +358,7 @@ class BackgroundCheckpointer(Checkpointer):
                 write_seconds=written - started,
                 created_at=job.created_at,
                 writer_cpu_seconds=cpu,
+                frame_locals=job.frame_locals,
             )
         )
 

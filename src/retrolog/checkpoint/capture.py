@@ -39,6 +39,7 @@ class CheckpointRecord:
     write_seconds: float  # time spent encoding and writing
     created_at: float  # time.time() when the capture began
     writer_cpu_seconds: float | None = None  # CPU time the writer spent (None: not measured)
+    frame_locals: bytes | None = None  # the script's small locals (runtime/frames.py)
 
 
 class Checkpointer(abc.ABC):
@@ -46,13 +47,19 @@ class Checkpointer(abc.ABC):
 
     @abc.abstractmethod
     def capture(
-        self, *, ctx_id: int | None, loop_name: str, kind: str, objects: Mapping[str, object]
+        self,
+        *,
+        ctx_id: int | None,
+        loop_name: str,
+        kind: str,
+        objects: Mapping[str, object],
+        frame_locals: bytes | None = None,
     ) -> float | None:
         """Checkpoint the current state of ``objects`` and the RNGs.
 
         The state is the one at the moment of the call, even if the writing
-        finishes later. Returns the seconds the calling thread spent, or None
-        when the checkpoint was not taken.
+        finishes later. ``frame_locals`` is stored with it as it is. Returns the
+        seconds the calling thread spent, or None when the checkpoint was not taken.
         """
 
     @abc.abstractmethod
@@ -80,7 +87,13 @@ class SynchronousCheckpointer(Checkpointer):
         self._closed = False
 
     def capture(
-        self, *, ctx_id: int | None, loop_name: str, kind: str, objects: Mapping[str, object]
+        self,
+        *,
+        ctx_id: int | None,
+        loop_name: str,
+        kind: str,
+        objects: Mapping[str, object],
+        frame_locals: bytes | None = None,
     ) -> float:
         """Write a checkpoint of ``objects`` now, then report it to the sink."""
         if self._closed:
@@ -103,6 +116,7 @@ class SynchronousCheckpointer(Checkpointer):
                 capture_seconds=captured - start,
                 write_seconds=written - captured,
                 created_at=created_at,
+                frame_locals=frame_locals,
             )
         )
         return written - start

@@ -28,8 +28,10 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+from retrolog.runtime import frames
 from retrolog.runtime.run import NO_OVERRIDE, CheckpointScope, Role, Status, _Frame, loop_role
 from retrolog.runtime.values import FAST_TYPES, slow_path, storage_form
 
@@ -95,6 +97,7 @@ class ReplayRun:
         self._restore_seconds = 0.0
         self._restored = 0
         self._contexts = _load_contexts(Path(spec.store) / "retrolog.db", spec.run_id)
+        self._frame_locals = _load_frame_locals(Path(spec.store) / "retrolog.db", spec.run_id)
         self._occurrences: dict[tuple[int | None, str], int] = {}
         self._outer_seen = False
         self._store: Any = None
@@ -131,16 +134,19 @@ class ReplayRun:
         occurrence = self._occurrences.get(key, -1) + 1
         self._occurrences[key] = occurrence
         frame = _Frame(name, depth, role)
+        # The script's frame running this loop: a restored checkpoint puts back the
+        # locals the skipped code set there (runtime/frames.py).
+        user_frame = None if role is Role.PLAIN else frames.script_frame(sys._getframe(1))
 
         if role is Role.OUTER and self.spec.restore_end and not self._outer_seen:
             self._outer_seen = True
-            self._restore_checkpoint(self.spec.end_checkpoint, scope)
+            self._restore_checkpoint(self.spec.end_checkpoint, scope, user_frame, ("end", None))
             return
         if role is Role.BLOCK and outer is not None:
             iteration_of_outer = outer.iteration
             if iteration_of_outer in self._restore:
                 manifest = self.spec.block_checkpoints.get(str(iteration_of_outer))
-                self._restore_checkpoint(manifest, scope)
+                self._restore_checkpoint(manifest, scope, user_frame, ("block", outer.ctx))
                 return
         if role is Role.OUTER:
             self._outer_seen = True
@@ -159,7 +165,12 @@ class ReplayRun:
                 self.ctx = ctx
                 if role is Role.OUTER and iteration in self._restore_whole:
                     # No nested loop: the whole iteration is the block; skip it by restoring.
-                    self._restore_checkpoint(self.spec.block_checkpoints.get(str(iteration)), scope)
+                    self._restore_checkpoint(
+                        self.spec.block_checkpoints.get(str(iteration)),
+                        scope,
+                        user_frame,
+                        ("block", ctx),
+                    )
                     self.ctx = parent_ctx
                     if self.spec.stop_after == iteration:
                         self.finish()
@@ -171,10 +182,17 @@ class ReplayRun:
         finally:
             stack.pop()
             self.ctx = parent_ctx
+            user_frame = None
 
     # -- checkpoints -----------------------------------------------------------------
 
-    def _restore_checkpoint(self, manifest: str | None, scope: CheckpointScope | None) -> None:
+    def _restore_checkpoint(
+        self,
+        manifest: str | None,
+        scope: CheckpointScope | None,
+        user_frame: FrameType | None,
+        key: tuple[str, int | None],
+    ) -> None:
         from retrolog.checkpoint.capture import restore_checkpoint
         from retrolog.store.objects import LocalObjectStore
 
@@ -186,6 +204,9 @@ class ReplayRun:
             self._store = LocalObjectStore(Path(self.spec.store) / "objects")
         started = time.perf_counter()
         restore_checkpoint(scope.objects, self._store, manifest)
+        values, _ = frames.load(self._frame_locals.get(key))
+        frames.restore(user_frame, values)
+        _mark_optimizers_stepped(scope.objects)
         self._restore_seconds += time.perf_counter() - started
         self._restored += 1
         self._checkpoint_at.append((len(self.values), len(self.events), manifest))
@@ -245,6 +266,25 @@ class ReplayRun:
         os.replace(tmp, path)
 
 
+def _mark_optimizers_stepped(objects: Mapping[str, object]) -> None:
+    """Tell torch's LR schedulers that the restored optimizers did step.
+
+    A scheduler warns "Detected call of `lr_scheduler.step()` before
+    `optimizer.step()`" on its first step when the ``step`` wrapper it puts on
+    its optimizer never ran in this process: the wrapper sets ``_opt_called``
+    (torch/optim/lr_scheduler.py, ``patch_track_step_called``). A restored
+    block did step its optimizers when it ran at record time, so the warning is
+    wrong here; set the flag the wrapper would have set. Nothing else is muted.
+    """
+    torch = sys.modules.get("torch")  # a script that never imported torch has no optimizer
+    optimizer_type = getattr(getattr(torch, "optim", None), "Optimizer", None)
+    if not isinstance(optimizer_type, type):
+        return
+    for obj in objects.values():
+        if isinstance(obj, optimizer_type):
+            obj._opt_called = True  # type: ignore[attr-defined]
+
+
 def _checkpoint_before(marks: list[tuple[int, int, str]], which: int, position: int) -> str | None:
     found = None
     for n_values, n_events, manifest in marks:  # few restores per segment: a scan is fine
@@ -253,6 +293,20 @@ def _checkpoint_before(marks: list[tuple[int, int, str]], which: int, position: 
         else:
             break
     return found
+
+
+def _load_frame_locals(database: Path, run_id: str) -> dict[tuple[str, int | None], bytes]:
+    """The frame locals recorded with each checkpoint, keyed by (kind, outer-iteration ctx)."""
+    conn = sqlite3.connect(f"file:{database}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            "SELECT kind, ctx_id, frame_locals FROM checkpoints"
+            " WHERE run_id = ? AND frame_locals IS NOT NULL",
+            (run_id,),
+        ).fetchall()
+    finally:
+        conn.close()
+    return {(kind, None if kind == "end" else ctx): blob for kind, ctx, blob in rows}
 
 
 def _load_contexts(database: Path, run_id: str) -> Mapping[tuple[int | None, str, int, int], int]:

@@ -25,10 +25,11 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from retrolog.errors import StoreError
-from retrolog.runtime import progress
+from retrolog.runtime import frames, progress
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
 from retrolog.store.metadata import open_store, process_start_marker
@@ -60,6 +61,7 @@ class CheckpointScope:
         self, objects: Mapping[str, object], depth: int, parent: CheckpointScope | None
     ) -> None:
         self.objects: dict[str, object] = {**(parent.objects if parent else {}), **objects}
+        self.ids = frozenset(id(obj) for obj in self.objects.values())  # restored in place
         self.depth = depth  # loop depth at entry: a loop started at this depth is OUTER
         self.parent = parent
 
@@ -104,13 +106,11 @@ def process_started_at() -> float:
     """Wall-clock start of this process (the prefix includes imports and data loading)."""
     try:
         ticks = int(process_start_marker(os.getpid()) or "")
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (ValueError, OSError, StopIteration):
+        # Ticks since boot against the boot clock now, not /proc/stat's btime: btime is in
+        # whole seconds, which put the start up to 1 s early and the prefix up to 1 s long.
+        since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since
+    except (ValueError, OSError, AttributeError):
         return _IMPORTED_AT
 
 
@@ -234,6 +234,13 @@ class Run:
             else None
         )
         loop_started = clock()
+        # The script's frame running this loop, and its locals now: a checkpoint taken
+        # where this loop (or its iteration) ends carries what the loop rebound.
+        user_frame = None
+        locals_before: dict[str, int] = {}
+        if role is not Role.PLAIN:
+            user_frame = frames.script_frame(sys._getframe(1))
+            locals_before = frames.local_ids(user_frame)
         if depth == 0 and self._first_loop_at is None:
             self._first_loop_at = time.time()
         stack.append(frame)
@@ -264,7 +271,9 @@ class Run:
                     block = frame.block_seconds if frame.block_seen else seconds
                     append((profile, "iteration", ctx, seconds, block))
                 if is_outer and not frame.block_seen:
-                    self._block_ended(ctx, name, seconds=t_end - t_iter)
+                    self._block_ended(
+                        ctx, name, t_end - t_iter, user_frame=user_frame, before=locals_before
+                    )
                 if bar is not None:
                     bar.tick()
                 iteration += 1
@@ -284,13 +293,24 @@ class Run:
             if first_nested and outer is not None:
                 outer.block_seconds = loop_seconds
             if role is Role.BLOCK and outer is not None:
-                self._block_ended(outer.ctx, outer.name, seconds=loop_seconds)
+                self._block_ended(
+                    outer.ctx, outer.name, loop_seconds, user_frame=user_frame, before=locals_before
+                )
             elif role is Role.OUTER:
-                self._capture(None, name, "end")
+                self._capture(None, name, "end", user_frame=user_frame, before=locals_before)
+            user_frame = None  # no frame reference outlives the loop
 
     # -- checkpoints -----------------------------------------------------------------
 
-    def _block_ended(self, ctx: int | None, loop_name: str, seconds: float) -> None:
+    def _block_ended(
+        self,
+        ctx: int | None,
+        loop_name: str,
+        seconds: float,
+        *,
+        user_frame: FrameType | None,
+        before: Mapping[str, int],
+    ) -> None:
         """A skippable block took ``seconds``; checkpoint it if the adaptive rule says so."""
         scope = self.scope
         if scope is None or not scope.objects:
@@ -298,20 +318,40 @@ class Run:
         checkpointer, policy = self._checkpointing()
         if not policy.decide(loop_name, seconds):
             return
+        began = time.perf_counter()
+        local_values = frames.capture(user_frame, before, scope.ids)
         spent = checkpointer.capture(
-            ctx_id=ctx, loop_name=loop_name, kind="block", objects=scope.objects
+            ctx_id=ctx,
+            loop_name=loop_name,
+            kind="block",
+            objects=scope.objects,
+            frame_locals=local_values,
         )
         if spent is None:
             policy.not_taken(loop_name, 0.0)
         else:
-            policy.captured(loop_name, spent)
+            policy.captured(loop_name, time.perf_counter() - began)
 
-    def _capture(self, ctx: int | None, loop_name: str, kind: str) -> None:
+    def _capture(
+        self,
+        ctx: int | None,
+        loop_name: str,
+        kind: str,
+        *,
+        user_frame: FrameType | None,
+        before: Mapping[str, int],
+    ) -> None:
         scope = self.scope
         if scope is None or not scope.objects:
             return
         checkpointer, _ = self._checkpointing()
-        checkpointer.capture(ctx_id=ctx, loop_name=loop_name, kind=kind, objects=scope.objects)
+        checkpointer.capture(
+            ctx_id=ctx,
+            loop_name=loop_name,
+            kind=kind,
+            objects=scope.objects,
+            frame_locals=frames.capture(user_frame, before, scope.ids),
+        )
 
     def _checkpointing(self) -> tuple[Any, Any]:
         """The run's background checkpointer and adaptive policy, made at the first block end."""

@@ -184,6 +184,7 @@ class Writer:
                         c.write_seconds,
                         c.created_at,
                         c.writer_cpu_seconds,
+                        c.frame_locals,
                     )
                 )
             elif head is Event.PROFILE:
@@ -215,8 +216,8 @@ class Writer:
             if checkpoints:
                 conn.executemany(
                     "INSERT INTO checkpoints(run_id, ctx_id, loop_name, kind, manifest, nbytes,"
-                    " capture_seconds, write_seconds, created_at, writer_cpu_seconds)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " capture_seconds, write_seconds, created_at, writer_cpu_seconds,"
+                    " frame_locals) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     checkpoints,
                 )
             if profile:

@@ -136,9 +136,10 @@ MIGRATIONS.append(
 MIGRATIONS.append(
     (
         3,
-        "background checkpoints: writer CPU time per checkpoint, the run's checkpoint policy",
+        "background checkpoints: writer CPU time, frame locals, the run's checkpoint policy",
         """
         ALTER TABLE checkpoints ADD COLUMN writer_cpu_seconds REAL;
+        ALTER TABLE checkpoints ADD COLUMN frame_locals BLOB;
         ALTER TABLE runs ADD COLUMN checkpointing TEXT;
         """,
     )

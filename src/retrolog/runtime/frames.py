@@ -1,0 +1,200 @@
+"""The script's local variables a skipped block or iteration would have set.
+
+Replay skips a block by restoring its checkpoint: the named objects and the
+RNG states. Code after the block often reads plain variables the block set,
+too: ``total += loss.item()`` in the step loop, then
+``rl.log("train_loss", total / n)`` after it; ``best = max(best, acc)`` in an
+iteration; ``epoch`` after the outer loop. Restoring only the objects would
+leave those at what they were before the block, and the hindsight value read
+from them would be wrong. So a checkpoint also carries the small, plain local
+variables of the frame that runs the loop, and replay writes them back into
+that frame where it skips:
+
+==========================  ========================  ==============================
+checkpoint                  frame                     variables captured
+==========================  ========================  ==============================
+nested block                the one running the       rebound since the block's loop
+                            nested loop               started, plus small containers
+whole-iteration block       the one running the       rebound since the iteration
+                            outer loop                started, plus small containers
+end                         the one running the       rebound since the outer loop
+                            outer loop                started, plus small containers
+==========================  ========================  ==============================
+
+"Small and plain" means numbers, strings, bools, None, numpy scalars, tensors
+of at most :data:`MAX_TENSOR_ELEMENTS` elements (detached copies), and lists,
+tuples, dicts and sets of those with at most :data:`MAX_ITEMS` items in all.
+Containers are captured whether or not they were rebound, because
+``losses.append(...)`` changes one in place. Anything else (a batch tensor, an
+iterator, a module) is listed by name as not captured, so a replay can tell
+the user which values it could not restore. The objects named in
+``checkpointing`` are skipped: the checkpoint restores those in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import pickle
+import sys
+import sysconfig
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from retrolog.checkpoint.state import is_tensor
+
+MAX_TENSOR_ELEMENTS = 4096
+MAX_ITEMS = 10_000
+MAX_PICKLED_BYTES = 1 << 20  # more than this is not "small": nothing is captured, all listed
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
+_LIBRARY_DIRS = tuple(
+    {str(Path(p).resolve()) for k in ("stdlib", "platstdlib", "purelib", "platlib")
+     if (p := sysconfig.get_paths().get(k))}
+)  # fmt: skip
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+_MISSING = object()
+
+
+def script_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The innermost frame at or above ``frame`` that runs the user's code, not a library's.
+
+    A loop may be driven through a wrapper (``tqdm(rl.loop(...))``): its frame is skipped,
+    as are retrolog's own.
+    """
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (
+            filename.startswith(_PACKAGE_DIR)
+            or filename.startswith(_LIBRARY_DIRS)
+            or "site-packages" in filename
+            or filename.startswith("<frozen")
+        ):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def local_ids(frame: types.FrameType | None) -> dict[str, int]:
+    """The identity of every local of ``frame`` now, to tell later which were rebound."""
+    if frame is None:
+        return {}
+    return {name: id(value) for name, value in frame.f_locals.items()}
+
+
+def capture(
+    frame: types.FrameType | None, before: Mapping[str, int], skip_ids: frozenset[int]
+) -> bytes | None:
+    """The pickled small locals of ``frame`` rebound since ``before`` (and small containers).
+
+    Returns None when there is no frame; else a pickle of ``{"values": {name: value},
+    "not_captured": [names]}``.
+    """
+    if frame is None:
+        return None
+    values: dict[str, Any] = {}
+    not_captured: list[str] = []
+    for name, value in frame.f_locals.items():
+        if name.startswith("__") or id(value) in skip_ids:
+            continue
+        if isinstance(
+            value, types.ModuleType | types.FunctionType | type | types.BuiltinFunctionType
+        ):
+            continue
+        rebound = before.get(name, _MISSING) != id(value)
+        container = type(value) in (list, dict, set)
+        if not (rebound or container):
+            continue
+        copied = _small_copy(value, [MAX_ITEMS])
+        if copied is _MISSING:
+            if rebound:
+                not_captured.append(name)
+            continue
+        values[name] = copied
+    try:
+        blob = pickle.dumps({"values": values, "not_captured": not_captured}, protocol=5)
+    except Exception:  # a tensor subclass or numpy scalar of an odd type: be safe
+        return pickle.dumps({"values": {}, "not_captured": sorted(values) + not_captured})
+    if len(blob) > MAX_PICKLED_BYTES:
+        return pickle.dumps({"values": {}, "not_captured": sorted(values) + not_captured})
+    return blob
+
+
+def _small_copy(value: Any, budget: list[int]) -> Any:
+    """A copy of ``value`` if it is small and plain (see the module docstring), else _MISSING."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return _MISSING
+    t = type(value)
+    if t in _PLAIN:
+        return value
+    if isinstance(value, np.generic) and not value.dtype.hasobject:
+        return value
+    if t in (list, tuple, set):
+        items = [_small_copy(v, budget) for v in value]
+        if any(v is _MISSING for v in items):
+            return _MISSING
+        return t(items)
+    if t is dict:
+        out = {}
+        for k, v in value.items():
+            key, item = _small_copy(k, budget), _small_copy(v, budget)
+            if key is _MISSING or item is _MISSING:
+                return _MISSING
+            out[key] = item
+        return out
+    if is_tensor(value) and value.numel() <= MAX_TENSOR_ELEMENTS and value.layout is not None:
+        try:
+            return value.detach().clone()
+        except RuntimeError:
+            return _MISSING
+    return _MISSING
+
+
+def load(blob: bytes | None) -> tuple[dict[str, Any], list[str]]:
+    """The values and the not-captured names from a blob :func:`capture` made."""
+    if not blob:
+        return {}, []
+    doc = pickle.loads(blob)
+    return dict(doc.get("values", {})), list(doc.get("not_captured", []))
+
+
+def restore(frame: types.FrameType | None, values: Mapping[str, Any]) -> None:
+    """Write ``values`` into the locals of ``frame``: containers in place where they exist."""
+    if frame is None or not values:
+        return
+    live = frame.f_locals
+    assignments: dict[str, Any] = {}
+    for name, saved in values.items():
+        current = live.get(name, _MISSING)
+        # In place, so other references to the same list or dict see the restored content.
+        if type(current) is list and type(saved) is list:
+            current[:] = saved
+        elif type(current) in (dict, set) and type(saved) is type(current):
+            current.clear()
+            current.update(saved)
+        else:
+            assignments[name] = saved
+    if not assignments:
+        return
+    if frame.f_code.co_flags & 0x1 == 0 or frame.f_locals is frame.f_globals:
+        # A module or class body: its locals are a real dict.
+        frame.f_locals.update(assignments)
+        return
+    _write_fast_locals(frame, assignments)
+
+
+def _write_fast_locals(frame: types.FrameType, assignments: Mapping[str, Any]) -> None:
+    """Assign function locals: a write-through proxy from 3.13 (PEP 667), else LocalsToFast."""
+    if sys.version_info >= (3, 13):
+        for name, value in assignments.items():
+            frame.f_locals[name] = value
+        return
+    locals_dict = frame.f_locals  # the frame's cached dict; LocalsToFast copies it back
+    locals_dict.update(assignments)
+    with contextlib.suppress(AttributeError):
+        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
