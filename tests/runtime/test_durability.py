@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -56,6 +57,67 @@ def test_sigkill_loses_at_most_the_last_second_and_the_run_shows_crashed(
     # 100 values a second; everything logged up to one second before the kill is there.
     assert max(stored) >= last - 100, (max(stored), last)
     assert time.monotonic() - killed_at < 30
+
+
+def test_sigkill_during_a_background_checkpoint_write_leaves_only_whole_checkpoints(
+    project: Project,
+) -> None:
+    # 64 MB of state and blocks of 50 ms: the writer is always behind, so a kill lands
+    # while it is writing (wait mode holds training back to two snapshots in flight).
+    project.write(
+        "train.py",
+        """
+        import time
+        import numpy as np
+        import retrolog as rl
+        state = {"w": np.zeros(8_000_000)}
+        with rl.checkpointing(state=state):
+            for epoch in rl.loop("epoch", range(10_000)):
+                state["w"][:] = epoch
+                for step in rl.loop("step", range(5)):
+                    time.sleep(0.01)
+                """,
+    )
+    with subprocess.Popen(
+        [sys.executable, "-W", "ignore", "train.py"],
+        cwd=project.root,
+        env=project.env(),
+        stdout=subprocess.DEVNULL,
+    ) as proc:
+        deadline = time.monotonic() + 120
+        written = 0
+        while written < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                written = read_db(project.root, "SELECT count(*) FROM checkpoints")[0][0]
+            except sqlite3.OperationalError:  # the store is not created yet
+                continue
+        # Kill while an object file is being written (its temp file exists).
+        objects = project.root / ".retrolog" / "objects"
+        in_flight: list[Path] = []
+        while not in_flight and time.monotonic() < deadline:
+            in_flight = [p for p in objects.rglob(".*") if p.is_file()]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert in_flight, "the writer was never seen writing"
+    assert project.cli("runs", "--json").returncode == 0
+    ((status,),) = read_db(project.root, "SELECT status FROM runs")
+    assert status == "crashed"
+
+    from retrolog.checkpoint.codec import decode
+    from retrolog.store.objects import LocalObjectStore
+
+    store = LocalObjectStore(project.root / ".retrolog" / "objects")
+    rows = read_db(
+        project.root,
+        "SELECT l.iteration, c.manifest FROM checkpoints c JOIN loops l"
+        " ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id ORDER BY c.checkpoint_id",
+    )
+    assert len(rows) >= 3
+    # Every checkpoint the store shows is whole and holds the state of its own epoch.
+    for iteration, manifest in rows:
+        w = decode(str(manifest), store).objects["state"]["w"]
+        assert w.shape == (8_000_000,) and float(w.min()) == float(w.max()) == iteration
 
 
 def test_three_concurrent_runs_land_completely(project: Project) -> None:

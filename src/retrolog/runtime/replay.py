@@ -98,6 +98,7 @@ class ReplayRun:
         self._restored = 0
         self._contexts = _load_contexts(Path(spec.store) / "retrolog.db", spec.run_id)
         self._frame_locals = _load_frame_locals(Path(spec.store) / "retrolog.db", spec.run_id)
+        self._fallbacks: list[list[str]] = []  # [manifest, why] of checkpoints executed instead
         self._occurrences: dict[tuple[int | None, str], int] = {}
         self._outer_seen = False
         self._store: Any = None
@@ -140,14 +141,16 @@ class ReplayRun:
 
         if role is Role.OUTER and self.spec.restore_end and not self._outer_seen:
             self._outer_seen = True
-            self._restore_checkpoint(self.spec.end_checkpoint, scope, user_frame, ("end", None))
-            return
+            if self._restore_checkpoint(self.spec.end_checkpoint, scope, user_frame, ("end", None)):
+                return
+            # The end checkpoint is unreadable: step through the loop instead.
         if role is Role.BLOCK and outer is not None:
             iteration_of_outer = outer.iteration
             if iteration_of_outer in self._restore:
                 manifest = self.spec.block_checkpoints.get(str(iteration_of_outer))
-                self._restore_checkpoint(manifest, scope, user_frame, ("block", outer.ctx))
-                return
+                if self._restore_checkpoint(manifest, scope, user_frame, ("block", outer.ctx)):
+                    return
+                # Unreadable: the block executes, from the state the earlier ones left.
         if role is Role.OUTER:
             self._outer_seen = True
 
@@ -163,14 +166,17 @@ class ReplayRun:
                 frame.block_seen = False
                 frame.iteration = iteration
                 self.ctx = ctx
-                if role is Role.OUTER and iteration in self._restore_whole:
-                    # No nested loop: the whole iteration is the block; skip it by restoring.
-                    self._restore_checkpoint(
+                if (
+                    role is Role.OUTER
+                    and iteration in self._restore_whole
+                    and self._restore_checkpoint(
                         self.spec.block_checkpoints.get(str(iteration)),
                         scope,
                         user_frame,
                         ("block", ctx),
                     )
+                ):
+                    # No nested loop: the whole iteration is the block, skipped by restoring.
                     self.ctx = parent_ctx
                     if self.spec.stop_after == iteration:
                         self.finish()
@@ -192,8 +198,15 @@ class ReplayRun:
         scope: CheckpointScope | None,
         user_frame: FrameType | None,
         key: tuple[str, int | None],
-    ) -> None:
-        from retrolog.checkpoint.capture import restore_checkpoint
+    ) -> bool:
+        """Restore a checkpoint into the live objects, RNGs and frame; False if unreadable.
+
+        An object that is missing or corrupt is found while decoding, before any live
+        object changes, so the caller can execute the code instead, from the same state.
+        """
+        from retrolog.checkpoint.capture import load_checkpoint
+        from retrolog.checkpoint.state import restore
+        from retrolog.errors import StoreError
         from retrolog.store.objects import LocalObjectStore
 
         if manifest is None or scope is None:
@@ -203,7 +216,17 @@ class ReplayRun:
         if self._store is None:
             self._store = LocalObjectStore(Path(self.spec.store) / "objects")
         started = time.perf_counter()
-        restore_checkpoint(scope.objects, self._store, manifest)
+        try:
+            snap = load_checkpoint(self._store, manifest)
+        except StoreError as exc:
+            self._fallbacks.append([manifest, str(exc)])
+            print(
+                f"retrolog replay: checkpoint {manifest} cannot be read ({exc}); executing "
+                "that code instead of restoring it.",
+                file=sys.stderr,
+            )
+            return False
+        restore(scope.objects, snap)
         values, _ = frames.load(self._frame_locals.get(key))
         frames.restore(user_frame, values)
         _mark_optimizers_stepped(scope.objects)
@@ -211,6 +234,7 @@ class ReplayRun:
         self._restored += 1
         self._checkpoint_at.append((len(self.values), len(self.events), manifest))
         self._last_checkpoint = manifest
+        return True
 
     # -- the end ---------------------------------------------------------------------
 
@@ -256,14 +280,24 @@ class ReplayRun:
             "values": rows,
             "unmapped": dropped,
             "restored": self._restored,
+            "fallbacks": self._fallbacks,
             "restore_seconds": self._restore_seconds,
             "seconds": time.perf_counter() - self._started,
             "last_checkpoint": self._last_checkpoint,
+            "threads": _torch_threads(),
         }
         path = Path(self.spec.output)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         os.replace(tmp, path)
+
+
+def _torch_threads() -> int | None:
+    """The intra-op threads torch ran with (the worker's OMP_NUM_THREADS unless the script
+    set its own), or None when the script did not import torch."""
+    torch = sys.modules.get("torch")
+    get = getattr(torch, "get_num_threads", None)
+    return int(get()) if callable(get) else None
 
 
 def _mark_optimizers_stepped(objects: Mapping[str, object]) -> None:
