@@ -14,6 +14,7 @@ from retrolog._api import (
     query,
     replay,
 )
+from retrolog._restore import restore
 
 __all__ = [
     "arg",
@@ -25,5 +26,6 @@ __all__ = [
     "loop",
     "query",
     "replay",
+    "restore",
 ]
 __version__ = "0.1.0"

@@ -249,6 +249,114 @@ def propagate_command(new_file: str, old_file: str, names: str, as_diff: bool) -
         sys.exit(1)
 
 
+def _parse_with(parse: Callable[[str], Any]) -> Callable[..., Any]:
+    """A click callback turning a library parser's UsageError into a usage mistake (exit 2)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str) -> Any:
+        from retrolog.errors import UsageError
+
+        try:
+            return parse(value)
+        except UsageError as exc:
+            raise click.BadParameter(str(exc)) from exc
+
+    return callback
+
+
+def _policy(text: str) -> Any:
+    from retrolog.store.gc import RetentionPolicy
+
+    return RetentionPolicy.parse(text)
+
+
+def _duration(text: str) -> float:
+    from retrolog.store.gc import parse_duration
+
+    return parse_duration(text)
+
+
+@cli.command("gc")
+@click.argument("runs", nargs=-1)
+@click.option(
+    "--keep",
+    default="all",
+    show_default=True,
+    metavar="POLICY",
+    callback=_parse_with(_policy),
+    help="all | last:N | best:NAME[:max|min] (the best checkpoint by a logged metric).",
+)
+@click.option("--where", help='Thin only runs matching this predicate, e.g. "lr > 0.005".')
+@click.option(
+    "--grace",
+    default="1h",
+    show_default=True,
+    callback=_parse_with(_duration),
+    help="Never delete objects written this recently (e.g. 30m, 2h, 0).",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Write the report as JSON.")
+@_handle_errors
+def gc_command(
+    runs: tuple[str, ...], keep: Any, where: str | None, grace: float, dry_run: bool,
+    yes: bool, as_json: bool,
+) -> None:  # fmt: skip
+    """Delete the checkpoints a retention policy drops, then objects nothing references.
+
+    RUNS (ids or unique prefixes) and --where limit whose checkpoints are
+    thinned; objects no remaining checkpoint references are collected across
+    the whole store. Running runs keep everything, and objects written since
+    the oldest running run started (or within --grace) are never deleted.
+    Without --yes the plan is printed and confirmed first.
+
+    \b
+    Example:
+      retrolog gc --keep last:2 --dry-run
+      retrolog gc --keep best:val_acc:max --where "lr > 0.005" --yes
+    """
+    from retrolog.store.gc import collect_garbage, format_report, plan_gc, select_runs
+    from retrolog.store.objects import LocalObjectStore
+    from retrolog.store.paths import locate
+
+    def emit(report: Any, *, table: bool = True) -> None:
+        if as_json:
+            click.echo(json.dumps(report.to_dict(), indent=2))
+        else:
+            click.echo(format_report(report, table=table))
+        if report.unreadable:
+            click.echo(
+                f"Warning: {len(report.unreadable)} checkpoint manifest(s) cannot be read, so "
+                "no object was deleted; see the notes.",
+                err=True,
+            )
+
+    with _store() as conn:
+        store = LocalObjectStore(locate().objects)
+        chosen = select_runs(conn, runs, where)
+        if chosen == []:
+            click.echo(f"No run matches {where!r}: no checkpoint is dropped.", err=True)
+        plan = plan_gc(conn, store, keep, chosen, grace_seconds=grace)
+        if dry_run or plan.empty:
+            emit(plan)
+            if plan.empty and not as_json:
+                click.echo("Nothing to collect.", err=True)
+            return
+        asked = False
+        if not yes:
+            if not as_json:
+                click.echo(format_report(plan))
+            if not sys.stdin.isatty():
+                raise click.UsageError(
+                    "Not asking on a non-interactive input: pass --yes to delete, or --dry-run."
+                )
+            if not click.confirm("Delete these?", default=False, err=True):
+                click.echo("Nothing deleted.", err=True)
+                return
+            asked = True
+        done = collect_garbage(conn, store, plan)
+    emit(done, table=not asked)
+
+
 class _store:
     """The project's store for reading, opened from the current directory."""
 

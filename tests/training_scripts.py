@@ -1,0 +1,108 @@
+"""Training scripts the checkpoint tests record, and the digest they log."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+from conftest import Project
+
+# A numpy run: fast to record. Two runs with one seed hold identical states (dedup).
+NUMPY_TRAIN = """\
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import retrolog as rl
+
+epochs = rl.arg("epochs", 4)
+seed = rl.arg("seed", 0)
+sleep = rl.arg("sleep", 0.0)
+pause = rl.arg("pause", "")  # after epoch 1, wait for this file (a run still recording)
+np.random.seed(seed)
+w = np.zeros(2000)
+with rl.checkpointing(w=w):
+    for epoch in rl.loop("epoch", range(epochs)):
+        for step in rl.loop("step", range(3)):
+            w += np.random.random(2000)
+            time.sleep(sleep)
+        rl.log("score", float(w[:10].sum()))
+        if pause and epoch == 1:
+            Path(pause + ".ready").write_text("")
+            deadline = time.monotonic() + 120
+            while not Path(pause).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+"""
+
+
+def digest(model, optimizer) -> str:  # type: ignore[no-untyped-def]
+    """The exact state of a model and its optimizer (the script logs it each epoch)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        h.update(tensor.detach().numpy().tobytes())
+    for state in optimizer.state_dict()["state"].values():
+        for key in sorted(state):
+            h.update(state[key].numpy().tobytes())
+    return h.hexdigest()
+
+
+SCORES = [0.50, 0.80, 0.70, 0.60, 0.75]
+LOSSES = [0.9, 0.4, 0.6, 0.3, 0.5]
+
+# A small torch run: val_acc peaks at epoch (1 - seed) % 5, val_loss bottoms at (3 - seed) % 5.
+TORCH_TRAIN = f"""\
+import torch
+from torch import nn
+
+import retrolog as rl
+
+torch.set_num_threads(1)
+seed = rl.arg("seed", 0)
+torch.manual_seed(seed)
+x = torch.randn(64, 4)
+y = (x.sum(dim=1) > 0).long()
+net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+opt = torch.optim.Adam(net.parameters(), lr=0.05)
+SCORES = {SCORES!r}
+LOSSES = {LOSSES!r}
+
+{inspect.getsource(digest)}
+
+with rl.checkpointing(net=net, opt=opt):
+    for epoch in rl.loop("epoch", range(5)):
+        for step in rl.loop("step", range(4)):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(x + 0.1 * torch.randn_like(x)), y)
+            loss.backward()
+            opt.step()
+            rl.log("loss", loss.item())
+        rl.log("digest", digest(net, opt))
+        rl.log("draw", torch.rand(1).item())
+        rl.log("val_acc", SCORES[(epoch + seed) % 5])
+        rl.log("val_loss", LOSSES[(epoch + seed) % 5])
+rl.log("final_digest", digest(net, opt))
+"""
+
+
+def new_project(root: Path) -> Project:
+    root.mkdir(parents=True)
+    project = Project(root)
+    project.git("init", "--quiet", "--initial-branch=main")
+    project.write("README.md", "a project\n")
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "initial")
+    return project
+
+
+def record_torch_runs(root: Path) -> Project:
+    """A project at ``root`` with two runs of TORCH_TRAIN (seeds 0 and 1), every block
+    checkpointed."""
+    project = new_project(root)
+    project.write("train.py", TORCH_TRAIN)
+    project.run("train.py", "--kwargs", "seed=0", RETROLOG_CHECKPOINTS="every")
+    project.run("train.py", "--kwargs", "seed=1", RETROLOG_CHECKPOINTS="every")
+    return project
