@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
-from retrolog.checkpoint.codec import encode
+from retrolog.checkpoint.codec import DeltaHistory, encode
 from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, snapshot
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
 from retrolog.store.objects import ObjectStore
@@ -108,6 +108,7 @@ class BackgroundCheckpointer(Checkpointer):
             raise ValueError(f"when_full must be one of {WHEN_FULL}, not {when_full!r}")
         self.store = store
         self.sink = sink
+        self.history = DeltaHistory()  # used by the writer thread only
         self.max_in_flight = max_in_flight
         self.when_full: WhenFull = when_full
         self._cond = threading.Condition()
@@ -341,7 +342,7 @@ class BackgroundCheckpointer(Checkpointer):
         assert snap is not None
         started = time.perf_counter()
         cpu_started = time.thread_time()
-        manifest, nbytes = encode(snap, self.store)
+        manifest, nbytes = encode(snap, self.store, history=self.history)
         written = time.perf_counter()
         cpu = time.thread_time() - cpu_started
         job.snap = None

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from retrolog.checkpoint.codec import decode, encode
+from retrolog.checkpoint.codec import DeltaHistory, decode, encode
 from retrolog.checkpoint.state import Snapshot, restore, snapshot
 from retrolog.errors import StoreError
 from retrolog.store.objects import ObjectStore
@@ -84,6 +84,7 @@ class SynchronousCheckpointer(Checkpointer):
     def __init__(self, store: ObjectStore, sink: Callable[[CheckpointRecord], None]) -> None:
         self.store = store
         self.sink = sink
+        self.history = DeltaHistory()  # lets each checkpoint be written as deltas on the last
         self._closed = False
 
     def capture(
@@ -104,7 +105,7 @@ class SynchronousCheckpointer(Checkpointer):
         start = time.perf_counter()
         snap = snapshot(objects)
         captured = time.perf_counter()
-        manifest, nbytes = encode(snap, self.store)
+        manifest, nbytes = encode(snap, self.store, history=self.history)
         written = time.perf_counter()
         self.sink(
             CheckpointRecord(

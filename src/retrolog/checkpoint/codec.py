@@ -1,12 +1,19 @@
 """Persist a Snapshot as a JSON manifest plus one object per tensor or array.
 
-Each tensor's and array's raw bytes are an object of their own, named by their
-sha256, so a tensor that did not change between checkpoints (a frozen layer,
-a shared base model) is stored once ("Checkpoint storage" in DESIGN.md). The
-manifest is a JSON tree that gives back exactly the Python structure that was
-encoded. A JSON list is a Python list; ints, finite floats, bools, None and
-strings are themselves; every JSON object is a tagged node whose ``"$"`` says
-what it is:
+Format ``retrolog.snapshot/2`` (docs/checkpoint-storage.md has the byte
+layout and the measurements behind it). Each tensor's and array's content is
+an object of its own, keyed by the xxh3-128 of its dtype, shape and bytes, so
+a tensor that did not change between checkpoints (a frozen layer, a shared
+base model) is stored once, across checkpoints and runs ("Checkpoint storage"
+in DESIGN.md). Float data is compressed losslessly (byte planes, then zstd)
+and, given a :class:`DeltaHistory`, may be stored as a delta against the same
+tensor in the run's previous checkpoint (:mod:`retrolog.checkpoint._arrays`).
+Manifests of format ``/1`` (raw, sha256-keyed objects) are still read.
+
+The manifest is a JSON tree that gives back exactly the Python structure that
+was encoded. A JSON list is a Python list; ints, finite floats, bools, None
+and strings are themselves; every JSON object is a tagged node whose ``"$"``
+says what it is:
 
 =============  ==============================================================
 ``tuple``      ``v``: the items
@@ -14,15 +21,18 @@ what it is:
 ``odict``      an OrderedDict: ``items``, and ``metadata`` (a module's
                state_dict keeps per-submodule versions in ``_metadata``)
 ``float``      nan or +-inf: ``v`` for humans, ``bits`` (IEEE 754, hex) exact
-``bytes``      ``b64`` inline, or ``blob`` for long ones
+``bytes``      ``b64`` inline, or ``blob`` for long ones (a raw object)
 ``ndarray``    ``dtype`` (numpy's str form), ``shape``, ``order`` (C or F),
-               ``blob``: the raw bytes
+               and the bytes: ``b64`` inline when short, else ``blob``
 ``npscalar``   ``dtype``, ``b64``: the raw bytes of a numpy scalar
-``tensor``     ``dtype``, ``shape``, ``device`` (where it lived), ``blob``,
-               ``requires_grad`` when true; stored contiguous, on the CPU
+``tensor``     ``dtype``, ``shape``, ``device`` (where it lived), ``b64`` or
+               ``blob``, ``requires_grad`` when true; stored contiguous
 ``size``       torch.Size; ``torch_dtype``, ``torch_device``: ``v``
-``pickle``     ``blob``: anything else, pickled
+``pickle``     ``blob``: anything else, pickled (a raw object)
 =============  ==============================================================
+
+A ``blob`` of 32 hex digits is a framed array object (format /2), one of 64
+a raw object whose bytes are the value (format /1, and bytes and pickles).
 """
 
 from __future__ import annotations
@@ -32,26 +42,49 @@ import json
 import math
 import pickle
 import struct
+import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from retrolog.checkpoint._arrays import (
+    DECODE_THREADS,
+    ArrayWriter,
+    DeltaHistory,
+    EncodeStats,
+    read_array,
+    read_info,
+)
 from retrolog.checkpoint.state import DeviceTensor, Snapshot, import_torch, loaded_torch
 from retrolog.errors import CheckpointTargetError, CorruptObjectError, StoreError
-from retrolog.store.objects import ObjectStore
+from retrolog.store.objects import ObjectStore, is_framed_key
 
-FORMAT = "retrolog.snapshot/1"
-INLINE_BYTES = 1024  # bytes values up to this size live in the manifest, longer ones in a blob
+__all__ = ["FORMAT", "DeltaHistory", "EncodeStats", "decode", "encode", "manifest_blobs"]
+
+FORMAT = "retrolog.snapshot/2"
+READABLE = ("retrolog.snapshot/1", FORMAT)
+INLINE_BYTES = 1024  # values up to this many bytes live in the manifest, longer ones in objects
+PARALLEL_READ_BYTES = 4 << 20  # below this, starting threads costs more than it saves
 
 
-def encode(snap: Snapshot, store: ObjectStore) -> tuple[str, int]:
+def encode(
+    snap: Snapshot, store: ObjectStore, history: DeltaHistory | None = None
+) -> tuple[str, int]:
     """Write ``snap`` to ``store``.
 
-    Returns the manifest's key and the total size of the manifest and of the
-    distinct objects it references (whether or not they were already stored).
+    history: the run's :class:`DeltaHistory` (one per checkpointer), which
+      lets tensors be stored as deltas against the previous checkpoint and
+      records what this encode did in ``history.last``; without it, every
+      object is stored in full.
+
+    Returns the manifest's key and the stored (compressed) size of the
+    manifest and of the distinct objects it needs, delta bases included,
+    whether or not this call wrote them.
     """
-    encoder = _Encoder(store)
+    started = time.perf_counter()
+    encoder = _Encoder(store, ArrayWriter(store, history))
     # The top-level dict is built here so errors can name the object at fault.
     items = []
     for name, state in snap.objects.items():
@@ -65,7 +98,8 @@ def encode(snap: Snapshot, store: ObjectStore) -> tuple[str, int]:
     }
     manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
     key = store.put(manifest)
-    return key, len(manifest) + sum(encoder.blobs.values())
+    nbytes = encoder.arrays.finish(len(manifest), encoder.blobs, time.perf_counter() - started)
+    return key, nbytes
 
 
 def decode(key: str, store: ObjectStore) -> Snapshot:
@@ -83,19 +117,27 @@ def decode(key: str, store: ObjectStore) -> Snapshot:
             f"Object {key} is not a checkpoint manifest; pass the manifest key recorded "
             "for the checkpoint."
         )
-    if doc["format"] != FORMAT:
+    if doc["format"] not in READABLE:
         raise StoreError(
             f"Checkpoint manifest {key} has format {doc['format']!r}, which this version of "
-            f"retrolog cannot read (it reads {FORMAT!r}); upgrade retrolog."
+            f"retrolog cannot read (it reads {', '.join(map(repr, READABLE))}); upgrade "
+            "retrolog."
         )
     decoder = _Decoder(store, key)
     objects = decoder.value(doc["objects"])
     rng = decoder.value(doc["rng"])
+    decoder.fill()
     return Snapshot(objects=objects, rng=rng)
 
 
 def manifest_blobs(key: str, store: ObjectStore) -> set[str]:
-    """The keys of the objects the manifest ``key`` references (for retention and GC)."""
+    """The keys of every object the manifest ``key`` needs (for retention and GC).
+
+    That is the objects it references and, for those stored as deltas, their
+    bases, transitively. Raises StoreError (CorruptObjectError) when one of
+    them is missing or its header is damaged, since then the bases it needs
+    cannot be known: a collector must keep everything rather than guess.
+    """
     found: set[str] = set()
 
     def walk(node: Any) -> None:
@@ -110,6 +152,19 @@ def manifest_blobs(key: str, store: ObjectStore) -> set[str]:
                 walk(value)
 
     walk(json.loads(store.get(key)))
+    pending = [k for k in found if is_framed_key(k)]
+    while pending:
+        blob = pending.pop()
+        info = read_info(store, blob)
+        if info is None:
+            raise StoreError(
+                f"Object {blob}, which checkpoint manifest {key} needs, is not in {store!r}; "
+                "the objects it is a delta of cannot be known. The checkpoint cannot be "
+                "restored: drop it (retrolog gc with a policy that does not keep it)."
+            )
+        if info.base is not None and info.base not in found:
+            found.add(info.base)
+            pending.append(info.base)
     return found
 
 
@@ -125,9 +180,10 @@ def _b64(data: bytes) -> str:
 class _Encoder:
     """Turns a snapshot tree into JSON-able nodes, writing blobs as it goes."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, arrays: ArrayWriter) -> None:
         self.store = store
-        self.blobs: dict[str, int] = {}  # key -> size, each distinct object counted once
+        self.arrays = arrays
+        self.blobs: dict[str, int] = {}  # raw object key -> size, each counted once
         self.name: str | None = None  # the snapshot object being encoded, for errors
 
     def blob(self, data: bytes) -> str:
@@ -166,13 +222,14 @@ class _Encoder:
             return {"$": "bytes", "blob": self.blob(v)}
         if t is np.ndarray and _simple_dtype(v.dtype):
             fortran = v.flags.f_contiguous and not v.flags.c_contiguous
-            return {
-                "$": "ndarray",
-                "dtype": v.dtype.str,
-                "shape": list(v.shape),
-                "order": "F" if fortran else "C",
-                "blob": self.blob(v.tobytes(order="F" if fortran else "C")),
-            }
+            order = "F" if fortran else "C"
+            # A view when the array is contiguous in that order, a copy otherwise.
+            flat = v.ravel(order=order).view(np.uint8)
+            node = {"$": "ndarray", "dtype": v.dtype.str, "shape": list(v.shape), "order": order}
+            is_float = v.dtype.kind == "f" and v.dtype.itemsize in (2, 4, 8)
+            return self.content(
+                node, path, "numpy." + v.dtype.str, flat, v.dtype.itemsize, is_float
+            )
         if isinstance(v, np.generic) and _simple_dtype(v.dtype):
             return {"$": "npscalar", "dtype": v.dtype.str, "b64": _b64(v.tobytes())}
         if t is DeviceTensor:
@@ -202,19 +259,42 @@ class _Encoder:
         if dense.device.type != "cpu":
             dense = dense.cpu()
         dense = dense.contiguous()
+        if dense.numel() <= 1:
+            # contiguous() leaves the strides of an empty or one-element tensor as
+            # they were, which the byte view below refuses; a clone resets them.
+            dense = dense.clone(memory_format=torch.contiguous_format)
         try:
-            raw = dense.reshape(-1).view(torch.uint8).numpy().tobytes()
+            flat = dense.reshape(-1).view(torch.uint8).numpy()  # the tensor's own memory
         except (RuntimeError, TypeError):  # a dtype without a byte view
             return self.pickled(v, path)
+        dtype = str(dense.dtype).removeprefix("torch.")
         node: dict[str, Any] = {
             "$": "tensor",
-            "dtype": str(dense.dtype).removeprefix("torch."),
+            "dtype": dtype,
             "shape": list(dense.shape),
             "device": device,
-            "blob": self.blob(raw),
         }
+        itemsize = dense.element_size()
+        is_float = dense.is_floating_point() and itemsize in (2, 4, 8)
+        self.content(node, path, "torch." + dtype, flat, itemsize, is_float)
         if v.requires_grad:
             node["requires_grad"] = True
+        return node
+
+    def content(
+        self,
+        node: dict[str, Any],
+        path: str,
+        dtype: str,
+        flat: np.ndarray[Any, Any],
+        itemsize: int,
+        is_float: bool,
+    ) -> dict[str, Any]:
+        """Add the bytes ``flat`` of an array or tensor to ``node``: inline, or as an object."""
+        if flat.nbytes <= INLINE_BYTES:
+            node["b64"] = _b64(flat.tobytes())
+        else:
+            node["blob"] = self.arrays.put(path, dtype, node["shape"], flat, itemsize, is_float)
         return node
 
     def pickled(self, v: Any, path: str) -> dict[str, Any]:
@@ -238,6 +318,25 @@ class _Decoder:
         self.store = store
         self.manifest = manifest
         self.cache: dict[str, bytes] = {}
+        # Array objects are read after the tree is built, several at a time: the
+        # reads, decompression and hashing release the GIL.
+        self.first: dict[str, np.ndarray[Any, Any]] = {}  # key -> memory it is read into
+        self.jobs: list[tuple[str, str, list[int], np.ndarray[Any, Any]]] = []
+        self.copies: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+
+    def fill(self) -> None:
+        """Read every array object the built tree is waiting for."""
+        jobs, self.jobs = self.jobs, []
+        total = sum(out.nbytes for *_, out in jobs)
+        if len(jobs) > 1 and total >= PARALLEL_READ_BYTES and DECODE_THREADS > 1:
+            with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="retrolog-restore") as pool:
+                list(pool.map(lambda job: read_array(self.store, *job), jobs))
+        else:
+            for job in jobs:
+                read_array(self.store, *job)
+        for source, out in self.copies:
+            out[:] = source
+        self.copies = []
 
     def blob(self, key: str) -> bytes:
         data = self.cache.get(key)
@@ -293,19 +392,37 @@ class _Decoder:
             key=key,
         )
 
+    def content(self, node: dict[str, Any], dtype: str, out: np.ndarray[Any, Any]) -> None:
+        """Fill ``out`` (uint8, the value's memory) with the bytes ``node`` holds."""
+        if "b64" in node:
+            raw: Any = base64.b64decode(node["b64"])
+            where = "the manifest"
+        else:
+            key = node["blob"]
+            where = f"object {key}"
+            if is_framed_key(key):
+                first = self.first.get(key)
+                if first is not None and first.nbytes == out.nbytes:
+                    self.copies.append((first, out))
+                else:
+                    self.first[key] = out
+                    self.jobs.append((key, dtype, node["shape"], out))
+                return
+            raw = self.blob(key)
+        if len(raw) != out.nbytes:
+            raise self.corrupt(
+                f"a value of shape {tuple(node['shape'])} and dtype {node['dtype']} needs "
+                f"{out.nbytes} bytes, {where} holds {len(raw)}",
+                node.get("blob", self.manifest),
+            )
+        if out.nbytes:
+            out[:] = np.frombuffer(raw, dtype=np.uint8)
+
     def ndarray(self, node: dict[str, Any]) -> np.ndarray[Any, Any]:
         dtype = np.dtype(node["dtype"])
         order = node.get("order", "C")
         arr = np.empty(node["shape"], dtype=dtype, order=order)
-        raw = self.blob(node["blob"])
-        if len(raw) != arr.nbytes:
-            raise self.corrupt(
-                f"an array of shape {tuple(arr.shape)} and dtype {dtype} needs {arr.nbytes} "
-                f"bytes, the object has {len(raw)}",
-                node["blob"],
-            )
-        if arr.size:
-            arr[...] = np.frombuffer(raw, dtype=dtype).reshape(arr.shape, order=order)
+        self.content(node, "numpy." + node["dtype"], arr.ravel(order=order).view(np.uint8))
         return arr
 
     def torch_dtype(self, torch: Any, name: str) -> Any:
@@ -322,16 +439,7 @@ class _Decoder:
         torch = import_torch("Loading a checkpoint with torch tensors")
         dtype = self.torch_dtype(torch, node["dtype"])
         tensor = torch.empty(node["shape"], dtype=dtype)
-        raw = self.blob(node["blob"])
-        nbytes = tensor.numel() * tensor.element_size()
-        if len(raw) != nbytes:
-            raise self.corrupt(
-                f"a tensor of shape {tuple(tensor.shape)} and dtype {dtype} needs {nbytes} "
-                f"bytes, the object has {len(raw)}",
-                node["blob"],
-            )
-        if nbytes:
-            tensor.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+        self.content(node, "torch." + node["dtype"], tensor.reshape(-1).view(torch.uint8).numpy())
         if node.get("requires_grad"):
             tensor.requires_grad_(True)
         device = node.get("device", "cpu")

@@ -1,18 +1,30 @@
-"""The content-addressed object store: immutable blobs named by their sha256.
+"""The content-addressed object store: immutable objects named by a hash of their content.
 
 Checkpoints are written as one object per tensor or array plus a manifest, so
 identical content (frozen layers, a shared base model) is stored once. Every
-read is verified against the key, so a damaged file is reported, never
-restored. :class:`ObjectStore` is the interface; :class:`LocalObjectStore`
-keeps objects in a directory::
+read is verified, so a damaged file is reported, never restored.
+:class:`ObjectStore` is the interface; :class:`LocalObjectStore` keeps
+objects in a directory::
 
     objects/
         3f/
-            a9c1...   the object whose sha256 is 3fa9c1...
+            a9c1...   the object whose key is 3fa9c1...
         .tmp files    only while a write is in flight (name starts with '.')
 
-The format is the raw bytes, so a later codec (compression) slots in behind
-the same interface without changing the keys.
+An object is one of two kinds, told apart by the length of its key
+(docs/checkpoint-storage.md has the byte layout):
+
+- **raw**: the file is the bytes given to :meth:`ObjectStore.put`, and the key
+  is their sha256 (64 hex digits). Manifests, pickles and every object of a
+  ``retrolog.snapshot/1`` checkpoint are raw.
+- **framed**: the bytes given to ``put`` are a *frame* built by :func:`frame`:
+  a 48-byte header (magic, key, payload length, xxh3-128 of the payload) and
+  a payload. The key (32 hex digits) is chosen by whoever built the frame; the
+  checkpoint codec uses the xxh3-128 of a tensor's dtype, shape and raw bytes,
+  so an unchanged tensor is found by key *before* it is compressed, and the
+  payload holds its compressed bytes. The store checks the header and the
+  payload checksum on read; the codec checks the content hash after
+  decompression.
 """
 
 from __future__ import annotations
@@ -22,17 +34,38 @@ import contextlib
 import hashlib
 import os
 import secrets
+import struct
 from pathlib import Path
+from typing import Any
+
+import xxhash
 
 from retrolog.errors import CorruptObjectError, StoreError
 
 _HEX = frozenset("0123456789abcdef")
-_KEY_LENGTH = 64  # hex digits of a sha256
+RAW_KEY_LENGTH = 64  # hex digits of a sha256
+FRAMED_KEY_LENGTH = 32  # hex digits of a 128-bit key
+
+# PNG-style: a non-ASCII first byte so no text (a JSON manifest) starts like
+# a frame, and \r\n so a file mangled by line-ending conversion is caught.
+FRAME_MAGIC = b"\x89RLOBJ\r\n"
+_FRAME_TAIL = struct.Struct("<16sQ16s")  # key, payload length, xxh3-128 of the payload
+FRAME_HEADER_SIZE = len(FRAME_MAGIC) + _FRAME_TAIL.size  # 48
 
 
 def object_key(data: bytes) -> str:
-    """The key of ``data``: its sha256 as 64 lowercase hex digits."""
-    return hashlib.sha256(data).hexdigest()
+    """The key ``put(data)`` stores ``data`` under.
+
+    The key a frame carries (see :func:`frame`), or else the sha256 of the bytes
+    as 64 lowercase hex digits.
+    """
+    key = frame_key(data)
+    return hashlib.sha256(data).hexdigest() if key is None else key
+
+
+def is_framed_key(key: str) -> bool:
+    """Whether ``key`` (a valid key) names a framed object rather than a raw one."""
+    return len(key) == FRAMED_KEY_LENGTH
 
 
 def check_key(key: str) -> None:
@@ -41,15 +74,94 @@ def check_key(key: str) -> None:
     Keys become file names, so anything else (``..``, a slash) is refused
     before it reaches the file system.
     """
-    if not (isinstance(key, str) and len(key) == _KEY_LENGTH and _HEX.issuperset(key)):
+    if not (
+        isinstance(key, str)
+        and len(key) in (RAW_KEY_LENGTH, FRAMED_KEY_LENGTH)
+        and _HEX.issuperset(key)
+    ):
         raise StoreError(
-            f"{key!r} is not an object key; keys are the sha256 of the object's content "
-            "as 64 lowercase hex digits, as returned by put()."
+            f"{key!r} is not an object key; keys are 64 (the sha256 of a raw object) or 32 "
+            "(a framed object) lowercase hex digits, as returned by put()."
         )
 
 
+def frame(key: str, *parts: bytes | bytearray | memoryview | Any) -> bytes:
+    """The bytes to ``put`` so that the concatenated ``parts`` are stored under ``key``.
+
+    ``key`` is 32 lowercase hex digits; the caller vouches that it identifies
+    the content: content addressing means a second put of the same key keeps
+    the first object. Parts are any contiguous buffers (bytes, numpy arrays).
+    """
+    if not (isinstance(key, str) and len(key) == FRAMED_KEY_LENGTH and _HEX.issuperset(key)):
+        raise StoreError(f"{key!r} is not a framed object key (32 lowercase hex digits).")
+    views = [memoryview(p).cast("B") for p in parts]
+    checksum = xxhash.xxh3_128()
+    for view in views:
+        checksum.update(view)
+    header = FRAME_MAGIC + _FRAME_TAIL.pack(
+        bytes.fromhex(key), sum(v.nbytes for v in views), checksum.digest()
+    )
+    return b"".join((header, *views))
+
+
+def frame_size(key: str, header: bytes | bytearray | memoryview) -> int:
+    """The stored size of framed object ``key`` as its first 48 bytes (``header``) say.
+
+    Raises CorruptObjectError when they are not the header of a frame for ``key``.
+    """
+    problem = _frame_problem(key, header, whole=False)
+    if problem is not None:
+        raise CorruptObjectError(
+            f"Object {key} is corrupt: {problem}. Delete the file; a checkpoint that "
+            "references it cannot be restored, so replay has to execute those blocks again.",
+            key=key,
+        )
+    return FRAME_HEADER_SIZE + int(_FRAME_TAIL.unpack_from(header, len(FRAME_MAGIC))[1])
+
+
+def frame_key(data: bytes | bytearray | memoryview) -> str | None:
+    """The key of the frame ``data``, or None unless it is a complete, intact frame."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < FRAME_HEADER_SIZE or view[: len(FRAME_MAGIC)] != FRAME_MAGIC:
+        return None
+    key, length, checksum = _FRAME_TAIL.unpack_from(view, len(FRAME_MAGIC))
+    if length != view.nbytes - FRAME_HEADER_SIZE:
+        return None
+    if xxhash.xxh3_128(view[FRAME_HEADER_SIZE:]).digest() != checksum:
+        return None
+    return key.hex()
+
+
+def frame_payload(data: bytes | bytearray | memoryview) -> memoryview:
+    """The payload of a frame returned by :meth:`ObjectStore.get` (no copy)."""
+    return memoryview(data).cast("B")[FRAME_HEADER_SIZE:]
+
+
+def _frame_problem(key: str, data: bytes | bytearray | memoryview, *, whole: bool) -> str | None:
+    """What is wrong with ``data`` as the framed object ``key``, or None.
+
+    ``whole=False`` checks only what a header read can: the magic and the key.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes < FRAME_HEADER_SIZE or view[: len(FRAME_MAGIC)] != FRAME_MAGIC:
+        return f"its {min(view.nbytes, FRAME_HEADER_SIZE)}-byte header is not a retrolog frame"
+    stored_key, length, checksum = _FRAME_TAIL.unpack_from(view, len(FRAME_MAGIC))
+    if stored_key.hex() != key:
+        return f"its header names object {stored_key.hex()}"
+    if not whole:
+        return None
+    if length != view.nbytes - FRAME_HEADER_SIZE:
+        return (
+            f"its header promises {length} payload bytes but the file holds "
+            f"{view.nbytes - FRAME_HEADER_SIZE} (truncated or extended)"
+        )
+    if xxhash.xxh3_128(view[FRAME_HEADER_SIZE:]).digest() != checksum:
+        return "its payload does not match the checksum in its header"
+    return None
+
+
 class ObjectStore(abc.ABC):
-    """Immutable blobs addressed by the sha256 of their content."""
+    """Immutable objects addressed by a hash of their content (see the module docstring)."""
 
     @abc.abstractmethod
     def put(self, data: bytes) -> str:
@@ -57,10 +169,10 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
-        """The content stored under ``key``, verified against the key.
+        """The bytes stored under ``key`` (a frame, for a framed object), verified.
 
         Raises StoreError when there is no such object and CorruptObjectError
-        when the stored content does not hash to ``key``.
+        when the stored content does not match ``key`` or its checksum.
         """
 
     @abc.abstractmethod
@@ -70,6 +182,23 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object stored under ``key``; a missing object is not an error."""
+
+    def peek(self, key: str, size: int) -> bytes | None:
+        """Up to ``size`` leading bytes of object ``key``, unverified; None if it is not stored.
+
+        For reading a framed object's header cheaply (its stored size, its delta
+        base). This default reads the whole object; stores override it.
+        """
+        return self.get(key)[:size] if self.has(key) else None
+
+    def touch(self, key: str) -> bool:
+        """Record that object ``key`` is being reused, as a put of it would; False if missing.
+
+        A writer that finds its object already stored calls this instead of
+        writing it again, so garbage collection treats the object as just
+        written (store/gc.py). This default only checks that it is there.
+        """
+        return self.has(key)
 
 
 class LocalObjectStore(ObjectStore):
@@ -97,10 +226,17 @@ class LocalObjectStore(ObjectStore):
         key = object_key(data)
         path = self.path(key)
         try:
-            # A file of the right size is the object: content addressing makes
-            # rewriting it pointless. A file of the wrong size is a torn or
-            # damaged copy, which this write repairs.
-            if path.stat().st_size == len(data):
+            if is_framed_key(key):
+                # An intact frame under this key is the object, even if encoded
+                # differently (a delta vs a full copy): replacing it would change
+                # which other objects it depends on under a reader's feet.
+                keep = self._has_intact_frame(key, path)
+            else:
+                # A file of the right size is the object: content addressing makes
+                # rewriting it pointless. A file of the wrong size is a torn or
+                # damaged copy, which this write repairs.
+                keep = path.stat().st_size == len(data)
+            if keep and _freshen(path):
                 return key
         except (FileNotFoundError, NotADirectoryError):
             pass  # not there yet; a store that cannot be created is reported by the write
@@ -108,6 +244,14 @@ class LocalObjectStore(ObjectStore):
             raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
         self._write_atomically(path, data)
         return key
+
+    def _has_intact_frame(self, key: str, path: Path) -> bool:
+        """Whether ``path`` holds a frame for ``key`` whose header and size agree."""
+        header = self.peek(key, FRAME_HEADER_SIZE)
+        if header is None or _frame_problem(key, header, whole=False) is not None:
+            return False
+        length = _FRAME_TAIL.unpack_from(header, len(FRAME_MAGIC))[1]
+        return bool(path.stat().st_size == FRAME_HEADER_SIZE + length)
 
     def _write_atomically(self, path: Path, data: bytes) -> None:
         # The temp file sits in the destination directory so os.replace is a
@@ -144,7 +288,7 @@ class LocalObjectStore(ObjectStore):
             ) from exc
 
     def get(self, key: str) -> bytes:
-        """The verified content of object ``key``."""
+        """The verified content of object ``key`` (the whole frame, for a framed object)."""
         path = self.path(key)
         try:
             data = path.read_bytes()
@@ -157,13 +301,17 @@ class LocalObjectStore(ObjectStore):
             ) from exc
         except OSError as exc:
             raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
-        actual = object_key(data)
-        if actual != key:
+        if is_framed_key(key):
+            problem = _frame_problem(key, data, whole=True)
+        else:
+            actual = hashlib.sha256(data).hexdigest()
+            problem = None if actual == key else f"its {len(data)} bytes hash to {actual}"
+        if problem is not None:
             raise CorruptObjectError(
-                f"Object {key} at {path} is corrupt: its {len(data)} bytes hash to {actual}, "
-                "so the file was damaged or truncated after it was written. Delete the file; "
-                "a checkpoint that references it cannot be restored, so replay has to execute "
-                "those blocks again (or restore the file from a backup).",
+                f"Object {key} at {path} is corrupt: {problem}, so the file was damaged or "
+                "truncated after it was written. Delete the file; a checkpoint that "
+                "references it cannot be restored, so replay has to execute those blocks "
+                "again (or restore the file from a backup).",
                 path=str(path),
                 key=key,
             )
@@ -177,6 +325,22 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
 
+    def peek(self, key: str, size: int) -> bytes | None:
+        """Up to ``size`` leading bytes of object ``key``, unverified; None if it is missing."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read(size)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
+
+    def touch(self, key: str) -> bool:
+        """Mark object ``key`` as just written (see :func:`_freshen`); False if it is missing."""
+        path = self.path(key)
+        return path.is_file() and _freshen(path)
+
     def delete(self, key: str) -> None:
         """Remove object ``key`` if it is there."""
         path = self.path(key)
@@ -186,6 +350,22 @@ class LocalObjectStore(ObjectStore):
             pass
         except OSError as exc:
             raise StoreError(f"Cannot delete object file {path}: {exc}", path=str(path)) from exc
+
+
+def _freshen(path: Path) -> bool:
+    """Mark an existing object as just written; False if it vanished meanwhile.
+
+    Garbage collection (store/gc.py) never deletes an object written after a
+    running run started, so a writer that finds its object already stored must
+    count as writing it, as git freshens objects it would have written.
+    """
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False  # collected between the stat and now: write it again
+    except OSError:
+        pass  # not ours to touch (a shared store): the grace period still covers it
+    return True
 
 
 def _size_or_none(path: Path) -> int | None:

@@ -1,0 +1,524 @@
+"""One tensor or array as one framed object: content key, compression, deltas.
+
+docs/checkpoint-storage.md has the byte layout and the measurements behind
+the choices. In short:
+
+- the key is the xxh3-128 of the dtype, the shape and the raw bytes, hashed
+  from the tensor's own memory (no copy), so an unchanged tensor is found in
+  the store before any compression work and written once across checkpoints
+  and runs;
+- float data of at least :data:`MIN_COMPRESS_BYTES` is compressed by
+  blosc2: its shuffle filter stores the bytes of equal significance together
+  (byte planes), then zstd; everything else is stored as it comes;
+- with a :class:`DeltaHistory`, a float tensor may instead be stored as the
+  difference of its bit patterns, taken as unsigned integers of the element's
+  width (wrapping), from an earlier version of the same tensor (same manifest
+  path, dtype and shape) in the run, compressed the same way, when that is at
+  most ``min_gain`` of the full object; chains are capped at ``max_chain``
+  deltas so a restore reads a bounded number of objects. The difference
+  rather than the XOR of the bit patterns: a carry makes XOR set many bits
+  where the difference stays small, which stored Adam's moments 3-6 points
+  smaller, for 1-3 points lost on weights (the docs' table).
+
+Everything here that touches bulk data (xxhash, blosc2, numpy's integer
+arithmetic and copies) releases the GIL, so the background writer thread does
+not stall training.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from retrolog.errors import CorruptObjectError, StoreError
+from retrolog.store.objects import (
+    FRAME_HEADER_SIZE,
+    ObjectStore,
+    frame,
+    frame_payload,
+    frame_size,
+    is_framed_key,
+)
+
+MIN_COMPRESS_BYTES = 4096  # smaller float data is stored as it comes: no gain worth a call
+SEGMENT_BYTES = 1 << 30  # blosc2 compresses at most 2 GB per call
+CLEVEL = 1  # zstd level inside blosc2: best ratio and speed on weights (docs table)
+BLOCK_BYTES = 256 * 1024  # blosc2 block: larger blocks decode faster, 256 KiB fits in L2
+# Restores decode several tensors at once, leaving half the cores to others: on
+# the 2-core benchmark VM a second thread made restores ~15% slower (page faults
+# of the fresh tensors serialize), so there it stays at one.
+DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+MAX_DEPTH = 64  # a chain longer than any writer makes is a damaged header, not a delta chain
+
+RAW, BLOSC, DELTA_BLOSC = 0, 1, 2
+CODEC_NAMES = {RAW: "raw", BLOSC: "blosc2 shuffle+zstd", DELTA_BLOSC: "delta, blosc2"}
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}  # element widths a delta is taken in
+
+# codec, item size (the shuffle's element width), chain depth, raw length, base key
+_HEAD = struct.Struct("<BBB5xQ16s")
+HEADER_SIZE = FRAME_HEADER_SIZE + _HEAD.size  # what a header read (ObjectStore.peek) needs
+_SEGMENT = struct.Struct("<Q")  # compressed length, before each segment
+
+_blosc2: Any = None
+
+
+def _codec() -> Any:
+    """blosc2, imported on first use (it costs 0.3-0.6 s) and set to release the GIL."""
+    global _blosc2
+    if _blosc2 is None:
+        # Importing blosc2 imports rich, which draws from python's global random
+        # generator: the training script's own random state. Put it back, so that
+        # checkpointing never changes what a run (or its replay) draws. Only on
+        # the main thread: elsewhere the training thread may be drawing meanwhile,
+        # and its draws must not be undone (DeltaHistory imports on the main thread).
+        on_main = threading.current_thread() is threading.main_thread()
+        state = random.getstate() if on_main else None
+        import blosc2
+
+        if state is not None:
+            random.setstate(state)
+        # The writer thread compresses while training runs; without this,
+        # blosc2 holds the GIL for the whole call.
+        blosc2.set_releasegil(True)
+        _blosc2 = blosc2
+    return _blosc2
+
+
+def content_key(dtype: str, shape: Sequence[int], data: np.ndarray[Any, Any]) -> str:
+    """The object key of an array: xxh3-128 of dtype, shape and the bytes of ``data``.
+
+    ``data`` is a contiguous uint8 view of the values (hashed in place).
+    """
+    h = xxhash.xxh3_128(f"retrolog.array\0{dtype}\0{','.join(map(str, shape))}\0".encode())
+    h.update(data.data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the header of a framed array object says."""
+
+    size: int  # stored bytes, frame included
+    codec: int
+    depth: int  # deltas between this object and a full one (0: full)
+    base: str | None  # the object a delta applies to
+
+
+def parse_header(key: str, header: bytes | memoryview) -> ObjectInfo:
+    """Read ``key``'s :class:`ObjectInfo` from its first :data:`HEADER_SIZE` bytes."""
+    view = memoryview(header).cast("B")
+    size = frame_size(key, view)
+    if view.nbytes < HEADER_SIZE:
+        raise _corrupt(key, f"its header is cut short ({view.nbytes} bytes)")
+    codec, _itemsize, depth, _raw, base = _HEAD.unpack_from(view, FRAME_HEADER_SIZE)
+    if codec not in CODEC_NAMES or depth > MAX_DEPTH or (codec == DELTA_BLOSC) != (depth > 0):
+        raise _corrupt(key, f"its header names codec {codec} at depth {depth}")
+    return ObjectInfo(
+        size=size,
+        codec=codec,
+        depth=depth,
+        base=base.hex() if codec == DELTA_BLOSC else None,
+    )
+
+
+def read_info(store: ObjectStore, key: str) -> ObjectInfo | None:
+    """The header of array object ``key``, or None if the store does not have it."""
+    header = store.peek(key, HEADER_SIZE)
+    return None if header is None else parse_header(key, header)
+
+
+def _corrupt(key: str, what: str) -> CorruptObjectError:
+    return CorruptObjectError(
+        f"Checkpoint object {key} is corrupt: {what}. Delete the file; a checkpoint that "
+        "references it cannot be restored, so replay has to execute those blocks again.",
+        key=key,
+    )
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclass
+class EncodeStats:
+    """What encoding one checkpoint (or, summed, a run's checkpoints) did."""
+
+    logical_bytes: int = 0  # raw size of the distinct arrays, tensors and blobs, plus manifest
+    stored_bytes: int = 0  # encode()'s nbytes: manifest + distinct objects incl. delta bases
+    written_bytes: int = 0  # bytes of the objects this encode wrote (not found stored)
+    objects: int = 0  # distinct objects the checkpoint needs, manifest and delta bases included
+    written_objects: int = 0
+    delta_objects: int = 0  # written objects stored as deltas
+    reused_objects: int = 0  # referenced objects that were already stored (dedup)
+    seconds: float = 0.0  # wall time of the encode
+
+    def add(self, other: EncodeStats) -> None:
+        """Add ``other``'s counts to these."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+# ---------------------------------------------------------------- per-run state
+
+
+@dataclass
+class _PathState:
+    """The version of one manifest path the next one may be written as a delta of.
+
+    That is the most recent version stored less than ``max_chain`` deltas away
+    from a full object: with ``max_chain=1`` every delta is against the last
+    full version (a keyframe), with more, deltas chain.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    depth: int
+    base: np.ndarray[Any, Any]  # a private copy of its bytes (snapshot buffers get reused)
+    full_size: int | None = None  # compressed size the last time it was stored in full
+    fails: int = 0  # delta attempts in a row that did not pay off
+    skip: int = 0  # delta attempts still to skip (backing off after failures)
+
+
+class DeltaHistory:
+    """Per-run state that lets :func:`~retrolog.checkpoint.codec.encode` write deltas.
+
+    Create one per checkpointer and pass it to every encode of that run, from
+    one thread at a time. It holds a copy of the previous checkpoint's float
+    tensors of at least :data:`MIN_COMPRESS_BYTES` (one copy of the model and
+    optimizer state: the price of deltas) and the headers of the objects that
+    checkpoint used.
+
+    max_chain: most deltas between a stored version and a full object (0: no
+      deltas). Each version's delta is taken against the most recent version
+      stored fewer than ``max_chain`` deltas deep, so the default, 1, makes
+      every delta one against the last full version (a keyframe): a restore
+      decodes at most two objects. Deeper chains store a little less and
+      restore proportionally slower (docs/checkpoint-storage.md).
+    min_gain: a delta is kept only if it is at most this fraction of the full
+      compressed object.
+    """
+
+    def __init__(self, *, max_chain: int = 1, min_gain: float = 0.9) -> None:
+        if not isinstance(max_chain, int) or not 0 <= max_chain <= MAX_DEPTH:
+            raise ValueError(f"max_chain must be an int from 0 to {MAX_DEPTH}, not {max_chain!r}")
+        if not 0 < min_gain <= 1:
+            raise ValueError(f"min_gain must be in (0, 1], not {min_gain!r}")
+        self.max_chain = max_chain
+        self.min_gain = min_gain
+        # Checkpointers make their history when checkpointing starts, on the
+        # training thread, outside any block's timing. Importing blosc2 (0.3-0.6 s)
+        # here rather than in the writer thread's first encode keeps that import
+        # from competing with training for the GIL during the first blocks, from
+        # delaying the first write, whose cost the adaptive rule waits for, and
+        # lets it leave python's random state as it was (see _codec).
+        _codec()
+        self.last: EncodeStats | None = None  # the most recent encode
+        self.total = EncodeStats()  # every encode so far
+        self._paths: dict[str, _PathState] = {}
+        self._known: dict[str, ObjectInfo] = {}
+
+    def __repr__(self) -> str:
+        return f"DeltaHistory(max_chain={self.max_chain}, min_gain={self.min_gain})"
+
+
+# ---------------------------------------------------------------- writing
+
+
+class ArrayWriter:
+    """Stores the arrays of one checkpoint; collects what the manifest depends on."""
+
+    def __init__(self, store: ObjectStore, history: DeltaHistory | None) -> None:
+        self.store = store
+        self.history = history
+        self.stats = EncodeStats()
+        self.infos: dict[str, ObjectInfo] = {}  # every object the checkpoint needs, bases too
+        self._paths: dict[str, _PathState] = {}  # this checkpoint's states, for the history
+
+    def put(
+        self,
+        path: str,
+        dtype: str,
+        shape: Sequence[int],
+        data: np.ndarray[Any, Any],
+        itemsize: int,
+        is_float: bool,
+    ) -> str:
+        """Store array ``data`` (contiguous uint8 view) as found at ``path``; returns its key."""
+        shape = tuple(shape)
+        key = content_key(dtype, shape, data)
+        if key not in self.infos:
+            self.stats.logical_bytes += data.nbytes
+            info = self._reuse(key)
+            if info is None:
+                info = self._write(path, key, dtype, shape, data, itemsize, is_float)
+            else:
+                self.stats.reused_objects += 1
+            self.infos[key] = info
+        history = self.history
+        if (
+            history is not None
+            and history.max_chain
+            and is_float
+            and data.nbytes >= MIN_COMPRESS_BYTES
+        ):
+            self._remember(path, key, dtype, shape, data)
+        return key
+
+    def _reuse(self, key: str) -> ObjectInfo | None:
+        """The stored object ``key`` with its whole delta chain, touched; None to write it."""
+        known = self.history._known if self.history is not None else {}
+        chain: list[tuple[str, ObjectInfo]] = []
+        current: str | None = key
+        while current is not None:
+            info = self.infos.get(current) or known.get(current)
+            if info is None:
+                info = read_info(self.store, current)
+            if info is None or not self.store.touch(current):
+                if current != key:
+                    # The object is there but its base is gone, so it cannot be
+                    # decoded: replace it (put keeps an intact frame otherwise).
+                    self.store.delete(key)
+                return None
+            chain.append((current, info))
+            current = info.base
+            if len(chain) > MAX_DEPTH + 1:
+                raise _corrupt(key, "its delta chain does not end")
+        for k, info in chain[1:]:
+            self.infos.setdefault(k, info)
+        return chain[0][1]
+
+    def _write(
+        self,
+        path: str,
+        key: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        data: np.ndarray[Any, Any],
+        itemsize: int,
+        is_float: bool,
+    ) -> ObjectInfo:
+        if not is_float or data.nbytes < MIN_COMPRESS_BYTES or itemsize not in _UINT:
+            return self._put(key, RAW, itemsize, 0, data.nbytes, None, [data])
+        full: list[bytes] | None = None
+        delta: list[bytes] | None = None
+        prev = self._delta_base(path, key, dtype, shape)
+        if prev is not None:
+            assert self.history is not None
+            gain = self.history.min_gain
+            uint = _UINT[itemsize]
+            diff = np.subtract(data.view(uint), prev.base.view(uint))  # wraps, exactly invertible
+            delta = _compress(diff.view(np.uint8), itemsize)
+            delta_size = _size(delta)
+            # Compressing in full too would double the writer's work; the last
+            # full size of this path stands in for it when the delta clearly wins.
+            if prev.full_size is None or delta_size > gain * prev.full_size:
+                full = _compress(data, itemsize)
+                if delta_size > gain * _size(full):
+                    # Deltas of this tensor do not pay (an Adam moment, say): back off
+                    # exponentially, so trying costs at most a few extra compressions.
+                    delta = None
+                    prev.fails += 1
+                    prev.skip = min(2**prev.fails - 1, 15)
+                else:
+                    prev.fails = 0
+        if delta is not None and prev is not None:
+            self.stats.delta_objects += 1
+            return self._put(
+                key, DELTA_BLOSC, itemsize, prev.depth + 1, data.nbytes, prev.key, delta
+            )
+        if full is None:
+            full = _compress(data, itemsize)
+        if _size(full) >= data.nbytes:
+            return self._put(key, RAW, itemsize, 0, data.nbytes, None, [data])
+        return self._put(key, BLOSC, itemsize, 0, data.nbytes, None, full)
+
+    def _delta_base(
+        self, path: str, key: str, dtype: str, shape: tuple[int, ...]
+    ) -> _PathState | None:
+        """The previous version of ``path`` if a delta against it may be tried now."""
+        if self.history is None or not self.history.max_chain:
+            return None
+        prev = self.history._paths.get(path)
+        if prev is None or prev.dtype != dtype or prev.shape != shape or prev.key == key:
+            return None
+        if prev.depth >= self.history.max_chain:
+            return None
+        if prev.skip > 0:
+            prev.skip -= 1
+            return None
+        # The base must still be stored (and freshened for gc) when the delta lands.
+        info = self._reuse(prev.key)
+        if info is None:
+            return None
+        self.infos.setdefault(prev.key, info)
+        return prev
+
+    def _put(
+        self,
+        key: str,
+        codec: int,
+        itemsize: int,
+        depth: int,
+        raw_length: int,
+        base: str | None,
+        parts: Sequence[Any],
+    ) -> ObjectInfo:
+        head = _HEAD.pack(codec, itemsize % 256, depth, raw_length, bytes.fromhex(base or "0" * 32))
+        data = frame(key, head, *parts)
+        self.store.put(data)
+        self.stats.written_objects += 1
+        self.stats.written_bytes += len(data)
+        return ObjectInfo(size=len(data), codec=codec, depth=depth, base=base)
+
+    def _remember(
+        self, path: str, key: str, dtype: str, shape: tuple[int, ...], data: np.ndarray[Any, Any]
+    ) -> None:
+        assert self.history is not None
+        prev = self.history._paths.get(path)
+        info = self.infos[key]
+        if prev is not None and (prev.key == key or info.depth >= self.history.max_chain):
+            # Unchanged, or stored at the deepest depth allowed: the next version's
+            # delta is taken against the same base as this one was.
+            self._paths[path] = prev
+            return
+        if info.depth >= self.history.max_chain:
+            return  # (reused from another run) too deep to be a base
+        if prev is not None and prev.base.nbytes == data.nbytes:
+            np.copyto(prev.base, data)  # reuse its memory
+            base = prev.base
+        else:
+            base = data.copy()
+        full_size = prev.full_size if prev is not None else None
+        if info.codec == BLOSC:
+            full_size = info.size
+        fails, skip = (prev.fails, prev.skip) if prev is not None else (0, 0)
+        self._paths[path] = _PathState(key, dtype, shape, info.depth, base, full_size, fails, skip)
+
+    def finish(self, manifest_size: int, raw_blobs: dict[str, int], seconds: float) -> int:
+        """Account for the manifest and the raw blobs, update the history; the stored size.
+
+        raw_blobs: key -> size of the raw objects (long bytes, pickles) the
+        manifest references; they are counted as written.
+        """
+        stats = self.stats
+        raw = sum(raw_blobs.values())
+        stats.logical_bytes += manifest_size + raw
+        stats.objects = len(self.infos) + len(raw_blobs) + 1
+        stats.stored_bytes = manifest_size + raw + sum(i.size for i in self.infos.values())
+        stats.written_objects += 1 + len(raw_blobs)
+        stats.written_bytes += manifest_size + raw
+        stats.seconds = seconds
+        if self.history is not None:
+            self.history._paths = self._paths
+            self.history._known = dict(self.infos)
+            self.history.last = stats
+            self.history.total.add(stats)
+        return stats.stored_bytes
+
+
+def _compress(data: np.ndarray[Any, Any], itemsize: int) -> list[bytes]:
+    """``data`` in blosc2 chunks of at most :data:`SEGMENT_BYTES`, each after its length."""
+    blosc2 = _codec()
+    parts: list[bytes] = []
+    step = SEGMENT_BYTES - SEGMENT_BYTES % itemsize
+    for start in range(0, data.nbytes, step):
+        try:
+            chunk = blosc2.compress2(
+                data[start : start + step],
+                typesize=itemsize,
+                codec=blosc2.Codec.ZSTD,
+                clevel=CLEVEL,
+                filters=[blosc2.Filter.SHUFFLE],
+                # Each byte plane of a block is compressed on its own, and one
+                # that does not compress (low mantissa bytes) is stored as is,
+                # which decompresses at memcpy speed.
+                splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
+                blocksize=BLOCK_BYTES,
+                nthreads=1,  # the writer shares the cores with training
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise StoreError(f"blosc2 could not compress {data.nbytes} bytes: {exc}") from exc
+        parts += [_SEGMENT.pack(len(chunk)), chunk]
+    return parts
+
+
+def _size(parts: list[bytes]) -> int:
+    return sum(len(p) for p in parts)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_array(
+    store: ObjectStore, key: str, dtype: str, shape: Sequence[int], out: np.ndarray[Any, Any]
+) -> None:
+    """Fill ``out`` (a contiguous uint8 array of the right size) with array object ``key``.
+
+    Raises CorruptObjectError unless the result hashes to ``key``.
+    """
+    _read_into(store, key, out, depth_left=MAX_DEPTH)
+    if content_key(dtype, shape, out) != key:
+        raise _corrupt(
+            key,
+            f"its content, decoded as dtype {dtype} and shape {tuple(shape)}, does not hash to "
+            "its key (a damaged delta base, or a manifest that does not match the object)",
+        )
+
+
+def _read_into(store: ObjectStore, key: str, out: np.ndarray[Any, Any], depth_left: int) -> None:
+    if not is_framed_key(key):
+        raise _corrupt(key, "a checkpoint array must be a framed object")
+    payload = frame_payload(store.get(key))
+    if payload.nbytes < _HEAD.size:
+        raise _corrupt(key, f"its payload is cut short ({payload.nbytes} bytes)")
+    codec, itemsize, depth, raw_length, base = _HEAD.unpack_from(payload)
+    body = payload[_HEAD.size :]
+    if raw_length != out.nbytes:
+        raise _corrupt(key, f"it holds {raw_length} bytes where {out.nbytes} are expected")
+    if codec == RAW:
+        if body.nbytes != raw_length:
+            raise _corrupt(key, f"it holds {body.nbytes} raw bytes, its header says {raw_length}")
+        out[:] = np.frombuffer(body, dtype=np.uint8)
+    elif codec == BLOSC:
+        _decompress(key, body, out)
+    elif codec == DELTA_BLOSC and depth_left > 0 and depth > 0 and itemsize in _UINT:
+        if out.nbytes % itemsize:
+            raise _corrupt(key, f"its {out.nbytes} bytes are not whole {itemsize}-byte items")
+        _read_into(store, base.hex(), out, depth_left - 1)
+        delta = np.empty_like(out)
+        _decompress(key, body, delta)
+        uint = _UINT[itemsize]
+        np.add(out.view(uint), delta.view(uint), out=out.view(uint))
+    else:
+        raise _corrupt(key, f"its header names codec {codec} at depth {depth}")
+
+
+def _decompress(key: str, body: memoryview, out: np.ndarray[Any, Any]) -> None:
+    blosc2 = _codec()
+    filled = 0
+    pos = 0
+    try:
+        while pos < body.nbytes:
+            (length,) = _SEGMENT.unpack_from(body, pos)
+            pos += _SEGMENT.size
+            chunk = body[pos : pos + length]
+            pos += length
+            size = blosc2.get_cbuffer_sizes(chunk)[0]
+            if filled + size > out.nbytes or chunk.nbytes != length:
+                raise ValueError("a segment overruns the array")
+            if size:
+                # One thread per call: restores run calls in parallel, one per tensor.
+                blosc2.decompress2(chunk, dst=out[filled : filled + size], nthreads=1)
+            filled += size
+    except (RuntimeError, ValueError, struct.error) as exc:
+        raise _corrupt(key, f"its compressed data cannot be decompressed ({exc})") from exc
+    if filled != out.nbytes:
+        raise _corrupt(key, f"it decompresses to {filled} bytes, not {out.nbytes}")

@@ -1,0 +1,515 @@
+"""Compact checkpoint storage: compression, deltas, dedup across runs, corruption, format /1."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from retrolog.checkpoint import _arrays
+from retrolog.checkpoint._arrays import read_info
+from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
+from retrolog.checkpoint.codec import DeltaHistory, decode, encode, manifest_blobs
+from retrolog.checkpoint.state import Snapshot
+from retrolog.errors import CorruptObjectError, StoreError
+from retrolog.store.objects import LocalObjectStore
+
+from .test_checkpoint_codec import assert_same
+
+TORCH_FLOATS = {  # dtype -> the signed integer type of its width, for its bit patterns
+    "float16": (torch.float16, torch.int16),
+    "bfloat16": (torch.bfloat16, torch.int16),
+    "float32": (torch.float32, torch.int32),
+    "float64": (torch.float64, torch.int64),
+}
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalObjectStore:
+    return LocalObjectStore(tmp_path / "objects", durable=False)
+
+
+def files(store: LocalObjectStore) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in store.root.rglob("*") if p.is_file()}
+
+
+def weights(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * 0.05).to(dtype)
+
+
+def bit_patterns(rng: np.random.Generator, dtype: str, n: int) -> torch.Tensor:
+    """``n`` values of every kind: normal ones, arbitrary bit patterns (nan payloads,
+    subnormals, -nan) and the special values."""
+    tdtype, tint = TORCH_FLOATS[dtype]
+    values = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(tdtype)
+    bits = values.view(tint).numpy().copy()
+    info = np.iinfo(bits.dtype)
+    arbitrary = rng.integers(info.min, info.max, n, dtype=bits.dtype, endpoint=True)
+    special = torch.tensor(SPECIAL, dtype=tdtype).view(tint).numpy()
+    kind = rng.random(n)
+    bits = np.where(kind < 0.2, arbitrary, bits)
+    bits = np.where(kind > 0.95, special[rng.integers(0, len(special), n)], bits)
+    return torch.from_numpy(bits).view(tdtype)
+
+
+def step(rng: np.random.Generator, t: torch.Tensor, how: str) -> torch.Tensor:
+    """The next version of ``t`` in a made-up run."""
+    if how == "same":
+        return t.clone()
+    if how == "random":
+        return bit_patterns(rng, str(t.dtype).removeprefix("torch."), t.numel()).reshape(t.shape)
+    noise = torch.from_numpy(rng.standard_normal(t.numel()).astype(np.float32) * 1e-3)
+    return (t.float() + noise.reshape(t.shape)).to(t.dtype)  # nan and inf stay as they are
+
+
+def layout(t: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "transposed" and t.dim() == 2:
+        return t.t()
+    if how == "strided":
+        return t.reshape(-1)[::2]
+    return t
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(sorted(TORCH_FLOATS)),
+    n=st.sampled_from([0, 1, 7, 300, 1025, 2048, 6000]),
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.lists(st.sampled_from(["same", "small", "random"]), min_size=1, max_size=7),
+    how=st.sampled_from(["contiguous", "transposed", "strided"]),
+    max_chain=st.sampled_from([0, 1, 2, 4]),
+    history=st.booleans(),
+)
+def test_tensor_versions_round_trip_exactly(
+    tmp_path_factory: pytest.TempPathFactory,
+    dtype: str,
+    n: int,
+    seed: int,
+    steps: list[str],
+    how: str,
+    max_chain: int,
+    history: bool,
+) -> None:
+    """Every version of a tensor decodes to its exact bits, through deltas and chains."""
+    store = LocalObjectStore(tmp_path_factory.mktemp("objects"), durable=False)
+    rng = np.random.default_rng(seed)
+    # min_gain=1 takes a delta whenever it is not larger: chains get long quickly.
+    hist = DeltaHistory(max_chain=max_chain, min_gain=1.0) if history else None
+    t = bit_patterns(rng, dtype, n).reshape(2, -1) if n % 2 == 0 else bit_patterns(rng, dtype, n)
+    written = []
+    for how_next in ["same", *steps]:
+        t = step(rng, t, how_next)
+        value = {"w": layout(t, how), "copy": t.clone(), "n": 3}
+        key, _ = encode(Snapshot(objects={"model": value}, rng={}), store, history=hist)
+        fresh = layout(t, how).clone(memory_format=torch.contiguous_format)
+        written.append((key, {"w": fresh, "copy": t.clone(), "n": 3}))
+    for key, expected in written:
+        assert_same(decode(key, store).objects["model"], expected)
+    for key, _ in written:
+        for blob in manifest_blobs(key, store):
+            info = read_info(store, blob)
+            assert info is None or info.depth <= max_chain
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(["<f2", "<f4", "<f8", ">f4", "<i4", "|u1", "|b1", "<c16"]),
+    shape=st.sampled_from([(0,), (5,), (40, 30), (600, 7), (3, 0, 2), ()]),
+    order=st.sampled_from(["C", "F", "strided"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_arrays_round_trip_exactly(
+    tmp_path_factory: pytest.TempPathFactory,
+    dtype: str,
+    shape: tuple[int, ...],
+    order: str,
+    seed: int,
+) -> None:
+    store = LocalObjectStore(tmp_path_factory.mktemp("objects"), durable=False)
+    rng = np.random.default_rng(seed)
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    arr = np.frombuffer(rng.bytes(size), dtype=dtype).reshape(shape)  # every bit pattern
+    if order == "F":
+        arr = np.asfortranarray(arr)
+    elif order == "strided" and arr.ndim >= 1:
+        arr = np.repeat(arr, 2, axis=0)[::2]
+    else:
+        arr = arr.copy()
+    hist = DeltaHistory(min_gain=1.0)
+    changed = arr.copy()
+    changed.reshape(-1).view(np.uint8)[::7] ^= 1  # a next version close to this one
+    for version in (arr, arr.copy(), changed, changed):
+        key, _ = encode(Snapshot(objects={"a": [version]}, rng={}), store, history=hist)
+        out = decode(key, store).objects["a"][0]
+        assert out.dtype == version.dtype and out.shape == version.shape
+        assert out.tobytes() == version.tobytes()
+        if version.flags.f_contiguous and not version.flags.c_contiguous:
+            assert out.flags.f_contiguous
+
+
+def test_state_dicts_of_every_kind_round_trip(store: LocalObjectStore) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    state = net.state_dict()
+    assert hasattr(state, "_metadata")
+    value = {
+        "model": state,
+        "optimizer": opt.state_dict(),
+        "nested": OrderedDict([("t", (torch.arange(2000), [np.ones((40, 40), order="F")]))]),
+        "pickled": {1, 2, 3},
+        "big_bytes": os.urandom(5000),
+    }
+    hist = DeltaHistory()
+    for _ in range(3):
+        key, _ = encode(Snapshot(objects=value, rng={}), store, history=hist)
+        assert_same(decode(key, store).objects, value)
+
+
+def test_float_tensors_are_compressed_and_others_stored_as_they_come(
+    store: LocalObjectStore,
+) -> None:
+    w = weights(100_000)  # 400 kB of float32 "weights": only the exponents compress
+    ints = torch.randint(0, 2**31 - 1, (100_000,), dtype=torch.int32)
+    key, nbytes = encode(Snapshot(objects={"w": w, "i": ints}, rng={}), store)
+    infos = {b: read_info(store, b) for b in manifest_blobs(key, store)}
+    by_codec = {_arrays.CODEC_NAMES[i.codec]: i.size for i in infos.values() if i}
+    assert by_codec["blosc2 shuffle+zstd"] < 0.9 * 400_000
+    assert by_codec["raw"] == 400_000 + _arrays.HEADER_SIZE
+    assert nbytes == sum(files(store).values())
+
+
+# ------------------------------------------------------------------ deltas
+
+
+def training_run(store: LocalObjectStore, hist: DeltaHistory | None, epochs: int) -> list[str]:
+    """Checkpoints of a tensor that moves a little each epoch, and of a frozen one."""
+    w = weights(50_000, seed=1)
+    frozen = weights(50_000, seed=2)
+    keys = []
+    for epoch in range(epochs):
+        w = w + weights(50_000, seed=100 + epoch) * 1e-3
+        snap = Snapshot(objects={"model": {"w": w, "frozen": frozen}}, rng={})
+        keys.append(encode(snap, store, history=hist)[0])
+    return keys
+
+
+@pytest.mark.parametrize("max_chain", [1, 2])
+def test_deltas_shrink_a_run_and_chains_are_capped(tmp_path: Path, max_chain: int) -> None:
+    full = LocalObjectStore(tmp_path / "full", durable=False)
+    training_run(full, None, 7)
+    store = LocalObjectStore(tmp_path / "delta", durable=False)
+    hist = DeltaHistory(max_chain=max_chain)
+    keys = training_run(store, hist, 7)
+    assert sum(files(store).values()) < 0.85 * sum(files(full).values())
+    stats = hist.total
+    assert stats.delta_objects == 6  # every epoch after the first
+    assert stats.reused_objects == 6  # the frozen tensor after the first checkpoint
+    assert stats.written_bytes == sum(files(store).values())
+    infos = {b: read_info(store, b) for k in keys for b in manifest_blobs(k, store)}
+    assert max(i.depth for i in infos.values() if i) == max_chain
+    if max_chain == 1:
+        # Every delta is against the same full version (a keyframe): restores decode two.
+        (keyframe,) = {i.base for i in infos.values() if i and i.base}
+        assert infos[keyframe].depth == 0  # type: ignore[union-attr]
+
+
+def test_manifest_blobs_includes_delta_bases(store: LocalObjectStore) -> None:
+    hist = DeltaHistory(max_chain=4, min_gain=1.0)
+    keys = training_run(store, hist, 4)
+    last = keys[-1]
+    needed = manifest_blobs(last, store)
+    # Only the frozen tensor and the newest w are named in the manifest; three bases are not.
+    assert len(needed) == 2 + 3
+    # Deleting everything else (what gc would do) leaves the checkpoint restorable.
+    for path in files(store):
+        key = path.parent.name + path.name
+        if key not in needed and key != last:
+            path.unlink()
+    assert decode(last, store).objects["model"]["w"].shape == (50_000,)
+    # An object missing from the chain makes the dependencies unknowable: say so.
+    store.delete(sorted(needed, key=lambda k: read_info(store, k).depth)[0])  # type: ignore[union-attr]
+    with pytest.raises(StoreError, match="cannot be known"):
+        manifest_blobs(last, store)
+
+
+def test_nbytes_counts_the_delta_base(store: LocalObjectStore) -> None:
+    hist = DeltaHistory(min_gain=1.0)
+    w = weights(50_000)
+    encode(Snapshot(objects={"w": w}, rng={}), store, history=hist)
+    key, nbytes = encode(Snapshot(objects={"w": w + 1e-4}, rng={}), store, history=hist)
+    assert hist.last is not None and hist.last.delta_objects == 1
+    needed = manifest_blobs(key, store)
+    assert len(needed) == 2  # the delta and its base
+    assert (
+        nbytes
+        == hist.last.stored_bytes
+        == sum(store.path(k).stat().st_size for k in needed | {key})
+    )
+
+
+def test_deltas_that_do_not_pay_are_tried_less_and_less(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    original = _arrays._compress
+
+    def counting(data: Any, itemsize: int) -> Any:
+        calls.append(data.nbytes)
+        return original(data, itemsize)
+
+    monkeypatch.setattr(_arrays, "_compress", counting)
+    hist = DeltaHistory()
+    rng = np.random.default_rng(0)
+    for _ in range(12):  # a tensor that changes completely, like an Adam moment
+        noise = torch.from_numpy(rng.standard_normal(20_000).astype(np.float32))
+        encode(Snapshot(objects={"m": noise}, rng={}), store, history=hist)
+    assert hist.total.delta_objects == 0
+    # One compression per checkpoint for the full object, plus the delta attempts:
+    # at checkpoints 2, 4 and 8, each failure doubling the wait (1, 3, 7).
+    assert len(calls) == 12 + 3
+
+
+def test_a_delta_whose_base_was_deleted_is_rewritten(store: LocalObjectStore) -> None:
+    hist = DeltaHistory(min_gain=1.0)
+    keys = training_run(store, hist, 2)
+    (delta,) = [b for b in manifest_blobs(keys[1], store) if read_info(store, b).depth == 1]  # type: ignore[union-attr]
+    base = read_info(store, delta).base  # type: ignore[union-attr]
+    assert base is not None
+    store.delete(base)
+    # A new run (no history) meets the same tensor: it must not reuse the broken object.
+    w = weights(50_000, seed=1) + weights(50_000, seed=100) * 1e-3
+    w = w + weights(50_000, seed=101) * 1e-3
+    new = encode(Snapshot(objects={"w": w}, rng={}), store)[0]
+    assert read_info(store, delta).depth == 0  # type: ignore[union-attr]
+    assert torch.equal(decode(new, store).objects["w"], w)
+
+
+def test_the_history_keeps_its_own_copy_of_the_base(store: LocalObjectStore) -> None:
+    """Snapshot buffers are reused by later snapshots; deltas must not read them."""
+    hist = DeltaHistory(min_gain=1.0)
+    buffer = weights(20_000)
+    first = buffer.clone()
+    k1 = encode(Snapshot(objects={"w": buffer}, rng={}), store, history=hist)[0]
+    buffer.add_(1e-3)  # the checkpointer reuses the memory for the next snapshot
+    second = buffer.clone()
+    k2 = encode(Snapshot(objects={"w": buffer}, rng={}), store, history=hist)[0]
+    assert hist.last is not None and hist.last.delta_objects == 1
+    assert torch.equal(decode(k1, store).objects["w"], first)
+    assert torch.equal(decode(k2, store).objects["w"], second)
+
+
+# ------------------------------------------------------------------ dedup
+
+
+def test_unchanged_tensors_are_written_once_across_runs(tmp_path: Path) -> None:
+    root = tmp_path / "objects"
+    backbone = {f"layer{i}": weights(30_000, seed=i) for i in range(4)}
+    sizes = []
+    for run in range(2):
+        store = LocalObjectStore(root, durable=False)  # each run opens the store itself
+        history = DeltaHistory()  # and has its own history
+        for epoch in range(3):
+            head = {"head": weights(2_000, seed=1000 * run + epoch)}
+            snap = Snapshot(objects={"backbone": backbone, "head": head}, rng={})
+            encode(snap, store, history=history)
+        sizes.append(history.total)
+    first, second = sizes
+    backbone_objects = 4
+    assert first.written_objects == backbone_objects + 3 * 2  # + a head and a manifest each
+    assert second.written_objects == 3 * 2  # the backbone was already stored
+    assert second.reused_objects == 3 * backbone_objects
+    assert second.written_bytes < 0.1 * first.written_bytes
+    tensor_files = [p for p in files(LocalObjectStore(root)) if len(p.parent.name + p.name) == 32]
+    assert len(tensor_files) == backbone_objects + 6
+
+
+def test_reusing_an_object_freshens_it_and_its_bases(store: LocalObjectStore) -> None:
+    """gc keeps objects written after a running run started; reuse counts as a write."""
+    hist = DeltaHistory(min_gain=1.0)
+    keys = training_run(store, hist, 2)
+    old = time.time() - 10 * 24 * 3600
+    for path in files(store):
+        os.utime(path, (old, old))
+    snap = decode(keys[1], store)
+    encode(snap, store)  # another run with the same state: everything is reused
+    for blob in manifest_blobs(keys[1], store):
+        assert store.path(blob).stat().st_mtime > old + 3600
+
+
+# ------------------------------------------------------------------ corruption
+
+
+def big_checkpoint(store: LocalObjectStore) -> tuple[str, str]:
+    key, _ = encode(Snapshot(objects={"w": weights(20_000)}, rng={}), store)
+    (blob,) = manifest_blobs(key, store)
+    return key, blob
+
+
+@pytest.mark.parametrize("damage", ["flip payload", "flip header", "truncate", "append"])
+def test_a_damaged_object_is_named(store: LocalObjectStore, damage: str) -> None:
+    key, blob = big_checkpoint(store)
+    path = store.path(blob)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip payload":
+        raw[len(raw) // 2] ^= 0x10
+    elif damage == "flip header":
+        raw[12] ^= 0x01  # inside the key the header carries
+    elif damage == "truncate":
+        del raw[len(raw) // 2 :]
+    else:
+        raw += b"\0"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptObjectError, match=blob) as info:
+        decode(key, store)
+    assert info.value.key == blob
+    assert "replay has to execute" in str(info.value)
+
+
+def test_an_object_under_the_wrong_key_is_caught_by_its_content_hash(
+    store: LocalObjectStore,
+) -> None:
+    key_a, blob_a = big_checkpoint(store)
+    key_b, _ = encode(Snapshot(objects={"w": weights(20_000, seed=5)}, rng={}), store)
+    (blob_b,) = manifest_blobs(key_b, store)
+    # Re-frame b's payload under a's key: a valid frame whose content is not a's.
+    payload = bytes(store.get(blob_b))[48:]
+    from retrolog.store.objects import frame
+
+    store.delete(blob_a)
+    store.put(frame(blob_a, payload))
+    with pytest.raises(CorruptObjectError, match="does not hash to its key") as info:
+        decode(key_a, store)
+    assert info.value.key == blob_a
+
+
+def test_a_damaged_delta_base_fails_the_delta(store: LocalObjectStore) -> None:
+    keys = training_run(store, DeltaHistory(min_gain=1.0), 2)
+    needed = manifest_blobs(keys[1], store)
+    infos = {b: read_info(store, b) for b in needed}
+    (delta,) = [b for b, i in infos.items() if i is not None and i.depth == 1]
+    base = infos[delta].base  # type: ignore[union-attr]
+    assert base is not None
+    path = store.path(base)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptObjectError) as info:
+        decode(keys[1], store)
+    assert info.value.key == base
+
+
+# ------------------------------------------------------------------ format /1
+
+
+def test_format_1_manifests_still_decode(store: LocalObjectStore) -> None:
+    """A checkpoint as retrolog 0.1 wrote it: raw sha256 objects and a /1 manifest."""
+    w = weights(3000)
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4)
+    w_blob = store.put(w.numpy().tobytes())
+    a_blob = store.put(np.asfortranarray(arr).tobytes(order="F"))
+    p_blob = store.put(pickle.dumps({1, 2}))
+    assert w_blob == hashlib.sha256(w.numpy().tobytes()).hexdigest()
+    doc = {
+        "format": "retrolog.snapshot/1",
+        "objects": {"$": "dict", "items": [["model", {"$": "odict", "items": [
+            ["w", {"$": "tensor", "dtype": "float32", "shape": [3000], "device": "cpu",
+                   "blob": w_blob}],
+            ["a", {"$": "ndarray", "dtype": "<f8", "shape": [3, 4], "order": "F",
+                   "blob": a_blob}],
+            ["s", {"$": "pickle", "blob": p_blob}],
+            ["b", {"$": "bytes", "b64": base64.b64encode(b"hi").decode()}],
+        ], "metadata": {"$": "dict", "items": [["", {"$": "dict", "items": [["version", 1]]}]]}}]]},
+        "rng": {"$": "dict", "items": []},
+    }  # fmt: skip
+    key = store.put(json.dumps(doc).encode())
+    out = decode(key, store).objects["model"]
+    assert torch.equal(out["w"], w)
+    assert np.array_equal(out["a"], arr) and out["a"].flags.f_contiguous
+    assert out["s"] == {1, 2} and out["b"] == b"hi"
+    assert out._metadata == {"": {"version": 1}}
+    assert manifest_blobs(key, store) == {w_blob, a_blob, p_blob}
+    # A damaged /1 object is still named.
+    store.path(w_blob).write_bytes(b"\0" * 12000)
+    with pytest.raises(CorruptObjectError) as info:
+        decode(key, store)
+    assert info.value.key == w_blob
+
+
+# ------------------------------------------------------------------ background writer
+
+
+def test_the_codec_releases_the_gil(store: LocalObjectStore) -> None:
+    """The writer thread must not stall training: a thread keeps running meanwhile."""
+    big = {f"t{i}": weights(1_000_000, seed=i) for i in range(4)}  # 16 MB of floats
+    encode(Snapshot(objects={"warm": weights(5000)}, rng={}), store)  # imports blosc2
+    counts = []
+
+    def encode_and_time() -> None:
+        started = time.perf_counter()
+        encode(Snapshot(objects=big, rng={}), store, history=DeltaHistory())
+        counts.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=encode_and_time)
+    ticks = 0
+    thread.start()
+    while thread.is_alive():
+        ticks += 1
+        time.sleep(0.001)
+    thread.join()
+    # With the GIL held for the whole encode, the loop could not tick during it.
+    assert ticks > counts[0] * 1000 * 0.2
+
+
+def test_checkpointer_records_the_stored_size(store: LocalObjectStore) -> None:
+    records: list[CheckpointRecord] = []
+    with SynchronousCheckpointer(store, records.append) as ckpt:
+        for _ in range(2):
+            ckpt.capture(ctx_id=0, loop_name="e", kind="block", objects={"w": weights(50_000)})
+    manifest_sizes = [store.path(r.manifest).stat().st_size for r in records]
+    shared = manifest_blobs(records[0].manifest, store)
+    assert shared == manifest_blobs(records[1].manifest, store)  # same tensor: same object
+    assert records[1].nbytes == manifest_sizes[1] + sum(
+        store.path(b).stat().st_size for b in shared
+    )
+    # The RNG states did not change either: only the manifest is new.
+    assert ckpt.history.last is not None and ckpt.history.last.written_objects == 1
+
+
+def test_loading_the_codec_leaves_the_random_state_alone() -> None:
+    """blosc2's import draws from python's global generator; the script's draws must not move."""
+    code = (
+        "import random\n"
+        "random.seed(7)\n"
+        "from retrolog.checkpoint.codec import DeltaHistory\n"
+        "DeltaHistory()\n"
+        "print(random.random())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    random.seed(7)
+    assert float(out) == random.random()
