@@ -13,7 +13,7 @@ thread over a forked child or a worker process was made from measurements
        only work here)     max_in_flight)
 
 The thread works because what it spends its time on releases the GIL:
-hashlib's sha256 on buffers over 2 KiB and the file writes in
+hashing (xxhash), compressing (blosc2) and the file writes in
 :class:`~retrolog.store.objects.LocalObjectStore`. Memory is bounded: at most
 ``max_in_flight`` snapshots are held (queued or being written); when a block
 ends while all are taken, ``when_full`` decides, explicitly and with a
@@ -23,7 +23,7 @@ adaptive rule can account for it).
 
 Visibility: the sink is called only after :func:`~retrolog.checkpoint.codec.encode`
 returned, and encode puts the manifest after every blob it references, each
-object being written to a temp file and renamed into place under its sha256.
+object being written to a temp file and renamed into place under its key.
 So a checkpoint row never points at a missing or partial object, and a crash
 mid-write leaves at most unreferenced objects for garbage collection, never a
 checkpoint replay could pick.
