@@ -12,7 +12,8 @@ after the nested loop in every epoch (code a replay cannot skip).
   hindsight statements into two different files;
 - NEWEST: today's code, V2 plus two hindsight statements: ``w_norm`` (weight norm,
   in the epoch loop after the nested loop: an outer-loop probe) and ``grad_norm``
-  (gradient norm in the step loop: an inner-loop probe);
+  (gradient norm in the step loop: an inner-loop probe); NEWEST_WITH_SUFFIX adds
+  ``final_norm`` after the loop (a suffix probe);
 - ``flordb_source(text)``: the same script written against FlorDB 4.0.1's API
   (``flor.arg``, ``flor.checkpointing``, ``flor.loop``, ``flor.log``), line for
   line, so both libraries run the same computation.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 OUTER_NAME = "w_norm"
 INNER_NAME = "grad_norm"
+SUFFIX_NAME = "final_norm"  # after the loop (a suffix probe: bench/replay_breakdown.py)
 
 # (code version, --kwargs) of the recorded runs, in recording order: 3 runs, 2 versions.
 RUNS: list[tuple[str, dict[str, str]]] = [
@@ -103,6 +105,13 @@ NEWEST = V2.replace(
     "torch.cat([p.detach().flatten() for p in net.parameters()]).norm().item())\n",
 )
 
+# Today's code with a suffix statement as well (bench/replay_breakdown.py only: the
+# FlorDB comparison keeps NEWEST).
+NEWEST_WITH_SUFFIX = NEWEST.replace(
+    'print("done")\n',
+    f'rl.log("{SUFFIX_NAME}", net[0].weight.norm().item())\nprint("done")\n',
+)
+
 VERSIONS = {"v1": V1, "v2": V2}
 
 
@@ -121,6 +130,8 @@ def check_sources() -> None:
     for name in (OUTER_NAME, INNER_NAME):
         if f'rl.log("{name}"' not in NEWEST:
             raise AssertionError(f"NEWEST lacks the {name} statement")
+    if f'rl.log("{SUFFIX_NAME}"' not in NEWEST_WITH_SUFFIX:
+        raise AssertionError(f"NEWEST_WITH_SUFFIX lacks the {SUFFIX_NAME} statement")
     if "train_loader" not in V2 or "hidden" not in V2:
         raise AssertionError("V2 lacks its edits")
     if "rl." in flordb_source(NEWEST):

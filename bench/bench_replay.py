@@ -2,7 +2,7 @@
 
 Run from the repository root with the project's venv (retrolog and torch installed):
 
-    python bench/bench_replay.py               # about 20 minutes on a 2-core machine
+    python bench/bench_replay.py               # about 25 minutes on a 2-core machine
     python bench/bench_replay.py --reps 5 --epochs 8 --no-flordb
 
 The workload (bench/_replay_workload.py) is a real PyTorch CPU training script
@@ -17,7 +17,9 @@ step and ``acc`` per epoch. Each repetition, in a fresh temporary git project:
    ``grad_norm``) and keep a copy of the recorded store;
 2. retrain: run today's script fresh for each run's ``--kwargs``, one after the
    other, each into a scratch store (``RETROLOG_STORE``). Its wall time is the
-   baseline, its values the reference;
+   baseline, its values the reference. Each run is retrained a second time, and
+   the two executions' wall time, prefix and outer loop are compared: the noise
+   floor of this machine, which no estimate made from one execution can beat;
 3. replay, each time from a fresh copy of the recorded store: (a) ``retrolog
    replay w_norm --yes`` with 1 and with 2 workers; (b) ``retrolog replay
    grad_norm --yes`` with 1 and with 2 workers. Wall time of the command, as the
@@ -295,8 +297,10 @@ def retrolog_rep(
         recorded_store = work / "recorded-store"
         shutil.copytree(project / ".retrolog", recorded_store)
 
-        # Retraining from scratch: today's script, fresh, each run's arguments.
+        # Retraining from scratch: today's script, fresh, each run's arguments; twice, for
+        # the run-to-run spread of the same execution on this machine (the noise floor).
         retrain: list[Timing] = []
+        noise: list[dict[str, float]] = []
         reference: dict[str, list[Values]] = {}
         names = ("loss", "acc", workload.OUTER_NAME, workload.INNER_NAME)
         for index, (_, kwargs) in enumerate(workload.RUNS):
@@ -304,6 +308,15 @@ def retrolog_rep(
             cmd = [str(python), "train.py", *run_kwargs(kwargs, epochs, n_train)]
             fresh_env = {**env, "RETROLOG_STORE": str(store)}
             retrain.append(timed(cmd, project, fresh_env, logs / f"fresh-{index}.log"))
+            again = work / f"fresh-{index}-again"
+            again_env = {**env, "RETROLOG_STORE": str(again)}
+            repeat = timed(cmd, project, again_env, logs / f"fresh-{index}-again.log")
+            noise.append(
+                spread(
+                    (retrain[-1].seconds, phase_totals(store / "retrolog.db")),
+                    (repeat.seconds, phase_totals(again / "retrolog.db")),
+                )
+            )
             for name in names:
                 got = values(store / "retrolog.db", name, "recorded")
                 if len(got) != 1:
@@ -342,6 +355,7 @@ def retrolog_rep(
         return {
             "record_seconds": record_seconds,
             "retrain_seconds": [t.seconds for t in retrain],
+            "noise": noise,
             "retrain_cpu_seconds": [t.cpu_seconds for t in retrain],
             "replays": replays,
             "workload": workload_facts,
@@ -355,6 +369,29 @@ def retrolog_rep(
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def phase_totals(db: Path) -> dict[str, float]:
+    """A one-run store's profile: prefix, the top-level iterations summed, suffix."""
+    totals = {"prefix": 0.0, "loop": 0.0, "suffix": 0.0}
+    for phase, seconds in read_rows(db, "SELECT phase, seconds FROM profile"):
+        key = "loop" if phase == "iteration" else phase
+        if key in totals:
+            totals[key] += seconds
+    return totals
+
+
+def spread(
+    first: tuple[float, dict[str, float]], second: tuple[float, dict[str, float]]
+) -> dict[str, float]:
+    """How far a second execution of the same run landed from the first, in percent."""
+    (wall_a, a), (wall_b, b) = first, second
+    return {
+        "wall_pct": (wall_b - wall_a) / wall_a * 100,
+        "prefix_pct": (b["prefix"] - a["prefix"]) / a["prefix"] * 100,
+        "prefix_seconds": b["prefix"] - a["prefix"],
+        "loop_pct": (b["loop"] - a["loop"]) / a["loop"] * 100,
+    }
 
 
 def describe_recording(db: Path, runs: list[str]) -> dict[str, Any]:
@@ -647,6 +684,19 @@ def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
             [run["prefix_seconds"] for r in reps for run in r["workload"]["runs"]]
         ),
     }
+    noise = [n for r in reps for n in r["noise"]]
+    out["noise_floor"] = {
+        "what": "a second fresh execution of the same run (same code, same arguments) against "
+        "the first: the spread any estimate from one execution faces",
+        **{
+            key: {
+                "median_abs": statistics.median(abs(n[key]) for n in noise),
+                "worst": max((n[key] for n in noise), key=abs),
+                "samples": [n[key] for n in noise],
+            }
+            for key in ("wall_pct", "prefix_pct", "prefix_seconds", "loop_pct")
+        },
+    }
     for probe in ("outer", "inner"):
         block: dict[str, Any] = {}
         for workers in WORKER_COUNTS:
@@ -930,6 +980,15 @@ def print_report(result: dict[str, Any]) -> None:
                 f"(c) estimate error per run, {probe} w={workers}: median |error| "
                 f"{err['median_abs']:.1f}%, worst {err['worst']:+.1f}%"
             )
+    floor = result["noise_floor"]
+    print(
+        "(c) noise floor, the same run executed twice: median |difference| "
+        f"{floor['wall_pct']['median_abs']:.1f}% of its wall time (worst "
+        f"{floor['wall_pct']['worst']:+.1f}%), prefix {floor['prefix_pct']['median_abs']:.1f}% "
+        f"({floor['prefix_seconds']['median_abs']:.2f}s, worst "
+        f"{floor['prefix_seconds']['worst']:+.2f}s), outer loop "
+        f"{floor['loop_pct']['median_abs']:.1f}% (worst {floor['loop_pct']['worst']:+.1f}%)"
+    )
     c = result["checks"]
     print(
         f"checks: {c['outer_values']['exact']}/{c['outer_values']['expected']} outer and "

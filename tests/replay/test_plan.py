@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -16,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrolog._replay.plan import (
+    INTRA_OP_PARALLEL_FRACTION,
     ReplayPlan,
     RunProfile,
     ScanLevel,
     Segment,
+    WorkerCosts,
     format_estimate_vs_actual,
     format_plan,
     load_profiles,
@@ -195,6 +198,90 @@ def test_restore_from_measured_throughput_and_when_slower_than_the_block() -> No
     assert run.segments[0].restore == ()  # 10 s to restore, 8 s to run: run it
     assert run.estimate_seconds == 3.0 + 2 * 9.5 + 1.0
     assert any("take longer to restore" in n for n in run.notes)
+
+
+def test_worker_start_up_is_the_prefix_without_recording_set_up_plus_its_exit() -> None:
+    # Recording spent 0.5 s of its 3 s prefix capturing the code and registering the run;
+    # a worker does not, but it takes 0.25 s to leave, and 0.75 s more to finalize the
+    # interpreter when it runs the script to its end.
+    profile = dataclasses.replace(make_profile(**GAPPY), setup_seconds=0.5)  # type: ignore[arg-type]
+    worker = WorkerCosts(exit_seconds=0.25, teardown_seconds=0.75)
+    expected = {
+        ScanLevel.PREFIX: 2.5 + 0.25,
+        ScanLevel.SUFFIX: 2.5 + 1.0 + 1.0 + 0.25 + 0.75,
+        ScanLevel.OUTER_LOOP: 2.5 + 16.0 + 1.0 + 0.25 + 0.75,
+        ScanLevel.INNER_LOOP: 2.5 + 38.5 + 1.0 + 0.25 + 0.75,
+    }
+    for level, seconds in expected.items():
+        assert plan_replay(level, [profile], 1, worker=worker).estimate_seconds == seconds, level
+    # Stopping at the loop's end is an os._exit: the exit, no suffix and no teardown.
+    stops = plan_replay(ScanLevel.OUTER_LOOP, [profile], 1, worker=worker, run_suffix=False)
+    assert stops.estimate_seconds == 2.5 + 16.0 + 0.25
+    # Every segment of a split run pays its own start-up and exit.
+    split = plan_replay(ScanLevel.INNER_LOOP, [profile], 2, worker=worker, run_suffix=False)
+    segments = split.runs[0].segments
+    assert len(segments) == 2
+    bare = plan_replay(ScanLevel.INNER_LOOP, [profile], 2, run_suffix=False).runs[0].segments
+    assert [s.estimate_seconds for s in segments] == [b.estimate_seconds + 0.25 for b in bare]
+
+
+def test_start_up_pools_the_imports_over_the_runs_of_a_script() -> None:
+    # Each run's prefix is its imports (one noisy sample of the same work) plus 3 s of
+    # its own (data loading after the first retrolog call, which may depend on its args).
+    def run(run_id: str, imports: float, filename: str = "train.py") -> RunProfile:
+        return dataclasses.replace(
+            make_profile(run_id=run_id, prefix=imports + 3.0),
+            imports_seconds=imports,
+            filename=filename,
+        )
+
+    three = [run("a", 1.0), run("b", 2.0), run("c", 6.0)]
+    plan = plan_replay(ScanLevel.PREFIX, three, 1)
+    assert [r.estimate_seconds for r in plan.runs] == [5.0, 5.0, 5.0]  # median 2 + own 3
+    assert any("median over 3 runs (2.0s)" in n for n in plan.notes)
+    # Runs of another script are pooled apart; fewer than 3 runs keep their own sample.
+    other = [run("x", 8.0, "eval.py"), run("y", 0.5, "eval.py")]
+    plan = plan_replay(ScanLevel.PREFIX, [*three, *other], 1)
+    assert [r.estimate_seconds for r in plan.runs] == [5.0, 5.0, 5.0, 11.0, 3.5]
+    # A profile without the split (a crashed run's guessed prefix) keeps its prefix.
+    unsplit = dataclasses.replace(run("d", 4.0), imports_seconds=None)
+    plan = plan_replay(ScanLevel.PREFIX, [*three, unsplit], 1)
+    assert plan.runs[-1].estimate_seconds == 7.0
+
+
+def test_fewer_threads_than_recorded_slow_the_compute_by_amdahl() -> None:
+    profile = dataclasses.replace(make_profile(**GAPPY), threads=4)  # type: ignore[arg-type]
+    bare = plan_replay(ScanLevel.INNER_LOOP, [profile], 1).estimate_seconds
+    assert bare == 3.0 + 38.5 + 1.0
+    # 4 workers on 4 cores get 1 thread each: compute (iterations, suffix) slows by
+    # speedup(4) / speedup(1); the start-up is taken as single-threaded.
+    p = INTRA_OP_PARALLEL_FRACTION
+    slower = 1 / ((1 - p) + p / 4)
+    one_each = WorkerCosts(threads=1, cores=4)
+    (run,) = plan_replay(ScanLevel.INNER_LOOP, [profile], 4, worker=one_each).runs
+    assert sum(s.estimate_seconds for s in run.segments) > bare
+    whole = plan_replay(ScanLevel.INNER_LOOP, [profile], 1, worker=WorkerCosts(threads=1, cores=4))
+    assert whole.estimate_seconds == pytest.approx(3.0 + (38.5 + 1.0) * slower)
+    # As many threads as recorded, or a script that set fewer itself: no change.
+    same = WorkerCosts(threads=4, cores=4)
+    assert plan_replay(ScanLevel.INNER_LOOP, [profile], 1, worker=same).estimate_seconds == bare
+    own = dataclasses.replace(profile, threads=1)
+    assert plan_replay(ScanLevel.INNER_LOOP, [own], 1, worker=one_each).estimate_seconds == bare
+    # Unknown record-time threads: nothing to scale by.
+    unknown = dataclasses.replace(profile, threads=None)
+    assert plan_replay(ScanLevel.INNER_LOOP, [unknown], 1, worker=one_each).estimate_seconds == bare
+
+
+def test_more_threads_than_cores_slow_every_worker() -> None:
+    profile = make_profile(**GAPPY)  # type: ignore[arg-type]
+    bare = plan_replay(ScanLevel.OUTER_LOOP, [profile], 1).estimate_seconds
+    # 4 workers of 1 thread on 2 cores: each runs at half speed, start-up included.
+    crowded = WorkerCosts(threads=1, cores=2)
+    assert plan_replay(ScanLevel.OUTER_LOOP, [profile], 4, worker=crowded).estimate_seconds == (
+        2 * bare
+    )
+    fits = WorkerCosts(threads=1, cores=4)
+    assert plan_replay(ScanLevel.OUTER_LOOP, [profile], 4, worker=fits).estimate_seconds == bare
 
 
 def test_inner_loop_two_workers_exact_split() -> None:
@@ -498,6 +585,37 @@ def test_load_profiles_from_the_store(db: sqlite3.Connection) -> None:
     assert plan.runs[0].segments[0].restore == (0, 2)
     suffix = plan_replay(ScanLevel.SUFFIX, [p], 1)
     assert suffix.estimate_seconds == 2.5 + 0.5 + 1.0
+
+
+def test_background_checkpoints_cost_the_training_thread_their_snapshot_only(
+    db: sqlite3.Connection,
+) -> None:
+    insert_run(db, "bg")
+    insert_epochs(db, "bg", 3, checkpointed={0, 1, 2})
+    # Epochs 1 and 2 were checkpointed in the background: 0.125 s snapshot on the training
+    # thread, 0.375 s of writing elsewhere. Epoch 0's was synchronous (no writer).
+    db.execute(
+        "UPDATE checkpoints SET writer_cpu_seconds = 0.25 WHERE run_id = 'bg' AND manifest != 'm0'"
+    )
+    db.execute("INSERT INTO profile VALUES ('bg', 'prefix', NULL, 2.5, NULL)")
+    db.execute("INSERT INTO profile VALUES ('bg', 'setup', NULL, 0.5, NULL)")
+    db.execute("INSERT INTO profile VALUES ('bg', 'threads', NULL, 2, NULL)")
+    # Setting up the checkpointer at the first block's end, inside epoch 0: 0.25 s.
+    db.execute("INSERT INTO profile VALUES ('bg', 'checkpoint_setup', NULL, 0.25, NULL)")
+    db.execute(
+        "INSERT INTO checkpoints (run_id, ctx_id, loop_name, kind, manifest, nbytes,"
+        " capture_seconds, write_seconds, created_at, writer_cpu_seconds) VALUES ('bg', NULL,"
+        " 'epoch', 'end', 'mend', 8192, 0.25, 0.25, 0, 0.125)"
+    )
+    (p,) = load_profiles(db, ["bg"])
+    assert p.imports_seconds == 0.5  # the prefix before the first loop's start (2.0 s in)
+    assert p.record_overhead_seconds == {0: 0.75, 1: 0.125, 2: 0.125}
+    assert p.checkpoint_seconds == {0: 0.5, 1: 0.5, 2: 0.5}  # restore ~ materialize
+    assert (p.end_checkpoint_seconds, p.end_record_overhead_seconds) == (0.5, 0.25)
+    assert (p.setup_seconds, p.threads) == (0.5, 2)
+    # Executed: non-block 10 - 8 - overhead = 1.25, 1.875, 1.875; prefix 2.5 - set-up 0.5.
+    plan = plan_replay(ScanLevel.INNER_LOOP, [p], 1, run_suffix=False)
+    assert plan.estimate_seconds == 2.0 + 9.25 + 9.875 + 9.875
 
 
 def test_load_profiles_of_a_killed_run(db: sqlite3.Connection) -> None:

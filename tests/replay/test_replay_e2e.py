@@ -10,6 +10,7 @@ that is not checkpointed, and reads an ignored data file by relative path.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -284,3 +285,47 @@ def test_renamed_variable_and_bad_where(project: Project) -> None:
     assert bad.returncode == 1 and "lr >>> 1" in bad.stderr and "Traceback" not in bad.stderr
     unknown = project.cli("replay", "w_nrom", "--yes")
     assert unknown.returncode == 1 and "w_norm" in unknown.stderr
+
+
+def test_restored_optimizer_does_not_make_the_scheduler_warn(project: Project) -> None:
+    runs = _record(project)
+    out = project.cli("replay", "w_norm", "--yes", "--workers", "2", OMP_NUM_THREADS="")
+    assert out.returncode == 0, out.stderr
+    logs = sorted((project.root / ".retrolog" / "replays").glob("*/*.log"))
+    assert len(logs) == len(runs)
+    outputs = [json.loads(p.read_text()) for p in logs[0].parent.glob("*.out.json")]
+    # Blocks were skipped by restoring them, and sched.step() ran after each of them.
+    assert all(o["restored"] >= 3 for o in outputs), outputs
+    # Two workers share the cores: torch ran with half of them each, not all of them.
+    cores = len(os.sched_getaffinity(0))
+    assert [o["threads"] for o in outputs] == [max(1, cores // 2)] * len(runs)
+    assert f"{max(1, cores // 2)} intra-op thread(s) per worker" in out.stderr
+    for log in logs:
+        text = log.read_text()
+        assert "before `optimizer.step()`" not in text, text
+        assert "Warning" not in text, text
+
+
+def test_a_lone_segment_gets_every_core(project: Project) -> None:
+    project.write(
+        "train.py",
+        """
+        import retrolog as rl
+
+        state = {"w": [0.0]}
+        with rl.checkpointing(state=state):
+            for epoch in rl.loop("epoch", range(3)):
+                for step in rl.loop("step", range(2)):
+                    state["w"][0] += 1
+                rl.log("acc", state["w"][0])
+        """,
+    )
+    project.run("train.py")
+    project.write("train.py", project.root.joinpath("train.py").read_text().replace(
+        'rl.log("acc", state["w"][0])', 'rl.log("acc", state["w"][0])\n        rl.log("w2", 2)'
+    ))  # fmt: skip
+    # One run is one segment: of 4 workers, one runs, with all the cores.
+    out = project.cli("replay", "w2", "--dry-run", "--workers", "4", OMP_NUM_THREADS="")
+    assert out.returncode == 0, out.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert f"{cores} intra-op thread(s) per worker ({cores} cores)" in out.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -73,6 +74,37 @@ def default_workers() -> int:
     return gpu_count() or os.cpu_count() or 1
 
 
+# The variables that size the intra-op thread pools of torch (OpenMP), MKL and OpenBLAS.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def cpu_cores() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(workers: int, cores: int | None = None) -> int:
+    """Intra-op threads for each of ``workers`` concurrent workers: the cores shared out.
+
+    The user's own OMP_NUM_THREADS wins. Otherwise torch would give every worker
+    one thread per core, and W workers would run W x cores spinning OpenMP threads
+    on the cores (bench/replay_breakdown.py measures it: docs/replay-planning.md,
+    "Threads").
+    """
+    own = _positive_int(os.environ.get("OMP_NUM_THREADS"))
+    if own:
+        return own
+    return max(1, (cores or cpu_cores()) // max(workers, 1))
+
+
+def _positive_int(text: str | None) -> int | None:
+    value = (text or "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def run_jobs(
     jobs: Sequence[Job],
     *,
@@ -81,8 +113,13 @@ def run_jobs(
     workers: int,
     python: str = sys.executable,
     on_done: Callable[[Job], None] | None = None,
+    threads: int | None = None,
 ) -> None:
-    """Run ``jobs`` (already ordered longest first), at most ``workers`` at a time."""
+    """Run ``jobs`` (already ordered longest first), at most ``workers`` at a time.
+
+    threads: intra-op threads per worker (see :func:`threads_per_worker`); None
+        leaves the thread variables as they are.
+    """
     pending = list(jobs)
     running: list[Job] = []
     gpus = gpu_count()
@@ -95,9 +132,9 @@ def run_jobs(
                 device = free_devices.pop(0) if free_devices else None
                 if device is not None:
                     device_of[job.key] = device
-                _start(job, root=root, store=store, python=python, device=device)
+                _start(job, root=root, store=store, python=python, device=device, threads=threads)
                 running.append(job)
-            time.sleep(0.05)
+            _wait_any(running)
             for job in list(running):
                 assert job.process is not None
                 if job.process.poll() is None:
@@ -119,7 +156,35 @@ def run_jobs(
                 job.checkout = None
 
 
-def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None) -> None:
+def _wait_any(running: Sequence[Job], timeout: float = 0.5) -> None:
+    """Block until one of the running workers exits (or ``timeout``).
+
+    A worker's duration is measured to when this notices its exit, so a fixed
+    polling interval would add half of it to every segment on average: wait on the
+    processes' pidfds where Linux has them, poll every 10 ms elsewhere.
+    """
+    if not running:
+        return
+    fds: list[int] = []
+    try:
+        for job in running:
+            assert job.process is not None
+            fds.append(os.pidfd_open(job.process.pid))
+    except (AttributeError, OSError):  # not Linux >= 5.3, or the process is already reaped
+        for fd in fds:
+            os.close(fd)
+        time.sleep(0.01)
+        return
+    try:
+        select.select(fds, [], [], timeout)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _start(
+    job: Job, *, root: Path, store: Path, python: str, device: int | None, threads: int | None
+) -> None:
     job.checkout = make_checkout(
         root=root,
         store=store,
@@ -137,6 +202,10 @@ def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None
     env.update({SPEC_ENV: str(spec_path), "RETROLOG_PROGRESS": "0", "PYTHONUNBUFFERED": "1"})
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
+    if threads is not None:
+        for name in THREAD_VARIABLES:
+            if not _positive_int(env.get(name)):  # a count the user set wins
+                env[name] = str(threads)
     cwd = job.checkout / job.cwd
     if not cwd.is_dir():
         cwd = job.checkout

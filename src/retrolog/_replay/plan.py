@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import heapq
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +122,7 @@ class ReplayPlan:
     estimate_seconds: float  # wall time: segments packed onto workers, longest first
     schedule: tuple[tuple[Segment, ...], ...] = ()  # per worker, in the order to run them
     notes: tuple[str, ...] = ()  # plan-wide: unresolved statements, the restore model
+    worker: WorkerCosts | None = None  # what the estimate assumed of each worker (its threads)
 
     @property
     def work_seconds(self) -> float:
@@ -132,10 +134,60 @@ class ReplayPlan:
 
 
 @dataclass(frozen=True)
+class WorkerCosts:
+    """What running a segment in a replay worker process changes in the recorded times.
+
+    The defaults change nothing: the bare model of docs/replay-planning.md. The
+    replayer passes the figures of this machine (``exit_seconds``, ``teardown_seconds``
+    measured by bench/replay_breakdown.py) and the threads it gives each worker.
+    """
+
+    exit_seconds: float = 0.0  # worker done -> the coordinator sees it gone (output, exit)
+    teardown_seconds: float = 0.0  # more, when the script runs to its end (finalization)
+    threads: int | None = None  # intra-op threads per worker; None: as at record time
+    cores: int | None = None  # cores the workers share; None: no oversubscription model
+
+    def scales(self, profile: RunProfile, workers: int) -> tuple[float, float]:
+        """How much slower than recorded a worker runs: (any work, the loop's compute).
+
+        Threads beyond the cores queue behind each other: everything slows by
+        demand / cores. Fewer intra-op threads than at record time slow the
+        compute (iterations, loops, suffix) by Amdahl's law with
+        :data:`INTRA_OP_PARALLEL_FRACTION`; start-up and restores are taken as
+        single-threaded. Unknown record-time threads: no thread scaling.
+        """
+        threads = self.threads
+        recorded = profile.threads
+        if threads is not None and recorded is not None:
+            # A script that sets its own thread count overrides the worker's environment;
+            # one that does not gets the worker's, which is never more than the default.
+            threads = min(threads, recorded)
+        overloaded = 1.0
+        if self.cores and threads is not None:
+            overloaded = max(1.0, workers * threads / self.cores)
+        fewer = 1.0
+        if threads is not None and recorded is not None and threads < recorded:
+            fewer = _amdahl(recorded) / _amdahl(threads)
+        return overloaded, overloaded * fewer
+
+
+# Share of intra-op (torch/OpenMP) compute that parallelises over threads, used only
+# when a worker gets fewer threads than the recording had: the benchmark's small CNN
+# measured 0.78 on 2 cores (docs/replay-planning.md, "Threads"); other models differ.
+INTRA_OP_PARALLEL_FRACTION = 0.75
+
+
+def _amdahl(threads: int) -> float:
+    p = INTRA_OP_PARALLEL_FRACTION
+    return 1.0 / ((1.0 - p) + p / max(threads, 1))
+
+
+@dataclass(frozen=True)
 class _Costs:
     """One run's cost model, per outer iteration, in seconds."""
 
-    head: float  # prefix + other loops before the outer loop
+    startup: float  # the worker's start to the first loop (prefix without recording's set-up)
+    head: float  # startup + other loops before the outer loop + the worker's exit
     tail: float  # other loops after it + suffix, without the end checkpoint's capture
     run: tuple[float, ...]  # iteration i with its block executed
     skip: tuple[float, ...]  # iteration i with its block restored when that is cheaper
@@ -143,6 +195,7 @@ class _Costs:
     end_restore: float | None  # restoring the end checkpoint; None without one
     run_prefix: tuple[float, ...]  # run_prefix[i] = sum(run[:i])
     skip_prefix: tuple[float, ...]
+    exit: float = 0.0  # the worker's exit, in head; a prefix scan pays it after startup
 
     @property
     def n(self) -> int:
@@ -154,7 +207,16 @@ class _Costs:
         return cost + (self.tail if b == self.n else 0.0)
 
 
-def _costs(profile: RunProfile, seconds_per_byte: float | None) -> _Costs:
+def _costs(
+    profile: RunProfile,
+    seconds_per_byte: float | None,
+    worker: WorkerCosts | None = None,
+    workers: int = 1,
+    imports: float | None = None,
+) -> _Costs:
+    """One run's cost model; ``imports`` replaces the run's own imports_seconds (pooled)."""
+    worker = worker or WorkerCosts()
+    slower, compute = worker.scales(profile, workers)
     n = profile.iterations
     run, skip, restorable = [], [], []
     for i in range(n):
@@ -164,28 +226,38 @@ def _costs(profile: RunProfile, seconds_per_byte: float | None) -> _Costs:
             non_block = max(total - block - overhead, 0.0)
         else:
             non_block, block = 0.0, total
+        non_block, block = non_block * compute, block * compute
         restore = _restore_seconds(profile, i, seconds_per_byte)
+        if restore is not None:
+            restore *= slower
         cheaper = restore is not None and restore <= block
         run.append(non_block + block)
         skip.append(non_block + (restore if cheaper and restore is not None else block))
         restorable.append(cheaper)
     end_restore = None
     if profile.end_checkpoint is not None:
-        end_restore = (
+        end_restore = slower * (
             profile.end_checkpoint_bytes * seconds_per_byte
             if seconds_per_byte is not None
             else profile.end_checkpoint_seconds
         )
     tail = profile.post_outer_seconds + profile.suffix_seconds - profile.end_record_overhead_seconds
+    prefix = profile.prefix_seconds
+    if imports is not None and profile.imports_seconds is not None:
+        prefix += imports - profile.imports_seconds
+    startup = slower * max(prefix - profile.setup_seconds, 0.0)
+    exit_ = worker.exit_seconds
     return _Costs(
-        head=profile.prefix_seconds + profile.pre_outer_seconds,
-        tail=max(tail, 0.0),
+        startup=startup,
+        head=startup + compute * profile.pre_outer_seconds + exit_,
+        tail=compute * max(tail, 0.0) + worker.teardown_seconds,
         run=tuple(run),
         skip=tuple(skip),
         restorable=tuple(restorable),
         end_restore=end_restore,
         run_prefix=tuple(_prefix_sums(run)),
         skip_prefix=tuple(_prefix_sums(skip)),
+        exit=exit_,
     )
 
 
@@ -212,6 +284,7 @@ def plan_replay(
     restore_seconds_per_byte: float | None = None,
     notes: Sequence[str] = (),
     run_suffix: bool = True,
+    worker: WorkerCosts | None = None,
 ) -> ReplayPlan:
     """Plan the replay of ``profiles`` on ``workers`` workers and estimate its time.
 
@@ -222,6 +295,8 @@ def plan_replay(
     notes: plan-wide notes to carry (e.g. from :func:`scan_level_for`).
     run_suffix: False when no requested statement sits after the outer loop: outer-
         and inner-loop workers then stop at the loop's end and the estimate has no tail.
+    worker: what a worker process adds (its exit) and how its threads and the cores
+        scale the recorded times; None: nothing.
     """
     if workers < 1:
         raise UsageError(f"A replay needs at least one worker, not {workers}.")
@@ -230,17 +305,21 @@ def plan_replay(
             f"restore_seconds_per_byte must be a non-negative number, not "
             f"{restore_seconds_per_byte!r}."
         )
-    drafts = [
-        _draft(profile, _level_of(levels, profile.run_id), restore_seconds_per_byte, run_suffix)
-        for profile in profiles
-    ]
+    imports, import_notes = _pooled_imports(profiles)
+    drafts = []
+    for profile in profiles:
+        level = _level_of(levels, profile.run_id)
+        pooled = imports.get(profile.filename)
+        drafts.append(
+            _draft(profile, level, restore_seconds_per_byte, run_suffix, worker, workers, pooled)
+        )
     splits = _choose_splits(drafts, workers)
     runs = []
     for draft, k in zip(drafts, splits, strict=True):
         runs.append(draft.finish(k, workers))
     segments = [segment for run in runs for segment in run.segments]
     makespan, schedule = _pack(segments, workers)
-    plan_notes = list(notes)
+    plan_notes = [*notes, *import_notes]
     if any(_uses_restores(run) for run in runs):
         if restore_seconds_per_byte is not None:
             rate = 1 / restore_seconds_per_byte if restore_seconds_per_byte else math.inf
@@ -256,7 +335,30 @@ def plan_replay(
         estimate_seconds=makespan,
         schedule=schedule,
         notes=tuple(plan_notes),
+        worker=worker,
     )
+
+
+def _pooled_imports(profiles: Sequence[RunProfile]) -> tuple[dict[str, float], list[str]]:
+    """Per script, the median over its runs of the prefix before the first retrolog call.
+
+    That part (interpreter start, imports) is the same work in every run of a
+    script, but each recording measured it once, under whatever else the machine
+    was doing (docs/replay-planning.md, "Where the error comes from"). The median
+    over the runs planned together is a steadier guess for a worker than one
+    sample. A script with fewer than 3 runs in the plan keeps each run's own.
+    """
+    samples: dict[str, list[float]] = {}
+    for profile in profiles:
+        if profile.imports_seconds is not None:
+            samples.setdefault(profile.filename, []).append(profile.imports_seconds)
+    pooled = {name: statistics.median(v) for name, v in samples.items() if len(v) >= 3}
+    notes = [
+        f"start-up of {name}: interpreter and imports taken as the median over "
+        f"{len(samples[name])} runs ({seconds:.1f}s)"
+        for name, seconds in sorted(pooled.items())
+    ]
+    return pooled, notes
 
 
 def _level_of(levels: Mapping[str, ScanLevel] | ScanLevel, run_id: str) -> ScanLevel:
@@ -302,7 +404,7 @@ class _Draft:
     def single_cost(self) -> float:
         c = self.costs
         if self.scan is ScanLevel.PREFIX:
-            return self.profile.prefix_seconds
+            return c.startup + c.exit  # the worker stops where the first loop starts
         if self.scan is ScanLevel.SUFFIX:
             assert c.end_restore is not None
             return c.head + c.end_restore + c.tail
@@ -376,9 +478,15 @@ class _Draft:
 
 
 def _draft(
-    profile: RunProfile, requested: ScanLevel, seconds_per_byte: float | None, run_suffix: bool
+    profile: RunProfile,
+    requested: ScanLevel,
+    seconds_per_byte: float | None,
+    run_suffix: bool,
+    worker: WorkerCosts | None = None,
+    workers: int = 1,
+    imports: float | None = None,
 ) -> _Draft:
-    costs = _costs(profile, seconds_per_byte)
+    costs = _costs(profile, seconds_per_byte, worker, workers, imports)
     notes = list(profile.notes)
     scan = requested
     if scan is ScanLevel.SUFFIX and costs.end_restore is None:
@@ -397,6 +505,7 @@ def _draft(
             )
     stops_early = not run_suffix and scan in (ScanLevel.OUTER_LOOP, ScanLevel.INNER_LOOP)
     if stops_early and costs.n:
+        # Nor does it finalize the interpreter: it leaves by os._exit (teardown is in tail).
         costs = dataclasses.replace(costs, tail=0.0)
     return _Draft(profile, requested, scan, costs, notes, stops_early=stops_early)
 

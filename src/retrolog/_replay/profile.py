@@ -51,7 +51,9 @@ class RunProfile:
     checkpoint_seconds: dict[int, float] = field(default_factory=dict)
     # Checkpoint time recording spent on the training thread inside iteration i's
     # recorded seconds (a nested block is captured inside its iteration); replay
-    # does not checkpoint, so the estimate leaves it out.
+    # does not checkpoint, so the estimate leaves it out. The snapshot only for a
+    # background checkpoint (its writing ran on another thread), capture + write for
+    # a synchronous one.
     record_overhead_seconds: dict[int, float] = field(default_factory=dict)
     nested_block: tuple[bool, ...] | None = None  # None: iteration i is nested iff block < total
     end_checkpoint_bytes: int = 0
@@ -59,6 +61,13 @@ class RunProfile:
     end_record_overhead_seconds: float = 0.0  # of that, inside the recorded post + suffix
     pre_outer_seconds: float = 0.0  # other top-level loops between the prefix and the outer loop
     post_outer_seconds: float = 0.0  # other top-level loops between the outer loop and the suffix
+    # What recording added to the prefix and replay does not repeat (capturing the code
+    # version, registering the run): a profile row "setup", when the recording wrote one.
+    setup_seconds: float = 0.0
+    threads: int | None = None  # torch intra-op threads at record time (profile row "threads")
+    # The prefix up to the script's first retrolog call: interpreter start and imports,
+    # the same work in every run of a script (the planner pools it over runs).
+    imports_seconds: float | None = None
     notes: tuple[str, ...] = ()  # what loading the profile had to guess
 
     def __post_init__(self) -> None:
@@ -135,19 +144,25 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
             (run_id,),
         )
     }
-    checkpoints: dict[int, tuple[str, int, float]] = {}  # ctx -> (manifest, bytes, seconds)
-    end: tuple[str, int, float] | None = None
+    # ctx -> (manifest, bytes, capture + write seconds, training-thread seconds)
+    checkpoints: dict[int, tuple[str, int, float, float]] = {}
+    end: tuple[str, int, float, float] | None = None
     checkpoint_loops: list[str] = []
-    for ctx, loop_name, kind, manifest, nbytes, capture, write in conn.execute(
-        "SELECT ctx_id, loop_name, kind, manifest, nbytes, capture_seconds, write_seconds"
-        " FROM checkpoints WHERE run_id = ? ORDER BY checkpoint_id",
+    # A background checkpoint (writer CPU measured) cost the training thread its
+    # snapshot only; a synchronous one (no writer, NULL) its capture and its write.
+    has_writer = _has_column(conn, "checkpoints", "writer_cpu_seconds")
+    writer_cpu = "writer_cpu_seconds" if has_writer else "NULL"
+    for ctx, loop_name, kind, manifest, nbytes, capture, write, background in conn.execute(
+        "SELECT ctx_id, loop_name, kind, manifest, nbytes, capture_seconds, write_seconds,"
+        f" {writer_cpu} IS NOT NULL FROM checkpoints WHERE run_id = ? ORDER BY checkpoint_id",
         (run_id,),
     ):
         checkpoint_loops.append(loop_name)
+        on_thread = capture if background else capture + write
         if kind == "end":
-            end = (manifest, nbytes, capture + write)
+            end = (manifest, nbytes, capture + write, on_thread)
         elif ctx is not None:
-            checkpoints[ctx] = (manifest, nbytes, capture + write)
+            checkpoints[ctx] = (manifest, nbytes, capture + write, on_thread)
     phases: dict[str, float] = {}
     iteration_rows: dict[int, tuple[float, float]] = {}
     for phase, ctx, seconds, block in conn.execute(
@@ -155,7 +170,7 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
     ):
         if phase == "iteration" and ctx is not None:
             iteration_rows[ctx] = (seconds, seconds if block is None else block)
-        elif phase in ("prefix", "suffix"):
+        elif phase in ("prefix", "suffix", "setup", "threads", "checkpoint_setup"):
             phases[phase] = seconds
 
     top = [r for r in loops if r.depth == 0]
@@ -190,13 +205,26 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
         )
 
     index = {r.ctx: i for i, r in enumerate(outer_rows)}
-    block_checkpoints = {index[c]: m for c, (m, _, _) in checkpoints.items() if c in index}
+    block_checkpoints = {index[c]: m for c, (m, _, _, _) in checkpoints.items() if c in index}
     overhead = {
-        index[c]: s for c, (_, _, s) in checkpoints.items() if c in index and nested[index[c]]
+        index[c]: t for c, (_, _, _, t) in checkpoints.items() if c in index and nested[index[c]]
     }
+    end_overhead = end[3] if end else 0.0
+    # Recording set up its checkpointer (imports, the writer thread) where the first block
+    # ended: inside iteration 0 when that block is a nested loop, else after it ends.
+    checkpoint_setup = phases.get("checkpoint_setup", 0.0)
+    if nested and nested[0]:
+        overhead[0] = overhead.get(0, 0.0) + checkpoint_setup
+    elif not nested:
+        end_overhead += checkpoint_setup
 
+    imports: float | None = None
     if "prefix" in phases:
         prefix = phases["prefix"]
+        if top:
+            # Loop times count from the script's first retrolog call: what came before it
+            # is the interpreter, the imports and whatever the script did first.
+            imports = min(max(prefix - top[0].t_start, 0.0), prefix)
     elif top:
         prefix = top[0].t_start
         notes.append(
@@ -230,18 +258,25 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
         suffix_seconds=suffix,
         iteration_seconds=tuple(seconds),
         block_seconds=tuple(blocks),
-        checkpoint_bytes={index[c]: b for c, (_, b, _) in checkpoints.items() if c in index},
+        checkpoint_bytes={index[c]: b for c, (_, b, _, _) in checkpoints.items() if c in index},
         code_version=commit[:12] if commit else None,
-        checkpoint_seconds={index[c]: s for c, (_, _, s) in checkpoints.items() if c in index},
+        checkpoint_seconds={index[c]: s for c, (_, _, s, _) in checkpoints.items() if c in index},
         record_overhead_seconds=overhead,
         nested_block=tuple(nested),
         end_checkpoint_bytes=end[1] if end else 0,
         end_checkpoint_seconds=end[2] if end else 0.0,
-        end_record_overhead_seconds=end[2] if end else 0.0,
+        end_record_overhead_seconds=end_overhead,
         pre_outer_seconds=pre,
         post_outer_seconds=post,
+        setup_seconds=phases.get("setup", 0.0),
+        imports_seconds=imports,
+        threads=int(phases["threads"]) if phases.get("threads") else None,
         notes=tuple(notes),
     )
+
+
+def _has_column(conn: sqlite3.Connection, table: str, column: str) -> bool:
+    return any(row[1] == column for row in conn.execute(f"PRAGMA table_info({table})"))
 
 
 def _outer_loop_name(

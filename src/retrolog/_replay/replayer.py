@@ -21,11 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._replay.backfill import Mismatch, backfill, check_recorded
-from retrolog._replay.execute import Job, default_workers, log_tail, run_jobs
+from retrolog._replay.execute import (
+    Job,
+    cpu_cores,
+    default_workers,
+    log_tail,
+    run_jobs,
+    threads_per_worker,
+)
 from retrolog._replay.plan import (
     ReplayPlan,
     RunPlan,
     ScanLevel,
+    WorkerCosts,
     format_estimate_vs_actual,
     format_plan,
     load_profiles,
@@ -144,11 +152,9 @@ def replay(
     if placeable:
         profiles = load_profiles(conn, placeable)
         per_byte = _restore_seconds_per_byte(paths, profiles)
-        count = workers or default_workers()
-        plan = plan_replay(
-            level, profiles, count, restore_seconds_per_byte=per_byte, notes=notes,
-            run_suffix=needs_suffix,
-        )  # fmt: skip
+        plan = _plan(
+            level, profiles, workers or default_workers(), per_byte, notes, needs_suffix, source
+        )
         for run_plan in plan.runs:
             outcomes[run_plan.run_id] = RunOutcome(
                 run_plan.run_id,
@@ -180,6 +186,61 @@ def replay(
         echo(format_estimate_vs_actual(plan, actual))
     _report(outcomes, echo)
     return ReplayResult(replay_id, names, filename, plan, outcomes, sorted(complete), True)
+
+
+# -- planning with what a worker process costs ---------------------------------------------
+
+
+def _plan(
+    level: ScanLevel,
+    profiles: Sequence[Any],
+    workers: int,
+    per_byte: float | None,
+    notes: Sequence[str],
+    run_suffix: bool,
+    source: str,
+) -> ReplayPlan:
+    """The plan, for workers that share the cores among those that run at once.
+
+    Fewer segments than workers leave workers idle, and the cores to the others:
+    the threads follow the segments that actually run together (a second pass).
+    """
+    cores = cpu_cores()
+    concurrent = workers
+    while True:
+        threads = threads_per_worker(concurrent, cores)
+        worker = WorkerCosts(
+            exit_seconds=EXIT_SECONDS,
+            teardown_seconds=teardown_seconds(source),
+            threads=threads,
+            cores=cores,
+        )
+        plan = plan_replay(
+            level, profiles, workers, restore_seconds_per_byte=per_byte,
+            notes=(*notes, f"{threads} intra-op thread(s) per worker ({cores} cores)"),
+            run_suffix=run_suffix, worker=worker,
+        )  # fmt: skip
+        running = max(1, min(workers, sum(len(r.segments) for r in plan.runs)))
+        if running >= concurrent or threads_per_worker(running, cores) == threads:
+            return plan
+        concurrent = running
+
+
+# Measured by bench/replay_breakdown.py (docs/replay-planning.md, "What a worker adds"):
+# from a worker's last iteration to the coordinator seeing it gone when it leaves by
+# os._exit (writing its output, freeing a torch-sized process), and what finalizing the
+# interpreter adds when the script runs to its end: 0.25 s with torch imported once the
+# worker has frozen the garbage collector (0.7 s without), 0.05 s without torch. The
+# recorded profile has neither: a recording ends at commit().
+EXIT_SECONDS = 0.05
+TEARDOWN_SECONDS = 0.05
+TORCH_TEARDOWN_SECONDS = 0.3
+_IMPORTS_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b", re.MULTILINE)
+
+
+def teardown_seconds(source: str) -> float:
+    """What a worker running ``source`` to its end spends finalizing the interpreter."""
+    return TORCH_TEARDOWN_SECONDS if _IMPORTS_TORCH.search(source) else TEARDOWN_SECONDS
 
 
 # -- choosing runs ---------------------------------------------------------------------
@@ -358,7 +419,10 @@ def _execute(
 
     status = "finished"
     try:
-        run_jobs(jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done)
+        run_jobs(
+            jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done,
+            threads=plan.worker.threads if plan.worker else None,
+        )  # fmt: skip
     except KeyboardInterrupt:
         status = "interrupted"
         raise

@@ -20,6 +20,8 @@ a :class:`ReplayRun` instead of a recording :class:`~retrolog.runtime.run.Run`:
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import sqlite3
@@ -94,6 +96,11 @@ class ReplayRun:
         # last one restored before it was logged.
         self._checkpoint_at: list[tuple[int, int, str]] = []
         self._started = time.perf_counter()
+        # A worker that runs the script to its end then finalizes the interpreter, whose
+        # last garbage collection over every object took 0.7-1.1 s with torch imported
+        # (docs/replay-planning.md, "What a worker adds"). The worker is ending: skip it.
+        # Registered after retrolog's own exit hook, so it runs first.
+        atexit.register(gc.freeze)
         self._restore_seconds = 0.0
         self._restored = 0
         self._contexts = _load_contexts(Path(spec.store) / "retrolog.db", spec.run_id)

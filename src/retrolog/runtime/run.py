@@ -192,6 +192,9 @@ class Run:
         self.events.append(
             (Event.RUN_UPDATE, {"packages": lambda: json.dumps(_package_versions())})
         )
+        # Replay's cost model: recording's own start (code capture, store) is in the prefix,
+        # and a replay worker does not pay it.
+        self.events.append((Event.PROFILE, "setup", None, time.perf_counter() - self._t0, None))
 
     # -- values ----------------------------------------------------------------------
 
@@ -243,6 +246,11 @@ class Run:
             locals_before = frames.local_ids(user_frame)
         if depth == 0 and self._first_loop_at is None:
             self._first_loop_at = time.time()
+            torch = sys.modules.get("torch")
+            if torch is not None:  # replay's cost model scales compute by the threads it had
+                self.events.append(
+                    (Event.PROFILE, "threads", None, float(torch.get_num_threads()), None)
+                )
         stack.append(frame)
         iteration = 0
         # Locals: enum member access costs hundreds of ns on 3.11, and this runs per step.
@@ -357,6 +365,7 @@ class Run:
         """The run's background checkpointer and adaptive policy, made at the first block end."""
         if self._checkpointer is not None:
             return self._checkpointer, self._policy
+        started = time.perf_counter()
         from retrolog.checkpoint import settings
         from retrolog.checkpoint.background import BackgroundCheckpointer
         from retrolog.checkpoint.policy import AdaptivePolicy
@@ -389,6 +398,10 @@ class Run:
         )
         self._policy = policy
         self._settings = config
+        # Replay's cost model: a one-time cost (imports, the writer) inside the iteration
+        # whose block ended first, which a replay worker does not pay.
+        seconds = time.perf_counter() - started
+        self.events.append((Event.PROFILE, "checkpoint_setup", None, seconds, None))
         return self._checkpointer, policy
 
     def _checkpointing_summary(self) -> str:

@@ -1,0 +1,146 @@
+"""Timeline probe for replay workers (bench/replay_breakdown.py puts this on PYTHONPATH).
+
+Python imports ``sitecustomize`` at start-up, before the script: this one wraps
+the replay worker runtime (``ReplayRun``) to note when the process started, when
+the script first called retrolog, when each loop and iteration started and ended,
+and how long each checkpoint restore took, then writes that timeline as JSON into
+``$REPLAY_BREAKDOWN_DIR`` when the worker finishes. It changes no behaviour, and
+does nothing outside a replay worker (no ``RETROLOG_REPLAY_SPEC``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+_SITE_AT = time.time()
+_OUT = os.environ.get("REPLAY_BREAKDOWN_DIR")
+_SPEC = os.environ.get("RETROLOG_REPLAY_SPEC")
+
+
+def _process_start() -> float | None:
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, field 22 of stat(5): clock ticks since boot
+        # Not /proc/stat's btime: it is truncated to the second, an error of up to 1 s.
+        since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _install() -> None:
+    from retrolog.runtime import replay
+
+    timeline: dict[str, Any] = {
+        "spec": _SPEC,
+        "pid": os.getpid(),
+        "process_start": _process_start(),
+        "site": _SITE_AT,
+        "loops": [],
+        "restores": [],
+    }
+    written = False
+
+    def dump() -> None:
+        nonlocal written
+        if written or _OUT is None:
+            return
+        written = True
+        timeline["dumped"] = time.time()
+        try:
+            import torch  # noqa: F401  (already imported by the script if it uses torch)
+
+            timeline["torch_threads"] = __import__("torch").get_num_threads()
+        except ImportError:
+            pass
+        path = Path(_OUT) / f"{os.getpid()}.json"
+        path.write_text(json.dumps(timeline))
+
+    original_init = replay.ReplayRun.__init__
+    original_loop = replay.ReplayRun.loop
+    original_restore = replay.ReplayRun._restore_checkpoint
+    original_finish = replay.ReplayRun.finish
+    original_commit = replay.ReplayRun.commit
+
+    def init(self: Any, spec: Any) -> None:
+        timeline["init_start"] = time.time()
+        original_init(self, spec)
+        timeline["init_end"] = time.time()
+
+    def loop(self: Any, name: str, iterable: Any) -> Any:
+        event: dict[str, Any] = {"name": name, "depth": len(self._stack), "next": []}
+        timeline["loops"].append(event)
+        generator = original_loop(self, name, iterable)
+        calls = event["next"]
+        try:
+            while True:
+                # Noted before the call: a worker may finish (os._exit) inside it.
+                call = [time.time(), None]
+                calls.append(call)
+                try:
+                    item = next(generator)
+                except StopIteration:
+                    call[1] = time.time()
+                    break
+                call[1] = time.time()
+                yield item
+        finally:
+            event["end"] = time.time()
+            generator.close()
+
+    def restore(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.time()
+        result = original_restore(self, *args, **kwargs)
+        timeline["restores"].append([started, time.time()])
+        return result
+
+    def finish(self: Any) -> None:
+        timeline["finish"] = time.time()
+        dump()
+        original_finish(self)
+
+    def commit(self: Any, *args: Any, **kwargs: Any) -> None:
+        timeline.setdefault("commit", time.time())
+        original_commit(self, *args, **kwargs)
+        dump()
+
+    replay.ReplayRun.__init__ = init  # type: ignore[method-assign]
+    replay.ReplayRun.loop = loop  # type: ignore[method-assign]
+    replay.ReplayRun._restore_checkpoint = restore  # type: ignore[method-assign]
+    replay.ReplayRun.finish = finish  # type: ignore[method-assign]
+    replay.ReplayRun.commit = commit  # type: ignore[method-assign]
+
+
+def _install_record() -> None:
+    """In a recording process: when Run.__init__ (code capture, store) ran, and the first loop."""
+    from retrolog.runtime import run
+
+    timeline: dict[str, Any] = {"process_start": _process_start(), "site": _SITE_AT}
+    original_init = run.Run.__init__
+    original_loop = run.Run.loop
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        timeline["init_start"] = time.time()
+        original_init(self, *args, **kwargs)
+        timeline["init_end"] = time.time()
+        timeline["run_id"] = self.run_id
+
+    def loop(self: Any, name: str, iterable: Any) -> Any:
+        if "first_loop" not in timeline:
+            timeline["first_loop"] = time.time()
+            assert _OUT is not None
+            (Path(_OUT) / f"record-{os.getpid()}.json").write_text(json.dumps(timeline))
+        return original_loop(self, name, iterable)
+
+    run.Run.__init__ = init  # type: ignore[method-assign]
+    run.Run.loop = loop  # type: ignore[method-assign]
+
+
+if _SPEC and _OUT:
+    _install()
+elif _OUT:
+    _install_record()

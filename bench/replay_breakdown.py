@@ -1,0 +1,510 @@
+"""Where a replay's time goes, against what the plan estimated: a per-segment breakdown.
+
+Run from the repository root with the project's venv:
+
+    python bench/replay_breakdown.py                  # about 6 minutes on a 2-core machine
+    python bench/replay_breakdown.py --reps 1 --epochs 6
+
+It records the bench_replay workload (3 runs, 2 code versions), re-records each
+run once more into a scratch store (the run-to-run spread of the same run on this
+machine: the floor under any estimate), then replays the outer-loop and the
+inner-loop probe with 1 and 2 workers, and a suffix probe. Every worker runs with
+bench/_breakdown_site on ``PYTHONPATH``, whose ``sitecustomize`` notes a
+timeline (process start, first retrolog call, each loop and iteration, each
+restore, the finish); the coordinator's own start and end of each worker are
+taken around ``execute._start``. Per segment it reports, next to the plan's
+figure for the same part:
+
+- start-up: worker launch -> first top-level loop, split into exec (launch ->
+  process start), interpreter (-> sitecustomize), script until its first
+  retrolog call (imports), the replay runtime's set-up, script until its first
+  loop (data, model); estimated as the record-time prefix;
+- per outer iteration: block executed or restored (and the restore itself), and
+  the non-block code, against X_i / S_i of the cost model;
+- tail: last iteration's end -> the coordinator seeing the worker gone
+  (the suffix, the output, the process's exit); a suffix probe (a statement
+  after the loop) shows what a worker that runs the script to its end adds.
+
+Last, the thread experiment behind the workers' thread count: 50 training steps
+of the workload's CNN in one process and in two at once, with torch's default
+threads (one per core) and with the cores shared out (``OMP_NUM_THREADS``).
+
+Results: bench/results/replay_breakdown.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import _replay_workload as workload
+from bench_log import BenchError, conditions, source_fingerprint
+from bench_replay import base_env, new_project, run_ids, run_kwargs, timed
+
+BENCH_DIR = Path(__file__).resolve().parent
+SITE_DIR = BENCH_DIR / "_breakdown_site"
+RESULTS = BENCH_DIR / "results" / "replay_breakdown.json"
+# (probe, statement, worker counts)
+PROBES = (
+    ("outer", workload.OUTER_NAME, (1, 2)),
+    ("inner", workload.INNER_NAME, (1, 2)),
+    ("suffix", workload.SUFFIX_NAME, (1,)),
+)
+
+
+@contextmanager
+def environment(values: dict[str, str], cwd: Path) -> Iterator[None]:
+    """Run the in-process replay as the CLI would in ``cwd``, with ``values`` in the env."""
+    saved_env, saved_cwd = dict(os.environ), Path.cwd()
+    os.environ.clear()
+    os.environ.update(values)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def replay_with_timeline(
+    project: Path, env: dict[str, str], name: str, workers: int, timelines: Path
+) -> dict[str, Any]:
+    """Replay ``name`` in-process; return the plan, each job's span and its worker timeline."""
+    from retrolog._replay import execute, replayer
+    from retrolog.store.metadata import open_store
+    from retrolog.store.paths import locate
+
+    spans: dict[str, dict[str, float]] = {}
+    original_start, original_finish = execute._start, execute._finish
+
+    def start(job: Any, **kwargs: Any) -> None:
+        before = time.time()
+        original_start(job, **kwargs)
+        spans[job.key] = {
+            "checkout": time.time() - before,
+            "launch": time.time() - (time.perf_counter() - job.started),
+        }
+
+    def finish(job: Any) -> None:
+        original_finish(job)
+        spans[job.key]["gone"] = spans[job.key]["launch"] + job.seconds
+        spans[job.key]["spec"] = str(job.log_path.with_suffix(".spec.json"))
+
+    shutil.rmtree(timelines, ignore_errors=True)
+    timelines.mkdir(parents=True)
+    worker_env = {
+        **env,
+        "PYTHONPATH": str(SITE_DIR),
+        "REPLAY_BREAKDOWN_DIR": str(timelines),
+    }
+    execute._start, execute._finish = start, finish  # type: ignore[assignment]
+    try:
+        with environment(worker_env, project):
+            paths = locate()
+            conn = open_store(paths, create=False)
+            try:
+                result = replayer.replay(
+                    conn, paths, [name], workers=workers, echo=lambda _: None, progress=False
+                )
+            finally:
+                conn.close()
+    finally:
+        execute._start, execute._finish = original_start, original_finish
+    by_spec = {}
+    for path in timelines.glob("*.json"):
+        timeline = json.loads(path.read_text())
+        by_spec[timeline["spec"]] = timeline
+    assert result.plan is not None
+    return {"plan": result.plan, "outcomes": result.outcomes, "spans": spans, "by_spec": by_spec}
+
+
+def breakdown(replay: dict[str, Any], per_byte: float | None) -> list[dict[str, Any]]:
+    """One row per segment: measured parts next to the cost model's."""
+    from retrolog._replay import replayer
+    from retrolog._replay.execute import cpu_cores, threads_per_worker
+    from retrolog._replay.plan import WorkerCosts, _costs, _pooled_imports
+
+    workers = replay["plan"].workers
+    worker = WorkerCosts(  # as the replayer made it
+        exit_seconds=replayer.EXIT_SECONDS,
+        teardown_seconds=replayer.teardown_seconds(workload.NEWEST_WITH_SUFFIX),
+        threads=threads_per_worker(workers, cpu_cores()),
+        cores=cpu_cores(),
+    )
+    pooled, _ = _pooled_imports([run.profile for run in replay["plan"].runs])
+    rows = []
+    for run_plan in replay["plan"].runs:
+        profile = run_plan.profile
+        costs = _costs(profile, per_byte, worker, workers, pooled.get(profile.filename))
+        for index, segment in enumerate(run_plan.segments):
+            key = f"{run_plan.run_id}#{index}"
+            span = replay["spans"][key]
+            timeline = replay["by_spec"].get(span["spec"])
+            if timeline is None:
+                raise BenchError(f"segment {key} left no timeline")
+            rows.append(segment_row(key, segment, profile, costs, span, timeline))
+    return rows
+
+
+def segment_row(
+    key: str, segment: Any, profile: Any, costs: Any, span: dict[str, float], tl: dict[str, Any]
+) -> dict[str, Any]:
+    top = [loop for loop in tl["loops"] if loop["depth"] == 0]
+    if not top:
+        raise BenchError(f"segment {key}: the worker entered no loop")
+    outer = top[0]
+    first_loop = outer["next"][0][0]
+    launch, gone = span["launch"], span["gone"]
+    process_start = tl["process_start"] or launch
+    startup = {
+        "exec": process_start - launch,
+        "interpreter": tl["site"] - process_start,
+        "script_until_first_retrolog_call": tl["init_start"] - tl["site"],
+        "replay_runtime_setup": tl["init_end"] - tl["init_start"],
+        "script_until_first_loop": first_loop - tl["init_end"],
+    }
+    # Iteration i runs from the return of next() #i to the call of next() #i+1.
+    calls = outer["next"]
+    nested = [loop for loop in tl["loops"] if loop["depth"] == 1]
+    restores = tl["restores"]
+    iterations = []
+    for i in range(len(calls) - 1):
+        begin, end = calls[i][1], calls[i + 1][0]
+        inside = [loop for loop in nested if begin <= loop["next"][0][0] <= end]
+        block = sum(loop["end"] - loop["next"][0][0] for loop in inside[:1])
+        restored = sum(b - a for a, b in restores if begin <= a <= end)
+        # A whole-iteration block is restored inside next() itself, before the item comes.
+        whole_restore = sum(b - a for a, b in restores if calls[i][0] <= a <= calls[i][1])
+        executed = i in segment.execute
+        iterations.append(
+            {
+                "i": i,
+                "executed": executed,
+                "seconds": end - begin + whole_restore,
+                "block": block if executed else restored + whole_restore,
+                "restore": restored + whole_restore,
+                "non_block": end - begin - block,
+                "model": costs.run[i] if executed else costs.skip[i],
+                "model_block": profile.block_seconds[i],
+                "model_non_block": costs.run[i] - profile.block_seconds[i],
+            }
+        )
+    # The last call is the one that ended the loop (StopIteration, or the worker's exit).
+    last_end = calls[-1][0]
+    finished = tl.get("finish") or tl.get("commit") or last_end
+    tail = {
+        "after_loop_to_output": finished - last_end,
+        "output_to_gone": gone - finished,
+    }
+    actual = gone - launch
+    model_loop = sum(it["model"] for it in iterations)
+    return {
+        "segment": key,
+        "range": [segment.start, segment.stop],
+        "torch_threads": tl.get("torch_threads"),
+        "checkout_seconds": span["checkout"],
+        "actual": actual,
+        "estimate": segment.estimate_seconds,
+        "error_pct": (segment.estimate_seconds - actual) / actual * 100,
+        "startup": startup,
+        "startup_total": first_loop - launch,
+        "model_startup": costs.startup,
+        "record_prefix": profile.prefix_seconds,
+        "loop_total": sum(it["seconds"] for it in iterations),
+        "model_loop": model_loop,
+        "tail": tail,
+        "tail_total": gone - last_end,
+        # The rest of the estimate: other loops, suffix, end restore, exit, teardown.
+        "model_tail": segment.estimate_seconds - costs.startup - model_loop,
+        "iterations": iterations,
+    }
+
+
+# 50 training steps of the workload's CNN, with torch's default threads (what a script
+# that does not call set_num_threads gets): prints the seconds they took.
+THREADS_SNIPPET = """
+import time, torch
+from torch import nn
+torch.manual_seed(0)
+x, y = torch.randn(3200, 1, 28, 28), torch.randint(0, 10, (3200,))
+net = nn.Sequential(
+    nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Flatten(), nn.Linear(32 * 7 * 7, 64), nn.ReLU(), nn.Linear(64, 10),
+)
+opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+started = time.perf_counter()
+for i in range(0, 3200, 64):
+    opt.zero_grad()
+    nn.functional.cross_entropy(net(x[i:i + 64]), y[i:i + 64]).backward()
+    opt.step()
+print(time.perf_counter() - started, torch.get_num_threads())
+"""
+
+
+def thread_experiment(python: Path, cores: int) -> dict[str, Any]:
+    """Seconds of 50 steps per process: alone or W at once, with torch's threads or 1 each."""
+    out: dict[str, Any] = {}
+    for concurrent in (1, 2):
+        for threads in (None, *sorted({1, max(1, cores // concurrent)})):
+            env = base_env()
+            if threads is not None:
+                env["OMP_NUM_THREADS"] = str(threads)
+            samples = []
+            for _ in range(2):
+                procs = [
+                    subprocess.Popen(
+                        [str(python), "-c", THREADS_SNIPPET], env=env, stdout=subprocess.PIPE
+                    )
+                    for _ in range(concurrent)
+                ]
+                for proc in procs:
+                    seconds, used = proc.communicate()[0].split()
+                    samples.append(float(seconds))
+            label = f"{concurrent}_process_{'default' if threads is None else threads}_threads"
+            out[label] = {"threads": int(used), "median": statistics.median(samples)}
+    return out
+
+
+def recorded_totals(db: Path) -> dict[str, dict[str, float]]:
+    """Per run: prefix, the outer loop's iterations summed, and the suffix (record time)."""
+    from bench_replay import read_rows
+
+    out: dict[str, dict[str, float]] = {}
+    for run_id, phase, seconds in read_rows(db, "SELECT run_id, phase, seconds FROM profile"):
+        entry = out.setdefault(run_id, {"prefix": 0.0, "loop": 0.0, "suffix": 0.0})
+        key = "loop" if phase == "iteration" else phase
+        if key in entry:
+            entry[key] += seconds
+    for run_id, started, ended in read_rows(db, "SELECT run_id, started_at, ended_at FROM runs"):
+        out.setdefault(run_id, {})["wall"] = ended - started
+    return out
+
+
+def one_rep(python: Path, epochs: int, n_train: int, work: Path) -> dict[str, Any]:
+    env = base_env()
+    project = work / "project"
+    logs = work / "logs"
+    logs.mkdir(parents=True)
+    new_project(project, env, workload.V1)
+    db = project / ".retrolog" / "retrolog.db"
+    again = work / "again"
+    record_timelines = work / "record-timelines"
+    record_timelines.mkdir()
+    probe_env = {
+        **env,
+        "PYTHONPATH": str(SITE_DIR),
+        "REPLAY_BREAKDOWN_DIR": str(record_timelines),
+    }
+    for index, (version, kwargs) in enumerate(workload.RUNS):
+        (project / "train.py").write_text(workload.VERSIONS[version])
+        cmd = [str(python), "train.py", *run_kwargs(kwargs, epochs, n_train)]
+        timed(cmd, project, probe_env, logs / f"record-{index}.log")
+        # The same code and arguments once more, into a scratch store: the noise floor.
+        scratch_env = {**probe_env, "RETROLOG_STORE": str(again)}
+        timed(cmd, project, scratch_env, logs / f"again-{index}.log")
+    runs = run_ids(db)
+    record_prefix = record_prefix_parts(db, record_timelines)
+    first = recorded_totals(db)
+    second = recorded_totals(again / "retrolog.db")
+    floor = []
+    for run_id, other in zip(runs, run_ids(again / "retrolog.db"), strict=True):
+        a, b = first[run_id], second[other]
+        floor.append(
+            {
+                part: (b[part] - a[part]) / a[part] * 100
+                for part in ("prefix", "loop", "wall")
+                if a.get(part)
+            }
+        )
+    (project / "train.py").write_text(workload.NEWEST_WITH_SUFFIX)
+    recorded = work / "recorded-store"
+    shutil.copytree(project / ".retrolog", recorded)
+
+    from retrolog._replay.profile import load_profiles
+    from retrolog._replay.replayer import _restore_seconds_per_byte
+    from retrolog.store.metadata import connect
+    from retrolog.store.paths import ProjectPaths
+
+    replays = {}
+    for probe, name, counts in PROBES:
+        for workers in counts:
+            shutil.rmtree(project / ".retrolog")
+            shutil.copytree(recorded, project / ".retrolog")
+            result = replay_with_timeline(project, env, name, workers, work / "timelines")
+            failed = [o for o in result["outcomes"].values() if o.status != "replayed"]
+            if failed:
+                raise BenchError(f"replay {probe} w={workers} failed: {failed[0].error}")
+            paths = ProjectPaths(root=project, store=project / ".retrolog", in_git=True)
+            conn = connect(db)
+            try:
+                per_byte = _restore_seconds_per_byte(paths, load_profiles(conn, runs))
+            finally:
+                conn.close()
+            rows = breakdown(result, per_byte)
+            replays[f"{probe}-{workers}"] = rows
+            print(f"  {probe} w={workers}: " + summary_line(rows), file=sys.stderr)
+    return {"noise_floor_pct": floor, "record_prefix": record_prefix, "replays": replays}
+
+
+def record_prefix_parts(db: Path, timelines: Path) -> list[dict[str, Any]]:
+    """Per recording: the profile's prefix, and the same interval measured in parts."""
+    from bench_replay import read_rows
+
+    prefix = dict(read_rows(db, "SELECT run_id, seconds FROM profile WHERE phase = 'prefix'"))
+    rows = []
+    for path in sorted(timelines.glob("record-*.json")):
+        tl = json.loads(path.read_text())
+        start = tl["process_start"]
+        rows.append(
+            {
+                "run_id": tl["run_id"],
+                "profile_prefix": prefix.get(tl["run_id"]),
+                "measured_prefix": tl["first_loop"] - start,
+                "interpreter": tl["site"] - start,
+                "script_until_first_retrolog_call": tl["init_start"] - tl["site"],
+                "record_runtime_setup": tl["init_end"] - tl["init_start"],
+                "script_until_first_loop": tl["first_loop"] - tl["init_end"],
+            }
+        )
+    return rows
+
+
+def summary_line(rows: list[dict[str, Any]]) -> str:
+    parts = []
+    for row in rows:
+        parts.append(
+            f"{row['segment'][-8:]} err {row['error_pct']:+.1f}% (startup "
+            f"{row['startup_total']:.2f} vs {row['model_startup']:.2f}, loop "
+            f"{row['loop_total']:.2f} vs {row['model_loop']:.2f}, tail "
+            f"{row['tail_total']:.2f} vs {row['model_tail']:.2f})"
+        )
+    return "\n    ".join(["", *parts])
+
+
+def aggregate(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per replay kind of each part's measured minus estimated seconds."""
+    out: dict[str, Any] = {}
+    floor = [f for rep in reps for f in rep["noise_floor_pct"]]
+    out["noise_floor_pct"] = {
+        part: {
+            "median_abs": statistics.median(abs(f[part]) for f in floor),
+            "worst": max((f[part] for f in floor), key=abs),
+        }
+        for part in ("prefix", "loop", "wall")
+    }
+    prefixes = [r for rep in reps for r in rep["record_prefix"] if r["profile_prefix"]]
+    out["record_prefix"] = {
+        part: statistics.median(r[part] for r in prefixes)
+        for part in prefixes[0]
+        if part != "run_id"
+    }
+    out["record_prefix"]["profile_minus_measured"] = statistics.median(
+        r["profile_prefix"] - r["measured_prefix"] for r in prefixes
+    )
+    for kind in reps[0]["replays"]:
+        rows = [row for rep in reps for row in rep["replays"][kind]]
+        iters = [it for row in rows for it in row["iterations"]]
+        executed = [it for it in iters if it["executed"]]
+        restored = [it for it in iters if not it["executed"]]
+
+        def med(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
+        out[kind] = {
+            "segments": len(rows),
+            "error_pct": {
+                "median_abs": med([abs(r["error_pct"]) for r in rows]),
+                "worst": max((r["error_pct"] for r in rows), key=abs),
+            },
+            "startup_measured_minus_model": med(
+                [r["startup_total"] - r["model_startup"] for r in rows]
+            ),
+            "startup_parts": {
+                part: med([r["startup"][part] for r in rows]) for part in rows[0]["startup"]
+            },
+            "checkout_seconds": med([r["checkout_seconds"] for r in rows]),
+            "executed_iteration_measured_minus_model": med(
+                [it["seconds"] - it["model"] for it in executed]
+            ),
+            "executed_block_measured_over_model": med(
+                [it["block"] / it["model_block"] for it in executed if it["model_block"]]
+            ),
+            "restored_iteration_measured_minus_model": med(
+                [it["seconds"] - it["model"] for it in restored]
+            ),
+            "restore_seconds": med([it["restore"] for it in restored]),
+            "non_block_measured_minus_model": med(
+                [it["non_block"] - it["model_non_block"] for it in iters]
+            ),
+            "tail_measured_minus_model": med([r["tail_total"] - r["model_tail"] for r in rows]),
+            "tail_parts": {part: med([r["tail"][part] for r in rows]) for part in rows[0]["tail"]},
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--n-train", type=int, default=6000)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    workload.check_sources()
+    python = Path(sys.executable)
+    started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
+    reps = []
+    try:
+        for rep in range(args.reps):
+            print(f"rep {rep + 1}/{args.reps}", file=sys.stderr)
+            work = Path(tempfile.mkdtemp(prefix="retrolog-breakdown-"))
+            try:
+                reps.append(one_rep(python, args.epochs, args.n_train, work))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    except BenchError as exc:
+        print(f"breakdown failed: {exc}", file=sys.stderr)
+        return 1
+    print(
+        "threads: 50 steps alone and 2 at once, torch's threads or the cores shared out",
+        file=sys.stderr,
+    )
+    threads = thread_experiment(python, os.cpu_count() or 1)
+    result = {
+        **conditions(
+            "replay_breakdown",
+            started,
+            load_before,
+            os.getloadavg(),
+            args.reps,
+            metadata.version("retrolog"),
+            source,
+            source_fingerprint(),
+        ),
+        "workload": {"epochs": args.epochs, "n_train": args.n_train},
+        "aggregate": aggregate(reps),
+        "threads": threads,
+        "reps": reps,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"aggregate": result["aggregate"], "threads": threads}, indent=2))
+    print(f"results: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
