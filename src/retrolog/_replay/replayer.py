@@ -61,6 +61,8 @@ class RunOutcome:
     error: str | None = None
     log_paths: list[str] = field(default_factory=list)
     diff: str = ""
+    # Checkpoints a worker could not read (missing or corrupt) and executed instead: (key, why).
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -538,6 +540,11 @@ def _collect(
             continue
         outcome.actual_seconds = sum(j.seconds for j in run_jobs_)
         rows = [row for j in finished for row in (j.output or {}).get("values", [])]
+        outcome.fallbacks = [
+            (str(key), str(why))
+            for j in finished
+            for key, why in (j.output or {}).get("fallbacks", [])
+        ]
         outcome.backfilled = backfill(
             conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
             rows=rows, names=names, force=force,
@@ -589,6 +596,11 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo) -> None:
     for outcome in outcomes.values():
         if outcome.status in ("failed", "partial"):
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
+        for key, why in outcome.fallbacks:
+            echo(
+                f"run {outcome.run_id}: checkpoint {key} could not be read, so its code was "
+                f"executed instead (values are still exact, the replay was slower): {why}"
+            )
         for m in outcome.mismatches:
             echo(
                 f"run {outcome.run_id}: recorded {m.name!r} differs in replay in {m.count} of "
