@@ -102,7 +102,11 @@ def run_once(
         )
         if done.returncode != 0:
             raise BenchError(f"{name}/{variant} failed:\n{tail(done.stderr)}")
-        figures: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        # FlorDB echoes what it logs on stdout: the figures are the last JSON line.
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"seconds"')]
+        if not lines:
+            raise BenchError(f"{name}/{variant} printed no figures:\n{tail(done.stdout)}")
+        figures: dict[str, Any] = json.loads(lines[-1])
         if variant == "retrolog":
             figures.update(store_figures(project / ".retrolog" / "retrolog.db", EPOCHS[name]))
         return figures
