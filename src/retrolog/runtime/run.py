@@ -323,22 +323,14 @@ class Run:
         scope = self.scope
         if scope is None or not scope.objects:
             return
-        checkpointer, policy = self._checkpointing()
+        _, policy = self._checkpointing()
         if not policy.decide(loop_name, seconds):
             return
         began = time.perf_counter()
-        local_values = frames.capture(user_frame, before, scope.ids)
-        spent = checkpointer.capture(
-            ctx_id=ctx,
-            loop_name=loop_name,
-            kind="block",
-            objects=scope.objects,
-            frame_locals=local_values,
-        )
-        if spent is None:
-            policy.not_taken(loop_name, 0.0)
-        else:
+        if self._capture(ctx, loop_name, "block", user_frame=user_frame, before=before):
             policy.captured(loop_name, time.perf_counter() - began)
+        else:
+            policy.not_taken(loop_name, 0.0)
 
     def _capture(
         self,
@@ -348,18 +340,20 @@ class Run:
         *,
         user_frame: FrameType | None,
         before: Mapping[str, int],
-    ) -> None:
+    ) -> bool:
+        """Checkpoint the scope's objects and the frame's small locals; False if skipped."""
         scope = self.scope
         if scope is None or not scope.objects:
-            return
+            return False
         checkpointer, _ = self._checkpointing()
-        checkpointer.capture(
+        spent = checkpointer.capture(
             ctx_id=ctx,
             loop_name=loop_name,
             kind=kind,
             objects=scope.objects,
             frame_locals=frames.capture(user_frame, before, scope.ids),
         )
+        return spent is not None
 
     def _checkpointing(self) -> tuple[Any, Any]:
         """The run's background checkpointer and adaptive policy, made at the first block end."""
