@@ -37,8 +37,7 @@ import json
 import math
 import re
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,7 @@ import pandas as pd
 
 from retrolog._query.sql import execute_read
 from retrolog.errors import QueryError, UnknownNameError
+from retrolog.store.metadata import read_snapshot
 
 META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 """The run columns every wide view starts with."""
@@ -128,7 +128,8 @@ def dataframe(
             "dataframe() needs at least one log name, e.g. dataframe(['loss', 'acc']); "
             f"the names logged in this store are: {_listing(logged_names(conn))}."
         )
-    with _snapshot(conn):
+    # A training process may add runs and logs meanwhile: every statement reads one snapshot.
+    with read_snapshot(conn):
         for name in requested:
             _require_logged(conn, name)
         dims = _dimensions(conn)
@@ -250,23 +251,6 @@ def _columns(header: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str
     """Rows turned into columns, by name."""
     # One comprehension per column is about three times faster than zip(*rows).
     return {h: tuple([row[j] for row in rows]) for j, h in enumerate(header)}
-
-
-@contextmanager
-def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
-    """Read every statement of one dataframe() from the same snapshot of the store.
-
-    A training process may add runs and logs meanwhile; in WAL mode the read
-    transaction sees none of them and does not block the writer.
-    """
-    if conn.in_transaction:
-        yield
-        return
-    conn.execute("BEGIN")
-    try:
-        yield
-    finally:
-        conn.execute("COMMIT")
 
 
 def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:

@@ -211,8 +211,7 @@ class ReplayRun:
         An object that is missing or corrupt is found while decoding, before any live
         object changes, so the caller can execute the code instead, from the same state.
         """
-        from retrolog.checkpoint.capture import load_checkpoint
-        from retrolog.checkpoint.state import restore
+        from retrolog.checkpoint.capture import restore_checkpoint
         from retrolog.errors import StoreError
         from retrolog.store.objects import LocalObjectStore
 
@@ -224,7 +223,7 @@ class ReplayRun:
             self._store = LocalObjectStore(Path(self.spec.store) / "objects")
         started = time.perf_counter()
         try:
-            snap = load_checkpoint(self._store, manifest)
+            restore_checkpoint(scope.objects, self._store, manifest)
         except StoreError as exc:
             self._fallbacks.append([manifest, str(exc)])
             print(
@@ -233,7 +232,6 @@ class ReplayRun:
                 file=sys.stderr,
             )
             return False
-        restore(scope.objects, snap)
         values, _ = frames.load(self._frame_locals.get(key))
         frames.restore(user_frame, values)
         _mark_optimizers_stepped(scope.objects)

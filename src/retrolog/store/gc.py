@@ -35,7 +35,6 @@ Why this is safe beside runs that are recording (docs/store.md):
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import math
@@ -44,12 +43,13 @@ import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
+from retrolog.store.metadata import read_snapshot
 from retrolog.store.objects import LocalObjectStore, check_key
 
 GRACE_SECONDS = 3600.0
@@ -281,7 +281,7 @@ def plan_gc(
         raise UsageError(f"The grace period must be 0 seconds or more, not {grace_seconds!r}.")
     now = time.time() if now is None else now
     try:
-        with _read_transaction(conn):
+        with read_snapshot(conn):
             if policy.keep is Keep.BEST:
                 _require_metric(conn, policy.metric or "")
             protected = _protected_runs(conn, now)
@@ -334,7 +334,7 @@ def collect_garbage(
             conn.execute("ROLLBACK")
             raise
         now = time.time() if now is None else now
-        with _read_transaction(conn):
+        with read_snapshot(conn):
             kept_rows = _all_rows(conn)
             cutoff, reason = _cutoff(conn, now, plan.grace_seconds)
     except sqlite3.Error as exc:
@@ -481,19 +481,6 @@ def _require_metric(conn: sqlite3.Connection, name: str) -> None:
 
 
 # -- reading the store -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _read_transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """Every read of one step from the same snapshot (WAL: writers are not blocked)."""
-    if conn.in_transaction:
-        yield
-        return
-    conn.execute("BEGIN")
-    try:
-        yield
-    finally:
-        conn.execute("COMMIT")
 
 
 def _checkpoints_by_run(

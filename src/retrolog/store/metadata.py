@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from retrolog.errors import StoreError
@@ -74,6 +76,24 @@ def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
             f"The retrolog store {paths.database} cannot be read: {exc}.", path=str(paths.database)
         ) from exc
     return conn
+
+
+@contextmanager
+def read_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """Run the reads inside the block against one snapshot of the store.
+
+    A training process may add runs, logs and checkpoints meanwhile; in WAL mode the
+    read transaction sees none of them and does not block the writer. Inside a
+    transaction already, the block joins it.
+    """
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
 
 
 def _make_store_dir(paths: ProjectPaths) -> None:
