@@ -65,7 +65,7 @@ from bench_log import (  # noqa: E402
 
 RESULTS = BENCH_DIR / "results" / "record.json"
 EPS = 1 / 15
-EPOCHS = {"cnn": 6, "stress": 8, "finetune": 6}
+EPOCHS = {"cnn": 20, "stress": 24, "finetune": 20}
 TARGETS = {"cnn": 0.01, "stress": EPS, "finetune": 0.01}
 CHILD_TIMEOUT = 900
 

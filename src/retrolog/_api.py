@@ -138,8 +138,9 @@ def configure(
         "every" (every block, whatever it costs; env RETROLOG_CHECKPOINTS).
     max_in_flight: snapshots held in memory while the background writer stores
         them (default 2; env RETROLOG_MAX_IN_FLIGHT).
-    when_full: when the writer is behind, "wait" (default) or "skip" the
-        checkpoint (replay then executes that block; env RETROLOG_WHEN_FULL).
+    when_full: when the writer is behind, "skip" the checkpoint (default;
+        replay then executes that block) or make training "wait" (the default
+        with checkpoints="every"; env RETROLOG_WHEN_FULL).
     restore_ratio: restore time over materialize time, Flor's c (default 1;
         env RETROLOG_RESTORE_RATIO).
     Takes effect at the run's first checkpoint; call it before the training loop.

@@ -7,12 +7,14 @@ bound on a wait it forced.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -266,6 +268,62 @@ def test_close_flushes_everything_in_capture_order(gated: GatedStore, tmp_path: 
     ckpt.close()  # closing twice is harmless
 
 
+def nice_of_this_thread() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
+    gated: GatedStore, store: LocalObjectStore
+) -> None:
+    """The writer thread runs at nice 19; close() interrupts it and writes what is left."""
+    main_nice = nice_of_this_thread()
+    state = {"a": np.zeros(10_000), "b": np.ones(10_000)}  # two arrays: two puts each
+    seen: list[tuple[str, int, CheckpointRecord]] = []
+
+    def sink(record: CheckpointRecord) -> None:
+        seen.append((threading.current_thread().name, nice_of_this_thread(), record))
+
+    ckpt = BackgroundCheckpointer(gated, sink, max_in_flight=3)
+    assert ckpt.low_priority
+    gated.gate.set()
+    capture(ckpt, state, 0)
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while ckpt.written < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(name, nice) for name, nice, _ in seen] == [("retrolog-checkpoint-writer", 19)]
+    # The writer blocks inside checkpoint 1's first put; close() comes meanwhile.
+    gated.gate.clear()
+    gated.entered.clear()
+    state["a"][:] = 1.0
+    state["b"][:] = 2.0
+    capture(ckpt, state, 1)
+    state["a"][:] = 3.0
+    capture(ckpt, state, None)
+    assert gated.entered.wait(GATE_TIMEOUT)
+    threading.Timer(0.2, gated.gate.set).start()
+    ckpt.close()
+    # Checkpoint 1 was interrupted after its first array and started again here, at
+    # this thread's priority; the end checkpoint was never started by the writer.
+    assert [(name, nice) for name, nice, _ in seen[1:]] == [
+        (threading.current_thread().name, main_nice)
+    ] * 2
+    assert nice_of_this_thread() == main_nice
+    assert [r.ctx_id for _, _, r in seen] == [0, 1, None]
+    restored = [decode(r.manifest, store).objects for _, _, r in seen]
+    assert [(o["a"][0], o["b"][0]) for o in restored] == [(0.0, 1.0), (1.0, 2.0), (3.0, 2.0)]
+    assert seen[1][2].write_seconds >= 0.2  # counted from the interrupted attempt's start
+
+
+def test_the_writer_at_training_priority_when_asked(store: LocalObjectStore) -> None:
+    nices: list[int] = []
+    with BackgroundCheckpointer(
+        store, lambda r: nices.append(nice_of_this_thread()), low_priority=False
+    ) as ckpt:
+        capture(ckpt, {"a": np.zeros(10_000)}, 0)
+    assert not ckpt.low_priority and nices == [nice_of_this_thread()]
+
+
 @pytest.mark.filterwarnings("ignore:retrolog's checkpoint writer fell behind")
 def test_many_checkpoints_are_reported_in_order(store: LocalObjectStore) -> None:
     state = {"x": np.zeros(1000)}
@@ -322,13 +380,15 @@ def test_when_full_wait_blocks_the_training_thread(
 
 
 def test_when_full_skip_drops_the_checkpoint_but_never_the_end(
-    gated: GatedStore, monkeypatch: pytest.MonkeyPatch
+    gated: GatedStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     taken = count_snapshots(monkeypatch)
     state = {"x": np.arange(10.0)}
     records: list[CheckpointRecord] = []
     ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=1, when_full="skip")
-    with pytest.warns(RetrologWarning, match="fell behind.*skipped") as warned:
+    caplog.set_level("INFO", logger="retrolog.checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # skipping is logged, not warned about
         capture(ckpt, state, 0)
         assert gated.entered.wait(GATE_TIMEOUT)
         capture(ckpt, state, 1)
@@ -341,7 +401,8 @@ def test_when_full_skip_drops_the_checkpoint_but_never_the_end(
         end.join(GATE_TIMEOUT)
         assert errors == []
         ckpt.close()
-    assert len(warned) == 1
+    skipped = [r.getMessage() for r in caplog.records if "not taken" in r.getMessage()]
+    assert len(skipped) == 1 and "ctx 1 of loop 'epoch'" in skipped[0]
     assert [r.ctx_id for r in records] == [0, None]  # the sink never saw the skipped ones
     assert ckpt.skipped == 2 and ckpt.captured == 2
     assert [(s.ctx_id, s.loop_name, s.kind, s.in_flight) for s in ckpt.skips] == [

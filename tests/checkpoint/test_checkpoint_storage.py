@@ -277,9 +277,9 @@ def test_deltas_that_do_not_pay_are_tried_less_and_less(
     calls: list[int] = []
     original = _arrays._compress
 
-    def counting(data: Any, itemsize: int) -> Any:
+    def counting(data: Any, itemsize: int, threads: int = 1) -> Any:
         calls.append(data.nbytes)
-        return original(data, itemsize)
+        return original(data, itemsize, threads)
 
     monkeypatch.setattr(_arrays, "_compress", counting)
     hist = DeltaHistory()
@@ -499,17 +499,30 @@ def test_checkpointer_records_the_stored_size(store: LocalObjectStore) -> None:
     assert ckpt.history.last is not None and ckpt.history.last.written_objects == 1
 
 
-def test_loading_the_codec_leaves_the_random_state_alone() -> None:
+@pytest.mark.parametrize(
+    "how",
+    [
+        "_arrays._codec()",  # a synchronous checkpoint on the training thread
+        # the background writer: prepared on the training thread, imported on its own
+        "_arrays.prepare_background_import()\n"
+        "t = threading.Thread(target=_arrays._codec)\nt.start()\nt.join()",
+    ],
+)
+def test_importing_the_codec_leaves_every_random_state_alone(how: str) -> None:
     """blosc2's import draws from python's global generator; the script's draws must not move."""
     code = (
-        "import random\n"
-        "random.seed(7)\n"
-        "from retrolog.checkpoint.codec import DeltaHistory\n"
-        "DeltaHistory()\n"
-        "print(random.random())\n"
+        "import random, threading\n"
+        "import numpy as np, torch\n"
+        "random.seed(7); np.random.seed(7); torch.manual_seed(7)\n"
+        "from retrolog.checkpoint import _arrays\n"
+        f"{how}\n"
+        "assert _arrays._blosc2 is not None\n"
+        "print(random.random(), np.random.random(), torch.rand(1).item())\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout
+    ).stdout.split()
     random.seed(7)
-    assert float(out) == random.random()
+    np.random.seed(7)
+    torch.manual_seed(7)
+    assert [float(x) for x in out] == [random.random(), np.random.random(), torch.rand(1).item()]

@@ -113,11 +113,19 @@ def test_settings_come_from_configure_over_environment_over_defaults(
     got = settings.current(env)
     assert got.overhead_tolerance == 0.02
     assert got.checkpoints == "adaptive"
-    assert got.max_in_flight == 2 and got.when_full == "wait" and got.restore_ratio == 1.0
+    assert got.max_in_flight == 2 and got.when_full == "skip" and got.restore_ratio == 1.0
     assert settings.current({}).overhead_tolerance == pytest.approx(1 / 15)
-    settings.configure(overhead_tolerance=0.05, max_in_flight=3, when_full="skip")
+    # Dense checkpoints wait for the writer unless told otherwise.
+    assert settings.current({"RETROLOG_CHECKPOINTS": "every"}).when_full == "wait"
+    settings.configure(overhead_tolerance=0.05, max_in_flight=3, when_full="wait")
     got = settings.current(env)
-    assert (got.overhead_tolerance, got.max_in_flight, got.when_full) == (0.05, 3, "skip")
+    assert (got.overhead_tolerance, got.max_in_flight, got.when_full) == (0.05, 3, "wait")
+    assert (
+        settings.current({"RETROLOG_CHECKPOINTS": "every", "RETROLOG_WHEN_FULL": "skip"}).when_full
+        == "wait"
+    )  # configure() wins over the environment
+    settings.configure(when_full="skip")
+    assert settings.current({"RETROLOG_CHECKPOINTS": "every"}).when_full == "skip"
     settings.configure(checkpoints=None)  # None leaves it
     assert settings.current(env).checkpoints == "adaptive"
 

@@ -31,7 +31,7 @@ import os
 import random
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -70,15 +70,27 @@ _SEGMENT = struct.Struct("<Q")  # compressed length, before each segment
 _blosc2: Any = None
 
 
+class Interrupted(Exception):
+    """An encode stopped between two arrays because its ``interrupt`` callable said so."""
+
+
+def all_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _codec() -> Any:
     """blosc2, imported on first use (it costs 0.3-0.6 s) and set to release the GIL."""
     global _blosc2
     if _blosc2 is None:
         # Importing blosc2 imports rich, which draws from python's global random
-        # generator: the training script's own random state. Put it back, so that
-        # checkpointing never changes what a run (or its replay) draws. Only on
-        # the main thread: elsewhere the training thread may be drawing meanwhile,
-        # and its draws must not be undone (DeltaHistory imports on the main thread).
+        # generator: the training script's own random state. On the main thread,
+        # put it back, so that checkpointing never changes what a run (or its
+        # replay) draws. The background writer imports it on its own thread, after
+        # prepare_background_import() made that import draw nothing.
         on_main = threading.current_thread() is threading.main_thread()
         state = random.getstate() if on_main else None
         import blosc2
@@ -90,6 +102,29 @@ def _codec() -> Any:
         blosc2.set_releasegil(True)
         _blosc2 = blosc2
     return _blosc2
+
+
+def prepare_background_import() -> None:
+    """Let a background thread import the codec without touching the training's random state.
+
+    Call on the training thread. Importing blosc2 takes 0.3-0.6 s of CPU,
+    which a background writer can spend on otherwise idle cycles; but one
+    module it imports, rich.style, draws from python's global random generator
+    at import time, and from another thread that draw would land between the
+    training's own draws, unrecoverably. Importing that module here (7-12 ms),
+    with the state put back, leaves nothing in blosc2's import that draws
+    (tests/checkpoint/test_codec_import.py checks it against the installed
+    version).
+    """
+    if _blosc2 is not None:
+        return
+    state = random.getstate()
+    try:
+        import rich.style  # noqa: F401
+    except ImportError:
+        pass  # a blosc2 without rich: nothing to draw
+    finally:
+        random.setstate(state)
 
 
 def content_key(dtype: str, shape: Sequence[int], data: np.ndarray[Any, Any]) -> str:
@@ -213,13 +248,8 @@ class DeltaHistory:
             raise ValueError(f"min_gain must be in (0, 1], not {min_gain!r}")
         self.max_chain = max_chain
         self.min_gain = min_gain
-        # Checkpointers make their history when checkpointing starts, on the
-        # training thread, outside any block's timing. Importing blosc2 (0.3-0.6 s)
-        # here rather than in the writer thread's first encode keeps that import
-        # from competing with training for the GIL during the first blocks, from
-        # delaying the first write, whose cost the adaptive rule waits for, and
-        # lets it leave python's random state as it was (see _codec).
-        _codec()
+        # The codec is imported by the first encode, on whichever thread runs it:
+        # the background writer, in idle cycles (see prepare_background_import).
         self.last: EncodeStats | None = None  # the most recent encode
         self.total = EncodeStats()  # every encode so far
         self._paths: dict[str, _PathState] = {}
@@ -235,9 +265,18 @@ class DeltaHistory:
 class ArrayWriter:
     """Stores the arrays of one checkpoint; collects what the manifest depends on."""
 
-    def __init__(self, store: ObjectStore, history: DeltaHistory | None) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        history: DeltaHistory | None,
+        *,
+        threads: int = 1,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> None:
         self.store = store
         self.history = history
+        self.threads = threads  # blosc2 threads per compression
+        self.interrupt = interrupt  # polled before each array: stop with Interrupted
         self.stats = EncodeStats()
         self.infos: dict[str, ObjectInfo] = {}  # every object the checkpoint needs, bases too
         self._paths: dict[str, _PathState] = {}  # this checkpoint's states, for the history
@@ -251,7 +290,12 @@ class ArrayWriter:
         itemsize: int,
         is_float: bool,
     ) -> str:
-        """Store array ``data`` (contiguous uint8 view) as found at ``path``; returns its key."""
+        """Store array ``data`` (contiguous uint8 view) as found at ``path``; returns its key.
+
+        Raises Interrupted, before any work on it, when ``interrupt()`` is true.
+        """
+        if self.interrupt is not None and self.interrupt():
+            raise Interrupted
         shape = tuple(shape)
         key = content_key(dtype, shape, data)
         if key not in self.infos:
@@ -315,12 +359,12 @@ class ArrayWriter:
             gain = self.history.min_gain
             uint = _UINT[itemsize]
             diff = np.subtract(data.view(uint), prev.base.view(uint))  # wraps, exactly invertible
-            delta = _compress(diff.view(np.uint8), itemsize)
+            delta = _compress(diff.view(np.uint8), itemsize, self.threads)
             delta_size = _size(delta)
             # Compressing in full too would double the writer's work; the last
             # full size of this path stands in for it when the delta clearly wins.
             if prev.full_size is None or delta_size > gain * prev.full_size:
-                full = _compress(data, itemsize)
+                full = _compress(data, itemsize, self.threads)
                 if delta_size > gain * _size(full):
                     # Deltas of this tensor do not pay (an Adam moment, say): back off
                     # exponentially, so trying costs at most a few extra compressions.
@@ -335,7 +379,7 @@ class ArrayWriter:
                 key, DELTA_BLOSC, itemsize, prev.depth + 1, data.nbytes, prev.key, delta
             )
         if full is None:
-            full = _compress(data, itemsize)
+            full = _compress(data, itemsize, self.threads)
         if _size(full) >= data.nbytes:
             return self._put(key, RAW, itemsize, 0, data.nbytes, None, [data])
         return self._put(key, BLOSC, itemsize, 0, data.nbytes, None, full)
@@ -424,7 +468,7 @@ class ArrayWriter:
         return stats.stored_bytes
 
 
-def _compress(data: np.ndarray[Any, Any], itemsize: int) -> list[bytes]:
+def _compress(data: np.ndarray[Any, Any], itemsize: int, threads: int = 1) -> list[bytes]:
     """``data`` in blosc2 chunks of at most :data:`SEGMENT_BYTES`, each after its length."""
     blosc2 = _codec()
     parts: list[bytes] = []
@@ -442,7 +486,7 @@ def _compress(data: np.ndarray[Any, Any], itemsize: int) -> list[bytes]:
                 # which decompresses at memcpy speed.
                 splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
                 blocksize=BLOCK_BYTES,
-                nthreads=1,  # the writer shares the cores with training
+                nthreads=threads,  # 1 while training runs: the writer uses idle cycles
             )
         except (RuntimeError, ValueError) as exc:
             raise StoreError(f"blosc2 could not compress {data.nbytes} bytes: {exc}") from exc

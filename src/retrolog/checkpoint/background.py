@@ -14,12 +14,13 @@ thread over a forked child or a worker process was made from measurements
 
 The thread works because what it spends its time on releases the GIL:
 hashing (xxhash), compressing (blosc2) and the file writes in
-:class:`~retrolog.store.objects.LocalObjectStore`. Memory is bounded: at most
-``max_in_flight`` snapshots are held (queued or being written); when a block
-ends while all are taken, ``when_full`` decides, explicitly and with a
-warning the first time, whether the training thread waits or the checkpoint
-is skipped (counted, and listed in :attr:`BackgroundCheckpointer.skips` so the
-adaptive rule can account for it).
+:class:`~retrolog.store.objects.LocalObjectStore`; and it runs at the lowest
+CPU priority, so it takes only the cycles training leaves idle. Memory is
+bounded: at most ``max_in_flight`` snapshots are held (queued or being
+written); when a block ends while all are taken, ``when_full`` decides
+whether the training thread waits (a warning, the first time) or the
+checkpoint is skipped (logged, counted, and listed in
+:attr:`BackgroundCheckpointer.skips` so the adaptive rule can account for it).
 
 Visibility: the sink is called only after :func:`~retrolog.checkpoint.codec.encode`
 returned, and encode puts the manifest after every blob it references, each
@@ -32,6 +33,9 @@ checkpoint replay could pick.
 from __future__ import annotations
 
 import atexit
+import logging
+import os
+import sys
 import threading
 import time
 import warnings
@@ -40,11 +44,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from retrolog.checkpoint._arrays import all_cores, prepare_background_import
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
-from retrolog.checkpoint.codec import DeltaHistory, encode
+from retrolog.checkpoint.codec import DeltaHistory, Interrupted, encode
 from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, snapshot
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
 from retrolog.store.objects import ObjectStore
+
+_log = logging.getLogger("retrolog.checkpoint")
 
 WhenFull = Literal["wait", "skip"]
 WHEN_FULL: tuple[WhenFull, ...] = ("wait", "skip")
@@ -73,6 +80,10 @@ class _Job:
     capture_seconds: float
     buffers: SnapshotBuffers  # the memory the snapshot's large tensors live in
     frame_locals: bytes | None = None  # stored with the checkpoint as they are
+    # Writing may take two attempts (close() takes over an interrupted one):
+    # when the first began, and the CPU time of all of them.
+    write_started: float | None = None
+    writer_cpu_seconds: float = 0.0
 
 
 class BackgroundCheckpointer(Checkpointer):
@@ -88,6 +99,14 @@ class BackgroundCheckpointer(Checkpointer):
     :attr:`skipped`). The ``end`` checkpoint is never skipped: it is the only
     one replay always needs, so it waits.
 
+    ``low_priority`` (the default) runs the writer at the lowest CPU priority
+    (nice 19, for its thread only; Linux), so it takes only cycles training
+    leaves idle: on a CPU-bound machine a writer at training's priority slows
+    training several times its own CPU time (docs/materialization.md). What is
+    left to write at :meth:`close` is written by the closing thread, at its
+    priority and with every core, since training is over by then and a busy
+    machine could starve a writer at nice 19.
+
     A failure on the writer thread is raised in the training thread, as
     StoreError (or CheckpointTargetError for a value that cannot be encoded),
     at the next :meth:`capture` or at :meth:`close`; the checkpoints still
@@ -101,6 +120,7 @@ class BackgroundCheckpointer(Checkpointer):
         *,
         max_in_flight: int = 2,
         when_full: WhenFull = "wait",
+        low_priority: bool = True,
     ) -> None:
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int of at least 1, not {max_in_flight!r}")
@@ -111,6 +131,11 @@ class BackgroundCheckpointer(Checkpointer):
         self.history = DeltaHistory()  # used by the writer thread only
         self.max_in_flight = max_in_flight
         self.when_full: WhenFull = when_full
+        # Whether the writer runs below training's priority: requested, and possible
+        # here (per-thread nice values are a Linux feature).
+        self.low_priority = low_priority and sys.platform.startswith("linux")
+        if self.low_priority:
+            prepare_background_import()
         self._cond = threading.Condition()
         # Queued jobs and, at the head, the one being written: len() is the
         # number of snapshots held, which is what max_in_flight bounds.
@@ -203,7 +228,7 @@ class BackgroundCheckpointer(Checkpointer):
                 if self.when_full == "skip" and kind != "end":
                     self._skip(ctx_id, loop_name, kind, created_at)
                     return None
-                self._wait_for_slot(ctx_id)
+                self._wait_for_slot(ctx_id, kind)
             buffers = self._free_buffers.pop()
         # The snapshot is taken outside the lock so the writer can report the
         # previous checkpoint meanwhile; only this thread adds jobs, so the
@@ -236,19 +261,33 @@ class BackgroundCheckpointer(Checkpointer):
 
     def _skip(self, ctx_id: int | None, loop_name: str, kind: str, at: float) -> None:
         self._skips.append(SkippedCheckpoint(ctx_id, loop_name, kind, at, len(self._pending)))
-        self._warn_once(
-            f"skipped this checkpoint (ctx {ctx_id}); skipped ones are counted and the adaptive "
-            "checkpointing rule sees them as not taken, so replay executes those blocks"
-        )
+        if len(self._skips) == 1:
+            # Skipping is the adaptive default's way of never making training wait for
+            # a writer that takes only idle cycles: logged, counted, not warned about.
+            _log.info(
+                "the checkpoint writer was behind at ctx %s of loop %r (%d checkpoint(s) "
+                "in flight), so that checkpoint was not taken; skips are counted in "
+                "runs.checkpointing and the adaptive rule sees them as not taken, so replay "
+                "executes those blocks",
+                ctx_id,
+                loop_name,
+                len(self._pending),
+            )
 
-    def _wait_for_slot(self, ctx_id: int | None) -> None:
-        """Block (holding nothing but the condition) until the writer frees a slot."""
+    def _wait_for_slot(self, ctx_id: int | None, kind: str) -> None:
+        """Block (holding nothing but the condition) until the writer frees a slot.
+
+        A block's wait is warned about once per run (training waited on the
+        writer); the end checkpoint, which always waits, is only counted.
+        """
         began = time.perf_counter()
         while len(self._pending) >= self.max_in_flight and self._error is None:
             self._cond.wait()
         waited = time.perf_counter() - began
         self._waited_seconds += waited
         self._raise_if_failed()
+        if kind == "end":
+            return
         self._warn_once(
             f"made training wait {waited:.3f} s for a free slot (ctx {ctx_id}); waits are "
             "counted in waited_seconds and in each checkpoint's capture time"
@@ -269,13 +308,25 @@ class BackgroundCheckpointer(Checkpointer):
         )
 
     def close(self) -> None:
-        """Write and report every checkpoint in flight, stop the writer, raise its failure."""
+        """Write and report every checkpoint in flight, stop the writer, raise its failure.
+
+        The writer stops at the next array it would encode (an interrupted
+        checkpoint is started again here; what it wrote is found stored), and
+        this thread writes the rest, with every core.
+        """
         with self._cond:
             self._closing = True
             thread = self._thread
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+            while True:
+                with self._cond:
+                    if not self._pending or self._error is not None:
+                        break
+                    job = self._pending[0]
+                if not self._write_one(job, threads=all_cores()):
+                    break
         with self._cond:
             if not self._closed:
                 self._closed = True
@@ -315,36 +366,56 @@ class BackgroundCheckpointer(Checkpointer):
     # -- writer thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.low_priority:
+            _lower_priority()
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
                     self._cond.wait()
-                if not self._pending:
-                    return
+                if self._closing:
+                    return  # close() writes what is left
                 job = self._pending[0]
-            try:
-                self._write(job)
-            except BaseException as exc:  # all of it goes to the training thread, none is lost
-                with self._cond:
-                    dropped = len(self._pending) - 1
-                    self._pending.clear()
-                    self._error = _converted(exc, job, dropped)
-                    self._cond.notify_all()
+            if not self._write_one(job, threads=1, interrupt=self._is_closing):
                 return
-            with self._cond:
-                self._pending.popleft()
-                self._free_buffers.append(job.buffers)
-                self._written += 1
-                self._cond.notify_all()
 
-    def _write(self, job: _Job) -> None:
+    def _is_closing(self) -> bool:
+        return self._closing
+
+    def _write_one(
+        self, job: _Job, *, threads: int, interrupt: Callable[[], bool] | None = None
+    ) -> bool:
+        """Write ``job``, the head of the queue; False if that ended the writing."""
+        try:
+            self._write(job, threads=threads, interrupt=interrupt)
+        except Interrupted:
+            return False  # still queued: close() writes it
+        except BaseException as exc:  # all of it goes to the training thread, none is lost
+            with self._cond:
+                dropped = len(self._pending) - 1
+                self._pending.clear()
+                self._error = _converted(exc, job, dropped)
+                self._cond.notify_all()
+            return False
+        with self._cond:
+            self._pending.popleft()
+            self._free_buffers.append(job.buffers)
+            self._written += 1
+            self._cond.notify_all()
+        return True
+
+    def _write(self, job: _Job, *, threads: int, interrupt: Callable[[], bool] | None) -> None:
         snap = job.snap
         assert snap is not None
-        started = time.perf_counter()
+        if job.write_started is None:
+            job.write_started = time.perf_counter()
         cpu_started = time.thread_time()
-        manifest, nbytes = encode(snap, self.store, history=self.history)
+        try:
+            manifest, nbytes = encode(
+                snap, self.store, history=self.history, threads=threads, interrupt=interrupt
+            )
+        finally:
+            job.writer_cpu_seconds += time.thread_time() - cpu_started
         written = time.perf_counter()
-        cpu = time.thread_time() - cpu_started
         job.snap = None
         # Only now, with the manifest (written last by encode) in place, may the
         # checkpoint become visible.
@@ -356,12 +427,26 @@ class BackgroundCheckpointer(Checkpointer):
                 manifest=manifest,
                 nbytes=nbytes,
                 capture_seconds=job.capture_seconds,
-                write_seconds=written - started,
+                write_seconds=written - job.write_started,
                 created_at=job.created_at,
-                writer_cpu_seconds=cpu,
+                writer_cpu_seconds=job.writer_cpu_seconds,
                 frame_locals=job.frame_locals,
             )
         )
+
+
+def _lower_priority() -> bool:
+    """Give the calling thread, and it alone, the lowest CPU priority; whether that worked.
+
+    On Linux the nice value is per thread, and setpriority() on a thread id
+    changes only that thread. Raising it needs no privilege; the thread can
+    never lower it again, which is why close() writes the rest elsewhere.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def _converted(exc: BaseException, job: _Job, dropped: int) -> BaseException:

@@ -44,6 +44,7 @@ import pickle
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +55,7 @@ from retrolog.checkpoint._arrays import (
     ArrayWriter,
     DeltaHistory,
     EncodeStats,
+    Interrupted,
     read_array,
     read_info,
 )
@@ -61,7 +63,15 @@ from retrolog.checkpoint.state import DeviceTensor, Snapshot, import_torch, load
 from retrolog.errors import CheckpointTargetError, CorruptObjectError, StoreError
 from retrolog.store.objects import ObjectStore, is_framed_key
 
-__all__ = ["FORMAT", "DeltaHistory", "EncodeStats", "decode", "encode", "manifest_blobs"]
+__all__ = [
+    "FORMAT",
+    "DeltaHistory",
+    "EncodeStats",
+    "Interrupted",
+    "decode",
+    "encode",
+    "manifest_blobs",
+]
 
 FORMAT = "retrolog.snapshot/2"
 READABLE = ("retrolog.snapshot/1", FORMAT)
@@ -70,7 +80,12 @@ PARALLEL_READ_BYTES = 4 << 20  # below this, starting threads costs more than it
 
 
 def encode(
-    snap: Snapshot, store: ObjectStore, history: DeltaHistory | None = None
+    snap: Snapshot,
+    store: ObjectStore,
+    history: DeltaHistory | None = None,
+    *,
+    threads: int = 1,
+    interrupt: Callable[[], bool] | None = None,
 ) -> tuple[str, int]:
     """Write ``snap`` to ``store``.
 
@@ -78,13 +93,18 @@ def encode(
       lets tensors be stored as deltas against the previous checkpoint and
       records what this encode did in ``history.last``; without it, every
       object is stored in full.
+    threads: compression threads per array.
+    interrupt: polled before each array; when it returns true, the encode
+      stops by raising :class:`Interrupted` before writing the manifest, so
+      nothing refers to the objects written so far, and a later encode of the
+      same snapshot finds them stored.
 
     Returns the manifest's key and the stored (compressed) size of the
     manifest and of the distinct objects it needs, delta bases included,
     whether or not this call wrote them.
     """
     started = time.perf_counter()
-    encoder = _Encoder(store, ArrayWriter(store, history))
+    encoder = _Encoder(store, ArrayWriter(store, history, threads=threads, interrupt=interrupt))
     # The top-level dict is built here so errors can name the object at fault.
     items = []
     for name, state in snap.objects.items():

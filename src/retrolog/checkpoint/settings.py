@@ -9,13 +9,17 @@ setting                    environment variable            default
 ``overhead_tolerance``     ``RETROLOG_OVERHEAD_TOLERANCE`` 1/15 (eps in DESIGN.md)
 ``checkpoints``            ``RETROLOG_CHECKPOINTS``        ``"adaptive"``
 ``max_in_flight``          ``RETROLOG_MAX_IN_FLIGHT``      2
-``when_full``              ``RETROLOG_WHEN_FULL``          ``"wait"``
+``when_full``              ``RETROLOG_WHEN_FULL``          ``"skip"``; with ``"every"``:
+                                                           ``"wait"``
 ``restore_ratio``          ``RETROLOG_RESTORE_RATIO``      1.0 (Flor's c)
 =========================  ==============================  ==========================
 
 ``checkpoints="every"`` checkpoints every block, knowingly paying whatever it
 costs (tests, and users who want dense checkpoints); ``"adaptive"`` applies
-Flor's joint invariant (:mod:`retrolog.checkpoint.policy`).
+Flor's joint invariant (:mod:`retrolog.checkpoint.policy`). Unless set,
+``when_full`` follows the mode: the adaptive rule skips a checkpoint when the
+writer, which takes only idle cycles, is still busy (training never waits for
+it); ``"every"`` waits, since dense checkpoints are what was asked for.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class CheckpointSettings:
     overhead_tolerance: float = 1 / 15  # eps: the share of training time checkpoints may cost
     checkpoints: Mode = "adaptive"  # "adaptive" (Flor's invariant) or "every" block
     max_in_flight: int = 2  # snapshots held by the background writer at once
-    when_full: str = "wait"  # what a block end does when the writer is behind: wait or skip
+    when_full: str = "skip"  # what a block end does when the writer is behind: wait or skip
     restore_ratio: float = 1.0  # c: restore time / materialize time
 
 
@@ -146,4 +150,6 @@ def current(environ: Mapping[str, str] | None = None) -> CheckpointSettings:
         if raw:
             values[name] = _PARSERS[name](raw, f"The environment variable {var}")
     values.update(_configured)
+    if "when_full" not in values and values.get("checkpoints") == "every":
+        values["when_full"] = "wait"
     return replace(CheckpointSettings(), **values)

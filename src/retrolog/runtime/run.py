@@ -366,30 +366,33 @@ class Run:
         from retrolog.store.objects import LocalObjectStore
 
         config = settings.current()
-        torch = sys.modules.get("torch")
-        # Training on a GPU leaves the CPU to the writer; training on the CPU
-        # shares it, so the writer's CPU time is training's loss too.
-        on_gpu = bool(torch is not None and torch.cuda.is_initialized())
-        policy = AdaptivePolicy(
-            eps=config.overhead_tolerance,
-            c=config.restore_ratio,
-            every=config.checkpoints == "every",
-            count_writer_cpu=not on_gpu,
-        )
         append = self.events.append
         checkpoint_event = Event.CHECKPOINT
 
         def sink(record: Any) -> None:
+            # Called on the writer thread, after the policy below exists.
             if record.kind == "block" and record.writer_cpu_seconds is not None:
                 policy.written(record.loop_name, record.writer_cpu_seconds)
             append((checkpoint_event, record))
 
-        self._checkpointer = BackgroundCheckpointer(
+        checkpointer = BackgroundCheckpointer(
             LocalObjectStore(self.paths.objects),
             sink,
             max_in_flight=config.max_in_flight,
             when_full=config.when_full,  # type: ignore[arg-type]
         )
+        torch = sys.modules.get("torch")
+        # A writer below training's priority takes only idle cycles. At training's
+        # priority, it takes them from training when training runs on the CPU
+        # (a GPU leaves the CPU to the writer), so its CPU time is training's loss.
+        on_gpu = bool(torch is not None and torch.cuda.is_initialized())
+        policy = AdaptivePolicy(
+            eps=config.overhead_tolerance,
+            c=config.restore_ratio,
+            every=config.checkpoints == "every",
+            count_writer_cpu=not on_gpu and not checkpointer.low_priority,
+        )
+        self._checkpointer = checkpointer
         self._policy = policy
         self._settings = config
         # Replay's cost model: a one-time cost (imports, the writer) inside the iteration
@@ -419,6 +422,7 @@ class Run:
                 "max_in_flight": config.max_in_flight,
                 "when_full": config.when_full,
                 "writer_cpu_counted": policy.count_writer_cpu,
+                "writer_low_priority": checkpointer.low_priority,
                 "blocks": blocks,
                 "skipped_writer_behind": checkpointer.skipped,
                 "waited_seconds": checkpointer.waited_seconds,
