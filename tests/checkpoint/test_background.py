@@ -7,6 +7,7 @@ bound on a wait it forced.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -25,10 +26,17 @@ import torch
 from torch import nn
 
 from retrolog.checkpoint import background
+from retrolog.checkpoint._arrays import content_key
 from retrolog.checkpoint.background import BackgroundCheckpointer
 from retrolog.checkpoint.capture import CheckpointRecord, restore_checkpoint
 from retrolog.checkpoint.codec import decode, encode, manifest_blobs
-from retrolog.checkpoint.state import Snapshot, snapshot
+from retrolog.checkpoint.state import (
+    Snapshot,
+    SnapshotBuffers,
+    StoredTensor,
+    TensorMemo,
+    snapshot,
+)
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
 from retrolog.store.objects import LocalObjectStore, ObjectStore
 
@@ -513,3 +521,79 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
     assert [int(w[1]) for w in written] == [0, 1, 2, 3, 4]
     store = LocalObjectStore(tmp_path / "objects")
     assert [int(decode(w[2], store).objects["x"][0]) for w in written] == [0, 1, 2, 3, 4]
+
+
+# -- unchanged tensors are not copied -------------------------------------------------------
+
+
+def test_a_tensor_that_did_not_change_is_hashed_not_copied() -> None:
+    memo = TensorMemo()
+    buffers = SnapshotBuffers(memo)
+    frozen, trained = torch.randn(50_000), torch.randn(50_000)
+    state = {"m": {"frozen": frozen, "trained": trained}}
+    first = snapshot(state, buffers).objects["m"]
+    assert all(isinstance(t, torch.Tensor) for t in first.values())  # nothing known yet
+    trained.add_(1.0)
+    second = snapshot(state, buffers).objects["m"]
+    assert isinstance(second["frozen"], StoredTensor)
+    assert second["frozen"].key == content_key(
+        "torch.float32", (50_000,), frozen.numpy().view(np.uint8)
+    )
+    assert torch.equal(second["trained"], trained)
+    # Found changed once, "trained" is copied without hashing for a while; a frozen
+    # tensor that does change is caught by its hash and copied.
+    frozen[7] = 0.5
+    third = snapshot(state, buffers).objects["m"]
+    assert isinstance(third["frozen"], torch.Tensor) and torch.equal(third["frozen"], frozen)
+    assert isinstance(third["trained"], torch.Tensor)
+
+
+def test_checkpoints_with_unchanged_tensors_decode_exactly(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer references the stored object; every checkpoint decodes to its moment."""
+    referenced: list[bool] = []
+
+    def watching(objects: Any, buffers: Any = None) -> Snapshot:
+        snap = snapshot(objects, buffers)
+        weight = snap.objects["backbone"]["weight"]
+        referenced.append(isinstance(weight, StoredTensor))
+        return snap
+
+    monkeypatch.setattr(background, "snapshot", watching)
+    torch.manual_seed(0)
+    backbone = nn.Linear(200, 200)  # 160 KB of weights: pooled, and frozen until ctx 3
+    head = nn.Linear(200, 3)
+    objects = {"backbone": backbone, "head": head}
+    records: list[CheckpointRecord] = []
+    expected = []
+    with BackgroundCheckpointer(store, records.append, max_in_flight=2) as ckpt:
+        for ctx in range(6):
+            with torch.no_grad():
+                head.weight.add_(0.1)
+                if ctx == 3:
+                    backbone.weight.mul_(0.5)  # an unfrozen layer changes once
+            expected.append({k: copy_state(m) for k, m in objects.items()})
+            capture(ckpt, objects, ctx)
+            while ckpt.in_flight:  # the memo only reuses what a written checkpoint stored
+                time.sleep(0.01)
+    for record, want in zip(records, expected, strict=True):
+        got = decode(record.manifest, store).objects
+        for name, state in want.items():
+            assert all(torch.equal(got[name][k], v) for k, v in state.items()), (record, name)
+    weight_keys = {
+        decode_node(store, r.manifest)["objects"]["items"][0][1]["items"][0][1]["blob"]
+        for r in records
+    }
+    assert len(weight_keys) == 2  # the frozen weights stored once before ctx 3, once after
+    # Copied the first time; after its change at ctx 3, copied once more without
+    # hashing (the back-off), then found unchanged again.
+    assert referenced == [False, True, True, False, False, True]
+
+
+def copy_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def decode_node(store: LocalObjectStore, manifest: str) -> Any:
+    return json.loads(store.get(manifest))

@@ -316,6 +316,34 @@ class ArrayWriter:
             self._remember(path, key, dtype, shape, data)
         return key
 
+    def put_stored(self, path: str, key: str, nbytes: int) -> str:
+        """Reference array object ``key``, which an earlier checkpoint of this writer's run stored.
+
+        For a tensor the snapshot found unchanged (see
+        :class:`~retrolog.checkpoint.state.TensorMemo`); its live bytes are
+        not read, as training may be changing them.
+        """
+        if self.interrupt is not None and self.interrupt():
+            raise Interrupted
+        if key not in self.infos:
+            info = self._reuse(key)
+            if info is None:
+                raise StoreError(
+                    f"Checkpoint object {key}, which this run stored a few checkpoints ago and "
+                    "references again for a tensor that did not change, is no longer in the "
+                    f"store {self.store!r}. Something deleted it while the run was recording "
+                    "(a garbage collection with a retention policy, or by hand); let "
+                    "recording runs finish before removing their checkpoints."
+                )
+            self.stats.logical_bytes += nbytes
+            self.stats.reused_objects += 1
+            self.infos[key] = info
+        history = self.history
+        prev = history._paths.get(path) if history is not None else None
+        if prev is not None and prev.key == key:
+            self._paths[path] = prev  # as _remember does for an unchanged tensor
+        return key
+
     def _reuse(self, key: str) -> ObjectInfo | None:
         """The stored object ``key`` with its whole delta chain, touched; None to write it."""
         known = self.history._known if self.history is not None else {}

@@ -47,7 +47,7 @@ from typing import Literal
 from retrolog.checkpoint._arrays import all_cores, prepare_background_import
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
 from retrolog.checkpoint.codec import DeltaHistory, Interrupted, encode
-from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, snapshot
+from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, TensorMemo, snapshot
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
 from retrolog.store.objects import ObjectStore
 
@@ -152,8 +152,10 @@ class BackgroundCheckpointer(Checkpointer):
         self._skips: list[SkippedCheckpoint] = []
         # One set of reusable buffers per snapshot that may be held at once; a job
         # takes one when it is captured and gives it back once it is written.
+        # They share one memo of which tensors did not change, which are then not copied.
+        memo = TensorMemo()
         self._free_buffers: list[SnapshotBuffers] = [
-            SnapshotBuffers() for _ in range(max_in_flight)
+            SnapshotBuffers(memo) for _ in range(max_in_flight)
         ]
 
     def __repr__(self) -> str:

@@ -59,7 +59,13 @@ from retrolog.checkpoint._arrays import (
     read_array,
     read_info,
 )
-from retrolog.checkpoint.state import DeviceTensor, Snapshot, import_torch, loaded_torch
+from retrolog.checkpoint.state import (
+    DeviceTensor,
+    Snapshot,
+    StoredTensor,
+    import_torch,
+    loaded_torch,
+)
 from retrolog.errors import CheckpointTargetError, CorruptObjectError, StoreError
 from retrolog.store.objects import ObjectStore, is_framed_key
 
@@ -252,6 +258,8 @@ class _Encoder:
             )
         if isinstance(v, np.generic) and _simple_dtype(v.dtype):
             return {"$": "npscalar", "dtype": v.dtype.str, "b64": _b64(v.tobytes())}
+        if t is StoredTensor:
+            return self.tensor(v.source, path, known=v.key)
         if t is DeviceTensor:
             node = self.tensor(v.tensor, path)
             if node.get("$") == "tensor":
@@ -270,7 +278,8 @@ class _Encoder:
                 return {"$": "torch_device", "v": str(v)}
         return self.pickled(v, path)
 
-    def tensor(self, v: Any, path: str) -> dict[str, Any]:
+    def tensor(self, v: Any, path: str, known: str | None = None) -> dict[str, Any]:
+        """The node of tensor ``v``; ``known``: its key, when it is stored already."""
         torch = import_torch("Encoding a tensor")
         if v.layout != torch.strided or v.is_quantized:
             return self.pickled(v, path)
@@ -296,6 +305,9 @@ class _Encoder:
         }
         itemsize = dense.element_size()
         is_float = dense.is_floating_point() and itemsize in (2, 4, 8)
+        if known is not None:
+            node["blob"] = self.arrays.put_stored(path, known, flat.nbytes)
+            return node
         self.content(node, path, "torch." + dtype, flat, itemsize, is_float)
         if v.requires_grad:
             node["requires_grad"] = True

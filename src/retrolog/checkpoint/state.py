@@ -46,6 +46,22 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    """A large CPU tensor found unchanged since an earlier snapshot: its key, not a copy.
+
+    ``key`` is the content key (:func:`~retrolog.checkpoint._arrays.content_key`)
+    of the tensor's dtype, shape and bytes at the snapshot, an object an
+    earlier snapshot of the same checkpointer stored (snapshots are written
+    in order). ``source`` is the live tensor, for its dtype and shape only:
+    training may change its bytes while the writer works. Only
+    :func:`snapshot` with a :class:`TensorMemo` makes these.
+    """
+
+    key: str
+    source: Any  # the live torch.Tensor (detached), CPU and contiguous
+
+
+@dataclass(frozen=True)
 class DeviceTensor:
     """A CPU copy of a tensor that lived on another device, which it returns to on restore."""
 
@@ -152,6 +168,58 @@ def validate_targets(objects: Mapping[str, object]) -> None:
 POOLED_BYTES = 64 * 1024  # smaller tensors are cloned: a lookup would cost more than it saves
 
 
+@dataclass
+class _MemoEntry:
+    key: str | None = None  # content key at the last snapshot that hashed this position
+    fails: int = 0  # hashes in a row that found it changed
+    skip: int = 0  # snapshots still to copy it without hashing (backing off)
+
+
+class TensorMemo:
+    """Which large CPU tensors did not change since the last snapshot, by traversal position.
+
+    A frozen backbone, an embedding table that is not trained, a buffer that
+    never moves: copying them at every checkpoint costs the training thread a
+    memcpy each time for nothing, while hashing them in place (xxh3, about 5x
+    faster than the copy) proves them unchanged, and the snapshot then holds
+    their key (:class:`StoredTensor`). A tensor found changed is copied
+    without hashing for the next 1, 3, 7, then 15 snapshots (exponential back
+    off), so trained weights pay the hash rarely. One memo serves every
+    :class:`SnapshotBuffers` of a checkpointer.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[_MemoEntry] = []
+        self._next = 0
+
+    def rewind(self) -> None:
+        """Start from the first position again (one snapshot per rewind)."""
+        self._next = 0
+
+    def unchanged(self, tensor: Any) -> str | None:
+        """The key of ``tensor`` (next position) if it did not change, else None (copy it)."""
+        from retrolog.checkpoint._arrays import content_key
+
+        index = self._next
+        self._next += 1
+        if index == len(self._entries):
+            self._entries.append(_MemoEntry())
+        entry = self._entries[index]
+        if entry.skip > 0:
+            entry.skip -= 1
+            return None
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        key = content_key("torch." + dtype, tuple(tensor.shape), _bytes_view(tensor))
+        if key == entry.key:
+            entry.fails = 0
+            return key
+        if entry.key is not None:
+            entry.fails += 1
+            entry.skip = min(2**entry.fails - 1, 15)
+        entry.key = key
+        return None
+
+
 class SnapshotBuffers:
     """Reusable host memory for the large tensors of one snapshot, in traversal order.
 
@@ -165,9 +233,10 @@ class SnapshotBuffers:
     dtype, so a state that changes shape just allocates anew.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memo: TensorMemo | None = None) -> None:
         self._buffers: list[Any] = []
         self._next = 0
+        self.memo = memo  # shared by a checkpointer's buffers: unchanged tensors are not copied
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -175,6 +244,12 @@ class SnapshotBuffers:
     def rewind(self) -> None:
         """Start filling from the first buffer again (one snapshot per rewind)."""
         self._next = 0
+        if self.memo is not None:
+            self.memo.rewind()
+
+    def skip(self) -> None:
+        """Leave this position's buffer as it is (its tensor was not copied)."""
+        self._next += 1
 
     def like(self, source: Any, pin: bool) -> Any:
         """A CPU tensor with ``source``'s shape and dtype, reused when one is at this position."""
@@ -245,6 +320,11 @@ def _freeze_tensor(tensor: Any, buffers: SnapshotBuffers | None) -> Any:
         if tensor.requires_grad:
             saved.requires_grad_(True)
     else:
+        if on_cpu and buffers.memo is not None and detached.is_contiguous():
+            key = buffers.memo.unchanged(detached)
+            if key is not None:
+                buffers.skip()
+                return StoredTensor(key, detached)
         saved = buffers.like(detached, pin=not on_cpu)
         if on_cpu and detached.is_contiguous():
             # One memcpy on this thread: torch's copy_ may fan out to its thread
