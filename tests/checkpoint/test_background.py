@@ -597,3 +597,38 @@ def copy_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def decode_node(store: LocalObjectStore, manifest: str) -> Any:
     return json.loads(store.get(manifest))
+
+
+def test_under_skip_the_end_state_never_waits_behind_optional_checkpoints(
+    gated: GatedStore, store: LocalObjectStore
+) -> None:
+    """A queued block checkpoint makes room for the end; close() writes only end states."""
+    state = {"a": np.zeros(10_000), "b": np.ones(10_000)}
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2, when_full="skip")
+    capture(ckpt, state, 0)
+    assert gated.entered.wait(GATE_TIMEOUT)  # the writer is inside checkpoint 0
+    state["a"][:] = 1.0
+    capture(ckpt, state, 1)  # queued behind it: both slots taken
+    state["b"][:] = 2.0
+    began = time.perf_counter()
+    capture(ckpt, state, None)  # the end: takes checkpoint 1's slot instead of waiting
+    assert time.perf_counter() - began < GATE_TIMEOUT / 2 and ckpt.waited_seconds == 0.0
+    threading.Timer(0.2, gated.gate.set).start()
+    ckpt.close()
+    assert [r.ctx_id for r in records] == [None]  # checkpoint 0 was dropped at close
+    assert [(s.ctx_id, s.dropped) for s in ckpt.skips] == [(1, True), (0, True)]
+    assert ckpt.skipped == ckpt.dropped == 2
+    end = decode(records[0].manifest, store).objects
+    assert (end["a"][0], end["b"][0]) == (1.0, 2.0)
+
+
+def test_under_wait_close_writes_every_checkpoint_in_flight(gated: GatedStore) -> None:
+    state = {"a": np.zeros(10_000)}
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=3, when_full="wait")
+    for ctx in (0, 1, None):
+        capture(ckpt, state, ctx)
+    threading.Timer(0.2, gated.gate.set).start()
+    ckpt.close()
+    assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.skipped == 0

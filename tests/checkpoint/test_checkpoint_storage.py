@@ -277,9 +277,9 @@ def test_deltas_that_do_not_pay_are_tried_less_and_less(
     calls: list[int] = []
     original = _arrays._compress
 
-    def counting(data: Any, itemsize: int, threads: int = 1) -> Any:
+    def counting(data: Any, itemsize: int, threads: int = 1, *, fast: bool = False) -> Any:
         calls.append(data.nbytes)
-        return original(data, itemsize, threads)
+        return original(data, itemsize, threads, fast=fast)
 
     monkeypatch.setattr(_arrays, "_compress", counting)
     hist = DeltaHistory()

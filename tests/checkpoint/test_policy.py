@@ -20,7 +20,7 @@ def _run(
         if policy.decide("epoch", seconds):
             taken.append(i)
             policy.captured("epoch", m)
-            policy.written("epoch", writer_cpu)
+            policy.written("epoch", writer_cpu, 0.0)
     return taken
 
 
@@ -81,6 +81,30 @@ def test_writer_cpu_counts_towards_m_only_when_training_shares_the_cpu() -> None
     gpu = AdaptivePolicy(eps=1 / 15, count_writer_cpu=False)
     assert _run(cpu, blocks, m=0.01, writer_cpu=0.99) == _expected(blocks, 1.0, 1 / 15)
     assert _run(gpu, blocks, m=0.01, writer_cpu=0.99) == list(range(40))
+
+
+def test_the_writers_measured_slowdown_replaces_its_cpu_time() -> None:
+    policy = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
+    assert policy.decide("epoch", 1.0, 0.0)  # the writer idle: block time 1.0
+    stats = policy.blocks["epoch"]
+    policy.captured("epoch", 0.01)
+    policy.written("epoch", 2.0, 3.0)  # a write: 2 s of CPU over 3 s of wall time
+    # Nothing measured about the writer's cost yet: its CPU time counts.
+    assert policy.materialize_seconds(stats) == pytest.approx(2.01)
+    # Blocks the writer was busy for ran 25% slower: a write of 3 s cost training
+    # 3 * 0.25 / 1.25 = 0.6 s.
+    policy.decide("epoch", 1.25, 1.0)
+    assert stats.writer_slowdown() == pytest.approx(0.25)
+    assert policy.materialize_seconds(stats) == pytest.approx(0.61)
+    # Partly busy blocks tell nothing either way; a writer measured as free costs nothing.
+    policy.decide("epoch", 9.0, 4.0)
+    assert stats.writer_slowdown() == pytest.approx(0.25)
+    free = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
+    for busy in (0.0, 1.0):
+        free.decide("epoch", 1.0, busy)
+    free.captured("epoch", 0.01)
+    free.written("epoch", 2.0, 3.0)
+    assert free.materialize_seconds(free.blocks["epoch"]) == pytest.approx(0.01)
 
 
 def test_every_mode_checkpoints_every_block() -> None:

@@ -66,6 +66,7 @@ class SkippedCheckpoint:
     kind: str
     at: float  # time.time() of the capture() call
     in_flight: int  # snapshots held by the writer at that moment
+    dropped: bool = False  # taken, then dropped unwritten to make room for the end or at close
 
 
 @dataclass
@@ -149,6 +150,9 @@ class BackgroundCheckpointer(Checkpointer):
         self._captured = 0
         self._written = 0
         self._waited_seconds = 0.0
+        self._busy_total = 0.0  # wall seconds spent in finished writes (attempts)
+        self._busy_since: float | None = None  # start of the write going on, if any
+        self._busy_lock = threading.Lock()
         self._skips: list[SkippedCheckpoint] = []
         # One set of reusable buffers per snapshot that may be held at once; a job
         # takes one when it is captured and gives it back once it is written.
@@ -181,8 +185,13 @@ class BackgroundCheckpointer(Checkpointer):
 
     @property
     def skipped(self) -> int:
-        """Checkpoints not taken because the writer was behind (``when_full="skip"``)."""
+        """Checkpoints not taken, or not written, because the writer was behind (``"skip"``)."""
         return len(self._skips)
+
+    @property
+    def dropped(self) -> int:
+        """Of :attr:`skipped`, the snapshots taken and then dropped unwritten."""
+        return sum(s.dropped for s in self._skips)
 
     @property
     def skips(self) -> tuple[SkippedCheckpoint, ...]:
@@ -193,6 +202,12 @@ class BackgroundCheckpointer(Checkpointer):
     def waited_seconds(self) -> float:
         """Training-thread time spent waiting for the writer (``when_full="wait"``)."""
         return self._waited_seconds
+
+    def busy_seconds(self) -> float:
+        """Wall seconds spent writing so far, the write going on included."""
+        with self._busy_lock:
+            since, total = self._busy_since, self._busy_total
+        return total + (time.perf_counter() - since if since is not None else 0.0)
 
     @property
     def in_flight(self) -> int:
@@ -230,7 +245,10 @@ class BackgroundCheckpointer(Checkpointer):
                 if self.when_full == "skip" and kind != "end":
                     self._skip(ctx_id, loop_name, kind, created_at)
                     return None
-                self._wait_for_slot(ctx_id, kind)
+                # The end state is never skipped; under "skip" a queued block
+                # checkpoint makes room for it rather than training waiting.
+                if not (self.when_full == "skip" and self._drop_queued_blocks(newest_only=True)):
+                    self._wait_for_slot(ctx_id, kind)
             buffers = self._free_buffers.pop()
         # The snapshot is taken outside the lock so the writer can report the
         # previous checkpoint meanwhile; only this thread adds jobs, so the
@@ -260,6 +278,35 @@ class BackgroundCheckpointer(Checkpointer):
             self._ensure_writer()
             self._cond.notify_all()
         return job.capture_seconds
+
+    def _drop_queued_blocks(self, *, newest_only: bool) -> bool:
+        """Drop unwritten block checkpoints (the newest queued one, or all); whether any was.
+
+        Called holding the lock. The one being written is left to the writer
+        unless it has stopped (``close``). A dropped checkpoint counts as
+        skipped: it is listed in :attr:`skips` and replay executes its block.
+        """
+        writing = 1 if self._thread is not None and self._thread.is_alive() else 0
+        dropped = False
+        for job in reversed(list(self._pending)[writing:]):
+            if job.kind != "block":
+                continue
+            self._pending.remove(job)
+            self._free_buffers.append(job.buffers)
+            self._skips.append(
+                SkippedCheckpoint(
+                    job.ctx_id,
+                    job.loop_name,
+                    job.kind,
+                    job.created_at,
+                    len(self._pending),
+                    dropped=True,
+                )
+            )
+            dropped = True
+            if newest_only:
+                break
+        return dropped
 
     def _skip(self, ctx_id: int | None, loop_name: str, kind: str, at: float) -> None:
         self._skips.append(SkippedCheckpoint(ctx_id, loop_name, kind, at, len(self._pending)))
@@ -322,12 +369,17 @@ class BackgroundCheckpointer(Checkpointer):
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+            if self.when_full == "skip":
+                # Block checkpoints are optional, and training is over: the user
+                # would wait for them. Only end states are written now.
+                with self._cond:
+                    self._drop_queued_blocks(newest_only=False)
             while True:
                 with self._cond:
                     if not self._pending or self._error is not None:
                         break
                     job = self._pending[0]
-                if not self._write_one(job, threads=all_cores()):
+                if not self._write_one(job, threads=all_cores(), fast=True):
                     break
         with self._cond:
             if not self._closed:
@@ -384,11 +436,16 @@ class BackgroundCheckpointer(Checkpointer):
         return self._closing
 
     def _write_one(
-        self, job: _Job, *, threads: int, interrupt: Callable[[], bool] | None = None
+        self,
+        job: _Job,
+        *,
+        threads: int,
+        interrupt: Callable[[], bool] | None = None,
+        fast: bool = False,
     ) -> bool:
         """Write ``job``, the head of the queue; False if that ended the writing."""
         try:
-            self._write(job, threads=threads, interrupt=interrupt)
+            self._write(job, threads=threads, interrupt=interrupt, fast=fast)
         except Interrupted:
             return False  # still queued: close() writes it
         except BaseException as exc:  # all of it goes to the training thread, none is lost
@@ -405,18 +462,31 @@ class BackgroundCheckpointer(Checkpointer):
             self._cond.notify_all()
         return True
 
-    def _write(self, job: _Job, *, threads: int, interrupt: Callable[[], bool] | None) -> None:
+    def _write(
+        self, job: _Job, *, threads: int, interrupt: Callable[[], bool] | None, fast: bool
+    ) -> None:
         snap = job.snap
         assert snap is not None
+        began = time.perf_counter()
         if job.write_started is None:
-            job.write_started = time.perf_counter()
+            job.write_started = began
         cpu_started = time.thread_time()
+        with self._busy_lock:
+            self._busy_since = began
         try:
             manifest, nbytes = encode(
-                snap, self.store, history=self.history, threads=threads, interrupt=interrupt
+                snap,
+                self.store,
+                history=self.history,
+                threads=threads,
+                interrupt=interrupt,
+                fast=fast,
             )
         finally:
             job.writer_cpu_seconds += time.thread_time() - cpu_started
+            with self._busy_lock:
+                self._busy_total += time.perf_counter() - began
+                self._busy_since = None
         written = time.perf_counter()
         job.snap = None
         # Only now, with the manifest (written last by encode) in place, may the

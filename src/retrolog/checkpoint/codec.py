@@ -92,6 +92,7 @@ def encode(
     *,
     threads: int = 1,
     interrupt: Callable[[], bool] | None = None,
+    fast: bool = False,
 ) -> tuple[str, int]:
     """Write ``snap`` to ``store``.
 
@@ -104,13 +105,17 @@ def encode(
       stops by raising :class:`Interrupted` before writing the manifest, so
       nothing refers to the objects written so far, and a later encode of the
       same snapshot finds them stored.
+    fast: favour time over size: lz4 instead of zstd and no deltas (what is
+      left to write when training has ended and the user waits for the exit).
 
     Returns the manifest's key and the stored (compressed) size of the
     manifest and of the distinct objects it needs, delta bases included,
     whether or not this call wrote them.
     """
     started = time.perf_counter()
-    encoder = _Encoder(store, ArrayWriter(store, history, threads=threads, interrupt=interrupt))
+    encoder = _Encoder(
+        store, ArrayWriter(store, history, threads=threads, interrupt=interrupt, fast=fast)
+    )
     # The top-level dict is built here so errors can name the object at fault.
     items = []
     for name, state in snap.objects.items():

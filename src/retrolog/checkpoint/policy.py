@@ -15,12 +15,18 @@ means over what was measured, so one slow block neither starves nor floods
 the rule.
 
 What M counts: the training thread's own time in the capture (the snapshot
-copy, plus any wait for a free writer slot), and, when training competes with
-the writer for the CPU, the writer's CPU time too. On a CPU-bound 2-core
-machine a background write still takes cycles from training
-(docs/materialization.md measured it); with training on a GPU the writer uses
-otherwise idle cores, and only the capture counts. The writer's figure arrives
-after the write, so the rule uses the mean of the writes finished so far.
+copy, plus any wait for a free writer slot), plus what the background
+writer's work costs training. The writer runs at the lowest priority on idle
+cycles (docs/materialization.md), which costs a CPU-bound training little but
+not nothing: memory bandwidth, a hyperthread sibling, the GIL. So the rule
+measures it. Each block end reports how much of the block the writer was
+busy; blocks it was busy for most of (at least :data:`BUSY`) and blocks it
+was idle for (at most :data:`IDLE`) give the slowdown s = C_busy / C_idle - 1
+while it writes, and a checkpoint costs training W * s / (1 + s), with W the
+wall time of a write. Until both kinds of block were seen, training on the
+CPU counts the writer's CPU time instead (training on a GPU: nothing), and
+the writer's figures arrive after each write, so the rule uses the means of
+the writes finished so far.
 
 The first execution of a block is always checkpointed (nothing is known about
 M yet, and a replay needs a starting point), and so is the end state; neither
@@ -31,6 +37,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+BUSY = 0.5  # a block the writer was busy for at least this share of
+IDLE = 0.05  # a block the writer was busy for at most this share of
 
 
 @dataclass
@@ -43,7 +52,20 @@ class BlockStats:
     capture_seconds: float = 0.0  # training-thread seconds of the captures
     captures: int = 0
     writer_cpu_seconds: float = 0.0  # writer CPU seconds of the finished writes
+    write_seconds: float = 0.0  # wall seconds of the finished writes
     writes: int = 0
+    busy_compute: float = 0.0  # sum of C over blocks the writer was busy for (>= BUSY)
+    busy_blocks: int = 0
+    idle_compute: float = 0.0  # sum of C over blocks the writer was idle for (<= IDLE)
+    idle_blocks: int = 0
+
+    def writer_slowdown(self) -> float | None:
+        """s: how much slower blocks run while the writer writes; None until measurable."""
+        if not self.busy_blocks or not self.idle_blocks or self.idle_compute <= 0:
+            return None
+        busy = self.busy_compute / self.busy_blocks
+        idle = self.idle_compute / self.idle_blocks
+        return max(busy / idle - 1.0, 0.0)
 
 
 class AdaptivePolicy:
@@ -51,7 +73,8 @@ class AdaptivePolicy:
 
     eps: the overhead tolerance; c: restore time over materialize time;
     every: checkpoint every block regardless (the "every" setting);
-    count_writer_cpu: whether the writer's CPU time is training's loss (CPU training).
+    count_writer_cpu: whether to count the writer's CPU time as training's
+      loss until its slowdown is measured (training on the CPU).
     """
 
     def __init__(
@@ -74,15 +97,34 @@ class AdaptivePolicy:
             if not stats.captures:
                 return 0.0
             m = stats.capture_seconds / stats.captures
-            if self.count_writer_cpu and stats.writes:
+            if not stats.writes:
+                return m
+            slowdown = stats.writer_slowdown()
+            if slowdown is not None:
+                m += stats.write_seconds / stats.writes * slowdown / (1.0 + slowdown)
+            elif self.count_writer_cpu:
                 m += stats.writer_cpu_seconds / stats.writes
             return m
 
-    def decide(self, loop_name: str, compute_seconds: float) -> bool:
-        """Count one execution of ``loop_name``'s block (taking ``compute_seconds``); checkpoint?"""
+    def decide(self, loop_name: str, compute_seconds: float, writer_busy: float = 0.0) -> bool:
+        """Count one execution of ``loop_name``'s block; checkpoint its end state?
+
+        compute_seconds: the block's time (C); writer_busy: seconds of it the
+        background writer spent writing.
+        """
         stats = self.blocks.setdefault(loop_name, BlockStats())
         stats.executions += 1
-        stats.compute_seconds += max(compute_seconds, 0.0)
+        compute = max(compute_seconds, 0.0)
+        stats.compute_seconds += compute
+        if compute > 0:
+            share = writer_busy / compute
+            with self._lock:
+                if share >= BUSY:
+                    stats.busy_compute += compute
+                    stats.busy_blocks += 1
+                elif share <= IDLE:
+                    stats.idle_compute += compute
+                    stats.idle_blocks += 1
         if self.every or stats.checkpoints == 0:
             return True
         n, k = stats.executions, stats.checkpoints
@@ -106,9 +148,10 @@ class AdaptivePolicy:
             # rule keeps asking and replay executes the block.
             stats.capture_seconds += capture_seconds
 
-    def written(self, loop_name: str, writer_cpu_seconds: float) -> None:
+    def written(self, loop_name: str, writer_cpu_seconds: float, write_seconds: float) -> None:
         """The writer finished a checkpoint of ``loop_name``'s block (called on its thread)."""
         stats = self.blocks.setdefault(loop_name, BlockStats())
         with self._lock:
             stats.writes += 1
             stats.writer_cpu_seconds += writer_cpu_seconds
+            stats.write_seconds += write_seconds

@@ -237,6 +237,9 @@ class Run:
             else None
         )
         loop_started = clock()
+        # How long the checkpoint writer had been busy: a block's share of it tells
+        # the adaptive rule what the writer costs training (policy.py).
+        busy_started = self._writer_busy() if role is Role.BLOCK else 0.0
         # The script's frame running this loop, and its locals now: a checkpoint taken
         # where this loop (or its iteration) ends carries what the loop rebound.
         user_frame = None
@@ -264,6 +267,7 @@ class Run:
                 ctx = self._next_ctx
                 self._next_ctx = ctx + 1
                 t_iter = clock()
+                busy_iter = self._writer_busy() if is_outer else 0.0
                 # Only plain items are kept as the loop value; a batch tensor is not.
                 value = item if type(item) in plain else None
                 append((loop_start, ctx, parent_ctx, name, iteration, value, depth, t_iter - t0))
@@ -280,7 +284,12 @@ class Run:
                     append((profile, "iteration", ctx, seconds, block))
                 if is_outer and not frame.block_seen:
                     self._block_ended(
-                        ctx, name, t_end - t_iter, user_frame=user_frame, before=locals_before
+                        ctx,
+                        name,
+                        t_end - t_iter,
+                        self._writer_busy() - busy_iter,
+                        user_frame=user_frame,
+                        before=locals_before,
                     )
                 if bar is not None:
                     bar.tick()
@@ -302,7 +311,12 @@ class Run:
                 outer.block_seconds = loop_seconds
             if role is Role.BLOCK and outer is not None:
                 self._block_ended(
-                    outer.ctx, outer.name, loop_seconds, user_frame=user_frame, before=locals_before
+                    outer.ctx,
+                    outer.name,
+                    loop_seconds,
+                    self._writer_busy() - busy_started,
+                    user_frame=user_frame,
+                    before=locals_before,
                 )
             elif role is Role.OUTER:
                 self._capture(None, name, "end", user_frame=user_frame, before=locals_before)
@@ -310,11 +324,17 @@ class Run:
 
     # -- checkpoints -----------------------------------------------------------------
 
+    def _writer_busy(self) -> float:
+        """Seconds the checkpoint writer has spent writing so far in this run."""
+        checkpointer = self._checkpointer
+        return 0.0 if checkpointer is None else float(checkpointer.busy_seconds())
+
     def _block_ended(
         self,
         ctx: int | None,
         loop_name: str,
         seconds: float,
+        writer_busy: float,
         *,
         user_frame: FrameType | None,
         before: Mapping[str, int],
@@ -324,7 +344,7 @@ class Run:
         if scope is None or not scope.objects:
             return
         _, policy = self._checkpointing()
-        if not policy.decide(loop_name, seconds):
+        if not policy.decide(loop_name, seconds, writer_busy):
             return
         began = time.perf_counter()
         if self._capture(ctx, loop_name, "block", user_frame=user_frame, before=before):
@@ -372,7 +392,7 @@ class Run:
         def sink(record: Any) -> None:
             # Called on the writer thread, after the policy below exists.
             if record.kind == "block" and record.writer_cpu_seconds is not None:
-                policy.written(record.loop_name, record.writer_cpu_seconds)
+                policy.written(record.loop_name, record.writer_cpu_seconds, record.write_seconds)
             append((checkpoint_event, record))
 
         checkpointer = BackgroundCheckpointer(
@@ -382,15 +402,14 @@ class Run:
             when_full=config.when_full,  # type: ignore[arg-type]
         )
         torch = sys.modules.get("torch")
-        # A writer below training's priority takes only idle cycles. At training's
-        # priority, it takes them from training when training runs on the CPU
-        # (a GPU leaves the CPU to the writer), so its CPU time is training's loss.
+        # Until the policy has measured what the writer costs training, training on
+        # the CPU counts the writer's CPU time as lost (a GPU leaves the CPU to it).
         on_gpu = bool(torch is not None and torch.cuda.is_initialized())
         policy = AdaptivePolicy(
             eps=config.overhead_tolerance,
             c=config.restore_ratio,
             every=config.checkpoints == "every",
-            count_writer_cpu=not on_gpu and not checkpointer.low_priority,
+            count_writer_cpu=not on_gpu,
         )
         self._checkpointer = checkpointer
         self._policy = policy
@@ -411,6 +430,9 @@ class Run:
                 "mean_block_seconds": stats.compute_seconds / max(stats.executions, 1),
                 "mean_capture_seconds": stats.capture_seconds / max(stats.captures, 1),
                 "mean_writer_cpu_seconds": stats.writer_cpu_seconds / max(stats.writes, 1),
+                "mean_write_seconds": stats.write_seconds / max(stats.writes, 1),
+                # How much slower blocks ran while the writer wrote (None: not measured).
+                "writer_slowdown": stats.writer_slowdown(),
             }
             for name, stats in policy.blocks.items()
         }
@@ -425,6 +447,7 @@ class Run:
                 "writer_low_priority": checkpointer.low_priority,
                 "blocks": blocks,
                 "skipped_writer_behind": checkpointer.skipped,
+                "dropped_unwritten": checkpointer.dropped,
                 "waited_seconds": checkpointer.waited_seconds,
             }
         )

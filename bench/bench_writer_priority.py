@@ -1,0 +1,207 @@
+"""Benchmark: what a busy background writer costs CPU-bound training, by its CPU priority.
+
+Run from the repository root with the project's venv (retrolog and torch installed):
+
+    python bench/bench_writer_priority.py            # about 3 minutes on a 2-core machine
+    python bench/bench_writer_priority.py --reps 7
+
+A small CNN (the cnn workload of bench_record.py) trains for a fixed number of
+steps with torch using every core, in a fresh process per trial, while a
+second thread of the same process compresses float32 weights with retrolog's
+codec (blosc2 shuffle + zstd, the GIL released) back to back, as a checkpoint
+writer that never runs out of work would:
+
+- ``none``: no writer, the baseline;
+- ``normal``: the writer at the training's priority;
+- ``low``: the writer at nice 19, as ``BackgroundCheckpointer`` runs it.
+
+Per trial: the training's wall time, and the writer's CPU seconds and
+megabytes compressed in that time. Slowdown = trial time / the same
+repetition's ``none`` time - 1; configurations interleaved, medians with min
+and max over the repetitions.
+
+Results: bench/results/writer_priority.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from bench_log import BenchError, conditions, source_fingerprint, tail  # noqa: E402
+
+RESULTS = BENCH_DIR / "results" / "writer_priority.json"
+MODES = ("none", "normal", "low")
+
+TRIAL = """\
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from retrolog.checkpoint import _arrays
+from retrolog.checkpoint.background import _lower_priority
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+torch.set_num_threads(int(sys.argv[3]))
+torch.manual_seed(0)
+x = torch.randn(2048, 1, 28, 28)
+y = torch.randint(0, 10, (2048,))
+net = nn.Sequential(
+    nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+)
+opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+weights = torch.randn(4_000_000).numpy().view(np.uint8)  # 16 MB of float32 to compress
+_arrays._codec()  # imported before the timing, in every mode
+stop = threading.Event()
+writer = {"mb": 0.0, "cpu": 0.0, "lowered": False}
+
+
+def write() -> None:
+    if mode == "low":
+        writer["lowered"] = _lower_priority()
+    began = time.thread_time()
+    while not stop.is_set():
+        _arrays._compress(weights, 4)
+        writer["mb"] += weights.nbytes / 1e6
+    writer["cpu"] = time.thread_time() - began
+
+
+thread = threading.Thread(target=write) if mode != "none" else None
+t0 = time.perf_counter()
+if thread is not None:
+    thread.start()
+for step in range(steps):
+    xb, yb = batches[step % len(batches)]
+    opt.zero_grad()
+    nn.functional.cross_entropy(net(xb), yb).backward()
+    opt.step()
+seconds = time.perf_counter() - t0
+stop.set()
+if thread is not None:
+    thread.join()
+print(json.dumps({"seconds": seconds, **writer}))
+"""
+
+
+def trial(mode: str, steps: int, threads: int) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", TRIAL, mode, str(steps), str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise BenchError(f"trial {mode} failed:\n{tail(done.stderr)}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    if mode == "low" and not result["lowered"]:
+        raise BenchError("the writer's priority could not be lowered on this machine")
+    return result
+
+
+def stats(values: list[float]) -> dict[str, Any]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "samples": values,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=160, help="training steps per trial")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if not sys.platform.startswith("linux"):
+        print("per-thread priorities are Linux's; nothing to measure here", file=sys.stderr)
+        return 1
+    started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for rep in range(args.reps):
+        order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
+        for mode in order:
+            runs[mode].append(trial(mode, args.steps, args.threads))
+        base = runs["none"][-1]["seconds"]
+        print(
+            f"rep {rep + 1}/{args.reps}: "
+            + "  ".join(
+                f"{m} {runs[m][-1]['seconds']:.2f} s ({runs[m][-1]['seconds'] / base - 1:+.0%})"
+                for m in MODES
+            ),
+            file=sys.stderr,
+        )
+    result: dict[str, Any] = conditions(
+        "writer_priority",
+        started,
+        load_before,
+        os.getloadavg(),
+        args.reps,
+        metadata.version("retrolog"),
+        source,
+        source_fingerprint(),
+    )
+    result.update(torch_threads=args.threads, steps=args.steps, modes={})
+    for mode in MODES:
+        seconds = [r["seconds"] for r in runs[mode]]
+        entry: dict[str, Any] = {"training_seconds": stats(seconds)}
+        if mode != "none":
+            slowdown = [
+                (r["seconds"] / b["seconds"] - 1) * 100
+                for r, b in zip(runs[mode], runs["none"], strict=True)
+            ]
+            entry["slowdown_pct"] = stats(slowdown)
+            entry["writer_cpu_seconds"] = stats([r["cpu"] for r in runs[mode]])
+            entry["writer_mb"] = stats([r["mb"] for r in runs[mode]])
+            entry["training_seconds_lost_per_writer_cpu_second"] = statistics.median(
+                (r["seconds"] - b["seconds"]) / r["cpu"]
+                for r, b in zip(runs[mode], runs["none"], strict=True)
+                if r["cpu"] > 0
+            )
+        result["modes"][mode] = entry
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"writer priority: {result['nproc']} cores, torch {args.threads} threads, "
+        f"{args.steps} steps, {args.reps} reps, load {load_before[0]:.1f} -> "
+        f"{result['load_average_after'][0]:.1f}"
+    )
+    for mode, entry in result["modes"].items():
+        t = entry["training_seconds"]
+        line = f"{mode:7s} training {t['median']:6.2f} s [{t['min']:.2f}..{t['max']:.2f}]"
+        if "slowdown_pct" in entry:
+            s, c = entry["slowdown_pct"], entry["writer_cpu_seconds"]
+            line += (
+                f"  slowdown {s['median']:+6.1f}% [{s['min']:+.1f}..{s['max']:+.1f}]"
+                f"  writer {c['median']:.2f} CPU s, {entry['writer_mb']['median']:.0f} MB"
+                f"  (training s lost per writer CPU s: "
+                f"{entry['training_seconds_lost_per_writer_cpu_second']:.2f})"
+            )
+        print(line)
+    print(f"\nwrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
