@@ -112,10 +112,20 @@ def test_every_mode_checkpoints_every_block() -> None:
     assert _run(policy, [0.001] * 10, m=5.0) == list(range(10))
 
 
+def test_no_second_checkpoint_before_the_first_write_reports_its_cost() -> None:
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.decide("epoch", 1.0)
+    policy.captured("epoch", 0.001)
+    assert not policy.decide("epoch", 1.0)  # cheap capture, but the write's cost is unknown
+    policy.written("epoch", 0.001, 0.01)
+    assert policy.decide("epoch", 1.0)
+
+
 def test_a_skipped_checkpoint_does_not_count_as_taken() -> None:
     policy = AdaptivePolicy(eps=1 / 15)
     assert policy.decide("epoch", 1.0)
     policy.captured("epoch", 0.001)
+    policy.written("epoch", 0.001, 0.01)
     assert policy.decide("epoch", 1.0)
     policy.not_taken("epoch", 0.0)
     assert policy.blocks["epoch"].checkpoints == 1

@@ -127,6 +127,11 @@ class AdaptivePolicy:
                     stats.idle_blocks += 1
         if self.every or stats.checkpoints == 0:
             return True
+        with self._lock:
+            if not stats.writes:
+                # The first write has not finished: what a checkpoint costs beyond
+                # the capture is unknown yet, and a guess could take one too many.
+                return False
         n, k = stats.executions, stats.checkpoints
         mean_compute = stats.compute_seconds / n
         m = self.materialize_seconds(stats)
