@@ -141,8 +141,9 @@ def configure(
     when_full: when the writer is behind, "skip" the checkpoint (default;
         replay then executes that block) or make training "wait" (the default
         with checkpoints="every"; env RETROLOG_WHEN_FULL).
-    restore_ratio: restore time over materialize time, Flor's c (default 1;
-        env RETROLOG_RESTORE_RATIO).
+    restore_ratio: restore time over materialize time, Flor's c (default:
+        learned from the script's past replays, 1 before any; env
+        RETROLOG_RESTORE_RATIO).
     Takes effect at the run's first checkpoint; call it before the training loop.
     """
     from retrolog.checkpoint import settings

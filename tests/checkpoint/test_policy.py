@@ -91,14 +91,16 @@ def test_the_writers_measured_slowdown_replaces_its_cpu_time() -> None:
     policy.written("epoch", 2.0, 3.0)  # a write: 2 s of CPU over 3 s of wall time
     # Nothing measured about the writer's cost yet: its CPU time counts.
     assert policy.materialize_seconds(stats) == pytest.approx(2.01)
-    # Blocks the writer was busy for ran 25% slower: a write of 3 s cost training
-    # 3 * 0.25 / 1.25 = 0.6 s.
-    policy.decide("epoch", 1.25, 1.0)
+    # A block the writer was busy for throughout ran 25% slower: a write of 3 s
+    # costs training 3 * 0.25 / 1.25 = 0.6 s.
+    policy.decide("epoch", 1.25, 1.25)
     assert stats.writer_slowdown() == pytest.approx(0.25)
     assert policy.materialize_seconds(stats) == pytest.approx(0.61)
-    # Partly busy blocks tell nothing either way; a writer measured as free costs nothing.
-    policy.decide("epoch", 9.0, 4.0)
+    # Partly busy blocks on the same line keep the estimate.
+    policy.decide("epoch", 1.125, 0.5625)  # busy half of it: 12.5% slower
+    policy.decide("epoch", 1.0, 0.0)
     assert stats.writer_slowdown() == pytest.approx(0.25)
+    # A writer measured as free costs nothing beyond the capture.
     free = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
     for busy in (0.0, 1.0):
         free.decide("epoch", 1.0, busy)
@@ -147,7 +149,7 @@ def test_settings_come_from_configure_over_environment_over_defaults(
     got = settings.current(env)
     assert got.overhead_tolerance == 0.02
     assert got.checkpoints == "adaptive"
-    assert got.max_in_flight == 2 and got.when_full == "skip" and got.restore_ratio == 1.0
+    assert got.max_in_flight == 2 and got.when_full == "skip" and got.restore_ratio is None
     assert settings.current({}).overhead_tolerance == pytest.approx(1 / 15)
     # Dense checkpoints wait for the writer unless told otherwise.
     assert settings.current({"RETROLOG_CHECKPOINTS": "every"}).when_full == "wait"

@@ -149,6 +149,11 @@ def test_replay_is_exact_at_every_scan_level_across_two_versions(project: Projec
     out = project.cli("replay", "final_norm,n_params", "--yes")
     assert out.returncode == 0, out.stderr
     assert "differs" not in out.stderr  # the deferred check found the recorded values again
+    # Each replayed run's restore figures are kept: recording learns c from them.
+    figures = read_db(
+        project.root, "SELECT restored, restore_seconds FROM replay_runs WHERE restored > 0"
+    )
+    assert figures and all(float(str(seconds)) > 0 for _, seconds in figures)
 
     fresh = [_fresh(project, ["lr=0.05"]), _fresh(project, ["lr=0.1", "epochs=3"])]
     for run_id, reference in zip(runs, fresh, strict=True):

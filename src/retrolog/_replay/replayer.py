@@ -558,15 +558,18 @@ def _collect(
             outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
         else:
             outcome.status = "replayed"
+        # What restoring cost, for recording's restore/materialize ratio (policy's c).
+        restored = sum(int((j.output or {}).get("restored", 0)) for j in finished)
+        restore_seconds = sum(float((j.output or {}).get("restore_seconds", 0.0)) for j in finished)
         conn.execute(
             "INSERT OR REPLACE INTO replay_runs(replay_id, run_id, scan, code_object, status,"
-            " estimate_seconds, actual_seconds, backfilled, mismatches, error)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " estimate_seconds, actual_seconds, backfilled, mismatches, error, restored,"
+            " restore_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 replay_id, run_id, by_run[run_id].scan.name, code_objects.get(run_id),
                 outcome.status, outcome.estimate_seconds, outcome.actual_seconds,
                 outcome.backfilled, json.dumps([m.__dict__ for m in outcome.mismatches]),
-                outcome.error,
+                outcome.error, restored, restore_seconds,
             ),
         )  # fmt: skip
 

@@ -19,12 +19,13 @@ copy, plus any wait for a free writer slot), plus what the background
 writer's work costs training. The writer runs at the lowest priority on idle
 cycles (docs/materialization.md), which costs a CPU-bound training little but
 not nothing: memory bandwidth, a hyperthread sibling, the GIL. So the rule
-measures it. Each block end reports how much of the block the writer was
-busy; blocks it was busy for most of (at least :data:`BUSY`) and blocks it
-was idle for (at most :data:`IDLE`) give the slowdown s = C_busy / C_idle - 1
-while it writes, and a checkpoint costs training W * s / (1 + s), with W the
-wall time of a write. Until both kinds of block were seen, training on the
-CPU counts the writer's CPU time instead (training on a GPU: nothing), and
+measures it. Each block end reports the share f of the block the writer was
+busy; a least-squares line through (f, C) over the block's executions gives
+C = C0 * (1 + s * f), s being how much slower blocks run while the writer
+writes, and a checkpoint costs training W * s / (1 + s), with W the wall
+time of a write. Until the line is identifiable (some blocks with the writer
+idle, some with it busy for at least :data:`BUSY` of the block), training on
+the CPU counts the writer's CPU time instead (training on a GPU: nothing);
 the writer's figures arrive after each write, so the rule uses the means of
 the writes finished so far.
 
@@ -38,8 +39,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-BUSY = 0.5  # a block the writer was busy for at least this share of
-IDLE = 0.05  # a block the writer was busy for at most this share of
+BUSY = 0.25  # the slowdown is measured once a block had the writer busy this share of it
+IDLE = 0.05  # ... and one had it busy at most this share
 
 
 @dataclass
@@ -54,18 +55,28 @@ class BlockStats:
     writer_cpu_seconds: float = 0.0  # writer CPU seconds of the finished writes
     write_seconds: float = 0.0  # wall seconds of the finished writes
     writes: int = 0
-    busy_compute: float = 0.0  # sum of C over blocks the writer was busy for (>= BUSY)
-    busy_blocks: int = 0
-    idle_compute: float = 0.0  # sum of C over blocks the writer was idle for (<= IDLE)
-    idle_blocks: int = 0
+    # Sums for the least-squares line C = a + b * f, f the writer's busy share.
+    fits: int = 0
+    sum_f: float = 0.0
+    sum_c: float = 0.0
+    sum_ff: float = 0.0
+    sum_fc: float = 0.0
+    busy_seen: bool = False  # a block with f >= BUSY
+    idle_seen: bool = False  # a block with f <= IDLE
 
     def writer_slowdown(self) -> float | None:
         """s: how much slower blocks run while the writer writes; None until measurable."""
-        if not self.busy_blocks or not self.idle_blocks or self.idle_compute <= 0:
+        if not (self.busy_seen and self.idle_seen):
             return None
-        busy = self.busy_compute / self.busy_blocks
-        idle = self.idle_compute / self.idle_blocks
-        return max(busy / idle - 1.0, 0.0)
+        n = self.fits
+        spread = n * self.sum_ff - self.sum_f**2
+        if spread <= 0:
+            return None
+        slope = (n * self.sum_fc - self.sum_f * self.sum_c) / spread
+        intercept = (self.sum_c - slope * self.sum_f) / n
+        if intercept <= 0:
+            return None
+        return max(slope / intercept, 0.0)
 
 
 class AdaptivePolicy:
@@ -117,14 +128,15 @@ class AdaptivePolicy:
         compute = max(compute_seconds, 0.0)
         stats.compute_seconds += compute
         if compute > 0:
-            share = writer_busy / compute
+            share = min(max(writer_busy / compute, 0.0), 1.0)
             with self._lock:
-                if share >= BUSY:
-                    stats.busy_compute += compute
-                    stats.busy_blocks += 1
-                elif share <= IDLE:
-                    stats.idle_compute += compute
-                    stats.idle_blocks += 1
+                stats.fits += 1
+                stats.sum_f += share
+                stats.sum_c += compute
+                stats.sum_ff += share * share
+                stats.sum_fc += share * compute
+                stats.busy_seen = stats.busy_seen or share >= BUSY
+                stats.idle_seen = stats.idle_seen or share <= IDLE
         if self.every or stats.checkpoints == 0:
             return True
         with self._lock:

@@ -11,7 +11,8 @@ setting                    environment variable            default
 ``max_in_flight``          ``RETROLOG_MAX_IN_FLIGHT``      2
 ``when_full``              ``RETROLOG_WHEN_FULL``          ``"skip"``; with ``"every"``:
                                                            ``"wait"``
-``restore_ratio``          ``RETROLOG_RESTORE_RATIO``      1.0 (Flor's c)
+``restore_ratio``          ``RETROLOG_RESTORE_RATIO``      learned (Flor's c; 1.0 before
+                                                           any replay)
 =========================  ==============================  ==========================
 
 ``checkpoints="every"`` checkpoints every block, knowingly paying whatever it
@@ -45,7 +46,8 @@ class CheckpointSettings:
     checkpoints: Mode = "adaptive"  # "adaptive" (Flor's invariant) or "every" block
     max_in_flight: int = 2  # snapshots held by the background writer at once
     when_full: str = "skip"  # what a block end does when the writer is behind: wait or skip
-    restore_ratio: float = 1.0  # c: restore time / materialize time
+    # c: restore time / materialize time; None: learned from the script's past replays.
+    restore_ratio: float | None = None
 
 
 def _tolerance(value: Any, source: str) -> float:

@@ -32,7 +32,7 @@ from retrolog.errors import StoreError
 from retrolog.runtime import frames, progress
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
-from retrolog.store.metadata import open_store, process_start_marker
+from retrolog.store.metadata import learned_restore_ratio, open_store, process_start_marker
 from retrolog.store.paths import ProjectPaths
 
 NO_OVERRIDE = object()  # arg() had no --kwargs value for this name
@@ -140,6 +140,7 @@ class Run:
         self._checkpointer: Any = None
         self._policy: Any = None
         self._settings: Any = None
+        self._restore_ratio: tuple[float, str] = (1.0, "default")  # c, and where it came from
         self._pid = os.getpid()
 
         conn = open_store(paths, create=True)
@@ -175,6 +176,9 @@ class Run:
                     _relative_cwd(paths.root),
                 ),
             )
+            learned = learned_restore_ratio(conn, self.filename)
+            if learned is not None:
+                self._restore_ratio = (learned, "learned from replays")
         except Exception as exc:
             if isinstance(exc, StoreError) or not hasattr(exc, "sqlite_errorcode"):
                 raise
@@ -407,7 +411,7 @@ class Run:
         on_gpu = bool(torch is not None and torch.cuda.is_initialized())
         policy = AdaptivePolicy(
             eps=config.overhead_tolerance,
-            c=config.restore_ratio,
+            c=self._c(config),
             every=config.checkpoints == "every",
             count_writer_cpu=not on_gpu,
         )
@@ -419,6 +423,10 @@ class Run:
         seconds = time.perf_counter() - started
         self.events.append((Event.PROFILE, "checkpoint_setup", None, seconds, None))
         return self._checkpointer, policy
+
+    def _c(self, config: Any) -> float:
+        """c: configured, else learned from this script's replays, else 1."""
+        return float(config.restore_ratio or self._restore_ratio[0])
 
     def _checkpointing_summary(self) -> str:
         """What checkpointing did in this run, for runs.checkpointing (JSON)."""
@@ -440,7 +448,10 @@ class Run:
             {
                 "mode": config.checkpoints,
                 "overhead_tolerance": config.overhead_tolerance,
-                "restore_ratio": config.restore_ratio,
+                "restore_ratio": self._c(config),
+                "restore_ratio_from": (
+                    "configured" if config.restore_ratio is not None else self._restore_ratio[1]
+                ),
                 "max_in_flight": config.max_in_flight,
                 "when_full": config.when_full,
                 "writer_cpu_counted": policy.count_writer_cpu,

@@ -153,3 +153,30 @@ def mark_dead_runs_crashed(conn: sqlite3.Connection) -> int:
             [(run_id,) for run_id in dead],
         )
     return len(dead)
+
+
+def learned_restore_ratio(conn: sqlite3.Connection, filename: str) -> float | None:
+    """Flor's c for runs of ``filename``, learned from past replays; None before any.
+
+    c = restore / materialize: the mean seconds a replay spent restoring one
+    checkpoint of this script's runs, over the mean seconds those runs spent
+    materializing one (capture plus the writer's CPU time). Replays record
+    their restore figures per run in ``replay_runs``.
+    """
+    restore_seconds, restored = conn.execute(
+        "SELECT SUM(rr.restore_seconds), SUM(rr.restored) FROM replay_runs rr"
+        " JOIN runs r ON r.run_id = rr.run_id"
+        " WHERE r.filename = ? AND rr.restored > 0 AND rr.restore_seconds IS NOT NULL",
+        (filename,),
+    ).fetchone()
+    if not restored:
+        return None
+    (materialize,) = conn.execute(
+        "SELECT AVG(c.capture_seconds + COALESCE(c.writer_cpu_seconds, 0)) FROM checkpoints c"
+        " WHERE c.run_id IN (SELECT rr.run_id FROM replay_runs rr JOIN runs r"
+        " ON r.run_id = rr.run_id WHERE r.filename = ? AND rr.restored > 0)",
+        (filename,),
+    ).fetchone()
+    if not materialize or materialize <= 0:
+        return None
+    return float(restore_seconds) / int(restored) / float(materialize)

@@ -145,6 +145,17 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        4,
+        "replay restore figures, from which recording learns c (restore / materialize)",
+        """
+        ALTER TABLE replay_runs ADD COLUMN restored INTEGER;
+        ALTER TABLE replay_runs ADD COLUMN restore_seconds REAL;
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
