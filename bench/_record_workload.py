@@ -157,10 +157,16 @@ net = nn.Sequential(
     nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10),
 )
 opt = torch.optim.Adam(net.parameters(), lr=1e-4)
-for _ in range(2):
+
+
+def train_step():
     opt.zero_grad()
     nn.functional.cross_entropy(net(torch.randn(32, 1024)), torch.randint(0, 10, (32,))).backward()
     opt.step()
+
+
+for _ in range(2):
+    train_step()
 objects = {"net": net, "opt": opt}
 tensors = [t for t in net.state_dict().values()] + [
     v for s in opt.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)
@@ -172,6 +178,9 @@ with tempfile.TemporaryDirectory() as tmp:
     store = LocalObjectStore(os.path.join(tmp, "objects"))
     with BackgroundCheckpointer(store, lambda record: None, max_in_flight=1) as ckpt:
         for i in range(reps):
+            # Training changes every tensor between checkpoints, as in the stress
+            # workload: a state found unchanged would be hashed instead of copied.
+            train_step()
             out["retrolog"].append(
                 ckpt.capture(ctx_id=i, loop_name="epoch", kind="block", objects=objects)
             )
