@@ -632,3 +632,19 @@ def test_under_wait_close_writes_every_checkpoint_in_flight(gated: GatedStore) -
     threading.Timer(0.2, gated.gate.set).start()
     ckpt.close()
     assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.skipped == 0
+
+
+def test_a_writer_that_cannot_load_its_codec_fails_loudly(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing() -> None:
+        raise ImportError("No module named 'blosc2'")
+
+    monkeypatch.setattr(background, "_codec", missing)
+    ckpt = BackgroundCheckpointer(store, lambda r: None, max_in_flight=1, when_full="wait")
+    capture(ckpt, {"a": np.zeros(10_000)}, 0)
+    with pytest.raises(StoreError, match="compression library"):
+        for ctx in range(1, 50):  # the next capture raises instead of waiting forever
+            capture(ckpt, {"a": np.zeros(10_000)}, ctx)
+            time.sleep(0.01)
+    ckpt.close()

@@ -357,11 +357,13 @@ class BackgroundCheckpointer(Checkpointer):
         )
 
     def close(self) -> None:
-        """Write and report every checkpoint in flight, stop the writer, raise its failure.
+        """Write and report the checkpoints in flight, stop the writer, raise its failure.
 
-        The writer stops at the next array it would encode (an interrupted
-        checkpoint is started again here; what it wrote is found stored), and
-        this thread writes the rest, with every core.
+        The writer stops at the next array it would encode, and this thread
+        writes the rest, with every core, lz4 and no deltas (an interrupted
+        checkpoint is started again; what it wrote is found stored). Under
+        ``when_full="skip"`` only end states are written: block checkpoints
+        still unwritten are dropped (see :attr:`dropped`).
         """
         with self._cond:
             self._closing = True
@@ -424,7 +426,19 @@ class BackgroundCheckpointer(Checkpointer):
             _lower_priority()
         # Imported here, once, outside any checkpoint's timing: its 0.3-0.6 s of CPU
         # would otherwise read as the first write's cost and stall the adaptive rule.
-        _codec()
+        try:
+            _codec()
+        except BaseException as exc:  # the training thread must hear of it, not hang
+            with self._cond:
+                self._error = StoreError(
+                    f"retrolog's checkpoint writer cannot load its compression library "
+                    f"(blosc2): {type(exc).__name__}: {exc}. No checkpoint is written; "
+                    "reinstall retrolog's dependencies (pip install --force-reinstall blosc2)."
+                )
+                self._error.__cause__ = exc
+                self._pending.clear()
+                self._cond.notify_all()
+            return
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
