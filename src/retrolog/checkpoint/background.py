@@ -135,8 +135,8 @@ class BackgroundCheckpointer(Checkpointer):
         # Whether the writer runs below training's priority: requested, and possible
         # here (per-thread nice values are a Linux feature).
         self.low_priority = low_priority and sys.platform.startswith("linux")
-        if self.low_priority:
-            prepare_background_import()
+        # The writer imports the codec on its own thread, at any priority.
+        prepare_background_import()
         self._cond = threading.Condition()
         # Queued jobs and, at the head, the one being written: len() is the
         # number of snapshots held, which is what max_in_flight bounds.
