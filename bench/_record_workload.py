@@ -60,7 +60,8 @@ seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
 print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "epochs": epochs}))
 """
 
-CNN = """\
+# The cnn workload's data, model and optimizer (bench_writer_priority.py trains it too).
+CNN_SETUP = """\
 x = torch.randn(2048, 1, 28, 28)
 y = torch.randint(0, 10, (2048,))
 net = nn.Sequential(
@@ -70,6 +71,11 @@ net = nn.Sequential(
 )
 opt = torch.optim.Adam(net.parameters(), lr=1e-3)
 batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+"""
+
+CNN = (
+    CNN_SETUP
+    + """\
 t0, c0 = time.perf_counter(), time.process_time()
 with CKPT(net=net, opt=opt):
     for epoch in LOOP("epoch", range(epochs)):
@@ -83,6 +89,7 @@ with CKPT(net=net, opt=opt):
             LOG("acc", (net(x[:512]).argmax(1) == y[:512]).float().mean().item())
 COMMIT
 """
+)
 
 STRESS = """\
 net = nn.Sequential(

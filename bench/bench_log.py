@@ -99,6 +99,16 @@ def conditions(
     }
 
 
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min, max and the samples: how every result file reports repetitions."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "samples": values,
+    }
+
+
 class BenchError(Exception):
     """A measurement that could not be taken or did not check out."""
 

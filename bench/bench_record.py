@@ -60,6 +60,7 @@ from bench_log import (  # noqa: E402
     flordb_python,
     git,
     source_fingerprint,
+    spread,
     tail,
 )
 
@@ -161,21 +162,12 @@ def blocking_figures(python: Path, env: dict[str, str], reps: int) -> dict[str, 
     ours, saved, copied = block["retrolog"], block["torch_save"], block["copy"]
     return {
         "state_mb": block["state_mb"],
-        "retrolog_ms": stats([x * 1e3 for x in ours]),
-        "torch_save_ms": stats([x * 1e3 for x in saved]),
-        "copy_ms": stats([x * 1e3 for x in copied]),
+        "retrolog_ms": spread([x * 1e3 for x in ours]),
+        "torch_save_ms": spread([x * 1e3 for x in saved]),
+        "copy_ms": spread([x * 1e3 for x in copied]),
         "ratio_vs_torch_save": statistics.median(ours) / statistics.median(saved),
         "ratio_vs_copy": statistics.median(ours) / statistics.median(copied),
         "target_ratio_vs_torch_save": 0.3,
-    }
-
-
-def stats(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "samples": values,
     }
 
 
@@ -284,12 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         overheads = [s["overhead"] * 100 for s in reps]
         entry: dict[str, Any] = {
             "epochs": EPOCHS[name],
-            "plain_seconds": stats([s["plain"]["seconds"] for s in reps]),
-            "retrolog_seconds": stats([s["retrolog"]["seconds"] for s in reps]),
-            "overhead_pct": stats(overheads),
+            "plain_seconds": spread([s["plain"]["seconds"] for s in reps]),
+            "retrolog_seconds": spread([s["retrolog"]["seconds"] for s in reps]),
+            "overhead_pct": spread(overheads),
             # CPU time of the whole process, the writer's included: what recording
             # adds in work, whether or not it cost training wall time.
-            "cpu_overhead_pct": stats([s["cpu_overhead"] * 100 for s in reps]),
+            "cpu_overhead_pct": spread([s["cpu_overhead"] * 100 for s in reps]),
             "target_pct": TARGETS[name] * 100,
             "target_met": (
                 max(overheads) <= TARGETS[name] * 100
@@ -298,16 +290,16 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "block_checkpoints": [s["retrolog"]["block_checkpoints"] for s in reps],
             "block_executions": reps[0]["retrolog"]["block_executions"],
-            "capture_ms": stats([x for s in reps for x in s["retrolog"]["capture_ms"]]),
-            "writer_cpu_ms": stats([x for s in reps for x in s["retrolog"]["writer_cpu_ms"]]),
+            "capture_ms": spread([x for s in reps for x in s["retrolog"]["capture_ms"]]),
+            "writer_cpu_ms": spread([x for s in reps for x in s["retrolog"]["writer_cpu_ms"]]),
             "checkpoint_mb": statistics.median(
                 x for s in reps for x in s["retrolog"]["checkpoint_mb"]
             ),
             "waited_seconds": [s["retrolog"]["waited_seconds"] for s in reps],
         }
         if name == "cnn" and flordb_samples:
-            entry["flordb_seconds"] = stats([s["seconds"] for s in flordb_samples])
-            entry["flordb_overhead_pct"] = stats([s["flordb_overhead"] * 100 for s in reps])
+            entry["flordb_seconds"] = spread([s["seconds"] for s in flordb_samples])
+            entry["flordb_overhead_pct"] = spread([s["flordb_overhead"] * 100 for s in reps])
         result["workloads"][name] = entry
     result["flordb"] = {"available": flor_python is not None, "note": flordb_note}
     result["blocking"] = block

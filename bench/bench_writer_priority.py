@@ -39,12 +39,14 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from bench_log import BenchError, conditions, source_fingerprint, tail  # noqa: E402
+import _record_workload as workload  # noqa: E402
+from bench_log import BenchError, conditions, source_fingerprint, spread, tail  # noqa: E402
 
 RESULTS = BENCH_DIR / "results" / "writer_priority.json"
 MODES = ("none", "normal", "low")
 
-TRIAL = """\
+TRIAL = (
+    """\
 import json
 import sys
 import threading
@@ -60,15 +62,9 @@ from retrolog.checkpoint.background import _lower_priority
 mode, steps = sys.argv[1], int(sys.argv[2])
 torch.set_num_threads(int(sys.argv[3]))
 torch.manual_seed(0)
-x = torch.randn(2048, 1, 28, 28)
-y = torch.randint(0, 10, (2048,))
-net = nn.Sequential(
-    nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-    nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-    nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
-)
-opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+"""
+    + workload.CNN_SETUP
+    + """\
 weights = torch.randn(4_000_000).numpy().view(np.uint8)  # 16 MB of float32 to compress
 _arrays._codec()  # imported before the timing, in every mode
 stop = threading.Event()
@@ -100,6 +96,7 @@ if thread is not None:
     thread.join()
 print(json.dumps({"seconds": seconds, **writer}))
 """
+)
 
 
 def trial(mode: str, steps: int, threads: int) -> dict[str, Any]:
@@ -116,15 +113,6 @@ def trial(mode: str, steps: int, threads: int) -> dict[str, Any]:
     if mode == "low" and not result["lowered"]:
         raise BenchError("the writer's priority could not be lowered on this machine")
     return result
-
-
-def stats(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "samples": values,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,15 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     result.update(torch_threads=args.threads, steps=args.steps, modes={})
     for mode in MODES:
         seconds = [r["seconds"] for r in runs[mode]]
-        entry: dict[str, Any] = {"training_seconds": stats(seconds)}
+        entry: dict[str, Any] = {"training_seconds": spread(seconds)}
         if mode != "none":
             slowdown = [
                 (r["seconds"] / b["seconds"] - 1) * 100
                 for r, b in zip(runs[mode], runs["none"], strict=True)
             ]
-            entry["slowdown_pct"] = stats(slowdown)
-            entry["writer_cpu_seconds"] = stats([r["cpu"] for r in runs[mode]])
-            entry["writer_mb"] = stats([r["mb"] for r in runs[mode]])
+            entry["slowdown_pct"] = spread(slowdown)
+            entry["writer_cpu_seconds"] = spread([r["cpu"] for r in runs[mode]])
+            entry["writer_mb"] = spread([r["mb"] for r in runs[mode]])
             entry["training_seconds_lost_per_writer_cpu_second"] = statistics.median(
                 (r["seconds"] - b["seconds"]) / r["cpu"]
                 for r, b in zip(runs[mode], runs["none"], strict=True)
