@@ -12,12 +12,36 @@ from pathlib import Path
 
 import pytest
 
+from retrolog.store.objects import ObjectStore
+
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "Test User",
     "GIT_AUTHOR_EMAIL": "test@example.com",
     "GIT_COMMITTER_NAME": "Test User",
     "GIT_COMMITTER_EMAIL": "test@example.com",
 }
+
+
+class WrappingStore(ObjectStore):
+    """A store that passes the four abstract methods to ``inner`` and implements nothing else.
+
+    As a wrapper a user might write would; tests subclass it to delay or fail writes.
+    """
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+
+    def put(self, data: bytes) -> str:
+        return self.inner.put(data)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.inner.has(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
 
 
 @dataclass

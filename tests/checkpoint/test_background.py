@@ -40,14 +40,16 @@ from retrolog.checkpoint.state import (
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
 from retrolog.store.objects import LocalObjectStore, ObjectStore
 
+from conftest import WrappingStore
+
 GATE_TIMEOUT = 20  # seconds; a test that would hang fails instead
 
 
-class GatedStore(ObjectStore):
+class GatedStore(WrappingStore):
     """A local store whose put() waits until ``gate`` is set, to make the writer fall behind."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.gate = threading.Event()
         self.entered = threading.Event()  # set once the writer is inside put()
 
@@ -56,15 +58,6 @@ class GatedStore(ObjectStore):
         if not self.gate.wait(GATE_TIMEOUT):
             raise AssertionError("the test never opened the gate")
         return self.inner.put(data)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def has(self, key: str) -> bool:
-        return self.inner.has(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
 
 
 class FailingStore(GatedStore):

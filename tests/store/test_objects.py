@@ -19,6 +19,8 @@ from retrolog.store.objects import (
     object_key,
 )
 
+from conftest import WrappingStore
+
 
 def object_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
@@ -229,27 +231,8 @@ def test_frame_refuses_a_bad_key() -> None:
         frame("ab" * 32, b"x")
 
 
-class _Wrapping(ObjectStore):
-    """A store that only implements the four abstract methods (as wrappers do)."""
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-
-    def put(self, data: bytes) -> str:
-        return self.inner.put(data)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def has(self, key: str) -> bool:
-        return self.inner.has(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-
 def test_peek_and_touch_have_working_defaults(tmp_path: Path) -> None:
-    store = _Wrapping(LocalObjectStore(tmp_path))
+    store = WrappingStore(LocalObjectStore(tmp_path))  # the four abstract methods only
     store.put(frame(KEY, b"payload"))
     assert store.peek(KEY, 8) == FRAME_MAGIC
     assert store.peek("ab" * 16, 8) is None
