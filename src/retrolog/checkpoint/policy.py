@@ -128,15 +128,15 @@ class AdaptivePolicy:
         compute = max(compute_seconds, 0.0)
         stats.compute_seconds += compute
         if compute > 0:
+            # The fit is only touched on the training thread: no lock.
             share = min(max(writer_busy / compute, 0.0), 1.0)
-            with self._lock:
-                stats.fits += 1
-                stats.sum_f += share
-                stats.sum_c += compute
-                stats.sum_ff += share * share
-                stats.sum_fc += share * compute
-                stats.busy_seen = stats.busy_seen or share >= BUSY
-                stats.idle_seen = stats.idle_seen or share <= IDLE
+            stats.fits += 1
+            stats.sum_f += share
+            stats.sum_c += compute
+            stats.sum_ff += share * share
+            stats.sum_fc += share * compute
+            stats.busy_seen = stats.busy_seen or share >= BUSY
+            stats.idle_seen = stats.idle_seen or share <= IDLE
         if self.every or stats.checkpoints == 0:
             return True
         with self._lock:
