@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from retrolog.checkpoint._arrays import KEYFRAMES
 from retrolog.store.objects import ObjectStore
 
 GIT_IDENTITY = {
@@ -134,6 +135,8 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RETROLOG_PROGRESS", "0")
     monkeypatch.setenv("RETROLOG_CHECKPOINTS", "every")
     monkeypatch.delenv("RETROLOG_STORE", raising=False)
+    # Delta bases decoded by an earlier test would spare this one its reads from disk.
+    KEYFRAMES.clear()
 
 
 def read_db(root: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:

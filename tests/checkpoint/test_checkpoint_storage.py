@@ -31,6 +31,7 @@ from retrolog.errors import CorruptObjectError, StoreError
 from retrolog.store.objects import LocalObjectStore
 
 from .test_checkpoint_codec import assert_same
+from conftest import WrappingStore
 
 TORCH_FLOATS = {  # dtype -> the signed integer type of its width, for its bit patterns
     "float16": (torch.float16, torch.int16),
@@ -320,6 +321,61 @@ def test_the_history_keeps_its_own_copy_of_the_base(store: LocalObjectStore) -> 
     assert hist.last is not None and hist.last.delta_objects == 1
     assert torch.equal(decode(k1, store).objects["w"], first)
     assert torch.equal(decode(k2, store).objects["w"], second)
+
+
+def test_consecutive_restores_decode_their_keyframe_once(store: LocalObjectStore) -> None:
+    """Replay restores the checkpoints of consecutive iterations: deltas against one keyframe."""
+    hist = DeltaHistory(min_gain=1.0)
+    w = weights(50_000, seed=1)
+    values, keys = [], []
+    for epoch in range(4):
+        w = w + weights(50_000, seed=100 + epoch) * 1e-3
+        values.append(w)
+        keys.append(encode(Snapshot(objects={"w": w}, rng={}), store, history=hist)[0])
+    keyframe = manifest_blobs(keys[0], store).pop()
+    assert all(keyframe in manifest_blobs(k, store) for k in keys)  # three deltas against it
+
+    reads: list[str] = []
+
+    class Counting(WrappingStore):
+        def get(self, key: str) -> bytes:
+            reads.append(key)
+            return super().get(key)
+
+    counting = Counting(store)
+    for key, value in zip(keys, values, strict=True):
+        assert torch.equal(decode(key, counting).objects["w"], value)
+    assert reads.count(keyframe) == 2  # as itself, then once as the first delta's base
+
+    # The cache holds the keyframe's content, which its key names: restores stay exact
+    # even once the file is damaged, and a cold process reports the damage.
+    path = store.path(keyframe)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert torch.equal(decode(keys[3], store).objects["w"], values[3])
+    _arrays.KEYFRAMES.clear()
+    with pytest.raises(CorruptObjectError):
+        decode(keys[3], store)
+
+
+def test_the_keyframe_cache_is_bounded_and_adds_wrapping() -> None:
+    cache = _arrays.KeyframeCache(capacity=3000)
+    a = np.full(1000, 0xFFFFFFFF, dtype=np.uint32)  # 4000 bytes: more than the capacity
+    cache.keep("a", a.view(np.uint8))
+    assert not cache.add_to("a", np.zeros(1000, dtype=np.uint32))
+    b = np.arange(500, dtype=np.uint32)
+    c = np.full(250, 7, dtype=np.uint32)
+    cache.keep("b", b.view(np.uint8))  # 2000 bytes
+    cache.keep("c", c.view(np.uint8))  # 1000 bytes: exactly full
+    out = np.full(500, 0xFFFFFFFF, dtype=np.uint32)
+    assert cache.add_to("b", out)  # b becomes the most recently used
+    np.testing.assert_array_equal(out, np.arange(500, dtype=np.uint32) - 1)  # wrapped
+    assert not cache.add_to("b", np.zeros(250, dtype=np.uint32))  # another size: not b
+    cache.keep("d", np.zeros(1000, dtype=np.uint8))  # evicts c, the least recently used
+    assert not cache.add_to("c", np.zeros(250, dtype=np.uint32))
+    assert cache.add_to("b", np.zeros(500, dtype=np.uint32))
+    assert cache.add_to("d", np.zeros(250, dtype=np.uint32))
 
 
 # ------------------------------------------------------------------ dedup

@@ -26,6 +26,17 @@ def object_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
+def read(store: ObjectStore, key: str, how: str) -> bytes:
+    """Object ``key`` as ``get`` returns it, or as ``view`` shows it (mapped, for a local store)."""
+    if how == "get":
+        return store.get(key)
+    with store.view(key) as data:
+        return bytes(data)
+
+
+READS = pytest.mark.parametrize("how", ["get", "view"])
+
+
 def test_put_get_has_delete(tmp_path: Path) -> None:
     store: ObjectStore = LocalObjectStore(tmp_path / "objects")
     data = b"some tensor bytes"
@@ -67,17 +78,19 @@ def test_put_repairs_a_truncated_object(tmp_path: Path) -> None:
     assert store.get(key) == b"0123456789"
 
 
-def test_get_missing_key_is_a_store_error(tmp_path: Path) -> None:
+@READS
+def test_get_missing_key_is_a_store_error(tmp_path: Path, how: str) -> None:
     store = LocalObjectStore(tmp_path)
     key = "ab" * 32
     with pytest.raises(StoreError, match=key) as info:
-        store.get(key)
+        read(store, key, how)
     assert not isinstance(info.value, CorruptObjectError)
     assert info.value.path == str(store.path(key))
 
 
+@READS
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_get_detects_corruption(tmp_path: Path, damage: str) -> None:
+def test_get_detects_corruption(tmp_path: Path, damage: str, how: str) -> None:
     store = LocalObjectStore(tmp_path)
     key = store.put(bytes(range(256)))
     path = store.path(key)
@@ -88,7 +101,7 @@ def test_get_detects_corruption(tmp_path: Path, damage: str) -> None:
         del raw[200:]
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptObjectError, match="corrupt") as info:
-        store.get(key)
+        read(store, key, how)
     assert info.value.key == key
     assert info.value.path == str(path)
     assert "Delete the file" in str(info.value)
@@ -203,7 +216,8 @@ def test_a_torn_frame_is_replaced(tmp_path: Path) -> None:
         ("empty", "not a retrolog frame"),
     ],
 )
-def test_a_damaged_frame_is_corrupt(tmp_path: Path, damage: str, message: str) -> None:
+@READS
+def test_a_damaged_frame_is_corrupt(tmp_path: Path, damage: str, message: str, how: str) -> None:
     store = LocalObjectStore(tmp_path)
     store.put(frame(KEY, bytes(range(256))))
     path = store.path(KEY)
@@ -220,7 +234,7 @@ def test_a_damaged_frame_is_corrupt(tmp_path: Path, damage: str, message: str) -
         raw.clear()
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptObjectError, match=message) as info:
-        store.get(KEY)
+        read(store, KEY, how)
     assert info.value.key == KEY
     assert info.value.path == str(path)
     assert "Delete the file" in str(info.value)
@@ -237,3 +251,16 @@ def test_peek_and_touch_have_working_defaults(tmp_path: Path) -> None:
     assert store.peek(KEY, 8) == FRAME_MAGIC
     assert store.peek("ab" * 16, 8) is None
     assert store.touch(KEY) and not store.touch("ab" * 16)
+    with store.view(KEY) as data:
+        assert frame_payload(data) == b"payload"
+
+
+def test_a_view_is_the_object_and_may_outlive_its_block(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    payload = os.urandom(1 << 20)
+    store.put(frame(KEY, payload))
+    with store.view(KEY) as data:
+        assert data.readonly
+        assert frame_payload(data) == payload
+        kept = frame_payload(data)[:16]  # a slice still alive when the block ends
+    assert bytes(kept) == payload[:16]  # the mapping lives on until its last reference

@@ -10,11 +10,12 @@ of one real checkpoint, so that restores can be costed by their bytes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sqlite3
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -313,6 +314,12 @@ class _CountingStore(ObjectStore):
         data = self.inner.get(key)
         self.sizes[key] = len(data)
         return data
+
+    @contextlib.contextmanager
+    def view(self, key: str) -> Iterator[memoryview]:
+        with self.inner.view(key) as data:  # as the restore reads: mapped, not copied
+            self.sizes[key] = data.nbytes
+            yield data
 
     def has(self, key: str) -> bool:
         return self.inner.has(key)

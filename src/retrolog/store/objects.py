@@ -32,9 +32,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
+import mmap
 import os
 import secrets
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,11 @@ FRAMED_KEY_LENGTH = 32  # hex digits of a 128-bit key
 FRAME_MAGIC = b"\x89RLOBJ\r\n"
 _FRAME_TAIL = struct.Struct("<16sQ16s")  # key, payload length, xxh3-128 of the payload
 FRAME_HEADER_SIZE = len(FRAME_MAGIC) + _FRAME_TAIL.size  # 48
+# A read-only shared mapping, its pages read in by the mmap call itself (Linux) so that
+# decompression does not fault them in one by one; None where mmap takes no flags.
+_MAP_FLAGS: int | None = (
+    mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0) if hasattr(mmap, "MAP_SHARED") else None
+)
 
 
 def object_key(data: bytes) -> str:
@@ -183,6 +190,15 @@ class ObjectStore(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove the object stored under ``key``; a missing object is not an error."""
 
+    @contextlib.contextmanager
+    def view(self, key: str) -> Iterator[memoryview]:
+        """The verified content of object ``key`` as a buffer valid inside the ``with`` block.
+
+        For reading large objects without a copy; this default wraps :meth:`get`.
+        """
+        with memoryview(self.get(key)) as data:
+            yield data
+
     def peek(self, key: str, size: int) -> bytes | None:
         """Up to ``size`` leading bytes of object ``key``, unverified; None if it is not stored.
 
@@ -292,15 +308,55 @@ class LocalObjectStore(ObjectStore):
         path = self.path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError as exc:
-            raise StoreError(
+        except OSError as exc:
+            raise self._unreadable(key, path, exc) from exc
+        self._verify(key, path, data)
+        return data
+
+    @contextlib.contextmanager
+    def view(self, key: str) -> Iterator[memoryview]:
+        """Object ``key`` verified, read from the page cache without a copy (memory-mapped).
+
+        Objects are immutable files replaced only by rename, so the mapping
+        cannot change under the reader. Falls back to :meth:`get` where
+        files cannot be mapped (an empty file, a platform without mmap flags).
+        """
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mapped = (
+                    mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+                    if size and _MAP_FLAGS is not None
+                    else None
+                )
+        except OSError as exc:
+            raise self._unreadable(key, path, exc) from exc
+        if mapped is None:
+            data = self.get(key)
+            with memoryview(data) as whole:
+                yield whole
+            return
+        try:
+            with memoryview(mapped) as whole:
+                self._verify(key, path, whole)
+                yield whole
+        finally:
+            # A slice the caller kept holds the mapping until its last reference goes.
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+    def _unreadable(self, key: str, path: Path, exc: OSError) -> StoreError:
+        if isinstance(exc, FileNotFoundError):
+            return StoreError(
                 f"No object {key} in the object store {self.root} (expected at {path}). "
                 "It was deleted (garbage collection, a retention policy, or by hand) or the "
                 "store was copied incompletely; anything that references it cannot be loaded.",
                 path=str(path),
-            ) from exc
-        except OSError as exc:
-            raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
+            )
+        return StoreError(f"Cannot read object file {path}: {exc}", path=str(path))
+
+    def _verify(self, key: str, path: Path, data: bytes | memoryview) -> None:
         if is_framed_key(key):
             problem = _frame_problem(key, data, whole=True)
         else:
@@ -315,7 +371,6 @@ class LocalObjectStore(ObjectStore):
                 path=str(path),
                 key=key,
             )
-        return data
 
     def has(self, key: str) -> bool:
         """Whether object ``key`` has a file in the store."""
