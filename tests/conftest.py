@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from retrolog.checkpoint._arrays import KEYFRAMES
+from retrolog.checkpoint._arrays import DECODED
 from retrolog.store.objects import ObjectStore
 
 GIT_IDENTITY = {
@@ -136,7 +136,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RETROLOG_CHECKPOINTS", "every")
     monkeypatch.delenv("RETROLOG_STORE", raising=False)
     # Delta bases decoded by an earlier test would spare this one its reads from disk.
-    KEYFRAMES.clear()
+    DECODED.clear()
 
 
 def read_db(root: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:

@@ -323,17 +323,24 @@ def test_the_history_keeps_its_own_copy_of_the_base(store: LocalObjectStore) -> 
     assert torch.equal(decode(k2, store).objects["w"], second)
 
 
-def test_consecutive_restores_decode_their_keyframe_once(store: LocalObjectStore) -> None:
-    """Replay restores the checkpoints of consecutive iterations: deltas against one keyframe."""
+def test_consecutive_restores_decode_shared_content_once(store: LocalObjectStore) -> None:
+    """Replay restores the checkpoints of consecutive iterations: their deltas share a
+    keyframe, and a frozen tensor is the same object in each."""
     hist = DeltaHistory(min_gain=1.0)
     w = weights(50_000, seed=1)
+    frozen = weights(50_000, seed=2)
     values, keys = [], []
-    for epoch in range(4):
+    for epoch in range(5):
         w = w + weights(50_000, seed=100 + epoch) * 1e-3
         values.append(w)
-        keys.append(encode(Snapshot(objects={"w": w}, rng={}), store, history=hist)[0])
-    keyframe = manifest_blobs(keys[0], store).pop()
-    assert all(keyframe in manifest_blobs(k, store) for k in keys)  # three deltas against it
+        snap = Snapshot(objects={"w": w, "frozen": frozen}, rng={})
+        keys.append(encode(snap, store, history=hist)[0])
+
+    def key_of(t: torch.Tensor) -> str:
+        return _arrays.content_key("torch.float32", t.shape, t.numpy().view(np.uint8))
+
+    frozen_key, keyframe = key_of(frozen), key_of(values[0])
+    assert {read_info(store, key_of(v)).base for v in values[1:]} == {keyframe}  # type: ignore[union-attr]
 
     reads: list[str] = []
 
@@ -344,38 +351,44 @@ def test_consecutive_restores_decode_their_keyframe_once(store: LocalObjectStore
 
     counting = Counting(store)
     for key, value in zip(keys, values, strict=True):
-        assert torch.equal(decode(key, counting).objects["w"], value)
-    assert reads.count(keyframe) == 2  # as itself, then once as the first delta's base
+        out = decode(key, counting).objects
+        assert torch.equal(out["w"], value) and torch.equal(out["frozen"], frozen)
+    assert reads.count(keyframe) == 2  # as itself, then as the first delta's base
+    assert reads.count(frozen_key) == 2  # read once is not cached; read twice it is
 
-    # The cache holds the keyframe's content, which its key names: restores stay exact
-    # even once the file is damaged, and a cold process reports the damage.
+    # A cached array is the content its key names: restores stay exact even once the
+    # file is damaged, and a process without the cache reports the damage.
     path = store.path(keyframe)
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 0xFF
     path.write_bytes(bytes(raw))
-    assert torch.equal(decode(keys[3], store).objects["w"], values[3])
-    _arrays.KEYFRAMES.clear()
+    assert torch.equal(decode(keys[4], store).objects["w"], values[4])
+    _arrays.DECODED.clear()
     with pytest.raises(CorruptObjectError):
-        decode(keys[3], store)
+        decode(keys[4], store)
 
 
-def test_the_keyframe_cache_is_bounded_and_adds_wrapping() -> None:
-    cache = _arrays.KeyframeCache(capacity=3000)
-    a = np.full(1000, 0xFFFFFFFF, dtype=np.uint32)  # 4000 bytes: more than the capacity
-    cache.keep("a", a.view(np.uint8))
-    assert not cache.add_to("a", np.zeros(1000, dtype=np.uint32))
+def test_the_decoded_cache_admits_bounds_and_adds_wrapping() -> None:
+    cache = _arrays.DecodedArrays(capacity=3000)
+    cache.keep("a", np.zeros(4000, dtype=np.uint8))  # more than the capacity
+    assert not cache.copy_to("a", np.empty(4000, dtype=np.uint8))
     b = np.arange(500, dtype=np.uint32)
-    c = np.full(250, 7, dtype=np.uint32)
     cache.keep("b", b.view(np.uint8))  # 2000 bytes
-    cache.keep("c", c.view(np.uint8))  # 1000 bytes: exactly full
-    out = np.full(500, 0xFFFFFFFF, dtype=np.uint32)
-    assert cache.add_to("b", out)  # b becomes the most recently used
-    np.testing.assert_array_equal(out, np.arange(500, dtype=np.uint32) - 1)  # wrapped
+    cache.offer("c", np.full(1000, 7, dtype=np.uint8))  # read once: only remembered
+    assert not cache.copy_to("c", np.empty(1000, dtype=np.uint8))
+    second = np.full(1000, 7, dtype=np.uint8)
+    cache.offer("c", second)  # read twice: a copy is kept; the cache is exactly full
+    second[:] = 0  # the caller's array is the caller's
+    out = np.empty(1000, dtype=np.uint8)
+    assert cache.copy_to("c", out) and (out == 7).all()
+    total = np.full(500, 0xFFFFFFFF, dtype=np.uint32)
+    assert cache.add_to("b", total)  # b is now the most recently used
+    np.testing.assert_array_equal(total, np.arange(500, dtype=np.uint32) - 1)  # wrapped
     assert not cache.add_to("b", np.zeros(250, dtype=np.uint32))  # another size: not b
     cache.keep("d", np.zeros(1000, dtype=np.uint8))  # evicts c, the least recently used
-    assert not cache.add_to("c", np.zeros(250, dtype=np.uint32))
-    assert cache.add_to("b", np.zeros(500, dtype=np.uint32))
-    assert cache.add_to("d", np.zeros(250, dtype=np.uint32))
+    assert not cache.copy_to("c", out)
+    assert cache.copy_to("b", np.empty(2000, dtype=np.uint8))
+    assert cache.copy_to("d", out)
 
 
 # ------------------------------------------------------------------ dedup

@@ -549,16 +549,30 @@ def read_array(
 
     Raises CorruptObjectError unless the result hashes to ``key``.
     """
-    _read_into(store, key, out, depth_left=MAX_DEPTH)
+    if DECODED.copy_to(key, out):
+        return
+    bases: list[tuple[str, np.ndarray[Any, Any]]] = []
+    _read_into(store, key, out, MAX_DEPTH, bases)
     if content_key(dtype, shape, out) != key:
         raise _corrupt(
             key,
             f"its content, decoded as dtype {dtype} and shape {tuple(shape)}, does not hash to "
             "its key (a damaged delta base, or a manifest that does not match the object)",
         )
+    # The result is right, so each base decoded on the way to it was too.
+    for base_key, base_data in bases:
+        DECODED.keep(base_key, base_data)
+    DECODED.offer(key, out)
 
 
-def _read_into(store: ObjectStore, key: str, out: np.ndarray[Any, Any], depth_left: int) -> None:
+def _read_into(
+    store: ObjectStore,
+    key: str,
+    out: np.ndarray[Any, Any],
+    depth_left: int,
+    bases: list[tuple[str, np.ndarray[Any, Any]]],
+) -> None:
+    """Decode object ``key`` into ``out``; delta bases decoded on the way go to ``bases``."""
     if not is_framed_key(key):
         raise _corrupt(key, "a checkpoint array must be a framed object")
     with store.view(key) as data:
@@ -582,48 +596,70 @@ def _read_into(store: ObjectStore, key: str, out: np.ndarray[Any, Any], depth_le
                 raise _corrupt(key, f"its {out.nbytes} bytes are not whole {itemsize}-byte items")
             uint = _UINT[itemsize]
             _decompress(key, body, out)  # the difference to the base
-            if not KEYFRAMES.add_to(base.hex(), out.view(uint)):
+            if not DECODED.add_to(base.hex(), out.view(uint)):
                 base_data = np.empty_like(out)
-                _read_into(store, base.hex(), base_data, depth_left - 1)
+                _read_into(store, base.hex(), base_data, depth_left - 1, bases)
                 np.add(out.view(uint), base_data.view(uint), out=out.view(uint))
-                KEYFRAMES.keep(base.hex(), base_data)
+                bases.append((base.hex(), base_data))
         else:
             raise _corrupt(key, f"its header names codec {codec} at depth {depth}")
         del payload, body  # views of the mapping, released before it is unmapped
 
 
-class KeyframeCache:
-    """Delta bases decoded recently, so a restore of consecutive checkpoints decodes each once.
+class DecodedArrays:
+    """Arrays decoded recently, by key, so that restoring a run's checkpoints decodes each once.
 
-    With ``max_chain=1`` the deltas of several checkpoints in a row are taken
-    against one keyframe, and replay restores the checkpoints of consecutive
-    iterations: without the cache every restore would decompress the keyframe
-    again, about doubling its cost. Entries are private arrays (never the
-    caller's, who may change them), least recently used first out once they
-    hold more than ``capacity`` bytes. Thread-safe.
+    Replay restores the checkpoints of consecutive iterations, and they share
+    content: a frozen backbone is the same object in every checkpoint, and with
+    ``max_chain=1`` the deltas of several checkpoints in a row are taken against
+    one keyframe. Without the cache each restore would decompress them again.
+
+    Two ways in, both after the decoded content was verified against its key:
+    a delta base as soon as it is decoded, and any other array the second time
+    it is read (the first read of most arrays is also their last). Entries are
+    private arrays, never the caller's, who may change them; the least recently
+    used go first once the entries hold more than ``capacity`` bytes.
+    Thread-safe.
     """
+
+    SEEN_LIMIT = 1 << 16  # keys read once that are remembered; forgotten all at once beyond
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._arrays: OrderedDict[str, np.ndarray[Any, Any]] = OrderedDict()
+        self._seen: set[str] = set()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def add_to(self, key: str, out: np.ndarray[Any, Any]) -> bool:
-        """Add keyframe ``key`` to ``out`` (unsigned ints, wrapping) if cached at that size."""
+    def _get(self, key: str, nbytes: int) -> np.ndarray[Any, Any] | None:
         with self._lock:
             cached = self._arrays.get(key)
-            if cached is None or cached.nbytes != out.nbytes:
-                return False
+            if cached is None or cached.nbytes != nbytes:
+                return None
             self._arrays.move_to_end(key)
-        # Entries are never written, so reading one needs no lock.
+            return cached
+
+    def copy_to(self, key: str, out: np.ndarray[Any, Any]) -> bool:
+        """Copy array ``key`` into ``out`` (uint8) if it is cached at that size."""
+        cached = self._get(key, out.nbytes)
+        if cached is None:
+            return False
+        np.copyto(out, cached)  # entries are never written: no lock needed to read one
+        return True
+
+    def add_to(self, key: str, out: np.ndarray[Any, Any]) -> bool:
+        """Add array ``key`` to ``out`` (unsigned ints, wrapping) if cached at that size."""
+        cached = self._get(key, out.nbytes)
+        if cached is None:
+            return False
         np.add(out, cached.view(out.dtype), out=out)
         return True
 
     def keep(self, key: str, data: np.ndarray[Any, Any]) -> None:
-        """Cache keyframe ``key``: ``data``, its decoded bytes, which no one else may change."""
+        """Cache ``data`` as array ``key``; no one else may change it from now on."""
         if data.nbytes > self.capacity:
             return
+        data = data.reshape(-1).view(np.uint8)
         with self._lock:
             old = self._arrays.pop(key, None)
             self._bytes += data.nbytes - (old.nbytes if old is not None else 0)
@@ -632,13 +668,26 @@ class KeyframeCache:
                 _, dropped = self._arrays.popitem(last=False)
                 self._bytes -= dropped.nbytes
 
+    def offer(self, key: str, data: np.ndarray[Any, Any]) -> None:
+        """Note that array ``key`` was read as ``data``; keep a copy if it was read before."""
+        with self._lock:
+            if key in self._arrays:
+                return
+            if key not in self._seen:
+                if len(self._seen) >= self.SEEN_LIMIT:
+                    self._seen.clear()
+                self._seen.add(key)
+                return
+        self.keep(key, data.copy())
+
     def clear(self) -> None:
         with self._lock:
             self._arrays.clear()
+            self._seen.clear()
             self._bytes = 0
 
 
-def _keyframe_capacity() -> int:
+def _cache_capacity() -> int:
     """A sixteenth of physical memory, at most 1 GiB; 256 MiB where its size is unknown."""
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -647,7 +696,7 @@ def _keyframe_capacity() -> int:
     return int(min(1 << 30, physical // 16))
 
 
-KEYFRAMES = KeyframeCache(_keyframe_capacity())
+DECODED = DecodedArrays(_cache_capacity())
 
 
 def _decompress(key: str, body: memoryview, out: np.ndarray[Any, Any]) -> None:
