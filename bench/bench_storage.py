@@ -15,11 +15,12 @@ compressors (issue 4, item 3: "compare ... and choose from measurements"):
   the tensors of a real trained model (the CNN of workload (i) below after its
   last epoch): fp32 weights, Adam's exp_avg and exp_avg_sq, the weights cast
   to bf16 and fp16, and the change of the weights and of exp_avg_sq over the
-  last epoch as XOR and as integer difference of the bit patterns. Each candidate codec
-  (zstandard plain and after a numpy byte shuffle, blosc2 with shuffle or
-  bitshuffle and zstd or lz4 at several levels, python-blosc and zipnn when
-  installed) compresses and decompresses each in one thread: ratio,
-  compress MB/s and decompress MB/s (of uncompressed bytes, wall time).
+  last epoch as XOR and as integer difference of the bit patterns. Each
+  candidate codec (zstandard plain and after a numpy byte shuffle, c-blosc2
+  with shuffle or bitshuffle and zstd or lz4 at several levels as retrolog
+  binds it through imagecodecs, and python-blosc2, python-blosc and zipnn when
+  installed) compresses and decompresses each in one thread: ratio, compress
+  MB/s and decompress MB/s (of uncompressed bytes, wall time).
 
 storage (benchmarks (c) and (d)): two training workloads on sklearn's digits
   (shipped with scikit-learn, no download), a checkpoint of model and Adam
@@ -457,17 +458,12 @@ def compressor_data() -> dict[str, tuple[np.ndarray[Any, Any], int]]:
     }
 
 
-def decompress_into(blosc2: Any, blob: bytes, out: np.ndarray[Any, Any]) -> Any:
-    """As the codec restores: straight into the destination's memory."""
-    blosc2.decompress2(blob, dst=out, nthreads=1)
-    return out
-
-
 def compressors() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
     """Name -> (compress(data, itemsize), decompress(blob, data)) for the installed codecs."""
-    import blosc2
+    from retrolog.checkpoint._arrays import _codec
 
-    blosc2.set_releasegil(True)
+    codec = _codec()  # c-blosc2, as retrolog binds it (imagecodecs)
+    b2 = codec.BLOSC2
     out: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
     try:
         import zstandard
@@ -495,20 +491,34 @@ def compressors() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
         ("shuffle", "LZ4", 1), ("shuffle", "LZ4", 5), ("shuffle", "LZ4HC", 5),
         ("bitshuffle", "ZSTD", 1), ("bitshuffle", "LZ4", 1),
     ]  # fmt: skip
-    for filt, codec, level in variants:
+    for filt, name, level in variants:
         kw = {
-            "codec": getattr(blosc2.Codec, codec),
-            "clevel": level,
-            "filters": [blosc2.Filter.SHUFFLE if filt == "shuffle" else blosc2.Filter.BITSHUFFLE],
-            "splitmode": blosc2.SplitMode.ALWAYS_SPLIT,
+            "compressor": getattr(b2.COMPRESSOR, name),
+            "shuffle": b2.FILTER.SHUFFLE if filt == "shuffle" else b2.FILTER.BITSHUFFLE,
+            "splitmode": b2.SPLIT.ALWAYS,
             "blocksize": 256 * 1024,
-            "nthreads": 1,
+            "numthreads": 1,
         }
-        chosen = " (chosen)" if (filt, codec, level) == ("shuffle", "ZSTD", 1) else ""
-        out[f"blosc2 {filt}+{codec.lower()}-{level}{chosen}"] = (
-            lambda a, it, kw=kw: blosc2.compress2(a, typesize=it, **kw),
-            lambda b, a, it: decompress_into(blosc2, b, np.empty_like(a)),
+        chosen = " (chosen)" if (filt, name, level) == ("shuffle", "ZSTD", 1) else ""
+        out[f"blosc2 {filt}+{name.lower()}-{level}{chosen}"] = (
+            lambda a, it, level=level, kw=kw: codec.blosc2_encode(a, level, typesize=it, **kw),
+            # As the codec restores: straight into the destination's memory.
+            lambda b, a, it: codec.blosc2_decode(b, out=np.empty_like(a), numthreads=1),
         )
+    try:
+        import blosc2  # the python-blosc2 package: the same library, a heavier binding
+
+        blosc2.set_releasegil(True)
+        out["python-blosc2 shuffle+zstd-1"] = (
+            lambda a, it: blosc2.compress2(
+                a, typesize=it, codec=blosc2.Codec.ZSTD, clevel=1,
+                filters=[blosc2.Filter.SHUFFLE], splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
+                blocksize=256 * 1024, nthreads=1,
+            ),
+            lambda b, a, it: blosc2.decompress2(b, dst=np.empty_like(a), nthreads=1),
+        )  # fmt: skip
+    except ImportError:
+        pass
     try:
         import blosc
 
@@ -614,7 +624,7 @@ def main() -> None:
         result["chains"] = chains(args.reps, args.epochs_full)
     load_after = os.getloadavg()
     versions = {}
-    for package in ("torch", "numpy", "blosc2", "xxhash", "zstandard"):
+    for package in ("torch", "numpy", "imagecodecs", "blosc2", "xxhash", "zstandard"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

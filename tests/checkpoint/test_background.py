@@ -631,7 +631,7 @@ def test_a_writer_that_cannot_load_its_codec_fails_loudly(
     store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def missing() -> None:
-        raise ImportError("No module named 'blosc2'")
+        raise ImportError("No module named 'imagecodecs'")
 
     monkeypatch.setattr(background, "_codec", missing)
     ckpt = BackgroundCheckpointer(store, lambda r: None, max_in_flight=1, when_full="wait")

@@ -336,6 +336,7 @@ def measure_restore_throughput(store_root: Path, manifest: str) -> float:
 
     Pass ``1 / throughput`` to :func:`plan_replay` as ``restore_seconds_per_byte``.
     """
+    from retrolog.checkpoint._arrays import DECODED
     from retrolog.checkpoint.capture import load_checkpoint
     from retrolog.store.objects import LocalObjectStore
 
@@ -345,9 +346,10 @@ def measure_restore_throughput(store_root: Path, manifest: str) -> float:
     load_checkpoint(store, manifest)
     elapsed = time.perf_counter() - started
     if len(sys.modules) > modules:
-        # The first decode imported something (torch, the blosc2 codec: half a second),
-        # which a worker pays once in its prefix, not per restore: time a second decode
-        # (from the page cache, so a little optimistic for a cold disk).
+        # The first decode imported something (torch: a second or more), which a worker
+        # pays once in its prefix, not per restore: time a second decode (from the page
+        # cache, so a little optimistic for a cold disk), with no array cached by the first.
+        DECODED.clear()
         store.sizes.clear()
         started = time.perf_counter()
         load_checkpoint(store, manifest)

@@ -8,8 +8,9 @@ the choices. In short:
   the store before any compression work and written once across checkpoints
   and runs;
 - float data of at least :data:`MIN_COMPRESS_BYTES` is compressed by
-  blosc2: its shuffle filter stores the bytes of equal significance together
-  (byte planes), then zstd; everything else is stored as it comes;
+  c-blosc2 (bound by imagecodecs): its shuffle filter stores the bytes of
+  equal significance together (byte planes), then zstd; everything else is
+  stored as it comes;
 - with a :class:`DeltaHistory`, a float tensor may instead be stored as the
   difference of its bit patterns, taken as unsigned integers of the element's
   width (wrapping), from an earlier version of the same tensor (same manifest
@@ -27,6 +28,7 @@ not stall training.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import struct
@@ -67,8 +69,11 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}  # element widths a delta is 
 _HEAD = struct.Struct("<BBB5xQ16s")
 HEADER_SIZE = FRAME_HEADER_SIZE + _HEAD.size  # what a header read (ObjectStore.peek) needs
 _SEGMENT = struct.Struct("<Q")  # compressed length, before each segment
+# A blosc2 chunk's header: version bytes, flags, type size, then these two (and its block size
+# between them): the bytes it decompresses to and its own length.
+_CHUNK_SIZES = struct.Struct("<4xI4xI")
 
-_blosc2: Any = None
+_codec_module: Any = None
 
 
 class Interrupted(Exception):
@@ -84,48 +89,39 @@ def all_cores() -> int:
 
 
 def _codec() -> Any:
-    """blosc2, imported on first use (it costs 0.3-0.6 s) and set to release the GIL."""
-    global _blosc2
-    if _blosc2 is None:
-        # Importing blosc2 imports rich, which draws from python's global random
-        # generator: the training script's own random state. On the main thread,
-        # put it back, so that checkpointing never changes what a run (or its
-        # replay) draws. The background writer imports it on its own thread, after
-        # prepare_background_import() made that import draw nothing.
+    """The c-blosc2 binding (imagecodecs' ``_blosc2``), imported on first use.
+
+    imagecodecs binds the c-blosc2 library alone: its import takes ~10 ms, where
+    the python-blosc2 package imports half a second of modules (an HTTP client,
+    numexpr, pydantic). Its calls release the GIL. On the main thread python's
+    global random state is put back around the import, so that checkpointing can
+    never change what a run (or its replay) draws.
+    """
+    global _codec_module
+    if _codec_module is None:
         on_main = threading.current_thread() is threading.main_thread()
         state = random.getstate() if on_main else None
-        import blosc2
+        try:
+            from imagecodecs import _blosc2
+        finally:
+            if state is not None:
+                random.setstate(state)
+        if not _blosc2.BLOSC2.available:
+            raise ImportError("imagecodecs was built without c-blosc2")
+        _codec_module = _blosc2
+    return _codec_module
 
-        if state is not None:
-            random.setstate(state)
-        # The writer thread compresses while training runs; without this,
-        # blosc2 holds the GIL for the whole call.
-        blosc2.set_releasegil(True)
-        _blosc2 = blosc2
-    return _blosc2
 
+def preload_codec() -> None:
+    """Import the codec on the calling (training) thread before a background writer needs it.
 
-def prepare_background_import() -> None:
-    """Let a background thread import the codec without touching the training's random state.
-
-    Call on the training thread. Importing blosc2 takes 0.3-0.6 s of CPU,
-    which a background writer can spend on otherwise idle cycles; but one
-    module it imports, rich.style, draws from python's global random generator
-    at import time, and from another thread that draw would land between the
-    training's own draws, unrecoverably. Importing that module here (7-12 ms),
-    with the state put back, leaves nothing in blosc2's import that draws
-    (tests/checkpoint/test_codec_import.py checks it against the installed
-    version).
+    It takes ~10 ms. Imported from the writer thread instead, the import would
+    hold the GIL in a thread that runs at the lowest priority: the training
+    thread, waiting for the GIL, would wait on a thread the scheduler starves.
+    A failure is left for the writer to report (see BackgroundCheckpointer).
     """
-    if _blosc2 is not None:
-        return
-    state = random.getstate()
-    try:
-        import rich.style  # noqa: F401
-    except ImportError:
-        pass  # a blosc2 without rich: nothing to draw
-    finally:
-        random.setstate(state)
+    with contextlib.suppress(ImportError):
+        _codec()
 
 
 def content_key(dtype: str, shape: Sequence[int], data: np.ndarray[Any, Any]) -> str:
@@ -249,8 +245,6 @@ class DeltaHistory:
             raise ValueError(f"min_gain must be in (0, 1], not {min_gain!r}")
         self.max_chain = max_chain
         self.min_gain = min_gain
-        # The codec is imported by the first encode, on whichever thread runs it:
-        # the background writer, in idle cycles (see prepare_background_import).
         self.last: EncodeStats | None = None  # the most recent encode
         self.total = EncodeStats()  # every encode so far
         self._paths: dict[str, _PathState] = {}
@@ -511,23 +505,23 @@ def _compress(
     weights (docs/checkpoint-storage.md); a blosc2 chunk names its codec, so
     the reader needs nothing else.
     """
-    blosc2 = _codec()
+    codec = _codec()
     parts: list[bytes] = []
     step = SEGMENT_BYTES - SEGMENT_BYTES % itemsize
     for start in range(0, data.nbytes, step):
         try:
-            chunk = blosc2.compress2(
+            chunk = codec.blosc2_encode(
                 data[start : start + step],
-                typesize=itemsize,
-                codec=blosc2.Codec.LZ4 if fast else blosc2.Codec.ZSTD,
-                clevel=CLEVEL,
-                filters=[blosc2.Filter.SHUFFLE],
+                CLEVEL,
+                compressor=codec.BLOSC2.COMPRESSOR.LZ4 if fast else codec.BLOSC2.COMPRESSOR.ZSTD,
+                shuffle=codec.BLOSC2.FILTER.SHUFFLE,
                 # Each byte plane of a block is compressed on its own, and one
                 # that does not compress (low mantissa bytes) is stored as is,
                 # which decompresses at memcpy speed.
-                splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
+                splitmode=codec.BLOSC2.SPLIT.ALWAYS,
+                typesize=itemsize,
                 blocksize=BLOCK_BYTES,
-                nthreads=threads,  # 1 while training runs: the writer uses idle cycles
+                numthreads=threads,  # 1 while training runs: the writer uses idle cycles
             )
         except (RuntimeError, ValueError) as exc:
             raise StoreError(f"blosc2 could not compress {data.nbytes} bytes: {exc}") from exc
@@ -700,7 +694,7 @@ DECODED = DecodedArrays(_cache_capacity())
 
 
 def _decompress(key: str, body: memoryview, out: np.ndarray[Any, Any]) -> None:
-    blosc2 = _codec()
+    codec = _codec()
     filled = 0
     pos = 0
     try:
@@ -709,12 +703,12 @@ def _decompress(key: str, body: memoryview, out: np.ndarray[Any, Any]) -> None:
             pos += _SEGMENT.size
             chunk = body[pos : pos + length]
             pos += length
-            size = blosc2.get_cbuffer_sizes(chunk)[0]
-            if filled + size > out.nbytes or chunk.nbytes != length:
+            size, chunk_length = _CHUNK_SIZES.unpack_from(chunk)
+            if filled + size > out.nbytes or chunk.nbytes != length or chunk_length != length:
                 raise ValueError("a segment overruns the array")
             if size:
                 # One thread per call: restores run calls in parallel, one per tensor.
-                blosc2.decompress2(chunk, dst=out[filled : filled + size], nthreads=1)
+                codec.blosc2_decode(chunk, out=out[filled : filled + size], numthreads=1)
             filled += size
     except (RuntimeError, ValueError, struct.error) as exc:
         raise _corrupt(key, f"its compressed data cannot be decompressed ({exc})") from exc

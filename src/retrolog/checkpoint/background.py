@@ -13,7 +13,7 @@ thread over a forked child or a worker process was made from measurements
        only work here)     max_in_flight)
 
 The thread works because what it spends its time on releases the GIL:
-hashing (xxhash), compressing (blosc2) and the file writes in
+hashing (xxhash), compressing (c-blosc2) and the file writes in
 :class:`~retrolog.store.objects.LocalObjectStore`; and it runs at the lowest
 CPU priority, so it takes only the cycles training leaves idle. Memory is
 bounded: at most ``max_in_flight`` snapshots are held (queued or being
@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from retrolog.checkpoint._arrays import _codec, all_cores, prepare_background_import
+from retrolog.checkpoint._arrays import _codec, all_cores, preload_codec
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
 from retrolog.checkpoint.codec import DeltaHistory, Interrupted, encode
 from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, TensorMemo, snapshot
@@ -135,8 +135,9 @@ class BackgroundCheckpointer(Checkpointer):
         # Whether the writer runs below training's priority: requested, and possible
         # here (per-thread nice values are a Linux feature).
         self.low_priority = low_priority and sys.platform.startswith("linux")
-        # The writer imports the codec on its own thread, at any priority.
-        prepare_background_import()
+        # Here, on the training thread (~10 ms): a low-priority writer importing it would
+        # hold the GIL while the scheduler starves it, and training would wait for the GIL.
+        preload_codec()
         self._cond = threading.Condition()
         # Queued jobs and, at the head, the one being written: len() is the
         # number of snapshots held, which is what max_in_flight bounds.
@@ -424,16 +425,16 @@ class BackgroundCheckpointer(Checkpointer):
     def _run(self) -> None:
         if self.low_priority:
             _lower_priority()
-        # Imported here, once, outside any checkpoint's timing: its 0.3-0.6 s of CPU
-        # would otherwise read as the first write's cost and stall the adaptive rule.
+        # Loaded by preload_codec() already, unless that failed: then say so here.
         try:
             _codec()
         except BaseException as exc:  # the training thread must hear of it, not hang
             with self._cond:
                 self._error = StoreError(
                     f"retrolog's checkpoint writer cannot load its compression library "
-                    f"(blosc2): {type(exc).__name__}: {exc}. No checkpoint is written; "
-                    "reinstall retrolog's dependencies (pip install --force-reinstall blosc2)."
+                    f"(c-blosc2, from imagecodecs): {type(exc).__name__}: {exc}. No checkpoint "
+                    "is written; reinstall retrolog's dependencies "
+                    "(pip install --force-reinstall imagecodecs)."
                 )
                 self._error.__cause__ = exc
                 self._pending.clear()
