@@ -8,7 +8,7 @@ Run from the repository root with the project's venv (retrolog and torch install
 A small CNN (the cnn workload of bench_record.py) trains for a fixed number of
 steps with torch using every core, in a fresh process per trial, while a
 second thread of the same process compresses float32 weights with retrolog's
-codec (blosc2 shuffle + zstd, the GIL released) back to back, as a checkpoint
+codec (c-blosc2 shuffle + zstd, the GIL released) back to back, as a checkpoint
 writer that never runs out of work would:
 
 - ``none``: no writer, the baseline;

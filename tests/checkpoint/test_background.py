@@ -273,6 +273,27 @@ def nice_of_this_thread() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
+def test_the_codec_is_loaded_on_the_training_thread_before_the_writer_starts(
+    tmp_path: Path,
+) -> None:
+    """A low-priority writer must not import anything: an import holds the GIL, and a
+    starved thread holding the GIL stalls training (docs/materialization.md)."""
+    code = textwrap.dedent(
+        f"""
+        import sys, threading
+        from retrolog.checkpoint import _arrays
+        from retrolog.checkpoint.background import BackgroundCheckpointer
+        from retrolog.store.objects import LocalObjectStore
+        assert _arrays._codec_module is None and "imagecodecs" not in sys.modules
+        ckpt = BackgroundCheckpointer(LocalObjectStore({str(tmp_path)!r}), lambda r: None)
+        assert _arrays._codec_module is not None, "not loaded by the checkpointer"
+        assert threading.active_count() == 1, "making a checkpointer must not start threads"
+        ckpt.close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     gated: GatedStore, store: LocalObjectStore
