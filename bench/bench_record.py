@@ -23,6 +23,9 @@ the last checkpoint writes are inside it:
 Overhead per repetition = recorded span / plain span - 1, with the plain and
 recorded runs of a repetition back to back (their order alternating), so load
 from elsewhere on the shared machine hits both alike. Medians with min and max.
+Each repetition then runs the plain script once more ("plain again", an A/A
+pair): its difference from the first plain run is what one execution differs
+from the next on this machine, the floor under any overhead figure.
 
 (b) Main-thread blocking per checkpoint: from the stress runs' checkpoints
 table (capture_seconds), and measured in one process on the same 300 MB state
@@ -230,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 order = ["plain", "retrolog"] if rep % 2 == 0 else ["retrolog", "plain"]
                 got = {v: run_once(python, name, v, args.threads, env) for v in order}
+                # A/A: the plain script once more, right after: what the same run differs
+                # by from one execution to the next here, the floor of any overhead claim.
+                got["plain_again"] = run_once(python, name, "plain", args.threads, env)
                 if name == "cnn" and flor_python is not None:
                     got["flordb"] = run_once(flor_python, name, "flordb", args.threads, flor_env)
                     flordb_samples.append(got["flordb"])
                 got["overhead"] = got["retrolog"]["seconds"] / got["plain"]["seconds"] - 1
+                got["noise"] = got["plain_again"]["seconds"] / got["plain"]["seconds"] - 1
                 got["cpu_overhead"] = (
                     got["retrolog"]["cpu_seconds"] / got["plain"]["cpu_seconds"] - 1
                 )
@@ -245,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  retrolog {got['retrolog']['seconds']:6.2f} s"
                     f"  overhead {got['overhead'] * 100:+.2f}%"
                     f" (CPU {got['cpu_overhead'] * 100:+.2f}%)"
+                    f"  plain again {got['noise'] * 100:+.2f}%"
                     f"  checkpoints {got['retrolog']['block_checkpoints']}"
                     f"/{got['retrolog']['block_executions']} blocks + end"
                     + (
@@ -279,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             "plain_seconds": spread([s["plain"]["seconds"] for s in reps]),
             "retrolog_seconds": spread([s["retrolog"]["seconds"] for s in reps]),
             "overhead_pct": spread(overheads),
+            # The plain script run again after the pair, against the first plain run.
+            "plain_again_pct": spread([s["noise"] * 100 for s in reps]),
+            "plain_again_median_abs_pct": statistics.median(abs(s["noise"]) * 100 for s in reps),
             # CPU time of the whole process, the writer's included: what recording
             # adds in work, whether or not it cost training wall time.
             "cpu_overhead_pct": spread([s["cpu_overhead"] * 100 for s in reps]),
@@ -332,6 +343,10 @@ def print_report(result: dict[str, Any]) -> None:
             f"  {w['capture_ms']['median']:.1f}  {'met' if w['target_met'] else 'NOT met'}"
         )
         print(f"{'':9s} CPU time overhead %: {cell(w['cpu_overhead_pct'], '+6.2f')}")
+        print(
+            f"{'':9s} plain run again vs plain run (A/A) %: {cell(w['plain_again_pct'], '+6.2f')}"
+            f", median |difference| {w['plain_again_median_abs_pct']:.2f}%"
+        )
         if "flordb_overhead_pct" in w:
             print(f"{'':9s} flordb 4.0.1 overhead %: {cell(w['flordb_overhead_pct'], '+6.2f')}")
     b = result["blocking"]
