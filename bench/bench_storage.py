@@ -458,6 +458,12 @@ def compressor_data() -> dict[str, tuple[np.ndarray[Any, Any], int]]:
     }
 
 
+def decompress_into(blosc2: Any, blob: bytes, out: np.ndarray[Any, Any]) -> Any:
+    """python-blosc2 straight into the destination's memory, as retrolog restores."""
+    blosc2.decompress2(blob, dst=out, nthreads=1)
+    return out
+
+
 def compressors() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
     """Name -> (compress(data, itemsize), decompress(blob, data)) for the installed codecs."""
     from retrolog.checkpoint._arrays import _codec
@@ -515,7 +521,7 @@ def compressors() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
                 filters=[blosc2.Filter.SHUFFLE], splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
                 blocksize=256 * 1024, nthreads=1,
             ),
-            lambda b, a, it: blosc2.decompress2(b, dst=np.empty_like(a), nthreads=1),
+            lambda b, a, it: decompress_into(blosc2, b, np.empty_like(a)),
         )  # fmt: skip
     except ImportError:
         pass
