@@ -85,11 +85,13 @@ def test_writer_cpu_counts_towards_m_only_when_training_shares_the_cpu() -> None
 
 def test_the_writers_measured_slowdown_replaces_its_cpu_time() -> None:
     policy = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
-    assert policy.decide("epoch", 1.0, 0.0)  # the writer idle: block time 1.0
+    assert policy.decide("epoch", 5.0, 0.0)  # the first execution: warming up, not fitted
     stats = policy.blocks["epoch"]
     policy.captured("epoch", 0.01)
     policy.written("epoch", 2.0, 3.0)  # a write: 2 s of CPU over 3 s of wall time
+    policy.decide("epoch", 1.0, 0.0)  # the writer idle: block time 1.0
     # Nothing measured about the writer's cost yet: its CPU time counts.
+    assert stats.writer_slowdown() is None
     assert policy.materialize_seconds(stats) == pytest.approx(2.01)
     # A block the writer was busy for throughout ran 25% slower: a write of 3 s
     # costs training 3 * 0.25 / 1.25 = 0.6 s.
@@ -102,11 +104,31 @@ def test_the_writers_measured_slowdown_replaces_its_cpu_time() -> None:
     assert stats.writer_slowdown() == pytest.approx(0.25)
     # A writer measured as free costs nothing beyond the capture.
     free = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
-    for busy in (0.0, 1.0):
+    for busy in (0.0, 0.0, 1.0):
         free.decide("epoch", 1.0, busy)
     free.captured("epoch", 0.01)
     free.written("epoch", 2.0, 3.0)
     assert free.materialize_seconds(free.blocks["epoch"]) == pytest.approx(0.01)
+
+
+def test_a_slow_first_execution_does_not_hide_the_writers_cost() -> None:
+    """The first block warms up; taken as the writer-idle reference it would make every
+    later block look as fast with the writer busy as without, and the writer free."""
+    policy = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
+    assert policy.decide("epoch", 1.3, 0.0)  # warm-up, and the writer has nothing to do
+    policy.captured("epoch", 0.005)
+    policy.written("epoch", 0.05, 1.0)  # the write took all of the next block
+    stats = policy.blocks["epoch"]
+    # The next block ran 15% slower with the writer busy throughout. A checkpoint
+    # now would leave no block to measure that against: the rule waits one block.
+    assert not policy.decide("epoch", 1.15, 1.15)
+    assert stats.writer_slowdown() is None
+    # The writer idle: now the slowdown is measured, and a checkpoint found too dear.
+    assert not policy.decide("epoch", 1.0, 0.0)
+    assert stats.writer_slowdown() == pytest.approx(0.15)
+    # M: the capture plus 1.0 s * 0.15 / 1.15 of the write, not its 0.05 s of CPU
+    # (counting which, the rule would have checkpointed: 2 * 0.055 < 3 * 1.15 / 15).
+    assert policy.materialize_seconds(stats) == pytest.approx(0.005 + 0.15 / 1.15)
 
 
 def test_every_mode_checkpoints_every_block() -> None:

@@ -20,14 +20,16 @@ writer's work costs training. The writer runs at the lowest priority on idle
 cycles (docs/materialization.md), which costs a CPU-bound training little but
 not nothing: memory bandwidth, a hyperthread sibling, the GIL. So the rule
 measures it. Each block end reports the share f of the block the writer was
-busy; a least-squares line through (f, C) over the block's executions gives
-C = C0 * (1 + s * f), s being how much slower blocks run while the writer
-writes, and a checkpoint costs training W * s / (1 + s), with W the wall
-time of a write. Until the line is identifiable (some blocks with the writer
-idle, some with it busy for at least :data:`BUSY` of the block), training on
-the CPU counts the writer's CPU time instead (training on a GPU: nothing);
-the writer's figures arrive after each write, so the rule uses the means of
-the writes finished so far.
+busy; a least-squares line through (f, C) over the block's executions (the
+first left out: it is warming up) gives C = C0 * (1 + s * f), s being how much
+slower blocks run while the writer writes, and a checkpoint costs training
+W * s / (1 + s), with W the wall time of a write. Until the line is
+identifiable (some blocks with the writer idle, some with it busy for at
+least :data:`BUSY` of the block), training on the CPU counts the writer's CPU
+time instead (training on a GPU: nothing), and no checkpoint is taken at the
+end of a busy block before an idle one was seen, so that one will be; the
+writer's figures arrive after each write, so the rule uses the means of the
+writes finished so far.
 
 The first execution of a block is always checkpointed (nothing is known about
 M yet, and a replay needs a starting point), and so is the end state; neither
@@ -127,7 +129,11 @@ class AdaptivePolicy:
         stats.executions += 1
         compute = max(compute_seconds, 0.0)
         stats.compute_seconds += compute
-        if compute > 0:
+        # The first execution is left out of the fit: it is warming up (allocations,
+        # caches, lazy initialization), and as the one block with the writer surely
+        # idle it would pass for "the writer costs nothing" (a CNN whose first epoch
+        # ran 20% slower got s = 0 and a checkpoint every epoch, each costing ~15%).
+        if compute > 0 and stats.executions > 1:
             # The fit is only touched on the training thread: no lock.
             share = min(max(writer_busy / compute, 0.0), 1.0)
             stats.fits += 1
@@ -143,6 +149,15 @@ class AdaptivePolicy:
             if not stats.writes:
                 # The first write has not finished: what a checkpoint costs beyond
                 # the capture is unknown yet, and a guess could take one too many.
+                return False
+            if (
+                self.count_writer_cpu
+                and stats.busy_seen
+                and not stats.idle_seen
+                and writer_busy / max(compute, 1e-9) >= BUSY
+            ):
+                # The writer's slowdown can only be measured against a block it left
+                # alone: leave the next one alone before checkpointing again.
                 return False
         n, k = stats.executions, stats.checkpoints
         mean_compute = stats.compute_seconds / n
