@@ -244,6 +244,12 @@ def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
 
     runs = _record(project)
     before = (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD"))
+
+    def default_sigint() -> None:
+        # Run as a background job of a non-interactive shell, this test inherits SIGINT
+        # ignored, and so would the replay: Python leaves an ignored SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     with subprocess.Popen(
         [sys.executable, "-m", "retrolog", "replay", "grad", "--yes", "--workers", "2"],
         cwd=project.root,
@@ -252,6 +258,7 @@ def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_sigint,
     ) as proc:
         replays = project.root / ".retrolog" / "replays"
         deadline = time.monotonic() + 120
