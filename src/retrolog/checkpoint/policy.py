@@ -26,10 +26,8 @@ slower blocks run while the writer writes, and a checkpoint costs training
 W * s / (1 + s), with W the wall time of a write. Until the line is
 identifiable (some blocks with the writer idle, some with it busy for at
 least :data:`BUSY` of the block), training on the CPU counts the writer's CPU
-time instead (training on a GPU: nothing), and no checkpoint is taken at the
-end of a busy block before an idle one was seen, so that one will be; the
-writer's figures arrive after each write, so the rule uses the means of the
-writes finished so far.
+time instead (training on a GPU: nothing); the writer's figures arrive after
+each write, so the rule uses the means of the writes finished so far.
 
 The first execution of a block is always checkpointed (nothing is known about
 M yet, and a replay needs a starting point), and so is the end state; neither
@@ -149,15 +147,6 @@ class AdaptivePolicy:
             if not stats.writes:
                 # The first write has not finished: what a checkpoint costs beyond
                 # the capture is unknown yet, and a guess could take one too many.
-                return False
-            if (
-                self.count_writer_cpu
-                and stats.busy_seen
-                and not stats.idle_seen
-                and writer_busy / max(compute, 1e-9) >= BUSY
-            ):
-                # The writer's slowdown can only be measured against a block it left
-                # alone: leave the next one alone before checkpointing again.
                 return False
         n, k = stats.executions, stats.checkpoints
         mean_compute = stats.compute_seconds / n
