@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from bench_log import spread  # the script's directory is on sys.path
 
 import retrolog
 from retrolog._query import dataframe as wide
@@ -212,15 +213,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def summary(samples: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(samples),
-        "min": min(samples),
-        "max": max(samples),
-        "samples": samples,
-    }
-
-
 def measure(conn: sqlite3.Connection, reps: int, baseline: bool) -> dict[str, Any]:
     """Interleaved repetitions of dataframe() and (optionally) the baseline, checked equal.
 
@@ -247,13 +239,13 @@ def measure(conn: sqlite3.Connection, reps: int, baseline: bool) -> dict[str, An
             theirs.append(seconds)
             check_equal(frame, expected)
     out: dict[str, Any] = {
-        "dataframe_s": summary(ours),
-        "dataframe_cpu_s": summary(ours_cpu),
+        "dataframe_s": spread(ours),
+        "dataframe_cpu_s": spread(ours_cpu),
         "dataframe_first_call_s": first_ours,
     }
     if baseline:
-        out["pivot_table_s"] = summary(theirs)
-        out["pivot_table_cpu_s"] = summary(theirs_cpu)
+        out["pivot_table_s"] = spread(theirs)
+        out["pivot_table_cpu_s"] = spread(theirs_cpu)
         out["pivot_table_first_call_s"] = first_theirs
         out["ratio_pivot_table_over_dataframe"] = statistics.median(theirs) / statistics.median(
             ours
@@ -290,7 +282,7 @@ def main() -> None:
                 timed(lambda r=recursive: reader.execute(ancestry_sql(r)).fetchall())[0]
                 for _ in range(2)
             ]
-            ancestry[label] = summary(samples)
+            ancestry[label] = spread(samples)
         reader.close()
         size_before = store_bytes(conn)
         index_s, _ = timed(lambda: conn.execute(COVERING_INDEX))

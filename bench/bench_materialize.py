@@ -44,7 +44,6 @@ import os
 import pickle
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_log import spread  # the script's directory is on sys.path
 from torch import nn
 
 from retrolog.checkpoint.background import BackgroundCheckpointer
@@ -389,15 +389,6 @@ def trial(
             raise BenchError(f"{mechanism}: checkpoints do not match the state at capture")
     shutil.rmtree(store_dir, ignore_errors=True)
     return {"loop_s": loop, "flush_s": flush, "blocking_s": blocking}
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "samples": values,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,7 @@ from bench_log import (
     source_fingerprint,
     tail,
 )
+from bench_log import spread as summary  # this file's own spread() compares two runs
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "replay.json"
@@ -658,15 +659,6 @@ def flordb_error(output: str) -> str:
 
 
 # -- figures -------------------------------------------------------------------------------
-
-
-def summary(samples: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(samples),
-        "min": min(samples),
-        "max": max(samples),
-        "samples": samples,
-    }
 
 
 def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
