@@ -84,6 +84,18 @@ def base_env() -> dict[str, str]:
     return env
 
 
+def run_child(
+    cmd: list[str], env: dict[str, str], what: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark child to completion; BenchError with its stderr's tail if it fails."""
+    done = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT, check=False
+    )
+    if done.returncode != 0:
+        raise BenchError(f"{what} failed:\n{tail(done.stderr)}")
+    return done
+
+
 def run_once(
     python: Path, name: str, variant: str, threads: int, env: dict[str, str]
 ) -> dict[str, Any]:
@@ -97,17 +109,7 @@ def run_once(
         git(project, env, "add", "train.py")
         git(project, env, "commit", "-q", "-m", "workload")
         cmd = [str(python), "train.py", str(EPOCHS[name]), str(threads)]
-        done = subprocess.run(
-            cmd,
-            cwd=project,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=CHILD_TIMEOUT,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise BenchError(f"{name}/{variant} failed:\n{tail(done.stderr)}")
+        done = run_child(cmd, env, f"{name}/{variant}", cwd=project)
         # FlorDB echoes what it logs on stdout: the figures are the last JSON line.
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"seconds"')]
         if not lines:
@@ -151,16 +153,9 @@ def store_figures(db: Path, epochs: int) -> dict[str, Any]:
 
 def blocking_figures(python: Path, env: dict[str, str], reps: int) -> dict[str, Any]:
     """(b): one checkpoint's main-thread blocking vs torch.save and a plain copy, in ms."""
-    blocking = subprocess.run(
-        [str(python), "-c", workload.BLOCKING, str(reps)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT,
-        check=False,
+    blocking = run_child(
+        [str(python), "-c", workload.BLOCKING, str(reps)], env, "blocking measurement"
     )
-    if blocking.returncode != 0:
-        raise BenchError(f"blocking measurement failed:\n{tail(blocking.stderr)}")
     block = json.loads(blocking.stdout.strip().splitlines()[-1])
     ours, saved, copied = block["retrolog"], block["torch_save"], block["copy"]
     return {
