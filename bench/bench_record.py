@@ -2,7 +2,7 @@
 
 Run from the repository root with the project's venv (retrolog and torch installed):
 
-    python bench/bench_record.py              # about 10 minutes on a 2-core machine
+    python bench/bench_record.py              # about 20 minutes on a 2-core machine
     python bench/bench_record.py --reps 5 --no-flordb
 
 (a) Record overhead. Three workloads (bench/_record_workload.py), each run as
