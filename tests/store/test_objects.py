@@ -11,11 +11,13 @@ import pytest
 
 from retrolog.errors import CorruptObjectError, StoreError
 from retrolog.store.objects import (
+    FRAME_HEADER_SIZE,
     FRAME_MAGIC,
     LocalObjectStore,
     ObjectStore,
     frame,
     frame_payload,
+    framed,
     object_key,
 )
 
@@ -238,6 +240,37 @@ def test_a_damaged_frame_is_corrupt(tmp_path: Path, damage: str, message: str, h
     assert info.value.key == KEY
     assert info.value.path == str(path)
     assert "Delete the file" in str(info.value)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["local", "default"])
+def test_put_framed_stores_what_put_of_the_frame_stores(tmp_path: Path, wrapped: bool) -> None:
+    """A local store writes the parts one after another; any other store gets put(frame)."""
+    inner = LocalObjectStore(tmp_path / "framed")
+    store: ObjectStore = WrappingStore(inner) if wrapped else inner
+    parts = (b"head", memoryview(b"er and "), bytearray(b"payload" * 1000))
+    expected = frame(KEY, *parts)
+    assert b"".join(framed(KEY, *parts)) == expected
+    assert store.put_framed(KEY, *parts) == len(expected)
+    assert inner.path(KEY).read_bytes() == expected
+    assert store.get(KEY) == expected
+    reference = LocalObjectStore(tmp_path / "put")
+    reference.put(expected)
+    assert object_files(tmp_path / "framed")[0].name == object_files(tmp_path / "put")[0].name
+    # As put() does: an intact frame under the key is kept (and freshened), a torn one replaced.
+    path = inner.path(KEY)
+    os.utime(path, (1_000_000, 1_000_000))
+    assert store.put_framed(KEY, b"another encoding") == FRAME_HEADER_SIZE + 16
+    assert store.get(KEY) == expected and path.stat().st_mtime > 1_000_000
+    path.write_bytes(expected[:100])
+    store.put_framed(KEY, *parts)
+    assert store.get(KEY) == expected
+    assert [p.name for p in object_files(tmp_path / "framed")] == [path.name]  # no temp left
+
+
+def test_put_framed_failure_is_a_store_error(tmp_path: Path) -> None:
+    (tmp_path / "store").write_text("a file where the store's directory should be")
+    with pytest.raises(StoreError, match="Cannot write object file"):
+        LocalObjectStore(tmp_path / "store").put_framed(KEY, b"payload")
 
 
 def test_frame_refuses_a_bad_key() -> None:

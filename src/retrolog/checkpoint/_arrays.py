@@ -45,7 +45,6 @@ from retrolog.errors import CorruptObjectError, StoreError
 from retrolog.store.objects import (
     FRAME_HEADER_SIZE,
     ObjectStore,
-    frame,
     frame_payload,
     frame_size,
     is_framed_key,
@@ -444,11 +443,10 @@ class ArrayWriter:
         parts: Sequence[Any],
     ) -> ObjectInfo:
         head = _HEAD.pack(codec, itemsize % 256, depth, raw_length, bytes.fromhex(base or "0" * 32))
-        data = frame(key, head, *parts)
-        self.store.put(data)
+        size = self.store.put_framed(key, head, *parts)
         self.stats.written_objects += 1
-        self.stats.written_bytes += len(data)
-        return ObjectInfo(size=len(data), codec=codec, depth=depth, base=base)
+        self.stats.written_bytes += size
+        return ObjectInfo(size=size, codec=codec, depth=depth, base=base)
 
     def _remember(
         self, path: str, key: str, dtype: str, shape: tuple[int, ...], data: np.ndarray[Any, Any]
