@@ -182,6 +182,41 @@ def test_checkpoint_is_exactly_the_state_at_capture(
     assert ckpt.captured == ckpt.written == 1 and ckpt.skipped == 0
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float16,
+        torch.complex64,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    ],
+)
+def test_snapshot_buffers_hold_every_dtype_exactly(dtype: torch.dtype) -> None:
+    """Buffers are allocated as bytes (numpy's huge-page-advised memory) and viewed as the dtype."""
+    torch.manual_seed(0)
+    source = (torch.randn(300, 250) * 100).to(dtype)  # 75,000 elements: pooled at any size
+    columns = torch.randn(250, 300).to(dtype).t()  # not contiguous: copied by torch, not memcpy
+    buffers = SnapshotBuffers()
+    for round_ in range(2):
+        state = {"a": source, "b": columns}
+        snap = snapshot(state, buffers)
+        for name, tensor in state.items():
+            copy = snap.objects[name]
+            assert copy.dtype == dtype and copy.shape == tensor.shape
+            assert copy.data_ptr() != tensor.data_ptr()
+            assert torch.equal(copy.view(torch.uint8), tensor.contiguous().view(torch.uint8))
+        if round_ == 0:
+            pointers = [snap.objects[n].data_ptr() for n in state]
+            source = source.flip(0).contiguous()
+            columns = columns.flip(1)
+        else:  # the second snapshot reused the first one's memory
+            assert [snap.objects[n].data_ptr() for n in state] == pointers
+
+
 @pytest.mark.filterwarnings("ignore:retrolog's checkpoint writer fell behind")
 def test_reused_snapshot_buffers_never_leak_a_later_state(gated: GatedStore) -> None:
     # Tensors over POOLED_BYTES are copied into buffers that later snapshots reuse; with
