@@ -553,6 +553,61 @@ def test_the_codec_releases_the_gil(store: LocalObjectStore) -> None:
     assert ticks > counts[0] * 1000 * 0.2
 
 
+class _RecordingStore(LocalObjectStore):
+    """A local store that notes which thread wrote each array, and can fail the n-th."""
+
+    fail_at: int | None = None
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, durable=False)
+        self.writers: list[str] = []
+        self.manifests = 0
+
+    def put_framed(self, key: str, *parts: Any) -> int:
+        self.writers.append(threading.current_thread().name)
+        if len(self.writers) == self.fail_at:
+            time.sleep(0.05)  # fail late, once the encoder has moved on
+            raise StoreError("disk full (simulated)")
+        return super().put_framed(key, *parts)
+
+    def put(self, data: bytes) -> str:
+        self.manifests += data.startswith(b"{")
+        return super().put(data)
+
+
+def test_a_fast_encode_writes_arrays_behind_and_the_manifest_last(tmp_path: Path) -> None:
+    """At exit (fast) one array is written while the next is compressed; the manifest waits."""
+    objects = {f"t{i}": weights(200_000, seed=i) for i in range(5)}
+    store = _RecordingStore(tmp_path / "objects")
+    key, _ = encode(Snapshot(objects=objects, rng={}), store, fast=True)
+    assert len(store.writers) == 5
+    assert all(name.startswith("retrolog-write-behind") for name in store.writers)
+    assert_same(decode(key, store).objects, objects)
+    # Not behind otherwise: a background encode (not fast), or a store that did not say
+    # it takes calls from several threads, writes on the calling thread.
+    here = {threading.current_thread().name}
+    other = _RecordingStore(tmp_path / "slow")
+    encode(Snapshot(objects=objects, rng={}), other)
+    assert set(other.writers) == here
+
+    class OneThreadAtATime(_RecordingStore):
+        concurrent_calls = False
+
+    serial = OneThreadAtATime(tmp_path / "serial")
+    encode(Snapshot(objects=objects, rng={}), serial, fast=True)
+    assert set(serial.writers) == here
+
+
+def test_a_failed_write_behind_stops_the_encode_before_its_manifest(tmp_path: Path) -> None:
+    store = _RecordingStore(tmp_path / "objects")
+    store.fail_at = 5  # the last array: only the wait before the manifest sees it fail
+    objects = {f"t{i}": weights(200_000, seed=i) for i in range(5)}
+    with pytest.raises(StoreError, match="disk full"):
+        encode(Snapshot(objects=objects, rng={}), store, fast=True)
+    assert store.manifests == 0  # nothing names the arrays that did land
+    assert not [t for t in threading.enumerate() if t.name.startswith("retrolog-write-behind")]
+
+
 def test_checkpointer_records_the_stored_size(store: LocalObjectStore) -> None:
     records: list[CheckpointRecord] = []
     with SynchronousCheckpointer(store, records.append) as ckpt:

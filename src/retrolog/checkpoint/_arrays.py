@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import random
 import struct
 import threading
@@ -52,6 +53,7 @@ from retrolog.store.objects import (
 
 MIN_COMPRESS_BYTES = 4096  # smaller float data is stored as it comes: no gain worth a call
 SEGMENT_BYTES = 1 << 30  # blosc2 compresses at most 2 GB per call
+WRITES_BEHIND = 2  # arrays compressed and waiting for the write-behind thread, at most
 CLEVEL = 1  # zstd level inside blosc2: best ratio and speed on weights (docs table)
 BLOCK_BYTES = 256 * 1024  # blosc2 block: larger blocks decode faster, 256 KiB fits in L2
 # Restores decode several tensors at once, one thread per tensor. Restoring the
@@ -274,6 +276,10 @@ class ArrayWriter:
         # Latency over size: lz4 instead of zstd, and no delta attempts (a delta is
         # a pass over the data and, when it does not clearly win, a second compression).
         self.fast = fast
+        # With the user waiting for the exit (fast), the next array is compressed while
+        # the previous one is written, on one write-behind thread, where the store
+        # takes calls from several threads at once.
+        self._behind = _WriteBehind(store) if fast and store.concurrent_calls else None
         self.interrupt = interrupt  # polled before each array: stop with Interrupted
         self.stats = EncodeStats()
         self.infos: dict[str, ObjectInfo] = {}  # every object the checkpoint needs, bases too
@@ -443,7 +449,11 @@ class ArrayWriter:
         parts: Sequence[Any],
     ) -> ObjectInfo:
         head = _HEAD.pack(codec, itemsize % 256, depth, raw_length, bytes.fromhex(base or "0" * 32))
-        size = self.store.put_framed(key, head, *parts)
+        if self._behind is None:
+            size = self.store.put_framed(key, head, *parts)
+        else:
+            size = FRAME_HEADER_SIZE + sum(memoryview(p).nbytes for p in (head, *parts))
+            self._behind.put(key, head, parts)
         self.stats.written_objects += 1
         self.stats.written_bytes += size
         return ObjectInfo(size=size, codec=codec, depth=depth, base=base)
@@ -472,6 +482,16 @@ class ArrayWriter:
         fails, skip = (prev.fails, prev.skip) if prev is not None else (0, 0)
         self._paths[path] = _PathState(key, dtype, shape, info.depth, base, full_size, fails, skip)
 
+    def flush(self) -> None:
+        """Wait until every array is stored; raise a write's failure. Before the manifest."""
+        if self._behind is not None:
+            self._behind.flush()
+
+    def close(self) -> None:
+        """Stop the write-behind thread, once the writes it was given are over."""
+        if self._behind is not None:
+            self._behind.close()  # they read the snapshot, which the caller frees next
+
     def finish(self, manifest_size: int, raw_blobs: dict[str, int], seconds: float) -> int:
         """Account for the manifest and the raw blobs, update the history; the stored size.
 
@@ -492,6 +512,52 @@ class ArrayWriter:
             self.history.last = stats
             self.history.total.add(stats)
         return stats.stored_bytes
+
+
+class _WriteBehind:
+    """One thread writing arrays, in order, while the encoder compresses the next ones.
+
+    A plain thread, not an executor: ``close()`` may run in an ``atexit`` hook,
+    after which concurrent.futures refuses new work. At most
+    :data:`WRITES_BEHIND` arrays wait, so the compressed bytes held stay bounded.
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[tuple[str, bytes, Sequence[Any]] | None] = queue.Queue(
+            WRITES_BEHIND
+        )
+        self._thread = threading.Thread(target=self._run, name="retrolog-write-behind", daemon=True)
+        self._thread.start()
+
+    def put(self, key: str, head: bytes, parts: Sequence[Any]) -> None:
+        if self.error is not None:
+            raise self.error
+        self._queue.put((key, head, parts))
+
+    def flush(self) -> None:
+        self._queue.join()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:  # after a failure the rest is dropped, not written
+                    key, head, parts = item
+                    self.store.put_framed(key, head, *parts)
+            except BaseException as exc:  # raised on the encoding thread, at put or flush
+                self.error = exc
+            finally:
+                self._queue.task_done()
 
 
 def _compress(

@@ -113,22 +113,25 @@ def encode(
     whether or not this call wrote them.
     """
     started = time.perf_counter()
-    encoder = _Encoder(
-        store, ArrayWriter(store, history, threads=threads, interrupt=interrupt, fast=fast)
-    )
-    # The top-level dict is built here so errors can name the object at fault.
-    items = []
-    for name, state in snap.objects.items():
-        encoder.name = name
-        items.append([name, encoder.value(state, name)])
-    encoder.name = None
-    doc = {
-        "format": FORMAT,
-        "objects": {"$": "dict", "items": items},
-        "rng": encoder.value(snap.rng, "the RNG states"),
-    }
-    manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
-    key = store.put(manifest)
+    arrays = ArrayWriter(store, history, threads=threads, interrupt=interrupt, fast=fast)
+    encoder = _Encoder(store, arrays)
+    try:
+        # The top-level dict is built here so errors can name the object at fault.
+        items = []
+        for name, state in snap.objects.items():
+            encoder.name = name
+            items.append([name, encoder.value(state, name)])
+        encoder.name = None
+        doc = {
+            "format": FORMAT,
+            "objects": {"$": "dict", "items": items},
+            "rng": encoder.value(snap.rng, "the RNG states"),
+        }
+        manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
+        arrays.flush()  # the manifest is written after every object it names
+        key = store.put(manifest)
+    finally:
+        arrays.close()
     nbytes = encoder.arrays.finish(len(manifest), encoder.blobs, time.perf_counter() - started)
     return key, nbytes
 

@@ -177,6 +177,10 @@ def _frame_problem(key: str, data: bytes | bytearray | memoryview, *, whole: boo
 class ObjectStore(abc.ABC):
     """Immutable objects addressed by a hash of their content (see the module docstring)."""
 
+    # Whether the methods may be called from several threads at once. The checkpoint
+    # writer then overlaps compressing one array with writing the previous one, at exit.
+    concurrent_calls: bool = False
+
     @abc.abstractmethod
     def put(self, data: bytes) -> str:
         """Store ``data`` and return its key; storing content that is already there is a no-op."""
@@ -242,6 +246,8 @@ class LocalObjectStore(ObjectStore):
     before the rename, for scratch stores and tests where a power loss does
     not matter; a torn write is still caught by the checksum on read.
     """
+
+    concurrent_calls = True  # each write goes to its own temp file; reads are of renamed files
 
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.root = Path(root)
