@@ -196,7 +196,7 @@ def test_checkpoint_is_exactly_the_state_at_capture(
     ],
 )
 def test_snapshot_buffers_hold_every_dtype_exactly(dtype: torch.dtype) -> None:
-    """Buffers are allocated as bytes (numpy's huge-page-advised memory) and viewed as the dtype."""
+    """Every dtype is copied into a buffer of its own shape and dtype, and the buffer is reused."""
     torch.manual_seed(0)
     source = (torch.randn(300, 250) * 100).to(dtype)  # 75,000 elements: pooled at any size
     columns = torch.randn(250, 300).to(dtype).t()  # not contiguous: copied by torch, not memcpy

@@ -260,32 +260,13 @@ class SnapshotBuffers:
             buffer = self._buffers[index]
             if buffer.shape == source.shape and buffer.dtype == source.dtype:
                 return buffer
-        if pin:
-            # Pinned host memory makes the device-to-host copy a DMA transfer.
-            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
-        else:
-            buffer = _host_buffer(torch, source)
+        # Pinned host memory makes the device-to-host copy a DMA transfer.
+        buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
         if index < len(self._buffers):
             self._buffers[index] = buffer
         else:
             self._buffers.append(buffer)
         return buffer
-
-
-def _host_buffer(torch: Any, source: Any) -> Any:
-    """An uninitialised CPU tensor like ``source``, in memory numpy allocated.
-
-    The first snapshot into a buffer pays a page fault per page it touches.
-    numpy asks the kernel for transparent huge pages for allocations of 4 MiB
-    or more (``madvise(MADV_HUGEPAGE)``), so the first copy of a 300 MB state
-    faults 2 MiB at a time: 0.14 s instead of torch.empty's 0.29 s, against
-    0.07 s into memory already touched (docs/materialization.md). Allocated
-    as bytes and viewed as the tensor's dtype, so dtypes numpy lacks
-    (bfloat16) get it too.
-    """
-    nbytes = source.numel() * source.element_size()
-    raw = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
-    return raw.view(source.dtype).view(source.shape)
 
 
 def freeze(value: Any, buffers: SnapshotBuffers | None = None) -> Any:
