@@ -304,8 +304,10 @@ def test_close_flushes_everything_in_capture_order(gated: GatedStore, tmp_path: 
     ckpt.close()  # closing twice is harmless
 
 
-def nice_of_this_thread() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+def priority_of_this_thread() -> tuple[int, int]:
+    """The calling thread's scheduling policy and nice value."""
+    tid = threading.get_native_id()
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def test_the_codec_is_loaded_on_the_training_thread_before_the_writer_starts(
@@ -329,17 +331,17 @@ def test_the_codec_is_loaded_on_the_training_thread_before_the_writer_starts(
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
 def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     gated: GatedStore, store: LocalObjectStore
 ) -> None:
-    """The writer thread runs at nice 19; close() interrupts it and writes what is left."""
-    main_nice = nice_of_this_thread()
+    """The writer thread runs under SCHED_IDLE; close() interrupts it and writes the rest."""
+    main_priority = priority_of_this_thread()
     state = {"a": np.zeros(10_000), "b": np.ones(10_000)}  # two arrays: two puts each
-    seen: list[tuple[str, int, CheckpointRecord]] = []
+    seen: list[tuple[str, tuple[int, int], CheckpointRecord]] = []
 
     def sink(record: CheckpointRecord) -> None:
-        seen.append((threading.current_thread().name, nice_of_this_thread(), record))
+        seen.append((threading.current_thread().name, priority_of_this_thread(), record))
 
     ckpt = BackgroundCheckpointer(gated, sink, max_in_flight=3)
     assert ckpt.low_priority
@@ -348,7 +350,9 @@ def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     deadline = time.monotonic() + GATE_TIMEOUT
     while ckpt.written < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert [(name, nice) for name, nice, _ in seen] == [("retrolog-checkpoint-writer", 19)]
+    assert [(name, prio) for name, prio, _ in seen] == [
+        ("retrolog-checkpoint-writer", (os.SCHED_IDLE, 19))
+    ]
     # The writer blocks inside checkpoint 1's first put; close() comes meanwhile.
     gated.gate.clear()
     gated.entered.clear()
@@ -362,10 +366,10 @@ def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     ckpt.close()
     # Checkpoint 1 was interrupted after its first array and started again here, at
     # this thread's priority; the end checkpoint was never started by the writer.
-    assert [(name, nice) for name, nice, _ in seen[1:]] == [
-        (threading.current_thread().name, main_nice)
+    assert [(name, prio) for name, prio, _ in seen[1:]] == [
+        (threading.current_thread().name, main_priority)
     ] * 2
-    assert nice_of_this_thread() == main_nice
+    assert priority_of_this_thread() == main_priority
     assert [r.ctx_id for _, _, r in seen] == [0, 1, None]
     restored = [decode(r.manifest, store).objects for _, _, r in seen]
     assert [(o["a"][0], o["b"][0]) for o in restored] == [(0.0, 1.0), (1.0, 2.0), (3.0, 2.0)]
@@ -373,12 +377,12 @@ def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
 
 
 def test_the_writer_at_training_priority_when_asked(store: LocalObjectStore) -> None:
-    nices: list[int] = []
+    priorities: list[tuple[int, int]] = []
     with BackgroundCheckpointer(
-        store, lambda r: nices.append(nice_of_this_thread()), low_priority=False
+        store, lambda r: priorities.append(priority_of_this_thread()), low_priority=False
     ) as ckpt:
         capture(ckpt, {"a": np.zeros(10_000)}, 0)
-    assert not ckpt.low_priority and nices == [nice_of_this_thread()]
+    assert not ckpt.low_priority and priorities == [priority_of_this_thread()]
 
 
 @pytest.mark.filterwarnings("ignore:retrolog's checkpoint writer fell behind")
