@@ -267,6 +267,13 @@ def test_put_framed_stores_what_put_of_the_frame_stores(tmp_path: Path, wrapped:
     assert [p.name for p in object_files(tmp_path / "framed")] == [path.name]  # no temp left
 
 
+def test_put_takes_any_bytes_like_buffer(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    for data in (bytearray(b"abc" * 100), memoryview(b"def" * 100)):
+        key = store.put(data)  # type: ignore[arg-type]
+        assert store.get(key) == bytes(data) and key == hashlib.sha256(data).hexdigest()
+
+
 def test_put_framed_failure_is_a_store_error(tmp_path: Path) -> None:
     (tmp_path / "store").write_text("a file where the store's directory should be")
     with pytest.raises(StoreError, match="Cannot write object file"):

@@ -310,19 +310,21 @@ class LocalObjectStore(ObjectStore):
         return bool(path.stat().st_size == FRAME_HEADER_SIZE + length)
 
     def _write_atomically(self, path: Path, data: bytes | list[memoryview]) -> None:
+        """Write ``data`` (one buffer, or a list of buffers written in order) as ``path``."""
         # The temp file sits in the destination directory so os.replace is a
         # same-filesystem rename, atomic on POSIX and Windows. Each writer has
         # its own random temp name, so concurrent puts of one key (several
         # processes of a grid search) race only on the rename, and both
         # renames install identical content.
+        parts = data if isinstance(data, list) else [data]
         tmp = path.with_name(f".{path.name[:16]}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, flags, 0o644)
             try:
-                for part in [data] if isinstance(data, bytes) else data:
-                    view = memoryview(part)
+                for part in parts:
+                    view = memoryview(part).cast("B")
                     while view:
                         written = os.write(fd, view)
                         view = view[written:]
@@ -336,8 +338,7 @@ class LocalObjectStore(ObjectStore):
                 tmp.unlink()
             # On Windows a rename onto a file another process holds open
             # fails; the object is there all the same.
-            size = len(data) if isinstance(data, bytes) else sum(v.nbytes for v in data)
-            if _size_or_none(path) == size:
+            if _size_or_none(path) == sum(memoryview(p).nbytes for p in parts):
                 return
             raise StoreError(
                 f"Cannot write object file {path}: {exc}. Check that the directory "
