@@ -15,7 +15,8 @@ writer that never runs out of work would:
 - ``normal``: the writer at the training's priority;
 - ``low``: the writer at nice 19;
 - ``idle``: the writer under the SCHED_IDLE policy (Linux), which the
-  scheduler runs only on a core nothing else wants and preempts at once.
+  scheduler runs only on a core nothing else wants and preempts at once, as
+  ``BackgroundCheckpointer`` runs it.
 
 Per trial: the training's wall time, and the writer's CPU seconds and
 megabytes compressed in that time. Slowdown = trial time / the same

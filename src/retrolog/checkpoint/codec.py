@@ -132,7 +132,7 @@ def encode(
         key = store.put(manifest)
     finally:
         arrays.close()
-    nbytes = encoder.arrays.finish(len(manifest), encoder.blobs, time.perf_counter() - started)
+    nbytes = arrays.finish(len(manifest), encoder.blobs, time.perf_counter() - started)
     return key, nbytes
 
 

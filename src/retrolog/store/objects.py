@@ -265,6 +265,21 @@ class LocalObjectStore(ObjectStore):
         """Store ``data`` atomically and return its key."""
         key = object_key(data)
         path = self.path(key)
+        if not self._stored(key, path, len(data)):
+            self._write_atomically(path, data)
+        return key
+
+    def put_framed(self, key: str, *parts: bytes | bytearray | memoryview | Any) -> int:
+        """Store framed object ``key`` atomically, writing ``parts`` without joining them."""
+        views = framed(key, *parts)
+        size = sum(v.nbytes for v in views)
+        path = self.path(key)
+        if not self._stored(key, path, size):
+            self._write_atomically(path, views)
+        return size
+
+    def _stored(self, key: str, path: Path, size: int) -> bool:
+        """Whether object ``key`` (``size`` bytes) is in place at ``path``; if so, freshened."""
         try:
             if is_framed_key(key):
                 # An intact frame under this key is the object, even if encoded
@@ -275,31 +290,12 @@ class LocalObjectStore(ObjectStore):
                 # A file of the right size is the object: content addressing makes
                 # rewriting it pointless. A file of the wrong size is a torn or
                 # damaged copy, which this write repairs.
-                keep = path.stat().st_size == len(data)
-            if keep and _freshen(path):
-                return key
+                keep = path.stat().st_size == size
+            return keep and _freshen(path)
         except (FileNotFoundError, NotADirectoryError):
-            pass  # not there yet; a store that cannot be created is reported by the write
+            return False  # not there yet; a store that cannot be created is reported by the write
         except OSError as exc:
             raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
-        self._write_atomically(path, data)
-        return key
-
-    def put_framed(self, key: str, *parts: bytes | bytearray | memoryview | Any) -> int:
-        """Store framed object ``key`` atomically, writing ``parts`` without joining them."""
-        views = framed(key, *parts)
-        size = sum(v.nbytes for v in views)
-        path = self.path(key)
-        try:
-            # As put() does for a frame: an intact frame under this key is the object.
-            if self._has_intact_frame(key, path) and _freshen(path):
-                return size
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except OSError as exc:
-            raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
-        self._write_atomically(path, views)
-        return size
 
     def _has_intact_frame(self, key: str, path: Path) -> bool:
         """Whether ``path`` holds a frame for ``key`` whose header and size agree."""
