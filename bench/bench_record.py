@@ -4,6 +4,8 @@ Run from the repository root with the project's venv (retrolog and torch install
 
     python bench/bench_record.py              # about 20 minutes on a 2-core machine
     python bench/bench_record.py --reps 5 --no-flordb
+    python bench/bench_record.py --workloads stress --epochs stress=96 --no-blocking \
+        --output /tmp/record-long.json   # a longer run, its one-time costs amortized
 
 (a) Record overhead. Three workloads (bench/_record_workload.py), each run as
 a plain script and as the same script recording with retrolog (default
@@ -97,7 +99,7 @@ def run_child(
 
 
 def run_once(
-    python: Path, name: str, variant: str, threads: int, env: dict[str, str]
+    python: Path, name: str, variant: str, threads: int, env: dict[str, str], epochs: int
 ) -> dict[str, Any]:
     """Run ``name`` in ``variant`` in a fresh git project; the span and what the store holds."""
     work = Path(tempfile.mkdtemp(prefix=f"retrolog-bench-record-{name}-"))
@@ -108,7 +110,7 @@ def run_once(
         (project / "train.py").write_text(workload.source(name, variant))
         git(project, env, "add", "train.py")
         git(project, env, "commit", "-q", "-m", "workload")
-        cmd = [str(python), "train.py", str(EPOCHS[name]), str(threads)]
+        cmd = [str(python), "train.py", str(epochs), str(threads)]
         done = run_child(cmd, env, f"{name}/{variant}", cwd=project)
         # FlorDB echoes what it logs on stdout: the figures are the last JSON line.
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"seconds"')]
@@ -116,7 +118,7 @@ def run_once(
             raise BenchError(f"{name}/{variant} printed no figures:\n{tail(done.stdout)}")
         figures: dict[str, Any] = json.loads(lines[-1])
         if variant == "retrolog":
-            figures.update(store_figures(project / ".retrolog" / "retrolog.db", EPOCHS[name]))
+            figures.update(store_figures(project / ".retrolog" / "retrolog.db", epochs))
         return figures
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -169,6 +171,20 @@ def blocking_figures(python: Path, env: dict[str, str], reps: int) -> dict[str, 
     }
 
 
+def parse_epochs(items: list[str]) -> dict[str, int]:
+    """``--epochs`` values (``NAME=N``) as a mapping; ValueError naming the bad one."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, _, count = item.partition("=")
+        if name not in EPOCHS or not count.isdigit() or int(count) < 1:
+            raise ValueError(
+                f"--epochs {item!r}: expected NAME=N with NAME one of {', '.join(EPOCHS)}"
+                " and N a positive whole number"
+            )
+        out[name] = int(count)
+    return out
+
+
 def torch_path(flor_python: Path, scratch: Path) -> tuple[Path | None, str]:
     from bench_replay import torch_path_for
 
@@ -190,7 +206,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workloads", default=",".join(workload.WORKLOADS), help="comma-separated subset"
     )
+    parser.add_argument(
+        "--epochs",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="run workload NAME for N epochs instead of its default (repeatable)",
+    )
+    parser.add_argument("--no-blocking", action="store_true", help="skip (b)")
     args = parser.parse_args(argv)
+    try:
+        epochs = dict(EPOCHS, **parse_epochs(args.epochs))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.blocking_only:
         result = json.loads(args.output.read_text())
         result["blocking"] = blocking_figures(Path(sys.executable), base_env(), args.blocking_reps)
@@ -227,12 +255,16 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for name in names:
                 order = ["plain", "retrolog"] if rep % 2 == 0 else ["retrolog", "plain"]
-                got = {v: run_once(python, name, v, args.threads, env) for v in order}
+                got = {v: run_once(python, name, v, args.threads, env, epochs[name]) for v in order}
                 # A/A: the plain script once more, right after: what the same run differs
                 # by from one execution to the next here, the floor of any overhead claim.
-                got["plain_again"] = run_once(python, name, "plain", args.threads, env)
+                got["plain_again"] = run_once(
+                    python, name, "plain", args.threads, env, epochs[name]
+                )
                 if name == "cnn" and flor_python is not None:
-                    got["flordb"] = run_once(flor_python, name, "flordb", args.threads, flor_env)
+                    got["flordb"] = run_once(
+                        flor_python, name, "flordb", args.threads, flor_env, epochs[name]
+                    )
                     flordb_samples.append(got["flordb"])
                 got["overhead"] = got["retrolog"]["seconds"] / got["plain"]["seconds"] - 1
                 got["noise"] = got["plain_again"]["seconds"] / got["plain"]["seconds"] - 1
@@ -257,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     file=sys.stderr,
                 )
-        block = blocking_figures(python, env, args.blocking_reps)
+        block = None if args.no_blocking else blocking_figures(python, env, args.blocking_reps)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -278,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, reps in samples.items():
         overheads = [s["overhead"] * 100 for s in reps]
         entry: dict[str, Any] = {
-            "epochs": EPOCHS[name],
+            "epochs": epochs[name],
             "plain_seconds": spread([s["plain"]["seconds"] for s in reps]),
             "retrolog_seconds": spread([s["retrolog"]["seconds"] for s in reps]),
             "overhead_pct": spread(overheads),
@@ -345,6 +377,9 @@ def print_report(result: dict[str, Any]) -> None:
         if "flordb_overhead_pct" in w:
             print(f"{'':9s} flordb 4.0.1 overhead %: {cell(w['flordb_overhead_pct'], '+6.2f')}")
     b = result["blocking"]
+    if b is None:
+        print("\nblocking per checkpoint: not measured (--no-blocking)")
+        return
     print(
         f"\nblocking per checkpoint of {b['state_mb']:.0f} MB: retrolog "
         f"{cell(b['retrolog_ms'], '.1f')} ms, torch.save {cell(b['torch_save_ms'], '.1f')} ms "
