@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import multiprocessing
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -304,3 +306,94 @@ def test_a_view_is_the_object_and_may_outlive_its_block(tmp_path: Path) -> None:
         assert frame_payload(data) == payload
         kept = frame_payload(data)[:16]  # a slice still alive when the block ends
     assert bytes(kept) == payload[:16]  # the mapping lives on until its last reference
+
+
+class SyscallLog:
+    """Records fsync (of which path) and rename calls, in order, then performs them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, str]] = []
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def fsync(fd: int) -> None:
+            self.calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            real_fsync(fd)
+
+        def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+            self.calls.append(("rename", str(dst)))
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+
+
+@needs_proc
+@pytest.mark.parametrize("kind", ["raw", "framed"])
+def test_a_durable_put_syncs_the_file_then_the_directory_after_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    root = tmp_path / "store" / "objects"
+    store = LocalObjectStore(root)
+    log = SyscallLog(monkeypatch)
+    if kind == "raw":
+        key = store.put(b"first object")
+    else:
+        key = KEY
+        store.put_framed(KEY, b"head", b"body")
+    path = store.path(key)
+    fanout, file_synced = str(path.parent), False
+    # The store's first write created the root and the fan-out directory: both entries synced.
+    assert ("fsync", str(root.parent)) in log.calls
+    assert log.calls.index(("fsync", str(root))) < log.calls.index(("rename", str(path)))
+    for i, (call, target) in enumerate(log.calls):
+        if call == "fsync" and target.startswith(fanout + "/."):
+            file_synced = True  # the temp file, before the rename
+            assert log.calls[i + 1] == ("rename", str(path))
+    assert file_synced
+    assert log.calls[-2:] == [("rename", str(path)), ("fsync", fanout)]
+
+    # A second object in the same, existing fan-out directory syncs that directory alone.
+    data = next(
+        d for i in range(10_000) if object_key(d := b"second %d" % i)[:2] == path.parent.name
+    )
+    log.calls.clear()
+    other = store.put(data)
+    dirs = [t for c, t in log.calls if c == "fsync" and Path(t).is_dir()]
+    assert dirs == [fanout]
+    assert read(store, other, "get") == data
+
+
+@needs_proc
+def test_a_scratch_store_syncs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = LocalObjectStore(tmp_path / "objects", durable=False)
+    log = SyscallLog(monkeypatch)
+    key = store.put(b"scratch")
+    assert [c for c, _ in log.calls] == ["rename"]
+    assert store.get(key) == b"scratch"
+
+
+@pytest.mark.parametrize(
+    ("error", "raised"), [(errno.EIO, True), (errno.EINVAL, False), (errno.EACCES, False)]
+)
+def test_a_directory_sync_failure_is_reported_unless_unsupported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int, raised: bool
+) -> None:
+    store = LocalObjectStore(tmp_path / "objects")
+    store.put(b"before")  # the directories exist and are synced
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(error, os.strerror(error))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    if raised:
+        with pytest.raises(StoreError, match=r"Cannot make the object directory .* durable"):
+            store.put(b"after")
+    else:
+        key = store.put(b"after")
+        assert store.get(key) == b"after"

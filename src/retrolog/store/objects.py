@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import hashlib
 import mmap
 import os
@@ -242,9 +243,13 @@ class ObjectStore(abc.ABC):
 class LocalObjectStore(ObjectStore):
     """Objects as files in a local directory, fanned out by the first two hex digits.
 
-    ``root`` is created on the first write. ``durable=False`` skips the fsync
-    before the rename, for scratch stores and tests where a power loss does
-    not matter; a torn write is still caught by the checksum on read.
+    ``root`` is created on the first write. A durable store (the default)
+    fsyncs each object's file before renaming it into place and its directory
+    after, and the store's directories when it creates them, so an object a
+    put returned for survives a power loss, and so does a checkpoint row that
+    names it. ``durable=False`` skips those fsyncs, for scratch stores and
+    tests where a power loss does not matter; a torn write is still caught by
+    the checksum on read.
     """
 
     concurrent_calls = True  # each write goes to its own temp file; reads are of renamed files
@@ -316,7 +321,7 @@ class LocalObjectStore(ObjectStore):
         tmp = path.with_name(f".{path.name[:16]}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_directory(path.parent)
             fd = os.open(tmp, flags, 0o644)
             try:
                 for part in parts:
@@ -341,6 +346,27 @@ class LocalObjectStore(ObjectStore):
                 f"{self.root} is writable and its file system is not full.",
                 path=str(path),
             ) from exc
+        if self.durable:
+            # The rename is a change to the directory: without this, a power loss
+            # could undo it after the caller recorded the object as stored.
+            _fsync_directory(path.parent)
+
+    def _make_directory(self, directory: Path) -> None:
+        """Create ``directory`` (a fan-out directory of the root) if missing, durably."""
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            return
+        except FileNotFoundError:  # the store's first write: the root is missing too
+            self.root.mkdir(parents=True, exist_ok=True)
+            if self.durable:
+                _fsync_directory(self.root.parent)
+            try:
+                os.mkdir(directory)
+            except FileExistsError:
+                return
+        if self.durable:
+            _fsync_directory(self.root)
 
     def get(self, key: str) -> bytes:
         """The verified content of object ``key`` (the whole frame, for a framed object)."""
@@ -460,6 +486,35 @@ def _freshen(path: Path) -> bool:
     except OSError:
         pass  # not ours to touch (a shared store): the grace period still covers it
     return True
+
+
+# fsync on a directory is refused where directories cannot be opened or synced
+# (Windows, some network file systems); there is nothing more to make durable then.
+_NO_DIRECTORY_SYNC = {errno.EACCES, errno.EBADF, errno.EINVAL, errno.EISDIR, errno.EPERM}
+_NO_DIRECTORY_SYNC |= {getattr(errno, "ENOTSUP", errno.EINVAL), getattr(errno, "EOPNOTSUPP", 0)}
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the entries of ``directory`` durable; StoreError if the disk fails to."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        if exc.errno in _NO_DIRECTORY_SYNC:
+            return
+        raise StoreError(
+            f"Cannot open the object directory {directory}: {exc}", path=str(directory)
+        ) from exc
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _NO_DIRECTORY_SYNC:
+            raise StoreError(
+                f"Cannot make the object directory {directory} durable: {exc}. The disk "
+                "reported an error; check it (dmesg) before trusting what was written.",
+                path=str(directory),
+            ) from exc
+    finally:
+        os.close(fd)
 
 
 def _size_or_none(path: Path) -> int | None:
