@@ -101,6 +101,7 @@ def layout(t: torch.Tensor, how: str) -> torch.Tensor:
     how=st.sampled_from(["contiguous", "transposed", "strided"]),
     max_chain=st.sampled_from([0, 1, 2, 4]),
     history=st.booleans(),
+    bases_in_memory=st.booleans(),
 )
 def test_tensor_versions_round_trip_exactly(
     tmp_path_factory: pytest.TempPathFactory,
@@ -111,12 +112,15 @@ def test_tensor_versions_round_trip_exactly(
     how: str,
     max_chain: int,
     history: bool,
+    bases_in_memory: bool,
 ) -> None:
-    """Every version of a tensor decodes to its exact bits, through deltas and chains."""
+    """Every version of a tensor decodes to its exact bits, through deltas and chains,
+    with the delta bases kept in memory or read back from the store."""
     store = LocalObjectStore(tmp_path_factory.mktemp("objects"), durable=False)
     rng = np.random.default_rng(seed)
     # min_gain=1 takes a delta whenever it is not larger: chains get long quickly.
-    hist = DeltaHistory(max_chain=max_chain, min_gain=1.0) if history else None
+    budget = _arrays.BASE_BUDGET_BYTES if bases_in_memory else 0
+    hist = DeltaHistory(max_chain=max_chain, min_gain=1.0, base_budget=budget) if history else None
     t = bit_patterns(rng, dtype, n).reshape(2, -1) if n % 2 == 0 else bit_patterns(rng, dtype, n)
     written = []
     for how_next in ["same", *steps]:
@@ -270,6 +274,68 @@ def test_nbytes_counts_the_delta_base(store: LocalObjectStore) -> None:
         == hist.last.stored_bytes
         == sum(store.path(k).stat().st_size for k in needed | {key})
     )
+
+
+def test_bases_beyond_the_budget_are_read_back_and_store_the_same_bytes(
+    tmp_path: Path,
+) -> None:
+    """A base that does not fit the budget is decoded from the store when a delta is
+    tried: the objects written are byte for byte those of a history that kept it."""
+    big, small = weights(60_000, seed=1), weights(2_000, seed=2)  # 240 kB and 8 kB
+    stores = {}
+    for budget in (_arrays.BASE_BUDGET_BYTES, small.numel() * 4, 0):
+        store = LocalObjectStore(tmp_path / str(budget), durable=False)
+        hist = DeltaHistory(base_budget=budget)
+        state = {"small": small.clone(), "big": big.clone()}
+        keys, expected = [], []
+        for i in range(4):
+            key, _ = encode(Snapshot(objects={"model": state}, rng={}), store, history=hist)
+            keys.append(key)
+            expected.append(state)
+            held = {path: p.base is not None for path, p in hist._paths.items()}
+            assert hist.base_bytes == sum(
+                p.base.nbytes for p in hist._paths.values() if p.base is not None
+            )
+            assert hist.base_bytes <= budget
+            if i:
+                assert hist.last is not None and hist.last.delta_objects == 2
+            state = {name: t + 1e-4 * (i + 1) for name, t in state.items()}
+        # Kept in the order the tensors are first stored, while they fit.
+        if budget == 0:
+            assert not any(held.values())
+        elif budget == small.numel() * 4:
+            assert sorted(p for p, kept in held.items() if kept) == [
+                p for p in held if "small" in p
+            ]
+        else:
+            assert all(held.values())
+        for key, state in zip(keys, expected, strict=True):
+            out = decode(key, store).objects["model"]
+            assert set(out) == set(state)
+            assert all(torch.equal(out[name], state[name]) for name in state)
+        stores[budget] = {
+            p.relative_to(store.root): p.read_bytes() for p in store.root.rglob("*") if p.is_file()
+        }
+    first, *others = stores.values()
+    assert all(other == first for other in others)
+
+
+def test_a_damaged_base_that_is_read_back_gives_a_full_object(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path / "objects", durable=False)
+    hist = DeltaHistory(min_gain=1.0, base_budget=0)
+    w = weights(50_000)
+    first, _ = encode(Snapshot(objects={"w": w}, rng={}), store, history=hist)
+    (base,) = manifest_blobs(first, store) - {first}
+    path = store.path(base)
+    damaged = bytearray(path.read_bytes())
+    damaged[-100] ^= 0xFF  # inside the compressed body: the header still reads
+    path.write_bytes(bytes(damaged))
+    later = w + 1e-4
+    key, _ = encode(Snapshot(objects={"w": later}, rng={}), store, history=hist)
+    assert hist.last is not None and hist.last.delta_objects == 0
+    infos = [read_info(store, b) for b in manifest_blobs(key, store) - {key}]
+    assert [i.depth for i in infos if i is not None] == [0]
+    assert torch.equal(decode(key, store).objects["w"], later)
 
 
 def test_deltas_that_do_not_pay_are_tried_less_and_less(

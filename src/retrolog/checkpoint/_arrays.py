@@ -61,6 +61,10 @@ BLOCK_BYTES = 256 * 1024  # blosc2 block: larger blocks decode faster, 256 KiB f
 # thread, 1.50x with two; two threads per blosc2 call instead gave 1.80x.
 DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))
 MAX_DEPTH = 64  # a chain longer than any writer makes is a damaged header, not a delta chain
+# Delta bases kept in memory per run, at most. A base beyond it is decoded from the
+# store each time a delta is tried against it, instead of copied once when it is
+# written: less memory (a third copy of a large state), more writer CPU per delta.
+BASE_BUDGET_BYTES = 64 << 20
 
 RAW, BLOSC, DELTA_BLOSC = 0, 1, 2
 CODEC_NAMES = {RAW: "raw", BLOSC: "blosc2 shuffle+zstd", DELTA_BLOSC: "delta, blosc2"}
@@ -214,7 +218,9 @@ class _PathState:
     dtype: str
     shape: tuple[int, ...]
     depth: int
-    base: np.ndarray[Any, Any]  # a private copy of its bytes (snapshot buffers get reused)
+    # A private copy of its bytes (snapshot buffers get reused), or None: read it back from
+    # the store when a delta is tried (it did not fit in the history's base budget).
+    base: np.ndarray[Any, Any] | None
     full_size: int | None = None  # compressed size the last time it was stored in full
     fails: int = 0  # delta attempts in a row that did not pay off
     skip: int = 0  # delta attempts still to skip (backing off after failures)
@@ -224,10 +230,12 @@ class DeltaHistory:
     """Per-run state that lets :func:`~retrolog.checkpoint.codec.encode` write deltas.
 
     Create one per checkpointer and pass it to every encode of that run, from
-    one thread at a time. It holds a copy of the previous checkpoint's float
-    tensors of at least :data:`MIN_COMPRESS_BYTES` (one copy of the model and
-    optimizer state: the price of deltas) and the headers of the objects that
-    checkpoint used.
+    one thread at a time. It holds the headers of the objects the previous
+    checkpoint used and, up to ``base_budget`` bytes, a copy of its float
+    tensors of at least :data:`MIN_COMPRESS_BYTES` (the delta bases). A base
+    beyond the budget is decoded from the store each time a delta is tried
+    against it, so the budget bounds the memory deltas take beside the
+    snapshots, at the price of a decode per delta of a large state.
 
     max_chain: most deltas between a stored version and a full object (0: no
       deltas). Each version's delta is taken against the most recent version
@@ -237,15 +245,24 @@ class DeltaHistory:
       restore proportionally slower (docs/checkpoint-storage.md).
     min_gain: a delta is kept only if it is at most this fraction of the full
       compressed object.
+    base_budget: bytes of delta bases kept in memory, at most (default
+      :data:`BASE_BUDGET_BYTES`); bases are kept in the order the tensors
+      are first stored.
     """
 
-    def __init__(self, *, max_chain: int = 1, min_gain: float = 0.9) -> None:
+    def __init__(
+        self, *, max_chain: int = 1, min_gain: float = 0.9, base_budget: int = BASE_BUDGET_BYTES
+    ) -> None:
         if not isinstance(max_chain, int) or not 0 <= max_chain <= MAX_DEPTH:
             raise ValueError(f"max_chain must be an int from 0 to {MAX_DEPTH}, not {max_chain!r}")
         if not 0 < min_gain <= 1:
             raise ValueError(f"min_gain must be in (0, 1], not {min_gain!r}")
+        if not isinstance(base_budget, int) or base_budget < 0:
+            raise ValueError(f"base_budget must be a whole number of bytes, not {base_budget!r}")
         self.max_chain = max_chain
         self.min_gain = min_gain
+        self.base_budget = base_budget
+        self.base_bytes = 0  # bytes of the bases held in memory now
         self.last: EncodeStats | None = None  # the most recent encode
         self.total = EncodeStats()  # every encode so far
         self._paths: dict[str, _PathState] = {}
@@ -387,11 +404,13 @@ class ArrayWriter:
         full: list[bytes] | None = None
         delta: list[bytes] | None = None
         prev = self._delta_base(path, key, dtype, shape)
-        if prev is not None:
+        base = None if prev is None else self._base_bytes(prev, data.nbytes)
+        if prev is not None and base is not None:
             assert self.history is not None
             gain = self.history.min_gain
             uint = _UINT[itemsize]
-            diff = np.subtract(data.view(uint), prev.base.view(uint))  # wraps, exactly invertible
+            diff = np.subtract(data.view(uint), base.view(uint))  # wraps, exactly invertible
+            del base
             delta = _compress(diff.view(np.uint8), itemsize, self.threads)
             delta_size = _size(delta)
             # Compressing in full too would double the writer's work; the last
@@ -438,6 +457,25 @@ class ArrayWriter:
         self.infos.setdefault(prev.key, info)
         return prev
 
+    def _base_bytes(self, prev: _PathState, nbytes: int) -> np.ndarray[Any, Any] | None:
+        """The bytes of delta base ``prev``: kept in memory, or decoded from the store.
+
+        None when a stored base cannot be read back (damaged, or gone since
+        :meth:`_delta_base` found it): the array is then stored in full.
+        """
+        if prev.base is not None:
+            return prev.base
+        out = np.empty(nbytes, dtype=np.uint8)
+        try:
+            # Not read_array: its cache of decoded arrays is for restores, and would
+            # keep the base in this recording process's memory after all.
+            _read_into(self.store, prev.key, out, MAX_DEPTH, [])
+        except StoreError:  # CorruptObjectError included
+            return None
+        if content_key(prev.dtype, prev.shape, out) != prev.key:
+            return None
+        return out
+
     def _put(
         self,
         key: str,
@@ -471,11 +509,17 @@ class ArrayWriter:
             return
         if info.depth >= self.history.max_chain:
             return  # (reused from another run) too deep to be a base
-        if prev is not None and prev.base.nbytes == data.nbytes:
-            np.copyto(prev.base, data)  # reuse its memory
-            base = prev.base
+        history = self.history
+        base = prev.base if prev is not None else None
+        if base is not None and base.nbytes == data.nbytes:
+            np.copyto(base, data)  # reuse its memory
         else:
-            base = data.copy()
+            if base is not None:
+                history.base_bytes -= base.nbytes
+            base = None
+            if history.base_bytes + data.nbytes <= history.base_budget:
+                base = data.copy()
+                history.base_bytes += data.nbytes
         full_size = prev.full_size if prev is not None else None
         if info.codec == BLOSC:
             full_size = info.size
@@ -508,6 +552,10 @@ class ArrayWriter:
         stats.seconds = seconds
         if self.history is not None:
             self.history._paths = self._paths
+            # Exact again: a path that left the state took its base with it.
+            self.history.base_bytes = sum(
+                p.base.nbytes for p in self._paths.values() if p.base is not None
+            )
             self.history._known = dict(self.infos)
             self.history.last = stats
             self.history.total.add(stats)
