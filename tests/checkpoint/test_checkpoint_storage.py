@@ -715,3 +715,27 @@ def test_importing_the_codec_leaves_every_random_state_alone(how: str) -> None:
     np.random.seed(7)
     torch.manual_seed(7)
     assert [float(x) for x in out] == [random.random(), np.random.random(), torch.rand(1).item()]
+
+
+def test_encode_syncs_the_store_once_the_manifest_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the caller records a checkpoint, every rename it made is synced (durable store)."""
+    store = LocalObjectStore(tmp_path / "objects")
+    seen: list[tuple[set[Path], set[Path]]] = []
+    real_sync = LocalObjectStore.sync
+
+    def sync(self: LocalObjectStore) -> None:
+        files = {p for p in self.root.rglob("*") if p.is_file()}
+        seen.append((set(self._unsynced), files))
+        real_sync(self)
+
+    monkeypatch.setattr(LocalObjectStore, "sync", sync)
+    state = {"w": weights(50_000), "b": weights(3_000, seed=1), "i": torch.arange(5000)}
+    key, _ = encode(Snapshot(objects={"model": state}, rng={}), store, history=DeltaHistory())
+    objects = {store.path(k) for k in manifest_blobs(key, store) | {key}}
+    assert len(seen) == 1
+    pending, files = seen[0]
+    assert objects <= files  # the manifest and every object it names were in place
+    assert pending == {p.parent for p in objects}
+    assert store._unsynced == set()

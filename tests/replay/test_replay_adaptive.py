@@ -80,12 +80,13 @@ def test_adaptive_checkpoints_are_sparse_and_replay_stays_exact(project: Project
     # finished no checkpoint is taken at all), so they are not taken; block 3 (8 s
     # of compute) affords one (M < 0.27 s); the end state is always captured.
     iterations = _block_checkpoints(project)
-    assert iterations[0] == 0
-    assert 1 not in iterations and 2 not in iterations
-    assert 3 in iterations
-    assert iterations[-1] is None
     ((summary,),) = read_db(project.root, "SELECT checkpointing FROM runs")
     policy = json.loads(str(summary))
+    why = f"checkpointed iterations {iterations}; the rule's figures: {policy}"
+    assert iterations[0] == 0, why
+    assert 1 not in iterations and 2 not in iterations, why
+    assert 3 in iterations, why
+    assert iterations[-1] is None, why
     assert policy["mode"] == "adaptive"
     assert policy["blocks"]["epoch"]["executions"] == 6
     # Taken = written, plus any still unwritten when the run ended (dropped: optional).

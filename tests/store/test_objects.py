@@ -332,7 +332,7 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="need
 
 @needs_proc
 @pytest.mark.parametrize("kind", ["raw", "framed"])
-def test_a_durable_put_syncs_the_file_then_the_directory_after_the_rename(
+def test_a_durable_store_syncs_files_before_the_rename_and_directories_at_sync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     root = tmp_path / "store" / "objects"
@@ -344,26 +344,31 @@ def test_a_durable_put_syncs_the_file_then_the_directory_after_the_rename(
         key = KEY
         store.put_framed(KEY, b"head", b"body")
     path = store.path(key)
-    fanout, file_synced = str(path.parent), False
-    # The store's first write created the root and the fan-out directory: both entries synced.
-    assert ("fsync", str(root.parent)) in log.calls
-    assert log.calls.index(("fsync", str(root))) < log.calls.index(("rename", str(path)))
-    for i, (call, target) in enumerate(log.calls):
-        if call == "fsync" and target.startswith(fanout + "/."):
-            file_synced = True  # the temp file, before the rename
-            assert log.calls[i + 1] == ("rename", str(path))
-    assert file_synced
-    assert log.calls[-2:] == [("rename", str(path)), ("fsync", fanout)]
+    fanout = str(path.parent)
+    # The store's first write created the root and the fan-out directory: both entries
+    # synced at once; the file before its rename; the rename itself waits for sync().
+    assert log.calls[:2] == [("fsync", str(root.parent)), ("fsync", str(root))]
+    assert log.calls[2][0] == "fsync" and log.calls[2][1].startswith(fanout + "/.")
+    assert log.calls[3:] == [("rename", str(path))]
 
-    # A second object in the same, existing fan-out directory syncs that directory alone.
-    data = next(
+    # More objects, in that directory and in another: each directory synced once.
+    same = next(
         d for i in range(10_000) if object_key(d := b"second %d" % i)[:2] == path.parent.name
     )
+    other = next(
+        d for i in range(10_000) if object_key(d := b"third %d" % i)[:2] != path.parent.name
+    )
+    store.put(same)
+    store.put(other)
     log.calls.clear()
-    other = store.put(data)
-    dirs = [t for c, t in log.calls if c == "fsync" and Path(t).is_dir()]
-    assert dirs == [fanout]
-    assert read(store, other, "get") == data
+    store.sync()
+    assert sorted(log.calls) == sorted(
+        [("fsync", fanout), ("fsync", str(store.path(object_key(other)).parent))]
+    )
+    log.calls.clear()
+    store.sync()  # nothing renamed since
+    assert log.calls == []
+    assert read(store, object_key(same), "get") == same
 
 
 @needs_proc
@@ -371,6 +376,7 @@ def test_a_scratch_store_syncs_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     store = LocalObjectStore(tmp_path / "objects", durable=False)
     log = SyscallLog(monkeypatch)
     key = store.put(b"scratch")
+    store.sync()
     assert [c for c, _ in log.calls] == ["rename"]
     assert store.get(key) == b"scratch"
 
@@ -382,7 +388,9 @@ def test_a_directory_sync_failure_is_reported_unless_unsupported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int, raised: bool
 ) -> None:
     store = LocalObjectStore(tmp_path / "objects")
-    store.put(b"before")  # the directories exist and are synced
+    store.put(b"before")
+    store.sync()  # the directories exist and are synced
+    key = store.put(b"after")
     real_fsync = os.fsync
 
     def fsync(fd: int) -> None:
@@ -393,7 +401,12 @@ def test_a_directory_sync_failure_is_reported_unless_unsupported(
     monkeypatch.setattr(os, "fsync", fsync)
     if raised:
         with pytest.raises(StoreError, match=r"Cannot make the object directory .* durable"):
-            store.put(b"after")
+            store.sync()
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        synced: list[int] = []
+        monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+        store.sync()  # the directory is still to do
+        assert len(synced) == 1
     else:
-        key = store.put(b"after")
-        assert store.get(key) == b"after"
+        store.sync()
+    assert store.get(key) == b"after"

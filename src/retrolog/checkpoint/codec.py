@@ -130,6 +130,7 @@ def encode(
         manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
         arrays.flush()  # the manifest is written after every object it names
         key = store.put(manifest)
+        store.sync()  # before the caller records the checkpoint: no rename left to lose
     finally:
         arrays.close()
     nbytes = arrays.finish(len(manifest), encoder.blobs, time.perf_counter() - started)

@@ -37,6 +37,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,15 @@ class ObjectStore(abc.ABC):
         self.put(data)
         return len(data)
 
+    def sync(self) -> None:
+        """Make every object put so far survive a power loss (call before relying on them).
+
+        The checkpoint writer calls it once per checkpoint, after the manifest
+        and before the checkpoint is recorded. This default does nothing, for
+        stores whose puts are durable when they return.
+        """
+        return None
+
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key`` (a frame, for a framed object), verified.
@@ -244,12 +254,12 @@ class LocalObjectStore(ObjectStore):
     """Objects as files in a local directory, fanned out by the first two hex digits.
 
     ``root`` is created on the first write. A durable store (the default)
-    fsyncs each object's file before renaming it into place and its directory
-    after, and the store's directories when it creates them, so an object a
-    put returned for survives a power loss, and so does a checkpoint row that
-    names it. ``durable=False`` skips those fsyncs, for scratch stores and
-    tests where a power loss does not matter; a torn write is still caught by
-    the checksum on read.
+    fsyncs each object's file before renaming it into place, and the store's
+    directories when it creates them; :meth:`sync` fsyncs the directories
+    renamed into since, once each, so that the renames survive a power loss
+    too. ``durable=False`` skips all of these, for scratch stores and tests
+    where a power loss does not matter; a torn write is still caught by the
+    checksum on read.
     """
 
     concurrent_calls = True  # each write goes to its own temp file; reads are of renamed files
@@ -257,6 +267,8 @@ class LocalObjectStore(ObjectStore):
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.root = Path(root)
         self.durable = durable
+        self._unsynced: set[Path] = set()  # directories renamed into since the last sync()
+        self._unsynced_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"LocalObjectStore({str(self.root)!r})"
@@ -347,9 +359,23 @@ class LocalObjectStore(ObjectStore):
                 path=str(path),
             ) from exc
         if self.durable:
-            # The rename is a change to the directory: without this, a power loss
-            # could undo it after the caller recorded the object as stored.
-            _fsync_directory(path.parent)
+            # The rename is a change to the directory, made durable by sync(): once per
+            # directory and checkpoint rather than per object, since on a busy disk each
+            # directory fsync waits for a journal commit.
+            with self._unsynced_lock:
+                self._unsynced.add(path.parent)
+
+    def sync(self) -> None:
+        """fsync the directories objects were renamed into since the last call."""
+        with self._unsynced_lock:
+            directories, self._unsynced = self._unsynced, set()
+        for i, directory in enumerate(sorted(directories)):
+            try:
+                _fsync_directory(directory)
+            except StoreError:
+                with self._unsynced_lock:  # still to do, for the next call
+                    self._unsynced.update(sorted(directories)[i:])
+                raise
 
     def _make_directory(self, directory: Path) -> None:
         """Create ``directory`` (a fan-out directory of the root) if missing, durably."""
