@@ -528,7 +528,9 @@ def _fsync_directory(directory: Path) -> None:
         if exc.errno in _NO_DIRECTORY_SYNC:
             return
         raise StoreError(
-            f"Cannot open the object directory {directory}: {exc}", path=str(directory)
+            f"Cannot open the object directory {directory} to make what was written there "
+            f"durable: {exc}. Check that it exists and that this user may read it.",
+            path=str(directory),
         ) from exc
     try:
         os.fsync(fd)
