@@ -467,12 +467,10 @@ class ArrayWriter:
             return prev.base
         out = np.empty(nbytes, dtype=np.uint8)
         try:
-            # Not read_array: its cache of decoded arrays is for restores, and would
-            # keep the base in this recording process's memory after all.
-            _read_into(self.store, prev.key, out, MAX_DEPTH, [])
+            # Not remembered: the cache of decoded arrays would keep the base in this
+            # recording process's memory after all.
+            read_array(self.store, prev.key, prev.dtype, prev.shape, out, remember=False)
         except StoreError:  # CorruptObjectError included
-            return None
-        if content_key(prev.dtype, prev.shape, out) != prev.key:
             return None
         return out
 
@@ -649,11 +647,19 @@ def _size(parts: list[bytes]) -> int:
 
 
 def read_array(
-    store: ObjectStore, key: str, dtype: str, shape: Sequence[int], out: np.ndarray[Any, Any]
+    store: ObjectStore,
+    key: str,
+    dtype: str,
+    shape: Sequence[int],
+    out: np.ndarray[Any, Any],
+    *,
+    remember: bool = True,
 ) -> None:
     """Fill ``out`` (a contiguous uint8 array of the right size) with array object ``key``.
 
     Raises CorruptObjectError unless the result hashes to ``key``.
+    remember: keep what was decoded in the cache of decoded arrays, for the
+      next restore; a recording process, which restores nothing, passes False.
     """
     if DECODED.copy_to(key, out):
         return
@@ -665,6 +671,8 @@ def read_array(
             f"its content, decoded as dtype {dtype} and shape {tuple(shape)}, does not hash to "
             "its key (a damaged delta base, or a manifest that does not match the object)",
         )
+    if not remember:
+        return
     # The result is right, so each base decoded on the way to it was too.
     for base_key, base_data in bases:
         DECODED.keep(base_key, base_data)

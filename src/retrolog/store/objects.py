@@ -368,13 +368,13 @@ class LocalObjectStore(ObjectStore):
     def sync(self) -> None:
         """fsync the directories objects were renamed into since the last call."""
         with self._unsynced_lock:
-            directories, self._unsynced = self._unsynced, set()
-        for i, directory in enumerate(sorted(directories)):
+            pending, self._unsynced = sorted(self._unsynced), set()
+        for i, directory in enumerate(pending):
             try:
                 _fsync_directory(directory)
             except StoreError:
                 with self._unsynced_lock:  # still to do, for the next call
-                    self._unsynced.update(sorted(directories)[i:])
+                    self._unsynced.update(pending[i:])
                 raise
 
     def _make_directory(self, directory: Path) -> None:
