@@ -25,9 +25,12 @@ figure for the same part:
   (the suffix, the output, the process's exit); a suffix probe (a statement
   after the loop) shows what a worker that runs the script to its end adds.
 
-Last, the thread experiment behind the workers' thread count: 50 training steps
-of the workload's CNN in one process and in two at once, with torch's default
-threads (one per core) and with the cores shared out (``OMP_NUM_THREADS``).
+Last, the thread experiment behind the default number of workers: 50 training
+steps of the workload's CNN in one process and in two at once, with torch's
+default threads (one per core) and with the cores shared out
+(``OMP_NUM_THREADS``). Replay keeps each run's recorded thread count, so two
+workers at the default threads oversubscribe the cores: the default is as many
+workers as the cores hold at that count.
 
 Results: bench/results/replay_breakdown.json.
 """
@@ -134,14 +137,13 @@ def replay_with_timeline(
 def breakdown(replay: dict[str, Any], per_byte: float | None) -> list[dict[str, Any]]:
     """One row per segment: measured parts next to the cost model's."""
     from retrolog._replay import replayer
-    from retrolog._replay.execute import cpu_cores, threads_per_worker
+    from retrolog._replay.execute import cpu_cores
     from retrolog._replay.plan import WorkerCosts, _costs, _pooled_imports
 
     workers = replay["plan"].workers
-    worker = WorkerCosts(  # as the replayer made it
+    worker = WorkerCosts(  # as the replayer made it: each run keeps its recorded threads
         exit_seconds=replayer.EXIT_SECONDS,
         teardown_seconds=replayer.teardown_seconds(workload.NEWEST_WITH_SUFFIX),
-        threads=threads_per_worker(workers, cpu_cores()),
         cores=cpu_cores(),
     )
     pooled, _ = _pooled_imports([run.profile for run in replay["plan"].runs])

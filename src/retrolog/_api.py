@@ -2,9 +2,12 @@
 
 A run starts at the first recording call (``arg``, ``log``, ``loop`` or
 ``checkpointing``), not at import: importing retrolog starts no thread,
-touches no git and does not import torch. The one thing done at import is
-taking ``--kwargs`` out of ``sys.argv``, because a script's own argparse
-usually runs before its first ``arg()`` call and must not see the flag.
+touches no git and does not import torch. What import does is for the
+script's argparse, which usually runs before the first recording call: it
+takes ``--kwargs`` out of ``sys.argv`` (argparse must not see the flag) and
+wraps ``parse_known_args`` so the parsed values are recorded
+(runtime/cli_args.py). In a replay worker it also puts the recorded
+numerical environment in place (runtime/numerics.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from retrolog.errors import ArgumentError, UsageError
+from retrolog.runtime import cli_args
 from retrolog.runtime.args import cast, split_argv
 from retrolog.runtime.run import NO_OVERRIDE
 from retrolog.runtime.values import FAST_TYPES
@@ -44,6 +48,25 @@ try:
         sys.argv[:] = _rest
 except ArgumentError as _exc:  # raised at the first arg() so the message points at the script
     _argv_error = _exc
+
+
+def _on_parsed(values: dict[str, Any]) -> None:
+    """argparse parsed the command line: its values are run-level values of the run."""
+    if _active is not None and _active.owned_by_this_process():
+        _active.set_parsed_args(values)
+
+
+# The script's argparse usually parses before the run starts (its first recording call):
+# the values wait in cli_args.parsed until then.
+cli_args.install()
+cli_args.listener = _on_parsed
+
+if os.environ.get("RETROLOG_REPLAY_SPEC"):
+    # A replay worker (runtime/replay.py): the recorded numerical environment must be in
+    # place before the script's first torch call, so before the first recording call.
+    from retrolog.runtime.replay import prepare_worker
+
+    prepare_worker(os.environ["RETROLOG_REPLAY_SPEC"])
 
 
 def arg(name: str, default: T) -> T:
@@ -197,8 +220,10 @@ def replay(
     *,
     script: str | None = None,
     workers: int | None = None,
+    threads: int | None = None,
     dry_run: bool = False,
     force: bool = False,
+    allow_inexact: bool = False,
 ) -> pd.DataFrame:
     """Backfill the values of new log statements into past runs, by replaying them.
 
@@ -206,9 +231,15 @@ def replay(
         a comma-separated string).
     where: a SQL predicate choosing runs, over the dataframe view's columns.
     script: the script, when runs of several scripts are recorded.
-    workers: worker processes (default: the number of GPUs, else of CPUs).
+    workers: worker processes (default: as many as fit the cores at the runs'
+        recorded thread counts, or one per GPU).
+    threads: intra-op threads per worker instead of each run's recorded count;
+        values may then differ from a fresh run and are marked possibly inexact.
     dry_run: print the plan and the code each run would execute; run nothing.
     force: recompute values that were already backfilled.
+    allow_inexact: return the dataframe even when recorded values came out different
+        in replay (the values backfilled from those runs are stored marked inexact);
+        otherwise that raises InexactReplayError.
     Returns the dataframe of ``names`` for the matching runs (empty after a dry run).
     The plan and a report go to stderr; nothing is asked (the CLI asks).
     """
@@ -216,15 +247,24 @@ def replay(
 
     from retrolog._query.dataframe import dataframe as build
     from retrolog._replay.replayer import replay as run_replay
-    from retrolog.errors import UnknownNameError
+    from retrolog.errors import InexactReplayError, UnknownNameError
     from retrolog.store.paths import locate
 
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     with _reader() as conn:
         result = run_replay(
-            conn, locate(), wanted, where, script=script, workers=workers, dry_run=dry_run,
-            force=force, progress=False,
+            conn, locate(), wanted, where, script=script, workers=workers, threads=threads,
+            dry_run=dry_run, force=force, progress=False,
         )  # fmt: skip
+        if result.inexact and not allow_inexact:
+            raise InexactReplayError(
+                f"Replay of {len(result.inexact)} run(s) was not exact "
+                f"({', '.join(result.inexact)}): recorded values came out different, so the "
+                f"values of {', '.join(wanted)} backfilled from them are stored marked inexact "
+                "(the report above gives the likely cause). Pass allow_inexact=True to get "
+                "the dataframe anyway.",
+                run_ids=result.inexact,
+            )
         runs = sorted(set(result.outcomes) | set(result.skipped))
         if dry_run or not runs:
             return pd.DataFrame()
@@ -249,9 +289,13 @@ def _begin() -> Run:
     spec = os.environ.get(SPEC_ENV)
     if spec:  # a replay worker: see retrolog.runtime.replay
         _active = ReplayRun(WorkerSpec.load(spec))  # type: ignore[assignment]
-        return _active  # type: ignore[return-value]
-    script = _original_argv[0] if _original_argv else None
-    _active = Run(locate(), _original_argv, script)
+    else:
+        script = _original_argv[0] if _original_argv else None
+        _active = Run(locate(), _original_argv, script)
+    assert _active is not None
+    parsed = {**cli_args.parsed, **cli_args.click_params()}
+    if parsed:
+        _active.set_parsed_args(parsed)
     return _active
 
 

@@ -166,36 +166,75 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
 
 
 @cli.command("replay")
-@click.argument("names")
+@click.argument("names", required=False)
 @click.argument("where", required=False)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan and each run's code diff; run nothing."
 )
 @click.option(
-    "--workers", type=click.IntRange(min=1), help="Worker processes (default: GPUs, else CPUs)."
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Worker processes (default: as many as the cores hold at the runs' recorded thread "
+    "counts, or one per GPU). More than that oversubscribes the cores: slower, still exact.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    help="Intra-op threads per worker instead of each run's recorded count. Faster with more "
+    "workers, but values may differ from a fresh run: they are marked possibly inexact.",
 )
 @click.option("--script", help="The script whose runs to replay (needed when several have runs).")
 @click.option("--force", is_flag=True, help="Recompute values that were already backfilled.")
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Replay each run's own code at the outer loop and compare what it recomputes with "
+    "what it recorded; backfills nothing. Takes only an optional WHERE.",
+)
+@click.option(
+    "--allow-inexact",
+    is_flag=True,
+    help="Exit 0 even when the deferred check finds recorded values that replay recomputed "
+    "differently (their backfilled values are stored marked inexact either way).",
+)
 @_handle_errors
 def replay_command(
-    names: str, where: str | None, yes: bool, dry_run: bool, workers: int | None,
-    script: str | None, force: bool,
+    names: str | None, where: str | None, yes: bool, dry_run: bool, workers: int | None,
+    threads: int | None, script: str | None, force: bool, verify: bool, allow_inexact: bool,
 ) -> None:  # fmt: skip
     """Backfill new log statements into past runs by replaying them.
 
     NAMES is a comma-separated list of names logged by the current version of the
     script; WHERE an optional SQL predicate over the dataframe view choosing runs.
-    Each run is replayed in its own code version with the statements inserted,
-    skipping training it does not need by restoring checkpoints.
+    Each run is replayed in its own code version with the statements inserted, in
+    its recorded numerical environment (thread counts, torch flags), skipping
+    training it does not need by restoring checkpoints. Recorded values that the
+    replay recomputes are compared at the end; if any differ, the values
+    backfilled from that run are marked inexact and the command exits 1 (unless
+    --allow-inexact).
 
     \b
     Example:
       retrolog replay w_norm "lr > 0.005" --dry-run
-      retrolog replay w_norm,grad_norm --yes --workers 2
+      retrolog replay w_norm,grad_norm --yes
+      retrolog replay --verify "lr > 0.005"
     """
     from retrolog._replay.replayer import replay
     from retrolog.store.paths import locate
+
+    if verify:
+        if names is not None and where is not None:
+            raise click.UsageError(
+                "--verify takes only an optional WHERE predicate, not NAMES: it replays the "
+                'statements each run recorded, e.g. `retrolog replay --verify "lr > 0.5"`.'
+            )
+        where, names = names, None
+    elif not names:
+        raise click.UsageError(
+            "Name the log statements to replay, e.g. `retrolog replay w_norm`, or check "
+            "that past runs replay exactly with `retrolog replay --verify`."
+        )
 
     def confirm(_: str) -> bool:
         if yes:
@@ -206,11 +245,12 @@ def replay_command(
 
     with _store() as conn:
         result = replay(
-            conn, locate(), names.split(","), where, script=script, workers=workers,
-            dry_run=dry_run, force=force, confirm=confirm,
+            conn, locate(), names.split(",") if names else [], where, script=script,
+            workers=workers, threads=threads, dry_run=dry_run, force=force, verify=verify,
+            confirm=confirm,
         )  # fmt: skip
     failed = [o for o in result.outcomes.values() if o.status in ("failed", "partial")]
-    if failed:
+    if failed or (result.inexact and not allow_inexact):
         sys.exit(1)
 
 
@@ -381,6 +421,11 @@ def _format_details(d: dict[str, Any]) -> str:
         f"host       {d['host']} (pid {d['pid']}), python {d['python']}",
         f"argv       {' '.join(d.get('argv') or [])}",
         "args       " + (" ".join(f"{k}={v}" for k, v in (d.get("args") or {}).items()) or "-"),
+    ]
+    if d.get("parsed_args"):
+        parsed = d["parsed_args"]
+        lines.append("parsed     " + " ".join(f"{k}={v}" for k, v in parsed.items()))
+    lines += [
         f"code       {d.get('code_ref')} -> {(d.get('code_commit') or '')[:12]}"
         + (" (uncommitted changes)" if d.get("dirty") else ""),
     ]
@@ -390,6 +435,8 @@ def _format_details(d: dict[str, Any]) -> str:
         lines.append("skipped    " + ", ".join(d["skipped_files"]) + " (over the size cap)")
     if d.get("packages"):
         lines.append("packages   " + ", ".join(f"{k} {v}" for k, v in d["packages"].items()))
+    if d.get("numerics"):
+        lines.append("numerics   " + _format_numerics(d["numerics"]))
     if d["loops"]:
         lines.append(
             "loops      "
@@ -402,6 +449,13 @@ def _format_details(d: dict[str, Any]) -> str:
             "logged     "
             + ", ".join(f"{n['name']} ({n['count']}, {n['level']})" for n in d["names"])
         )
+    for b in d.get("backfills") or []:
+        mark = ""
+        if b["inexact"] == "mismatch":
+            mark = f", INEXACT: {b['reason'] or 'the deferred check found differences'}"
+        elif b["inexact"]:
+            mark = f", possibly inexact: {b['reason'] or 'another numerical environment'}"
+        lines.append(f"backfilled {b['name']} ({b['count']}, replay {b['replay_id']}{mark})")
     ck = d["checkpoints"]
     lines.append(f"checkpoints {ck['count']} ({ck['bytes'] / 1e6:.2f} MB)")
     prof = d["profile"]
@@ -416,6 +470,33 @@ def _format_details(d: dict[str, Any]) -> str:
                 )
         lines.append("profile    " + ", ".join(parts))
     return "\n".join(lines)
+
+
+def _format_numerics(n: dict[str, Any]) -> str:
+    """The recorded numerical environment, in one line."""
+    parts = []
+    torch = n.get("torch") or n.get("torch_at_start") or {}
+    if torch:
+        parts.append(
+            f"torch {torch.get('version', '?')}: {torch.get('intra_op_threads', '?')} intra-op / "
+            f"{torch.get('inter_op_threads', '?')} inter-op threads"
+        )
+        flags = [
+            key.replace("_", " ")
+            for key in ("cudnn_deterministic", "cudnn_benchmark")
+            if torch.get(key)
+        ]
+        if (torch.get("deterministic_algorithms") or [False])[0]:
+            flags.insert(0, "deterministic algorithms")
+        if torch.get("cpu_capability"):
+            flags.append(f"{torch['cpu_capability']} kernels")
+        parts += flags
+    env = {k: v for k, v in (n.get("env") or {}).items() if v is not None}
+    parts += [f"{k}={v}" for k, v in env.items()]
+    cpu = (n.get("machine") or {}).get("cpu")
+    if cpu:
+        parts.append(f"CPU {cpu}")
+    return ", ".join(parts) or "-"
 
 
 def main() -> None:

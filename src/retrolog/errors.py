@@ -13,7 +13,8 @@ codecs are converted where they enter our code (``raise ... from exc``)::
     │   └── RunNotFoundError        no run matches the given id
     ├── StoreError                  the store cannot be opened, read or written
     │   └── CorruptObjectError      a stored object fails its checksum
-    └── VersionError                git failed while capturing or reading a code version
+    ├── VersionError                git failed while capturing or reading a code version
+    └── InexactReplayError          a replay recomputed recorded values differently
 
     RetrologWarning (UserWarning)   something worth knowing that does not stop the run
 """
@@ -91,6 +92,17 @@ class VersionError(RetrologError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class InexactReplayError(RetrologError):
+    """A replay's deferred check found recorded values that it recomputed differently.
+
+    The values it backfilled from those runs are stored, marked inexact.
+    """
+
+    def __init__(self, message: str, *, run_ids: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.run_ids = run_ids or []
 
 
 class RetrologWarning(UserWarning):

@@ -54,6 +54,12 @@ META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 VALUE_TYPES: tuple[str, ...] = ("float", "int", "bool", "str", "text", "json", "none")
 """The values of ``logs.value_type``, in the order of their bit in a type mask."""
 
+INEXACT_COLUMN = "inexact"
+"""The column naming, per row, the values a replay that was not exact backfilled.
+
+It is there only when some value of the result is marked (``logs.inexact``)."""
+"""The values of ``logs.value_type``, in the order of their bit in a type mask."""
+
 # A row key is (runs.rowid << 32) + ctx_id + 1: it names the run for the run
 # columns and, since rows come in (run, ctx) order, shows a (run, ctx) seen twice.
 # ctx_id stays far below 2**32 - 1: that many loop iterations would not fit a store.
@@ -161,7 +167,12 @@ def dataframe(
         for name, kinds in types.items():
             if not kinds:  # no value in any row: take the types the store has
                 types[name] = _store_types(conn, name)
-    return _typed_frame(rows, runs, take, query, types)
+        inexact = _inexact_column(conn, rows, requested)
+    frame = _typed_frame(rows, runs, take, query, types)
+    if inexact is not None:
+        taken = {c.casefold() for c in frame.columns}
+        frame[INEXACT_COLUMN if INEXACT_COLUMN not in taken else "__" + INEXACT_COLUMN] = inexact
+    return frame
 
 
 class _WideQuery:
@@ -540,6 +551,37 @@ def _dtype_for(types: set[str]) -> str | None:
     if present == {"json"}:
         return "json"
     return None
+
+
+def _inexact_column(
+    conn: sqlite3.Connection, rows: dict[str, tuple[Any, ...]], requested: Sequence[str]
+) -> pd.Series | None:
+    """Per row, the requested names whose value there is marked inexact; None if none is.
+
+    The marks are few (only replays whose deferred check failed, or that ran in
+    another numerical environment, leave them) and a partial index holds just
+    them, so asking costs nothing when there are none.
+    """
+    marks = ", ".join(_literal(name) for name in requested)
+    found = conn.execute(
+        "SELECT l.name, u.rowid, l.ctx_id FROM logs l JOIN runs u ON u.run_id = l.run_id"
+        f" WHERE l.inexact IS NOT NULL AND l.name IN ({marks})"
+    ).fetchall()
+    if not found:
+        return None
+    keys = np.array(rows[_ROW_KEY], dtype=np.int64)
+    labels = np.full(len(keys), None, dtype=object)
+    for name in requested:
+        cells = [
+            (run << _CTX_BITS) + ctx + 1 for n, run, ctx in found if n == name and ctx is not None
+        ]
+        whole_runs = [run for n, run, ctx in found if n == name and ctx is None]
+        hit = np.isin(keys, cells) | np.isin(keys >> _CTX_BITS, whole_runs)
+        for index in np.flatnonzero(hit):
+            labels[index] = name if labels[index] is None else f"{labels[index]},{name}"
+    if all(label is None for label in labels):
+        return None
+    return pd.Series(labels, dtype=object)
 
 
 def _typed_frame(

@@ -15,7 +15,8 @@ from retrolog.errors import RunNotFoundError
 def list_runs(conn: sqlite3.Connection, limit: int | None = None) -> pd.DataFrame:
     """One row per run, newest last: run_id, tstamp, filename, status, duration, args."""
     sql = (
-        "SELECT run_id, tstamp, filename, status, started_at, ended_at, args FROM runs"
+        "SELECT run_id, tstamp, filename, status, started_at, ended_at, args, parsed_args"
+        " FROM runs"
         " ORDER BY started_at DESC, run_id DESC"
     )
     params: tuple[Any, ...] = ()
@@ -31,9 +32,9 @@ def list_runs(conn: sqlite3.Connection, limit: int | None = None) -> pd.DataFram
             "filename": filename,
             "status": status,
             "duration": format_duration((ended or now) - started),
-            "args": _format_args(args),
+            "args": _format_args(parsed, args),
         }
-        for run_id, tstamp, filename, status, started, ended, args in rows
+        for run_id, tstamp, filename, status, started, ended, args, parsed in rows
     ]
     columns = ["run_id", "tstamp", "filename", "status", "duration", "args"]
     return pd.DataFrame.from_records(records, columns=columns)
@@ -102,6 +103,17 @@ def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
                 (run_id,),
             ).fetchone()
         )
+        backfills = [
+            dict(r)
+            for r in conn.execute(
+                "SELECT l.name, l.replay_id, COUNT(*) AS count, l.inexact,"
+                " r.inexact AS reason FROM logs l LEFT JOIN replay_runs r"
+                " ON r.replay_id = l.replay_id AND r.run_id = l.run_id"
+                " WHERE l.run_id = ? AND l.origin = 'backfilled'"
+                " GROUP BY l.name, l.replay_id, l.inexact ORDER BY MIN(l.log_id)",
+                (run_id,),
+            )
+        ]
         profile = {
             r["phase"]: {"count": r["n"], "seconds": r["s"], "block_seconds": r["b"]}
             for r in conn.execute(
@@ -112,13 +124,14 @@ def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
         }
     finally:
         conn.row_factory = None
-    for key in ("args", "packages", "argv", "skipped_files"):
+    for key in ("args", "packages", "argv", "skipped_files", "numerics", "parsed_args"):
         if row.get(key):
             row[key] = json.loads(row[key])
     row["dirty"] = bool(row["dirty"]) if row.get("dirty") is not None else None
     end = row["ended_at"] or time.time()
     row["duration"] = format_duration(end - row["started_at"])
     row["names"] = names
+    row["backfills"] = backfills
     row["loops"] = loops
     row["checkpoints"] = ckpt
     row["profile"] = profile
@@ -136,8 +149,7 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def _format_args(args_json: str | None) -> str:
-    if not args_json:
-        return ""
-    args = json.loads(args_json)
+def _format_args(parsed_json: str | None, args_json: str | None) -> str:
+    """The run's parsed command-line values, then its rl.arg values (which win on a clash)."""
+    args = {**json.loads(parsed_json or "{}"), **json.loads(args_json or "{}")}
     return " ".join(f"{k}={v}" for k, v in args.items())

@@ -26,6 +26,17 @@ class Mismatch:
     example: str  # the first difference, readable
 
 
+@dataclass(frozen=True)
+class Check:
+    """The deferred check of one run: what differed, out of how many recomputed values."""
+
+    mismatches: list[Mismatch]
+    compared: int  # recorded values that were recomputed and compared
+    # Every difference came after a restored checkpoint (False when one came before
+    # any restore, or there is none): points at state the checkpoint does not hold.
+    first_after_restore: bool = False
+
+
 def backfill(
     conn: sqlite3.Connection,
     *,
@@ -35,11 +46,15 @@ def backfill(
     rows: Iterable[Sequence[Any]],
     names: Sequence[str],
     force: bool,
+    inexact: str | None = None,
 ) -> int:
     """Insert replayed values of ``names``; returns how many rows were added.
 
     rows: (ctx_id, name, value, value_type, checkpoint) as workers write them;
         for a (ctx, name) given several times the last one counts.
+    inexact: the mark every inserted value carries (``logs.inexact``): "mismatch"
+        when the run's deferred check failed, "environment" when the numerical
+        environment was not the recorded one; None when neither.
     """
     latest: dict[tuple[Any, str], Sequence[Any]] = {}
     wanted = set(names)
@@ -57,12 +72,12 @@ def backfill(
         deleted = conn.total_changes - before
         conn.executemany(
             "INSERT INTO logs(run_id, ctx_id, name, value, value_type, origin, replay_id,"
-            " code_object, checkpoint)"
-            " SELECT ?1, ?2, ?3, ?4, ?5, 'backfilled', ?6, ?7, ?8"
+            " code_object, checkpoint, inexact)"
+            " SELECT ?1, ?2, ?3, ?4, ?5, 'backfilled', ?6, ?7, ?8, ?9"
             " WHERE NOT EXISTS (SELECT 1 FROM logs WHERE name = ?3 AND run_id = ?1"
             " AND ctx_id IS ?2)",
             [
-                (run_id, ctx, name, value, kind, replay_id, code_object, checkpoint)
+                (run_id, ctx, name, value, kind, replay_id, code_object, checkpoint, inexact)
                 for ctx, name, value, kind, checkpoint in latest.values()
             ],
         )
@@ -73,15 +88,19 @@ def backfill(
     return conn.total_changes - before - deleted
 
 
-def check_recorded(
-    conn: sqlite3.Connection, run_id: str, rows: Iterable[Sequence[Any]]
-) -> list[Mismatch]:
-    """Compare recomputed values with the recorded ones of the same contexts (deferred check)."""
+def check_recorded(conn: sqlite3.Connection, run_id: str, rows: Iterable[Sequence[Any]]) -> Check:
+    """Compare recomputed values with the recorded ones of the same contexts (deferred check).
+
+    rows: as for :func:`backfill`; the checkpoint restored before each value tells
+    whether a difference came after a restore.
+    """
     replayed: dict[tuple[Any, str], tuple[Any, str]] = {}
-    for ctx, name, value, kind, *_ in rows:
+    restored_before: dict[tuple[Any, str], bool] = {}
+    for ctx, name, value, kind, *rest in rows:
         replayed[(ctx, name)] = (value, kind)
+        restored_before[(ctx, name)] = bool(rest and rest[0])
     if not replayed:
-        return []
+        return Check([], 0)
     names = sorted({name for _, name in replayed})
     recorded: dict[tuple[Any, str], tuple[Any, str]] = {}
     marks = ", ".join("?" for _ in names)
@@ -93,6 +112,7 @@ def check_recorded(
         recorded[(ctx, name)] = (value, kind)
     counts: dict[str, list[int]] = {}
     examples: dict[str, str] = {}
+    after_restore = True
     for key, (value, kind) in replayed.items():
         if key not in recorded:
             continue
@@ -102,12 +122,15 @@ def check_recorded(
         old_value, old_kind = recorded[key]
         if not _same(old_value, old_kind, value, kind):
             tally[0] += 1
+            after_restore = after_restore and restored_before[key]
             examples.setdefault(name, f"context {ctx}: recorded {old_value!r}, replayed {value!r}")
-    return [
+    mismatches = [
         Mismatch(name, bad, compared, examples[name])
         for name, (bad, compared) in sorted(counts.items())
         if bad
     ]
+    total = sum(compared for _, compared in counts.values())
+    return Check(mismatches, total, bool(mismatches) and after_restore)
 
 
 def _same(a: Any, a_kind: str, b: Any, b_kind: str) -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._replay.checkout import make_checkout, remove_checkout
+from retrolog.runtime.numerics import worker_environment
 from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 
 _TAIL_LINES = 15
@@ -44,6 +45,7 @@ class Job:
     skipped: list[str]
     estimate_seconds: float
     log_path: Path
+    numerics: dict[str, Any] | None = None  # the run's recorded numerical environment
     # filled in while it runs
     seconds: float = 0.0
     returncode: int | None = None
@@ -69,15 +71,6 @@ def gpu_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
-def default_workers() -> int:
-    """The number of GPUs if any, otherwise the number of CPUs."""
-    return gpu_count() or os.cpu_count() or 1
-
-
-# The variables that size the intra-op thread pools of torch (OpenMP), MKL and OpenBLAS.
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-
 def cpu_cores() -> int:
     """CPUs this process may run on."""
     try:
@@ -86,23 +79,14 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_per_worker(workers: int, cores: int | None = None) -> int:
-    """Intra-op threads for each of ``workers`` concurrent workers: the cores shared out.
+def default_workers(threads: int | None = None) -> int:
+    """Workers that fit this machine without changing a run's thread count.
 
-    The user's own OMP_NUM_THREADS wins. Otherwise torch would give every worker
-    one thread per core, and W workers would run W x cores spinning OpenMP threads
-    on the cores (bench/replay_breakdown.py measures it: docs/replay-planning.md,
-    "Threads").
+    threads: the largest intra-op thread count among the runs to replay (None:
+        not known, taken as 1). With GPUs, one worker per GPU; otherwise as many
+        workers as the cores hold at that many threads each, at least one.
     """
-    own = _positive_int(os.environ.get("OMP_NUM_THREADS"))
-    if own:
-        return own
-    return max(1, (cores or cpu_cores()) // max(workers, 1))
-
-
-def _positive_int(text: str | None) -> int | None:
-    value = (text or "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    return gpu_count() or max(1, cpu_cores() // max(threads or 1, 1))
 
 
 def run_jobs(
@@ -113,12 +97,12 @@ def run_jobs(
     workers: int,
     python: str = sys.executable,
     on_done: Callable[[Job], None] | None = None,
-    threads: int | None = None,
 ) -> None:
     """Run ``jobs`` (already ordered longest first), at most ``workers`` at a time.
 
-    threads: intra-op threads per worker (see :func:`threads_per_worker`); None
-        leaves the thread variables as they are.
+    Each worker gets its run's recorded numerical environment variables
+    (runtime/numerics.py), whatever this shell sets; its torch threads and flags
+    travel in the spec and are applied in the worker.
     """
     pending = list(jobs)
     running: list[Job] = []
@@ -132,7 +116,7 @@ def run_jobs(
                 device = free_devices.pop(0) if free_devices else None
                 if device is not None:
                     device_of[job.key] = device
-                _start(job, root=root, store=store, python=python, device=device, threads=threads)
+                _start(job, root=root, store=store, python=python, device=device)
                 running.append(job)
             _wait_any(running)
             for job in list(running):
@@ -182,9 +166,7 @@ def _wait_any(running: Sequence[Job], timeout: float = 0.5) -> None:
             os.close(fd)
 
 
-def _start(
-    job: Job, *, root: Path, store: Path, python: str, device: int | None, threads: int | None
-) -> None:
+def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None) -> None:
     job.checkout = make_checkout(
         root=root,
         store=store,
@@ -199,13 +181,10 @@ def _start(
     job.spec.output = str(job.log_path.with_suffix(".out.json"))
     job.spec.save(spec_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env = worker_environment(env, job.numerics)
     env.update({SPEC_ENV: str(spec_path), "RETROLOG_PROGRESS": "0", "PYTHONUNBUFFERED": "1"})
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
-    if threads is not None:
-        for name in THREAD_VARIABLES:
-            if not _positive_int(env.get(name)):  # a count the user set wins
-                env[name] = str(threads)
     cwd = job.checkout / job.cwd
     if not cwd.is_dir():
         cwd = job.checkout

@@ -144,24 +144,23 @@ class WorkerCosts:
 
     exit_seconds: float = 0.0  # worker done -> the coordinator sees it gone (output, exit)
     teardown_seconds: float = 0.0  # more, when the script runs to its end (finalization)
-    threads: int | None = None  # intra-op threads per worker; None: as at record time
+    # Intra-op threads per worker when the user asked for a count other than the
+    # recorded one; None: each run keeps its recorded count (the default: exact).
+    threads: int | None = None
     cores: int | None = None  # cores the workers share; None: no oversubscription model
 
     def scales(self, profile: RunProfile, workers: int) -> tuple[float, float]:
         """How much slower than recorded a worker runs: (any work, the loop's compute).
 
         Threads beyond the cores queue behind each other: everything slows by
-        demand / cores. Fewer intra-op threads than at record time slow the
-        compute (iterations, loops, suffix) by Amdahl's law with
-        :data:`INTRA_OP_PARALLEL_FRACTION`; start-up and restores are taken as
-        single-threaded. Unknown record-time threads: no thread scaling.
+        demand / cores. Fewer intra-op threads than at record time (only when the
+        user asks for them) slow the compute (iterations, loops, suffix) by
+        Amdahl's law with :data:`INTRA_OP_PARALLEL_FRACTION`; start-up and
+        restores are taken as single-threaded. Unknown record-time threads: no
+        thread scaling.
         """
-        threads = self.threads
         recorded = profile.threads
-        if threads is not None and recorded is not None:
-            # A script that sets its own thread count overrides the worker's environment;
-            # one that does not gets the worker's, which is never more than the default.
-            threads = min(threads, recorded)
+        threads = self.threads if self.threads is not None else recorded
         overloaded = 1.0
         if self.cores and threads is not None:
             overloaded = max(1.0, workers * threads / self.cores)

@@ -20,15 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog._replay.backfill import Mismatch, backfill, check_recorded
-from retrolog._replay.execute import (
-    Job,
-    cpu_cores,
-    default_workers,
-    log_tail,
-    run_jobs,
-    threads_per_worker,
-)
+from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
+from retrolog._replay.execute import Job, cpu_cores, default_workers, log_tail, run_jobs
 from retrolog._replay.plan import (
     ReplayPlan,
     RunPlan,
@@ -43,6 +36,7 @@ from retrolog._replay.plan import (
 from retrolog._replay.propagate import Propagation, propagate
 from retrolog._replay.statements import Position, locate_statements
 from retrolog.errors import QueryError, RetrologError, UsageError
+from retrolog.runtime import numerics
 from retrolog.runtime.replay import WorkerSpec
 from retrolog.store.paths import ProjectPaths
 
@@ -63,6 +57,13 @@ class RunOutcome:
     diff: str = ""
     # Checkpoints a worker could not read (missing or corrupt) and executed instead: (key, why).
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    compared: int = 0  # recorded values the replay recomputed and compared
+    # What of the recorded numerical environment this replay did not reproduce.
+    environment: list[str] = field(default_factory=list)
+    # How its backfilled values are marked: None (exact as far as checked), "mismatch"
+    # (the deferred check found a difference) or "environment" (possibly inexact).
+    inexact: str | None = None
+    cause: str = ""  # for a mismatch: where the first difference points
 
 
 @dataclass
@@ -76,6 +77,12 @@ class ReplayResult:
     outcomes: dict[str, RunOutcome]
     skipped: list[str]  # runs that already had every value (without --force)
     executed: bool
+    verify: bool = False  # a --verify replay: recorded statements only, nothing backfilled
+
+    @property
+    def inexact(self) -> list[str]:
+        """Runs whose recomputed recorded values differed (their backfills are marked)."""
+        return [r for r, o in self.outcomes.items() if o.inexact == "mismatch"]
 
 
 Echo = Callable[[str], None]
@@ -93,30 +100,38 @@ def replay(
     *,
     script: str | None = None,
     workers: int | None = None,
+    threads: int | None = None,
     dry_run: bool = False,
     force: bool = False,
+    verify: bool = False,
     confirm: Callable[[str], bool] | None = None,
     echo: Echo = _stderr,
     progress: bool = True,
 ) -> ReplayResult:
     """Replay past runs of a script to backfill the values of ``names``.
 
+    workers: concurrent worker processes (default: as many as fit the cores at the
+        runs' recorded thread counts, or one per GPU).
+    threads: intra-op threads per worker instead of each run's recorded count;
+        faster with more workers, but values may then differ from a fresh run, so
+        they are marked possibly inexact.
+    verify: replay each run's own code (no new statement) at the outer loop and
+        compare what it recomputes with what it recorded; backfills nothing.
     confirm: asked with the plan text before executing; returning False stops.
     """
     names = [n.strip() for n in names if n.strip()]
-    if not names:
+    if verify and names:
+        raise UsageError(
+            "--verify replays the statements each run recorded; it takes no NAMES, only an "
+            'optional WHERE predicate, e.g. `retrolog replay --verify "lr > 0.5"`.'
+        )
+    if not names and not verify:
         raise UsageError(
             "Name at least one log statement to replay, e.g. `retrolog replay w_norm`."
         )
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads needs a positive number of threads, not {threads}.")
     filename = _script(conn, paths, script)
-    source = _read_newest(paths, filename)
-    sites = locate_statements(source, names, filename)
-    level, notes = scan_level_for(sites)
-    # Without a requested statement after the outer loop, workers stop at its end: the rest
-    # of the script only recomputes recorded values, and may use variables of skipped blocks.
-    needs_suffix = any(
-        site.position is Position.SUFFIX for group in sites.values() for site in group
-    )
     candidates = _candidates(conn, filename, where)
     if not candidates:
         raise UsageError(
@@ -124,16 +139,33 @@ def replay(
             + (f" the predicate {where!r}" if where else "")
             + "; `retrolog runs` lists the runs."
         )
-    complete = set() if force else _complete_runs(conn, candidates, names)
-    todo = [r for r in candidates if r not in complete]
     replay_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
     outcomes: dict[str, RunOutcome] = {}
-    if not todo:
-        echo(
-            f"Every matching run already has {', '.join(names)}; nothing to replay "
-            "(--force recomputes them)."
+    notes: tuple[str, ...] = ()
+    sites: dict[str, Any] = {}
+    if verify:
+        source = ""
+        level, needs_suffix = ScanLevel.OUTER_LOOP, True
+        complete: set[str] = set()
+        todo = candidates
+    else:
+        source = _read_newest(paths, filename)
+        sites = locate_statements(source, names, filename)
+        level, notes = scan_level_for(sites)
+        # Without a requested statement after the outer loop, workers stop at its end: the
+        # rest of the script only recomputes recorded values, and may use variables of
+        # skipped blocks.
+        needs_suffix = any(
+            site.position is Position.SUFFIX for group in sites.values() for site in group
         )
-        return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
+        complete = set() if force else _complete_runs(conn, candidates, names)
+        todo = [r for r in candidates if r not in complete]
+        if not todo:
+            echo(
+                f"Every matching run already has {', '.join(names)}; nothing to replay "
+                "(--force recomputes them)." + _inexact_hint(conn, candidates, names)
+            )
+            return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
 
     runs = _run_rows(conn, todo)
     propagations: dict[str, Propagation] = {}
@@ -142,9 +174,15 @@ def replay(
         row = runs[run_id]
         old = _old_source(row, filename)
         old_sources[run_id] = old
+        if verify:
+            propagations[run_id] = Propagation(old, (), ())
+            continue
         result = propagate(source, old, names)
         if result.problems:
-            reasons = "; ".join(f"{p.name}: {p.reason}" for p in result.problems)
+            reasons = "; ".join(
+                f"rl.log({p.name!r}, ...) ({_lines_of(sites, p.name, filename)}): {p.reason}"
+                for p in result.problems
+            )
             outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=reasons)
         else:
             propagations[run_id] = result
@@ -154,40 +192,79 @@ def replay(
     if placeable:
         profiles = load_profiles(conn, placeable)
         per_byte = _restore_seconds_per_byte(paths, profiles)
-        plan = _plan(
-            level, profiles, workers or default_workers(), per_byte, notes, needs_suffix, source
-        )
+        workers = workers or default_workers(max((p.threads or 1 for p in profiles), default=1))
+        plan = _plan(level, profiles, workers, per_byte, notes, needs_suffix, source or "", threads)
         for run_plan in plan.runs:
-            outcomes[run_plan.run_id] = RunOutcome(
-                run_plan.run_id,
+            run_id = run_plan.run_id
+            outcomes[run_id] = RunOutcome(
+                run_id,
                 "planned",
                 scan=run_plan.scan.name,
                 estimate_seconds=run_plan.estimate_seconds,
-                diff=propagations[run_plan.run_id].diff(old_sources[run_plan.run_id], filename),
+                diff="" if verify else propagations[run_id].diff(old_sources[run_id], filename),
+                environment=_environment_differences(runs[run_id], run_plan, threads),
             )
-    text = _plan_text(plan, outcomes, complete, names, filename)
+    text = _plan_text(plan, outcomes, complete, names, filename, verify)
     echo(text)
+    result_args = (replay_id, names, filename)
     if dry_run:
         for outcome in outcomes.values():
             if outcome.diff:
                 echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
-        return ReplayResult(replay_id, names, filename, plan, outcomes, sorted(complete), False)
+        return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
     if plan is None:
-        return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
+        return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
     if confirm is not None and not confirm(text):
         echo("Replay cancelled; nothing was run.")
-        return ReplayResult(replay_id, names, filename, plan, outcomes, sorted(complete), False)
+        return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
 
     _execute(
         conn, paths, plan, runs, propagations, outcomes, names,
         replay_id=replay_id, filename=filename, where=where, force=force,
-        echo=echo, progress=progress,
+        echo=echo, progress=progress, threads=threads, verify=verify,
     )  # fmt: skip
     actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
     if actual:
         echo(format_estimate_vs_actual(plan, actual))
-    _report(outcomes, echo)
-    return ReplayResult(replay_id, names, filename, plan, outcomes, sorted(complete), True)
+    _report(outcomes, echo, verify)
+    return ReplayResult(*result_args, plan, outcomes, sorted(complete), True, verify)
+
+
+def _lines_of(sites: Any, name: str, filename: str) -> str:
+    """Where today's script logs ``name``: "line 44 of train.py"."""
+    lines = [str(site.line) for site in sites.get(name, [])]
+    word = "line" if len(lines) == 1 else "lines"
+    return f"{word} {', '.join(lines)} of today's {filename}" if lines else f"today's {filename}"
+
+
+def _inexact_hint(conn: sqlite3.Connection, runs: Sequence[str], names: Sequence[str]) -> str:
+    """A note when some of the values already there are marked inexact."""
+    marks_n = ", ".join("?" for _ in names)
+    marks_r = ", ".join("?" for _ in runs)
+    (count,) = conn.execute(
+        f"SELECT COUNT(DISTINCT run_id) FROM logs WHERE name IN ({marks_n})"
+        f" AND run_id IN ({marks_r}) AND inexact IS NOT NULL",
+        (*names, *runs),
+    ).fetchone()
+    if not count:
+        return ""
+    return (
+        f" {count} of these run(s) have values marked inexact; `retrolog show RUN` says why, "
+        "and --force replays them again."
+    )
+
+
+def _environment_differences(
+    row: dict[str, Any], run_plan: RunPlan, threads: int | None
+) -> list[str]:
+    """What of the run's recorded numerical environment this replay will not reproduce."""
+    recorded = json.loads(row.get("numerics") or "null")
+    packages = json.loads(row.get("packages") or "null")
+    found = numerics.differences(recorded, packages, row.get("python"))
+    had = run_plan.profile.threads if run_plan.profile is not None else None
+    if threads is not None and had is not None and threads != had:
+        found.append(f"{threads} intra-op thread(s) asked for, {had} recorded")
+    return found
 
 
 # -- planning with what a worker process costs ---------------------------------------------
@@ -201,31 +278,45 @@ def _plan(
     notes: Sequence[str],
     run_suffix: bool,
     source: str,
+    threads: int | None,
 ) -> ReplayPlan:
-    """The plan, for workers that share the cores among those that run at once.
-
-    Fewer segments than workers leave workers idle, and the cores to the others:
-    the threads follow the segments that actually run together (a second pass).
-    """
+    """The plan, for workers that keep each run's recorded thread count (or ``threads``)."""
     cores = cpu_cores()
-    concurrent = workers
-    while True:
-        threads = threads_per_worker(concurrent, cores)
-        worker = WorkerCosts(
-            exit_seconds=EXIT_SECONDS,
-            teardown_seconds=teardown_seconds(source),
-            threads=threads,
-            cores=cores,
+    worker = WorkerCosts(
+        exit_seconds=EXIT_SECONDS,
+        teardown_seconds=teardown_seconds(source),
+        threads=threads,
+        cores=cores,
+    )
+    return plan_replay(
+        level, profiles, workers, restore_seconds_per_byte=per_byte,
+        notes=(*notes, *_thread_notes(profiles, workers, threads, cores)),
+        run_suffix=run_suffix, worker=worker,
+    )  # fmt: skip
+
+
+def _thread_notes(
+    profiles: Sequence[Any], workers: int, threads: int | None, cores: int
+) -> list[str]:
+    """How the workers' threads relate to the recordings' and to the cores."""
+    recorded = sorted({p.threads for p in profiles if p.threads})
+    if threads is not None:
+        return [
+            f"{threads} intra-op thread(s) per worker as asked (--threads), instead of the "
+            f"recorded {', '.join(map(str, recorded)) or 'unknown'}: floating-point results "
+            "may differ from a fresh run, so backfilled values are marked possibly inexact"
+        ]
+    if not recorded:
+        return []
+    widest = recorded[-1]
+    shown = " or ".join(map(str, recorded))
+    note = f"each worker keeps its run's recorded {shown} intra-op thread(s) (exact replay)"
+    if workers * widest > cores:
+        note += (
+            f"; {workers} worker(s) on {cores} core(s) oversubscribe them: slower, values "
+            "unaffected"
         )
-        plan = plan_replay(
-            level, profiles, workers, restore_seconds_per_byte=per_byte,
-            notes=(*notes, f"{threads} intra-op thread(s) per worker ({cores} cores)"),
-            run_suffix=run_suffix, worker=worker,
-        )  # fmt: skip
-        running = max(1, min(workers, sum(len(r.segments) for r in plan.runs)))
-        if running >= concurrent or threads_per_worker(running, cores) == threads:
-            return plan
-        concurrent = running
+    return [note]
 
 
 # Measured by bench/replay_breakdown.py (docs/replay-planning.md, "What a worker adds"):
@@ -392,22 +483,25 @@ def _execute(
     force: bool,
     echo: Echo,
     progress: bool,
+    threads: int | None,
+    verify: bool,
 ) -> None:
     logs_dir = paths.store / "replays" / replay_id
     logs_dir.mkdir(parents=True, exist_ok=True)
     code_objects = {
-        run_id: _store_code(Path(runs[run_id]["git_dir"]), propagations[run_id].source)
-        for run_id in propagations
+        run_id: None if verify else _store_code(Path(runs[run_id]["git_dir"]), prop.source)
+        for run_id, prop in propagations.items()
     }
     conn.execute(
         "INSERT INTO replays(replay_id, started_at, names, where_sql, filename, workers, status,"
-        " estimate_seconds) VALUES (?, ?, ?, ?, ?, ?, 'running', ?)",
+        " estimate_seconds, kind) VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?)",
         (replay_id, time.time(), json.dumps(names), where, filename, plan.workers,
-         plan.estimate_seconds),
+         plan.estimate_seconds, "verify" if verify else "backfill"),
     )  # fmt: skip
     by_run = {rp.run_id: rp for rp in plan.runs}
     jobs = _jobs(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
+        threads, verify,
     )  # fmt: skip
     bar = None
     if progress and sys.stderr.isatty():
@@ -421,17 +515,14 @@ def _execute(
 
     status = "finished"
     try:
-        run_jobs(
-            jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done,
-            threads=plan.worker.threads if plan.worker else None,
-        )  # fmt: skip
+        run_jobs(jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done)
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
         if bar is not None:
             bar.close()
-        _collect(conn, jobs, by_run, outcomes, names, replay_id, code_objects, force)
+        _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force)
         conn.execute(
             "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
             (time.time(), status, replay_id),
@@ -448,6 +539,8 @@ def _jobs(
     paths: ProjectPaths,
     logs_dir: Path,
     replay_id: str,
+    threads: int | None,
+    verify: bool,
 ) -> list[Job]:
     jobs: list[Job] = []
     for run_plan in plan.runs:
@@ -455,15 +548,18 @@ def _jobs(
         profile = run_plan.profile
         assert profile is not None
         args = json.loads(row["args"] or "{}")
+        parsed = json.loads(row.get("parsed_args") or "{}")
+        recorded = json.loads(row.get("numerics") or "null")
         nested = profile.nested_block or tuple(True for _ in range(profile.iterations))
         whole = [i for i, has_nested in enumerate(nested) if not has_nested]
+        check_names = _recorded_names(conn, run_plan.run_id, args, parsed, names)
         for index, segment in enumerate(run_plan.segments):
             spec = WorkerSpec(
                 replay_id=replay_id,
                 run_id=run_plan.run_id,
                 store=str(paths.store),
                 names=list(names),
-                check_names=_recorded_names(conn, run_plan.run_id, args, names),
+                check_names=check_names,
                 args=args,
                 outer_loop=profile.outer_loop,
                 block_checkpoints={str(i): m for i, m in profile.block_checkpoints.items()},
@@ -475,6 +571,8 @@ def _jobs(
                 prefix_only=run_plan.scan is ScanLevel.PREFIX,
                 output="",
                 code_object=code_objects.get(run_plan.run_id),
+                torch_state=_torch_state_for_worker(recorded, profile.threads, threads),
+                parsed_args=parsed,
             )
             jobs.append(
                 Job(
@@ -490,20 +588,47 @@ def _jobs(
                     skipped=json.loads(row["skipped_files"] or "[]"),
                     estimate_seconds=segment.estimate_seconds,
                     log_path=logs_dir / f"{run_plan.run_id}-{index}.log",
+                    numerics=recorded,
                 )
             )
     jobs.sort(key=lambda j: -j.estimate_seconds)
     return jobs
 
 
+def _torch_state_for_worker(
+    recorded: dict[str, Any] | None, training_threads: int | None, threads: int | None
+) -> dict[str, Any]:
+    """The torch threads and flags a worker applies at torch's import.
+
+    The state the run had when it started (the script's own later settings are made
+    again by its code), else the one it trained with; a run recorded before the
+    numerical environment was kept has only its training thread count.
+    """
+    state: dict[str, Any] = {}
+    if recorded:
+        state = dict(recorded.get("torch_at_start") or recorded.get("torch") or {})
+    state.pop("version", None)
+    state.pop("cpu_capability", None)
+    state.pop("cuda_devices", None)
+    if "intra_op_threads" not in state and training_threads:
+        state["intra_op_threads"] = training_threads
+    if threads is not None:
+        state["intra_op_threads"] = threads
+    return state
+
+
 def _recorded_names(
-    conn: sqlite3.Connection, run_id: str, args: dict[str, Any], names: Sequence[str]
+    conn: sqlite3.Connection,
+    run_id: str,
+    args: dict[str, Any],
+    parsed: dict[str, Any],
+    names: Sequence[str],
 ) -> list[str]:
     """Names the run recorded that replay recomputes (arguments are not re-logged)."""
     rows = conn.execute(
         "SELECT DISTINCT name FROM logs WHERE run_id = ? AND origin = 'recorded'", (run_id,)
     )
-    return sorted({r[0] for r in rows} - set(args) - set(names))
+    return sorted({r[0] for r in rows} - set(args) - set(parsed) - set(names))
 
 
 def _store_code(git_dir: Path, source: str) -> str | None:
@@ -521,6 +646,7 @@ def _collect(
     conn: sqlite3.Connection,
     jobs: Sequence[Job],
     by_run: dict[str, RunPlan],
+    runs: dict[str, dict[str, Any]],
     outcomes: dict[str, RunOutcome],
     names: list[str],
     replay_id: str,
@@ -539,19 +665,25 @@ def _collect(
             outcome.status = "interrupted"
             continue
         outcome.actual_seconds = sum(j.seconds for j in run_jobs_)
-        rows = [row for j in finished for row in (j.output or {}).get("values", [])]
+        outputs = [j.output or {} for j in finished]
+        rows = [row for out in outputs for row in out.get("values", [])]
         outcome.fallbacks = [
-            (str(key), str(why))
-            for j in finished
-            for key, why in (j.output or {}).get("fallbacks", [])
+            (str(key), str(why)) for out in outputs for key, why in out.get("fallbacks", [])
         ]
+        hindsight = set(names)
+        check = check_recorded(conn, run_id, [r for r in rows if r[1] not in hindsight])
+        check = _check_arguments(check, runs[run_id], outputs)
+        outcome.mismatches, outcome.compared = check.mismatches, check.compared
+        outcome.environment += _worker_environment(runs[run_id], outputs)
+        if check.mismatches:
+            outcome.inexact = "mismatch"
+            outcome.cause = _likely_cause(check, outcome.environment)
+        elif outcome.environment:
+            outcome.inexact = "environment"
         outcome.backfilled = backfill(
             conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
-            rows=rows, names=names, force=force,
+            rows=rows, names=names, force=force, inexact=outcome.inexact,
         )  # fmt: skip
-        hindsight = set(names)
-        recomputed = [r for r in rows if r[1] not in hindsight]
-        outcome.mismatches = check_recorded(conn, run_id, recomputed)
         if failed:
             outcome.status = "partial" if finished else "failed"
             job = failed[0]
@@ -559,19 +691,74 @@ def _collect(
         else:
             outcome.status = "replayed"
         # What restoring cost, for recording's restore/materialize ratio (policy's c).
-        restored = sum(int((j.output or {}).get("restored", 0)) for j in finished)
-        restore_seconds = sum(float((j.output or {}).get("restore_seconds", 0.0)) for j in finished)
+        restored = sum(int(out.get("restored", 0)) for out in outputs)
+        restore_seconds = sum(float(out.get("restore_seconds", 0.0)) for out in outputs)
         conn.execute(
             "INSERT OR REPLACE INTO replay_runs(replay_id, run_id, scan, code_object, status,"
             " estimate_seconds, actual_seconds, backfilled, mismatches, error, restored,"
-            " restore_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " restore_seconds, compared, inexact, environment)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 replay_id, run_id, by_run[run_id].scan.name, code_objects.get(run_id),
                 outcome.status, outcome.estimate_seconds, outcome.actual_seconds,
                 outcome.backfilled, json.dumps([m.__dict__ for m in outcome.mismatches]),
-                outcome.error, restored, restore_seconds,
+                outcome.error, restored, restore_seconds, outcome.compared,
+                outcome.inexact and (outcome.cause or "possibly inexact: the numerical "
+                                     "environment differed"),
+                json.dumps(outcome.environment),
             ),
         )  # fmt: skip
+
+
+def _check_arguments(check: Check, row: dict[str, Any], outputs: Sequence[dict[str, Any]]) -> Check:
+    """Add to the deferred check the arguments argparse/click gave the replayed script."""
+    recorded = json.loads(row.get("parsed_args") or "{}")
+    if not recorded:
+        return check
+    compared, different = 0, []
+    for out in outputs:
+        parsed = out.get("parsed_args") or {}
+        for name, value in parsed.items():
+            if name not in recorded:
+                continue
+            compared += 1
+            if value != recorded[name]:
+                different.append(f"{name}: recorded {recorded[name]!r}, replayed {value!r}")
+    if not different:
+        return Check(check.mismatches, check.compared + compared, check.first_after_restore)
+    mismatch = Mismatch("<arguments>", len(different), compared, different[0])
+    return Check([*check.mismatches, mismatch], check.compared + compared, False)
+
+
+def _worker_environment(row: dict[str, Any], outputs: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the workers' torch state differed from the recorded one, and what they could
+    not apply."""
+    recorded = json.loads(row.get("numerics") or "null")
+    found: list[str] = []
+    for out in outputs:
+        ran = out.get("torch_state") or {}
+        if recorded:
+            found += numerics.worker_differences(recorded, ran)
+        found += [f"worker: {problem}" for problem in out.get("numerics_problems") or []]
+    return list(dict.fromkeys(found))
+
+
+def _likely_cause(check: Check, environment: Sequence[str]) -> str:
+    """Where the differences point, in one phrase."""
+    if environment:
+        return f"the numerical environment was not the recorded one ({'; '.join(environment)})"
+    if not check.first_after_restore:
+        return (
+            "values differed before any checkpoint was restored, so the script itself does "
+            "not compute the same values again: something outside its code changes them "
+            "(data-loading order with several loader workers, GPU kernels that are not "
+            "deterministic, time- or machine-dependent code)"
+        )
+    return (
+        "values differed only after restored checkpoints: a block changes state that the "
+        "checkpoint does not hold; name every object the block changes in "
+        "rl.checkpointing(...) (a second model or optimizer, an EMA copy, a stateful loss)"
+    )
 
 
 # -- reporting ---------------------------------------------------------------------------
@@ -583,19 +770,29 @@ def _plan_text(
     complete: set[str],
     names: list[str],
     filename: str,
+    verify: bool = False,
 ) -> str:
-    lines = [f"Replay of {filename} for {', '.join(names)}"]
+    if verify:
+        lines = [f"Verifying replay of {filename}: recorded statements only, nothing backfilled"]
+    else:
+        lines = [f"Replay of {filename} for {', '.join(names)}"]
     if plan is not None:
         lines.append(format_plan(plan))
     for outcome in outcomes.values():
         if outcome.status == "unplaceable":
             lines.append(f"run {outcome.run_id}: not replayed: {outcome.error}")
+    different = [o for o in outcomes.values() if o.environment]
+    if different:
+        lines.append(
+            "cannot be reproduced here (values from these runs will be marked possibly inexact):"
+        )
+        lines += [f"  {o.run_id}: {'; '.join(o.environment)}" for o in different]
     if complete:
         lines.append(f"{len(complete)} run(s) already have these values (--force recomputes them)")
     return "\n".join(lines)
 
 
-def _report(outcomes: dict[str, RunOutcome], echo: Echo) -> None:
+def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -> None:
     for outcome in outcomes.values():
         if outcome.status in ("failed", "partial"):
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
@@ -610,5 +807,40 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo) -> None:
                 f"{m.compared} places ({m.example})"
             )
     done = [o for o in outcomes.values() if o.status == "replayed"]
-    added = sum(o.backfilled for o in outcomes.values())
-    echo(f"Replayed {len(done)} run(s); backfilled {added} value(s).")
+    inexact = [o for o in done if o.inexact == "mismatch"]
+    if verify:
+        exact = [o for o in done if not o.mismatches]
+        checked = f" ({sum(o.compared for o in exact)} recorded values recomputed bit for bit)"
+        echo(
+            f"Verified {len(done)} run(s): {len(exact)} replay exactly"
+            + (checked if exact else "")
+            + (f", {len(inexact)} do not." if inexact else ".")
+        )
+    else:
+        added = sum(o.backfilled for o in outcomes.values())
+        echo(f"Replayed {len(done)} run(s); backfilled {added} value(s).")
+    if inexact:
+        echo(_inexact_paragraph(inexact, verify))
+
+
+def _inexact_paragraph(inexact: Sequence[RunOutcome], verify: bool) -> str:
+    runs = ", ".join(o.run_id for o in inexact)
+    differed = "; ".join(
+        f"{o.run_id}: " + ", ".join(f"{m.name!r} in {m.count} of {m.compared}" for m in mismatches)
+        for o in inexact
+        if (mismatches := o.mismatches)
+    )
+    causes = "; ".join(dict.fromkeys(o.cause for o in inexact if o.cause))
+    stored = (
+        ""
+        if verify
+        else (
+            " The values backfilled from them are stored but marked inexact (`inexact` in "
+            "`logs`, in `retrolog dataframe` and in `retrolog show RUN`)."
+        )
+    )
+    accept = "" if verify else " Pass --allow-inexact to accept such values without an error exit."
+    return (
+        f"Replay of {len(inexact)} run(s) was not exact ({runs}): values they recorded came "
+        f"out different when replayed ({differed}).{stored} Likely cause: {causes}.{accept}"
+    )

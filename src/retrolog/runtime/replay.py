@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from retrolog.runtime import frames
+from retrolog.runtime import cli_args, frames, numerics
 from retrolog.runtime.run import NO_OVERRIDE, CheckpointScope, Role, Status, _Frame, loop_role
 from retrolog.runtime.values import FAST_TYPES, slow_path, storage_form
 
@@ -62,6 +62,10 @@ class WorkerSpec:
     output: str  # JSON file the worker writes
     code_object: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Torch threads and flags to apply as soon as torch is imported (runtime/numerics.py):
+    # the recorded ones, or the thread count the user asked for instead.
+    torch_state: dict[str, Any] = field(default_factory=dict)
+    parsed_args: dict[str, Any] = field(default_factory=dict)  # recorded argparse/click values
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -69,6 +73,26 @@ class WorkerSpec:
     @classmethod
     def load(cls, path: str) -> WorkerSpec:
         return cls(**json.loads(Path(path).read_text()))
+
+
+# What could not be applied of the recorded numerical environment, for the output.
+_NUMERICS_PROBLEMS: list[str] = []
+
+
+def prepare_worker(spec_path: str) -> None:
+    """At ``import retrolog`` in a replay worker: put the recorded torch state in place.
+
+    It is applied now if the script imported torch first, else right after torch's
+    import, so the script's own code (which may set some of it again) runs in the
+    recorded environment from its first torch call.
+    """
+    try:
+        wanted = json.loads(Path(spec_path).read_text()).get("torch_state") or {}
+    except (OSError, ValueError) as exc:
+        _NUMERICS_PROBLEMS.append(f"cannot read the worker spec {spec_path}: {exc}")
+        return
+    if wanted:
+        numerics.apply_in_worker(wanted, _NUMERICS_PROBLEMS)
 
 
 class ReplayRun:
@@ -80,6 +104,7 @@ class ReplayRun:
         self.spec = spec
         self.run_id = spec.run_id
         self.args: dict[str, Any] = {}
+        self.parsed_args: dict[str, Any] = {}
         self.status = Status.RUNNING
         self.ctx: int | None = None
         self.scope: CheckpointScope | None = None
@@ -110,6 +135,7 @@ class ReplayRun:
         self._outer_seen = False
         self._store: Any = None
         self.writer = None
+        self._torch_ran: dict[str, Any] | None = None  # torch's state when training started
 
     # -- the public calls ------------------------------------------------------------
 
@@ -120,6 +146,11 @@ class ReplayRun:
 
     def set_arg(self, name: str, value: Any) -> None:
         self.args[name] = value
+        self.parsed_args.pop(name, None)
+
+    def set_parsed_args(self, values: Mapping[str, Any]) -> None:
+        # Not logged again: reported, for the deferred check against the recorded ones.
+        self.parsed_args.update({k: v for k, v in values.items() if k not in self.args})
 
     def log(self, name: str, value: Any, *, run_level: bool = False) -> None:
         ctx = None if run_level else self.ctx
@@ -136,6 +167,10 @@ class ReplayRun:
         outer = stack[-1] if stack else None
         scope = self.scope
         role, _ = loop_role(stack, scope)
+        if depth == 0 and self._torch_ran is None:
+            self.set_parsed_args(cli_args.click_params())
+            torch = sys.modules.get("torch")
+            self._torch_ran = numerics.torch_state(torch) if torch is not None else {}
         if depth == 0 and self.spec.prefix_only:
             self.finish()
         key = (parent_ctx, name)
@@ -290,6 +325,9 @@ class ReplayRun:
             "seconds": time.perf_counter() - self._started,
             "last_checkpoint": self._last_checkpoint,
             "threads": _torch_threads(),
+            "torch_state": self._torch_ran or {},
+            "numerics_problems": list(_NUMERICS_PROBLEMS),
+            "parsed_args": self.parsed_args,
         }
         path = Path(self.spec.output)
         tmp = path.with_suffix(".tmp")

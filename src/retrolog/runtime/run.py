@@ -29,7 +29,7 @@ from types import FrameType
 from typing import Any
 
 from retrolog.errors import StoreError
-from retrolog.runtime import frames, progress
+from retrolog.runtime import cli_args, frames, numerics, progress
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
 from retrolog.store.metadata import learned_restore_ratio, open_store, process_start_marker
@@ -142,6 +142,10 @@ class Run:
         self._settings: Any = None
         self._restore_ratio: tuple[float, str] = (1.0, "default")  # c, and where it came from
         self._pid = os.getpid()
+        # What changes floating-point results besides the code (runtime/numerics.py):
+        # replay workers reproduce it. Torch's state is taken again when training starts.
+        self.numerics: dict[str, Any] = numerics.capture()
+        self.parsed_args: dict[str, Any] = {}  # argparse/click values, runtime/cli_args.py
 
         conn = open_store(paths, create=True)
         try:
@@ -152,8 +156,8 @@ class Run:
             conn.execute(
                 "INSERT INTO runs(run_id, projid, tstamp, filename, status, started_at, host, pid,"
                 " pid_start, python, argv, code_ref, code_commit, code_tree, head_commit, git_dir,"
-                " dirty, skipped_files, cwd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-                " ?, ?, ?, ?)",
+                " dirty, skipped_files, cwd, numerics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+                " ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     self.run_id,
                     paths.projid,
@@ -174,6 +178,7 @@ class Run:
                     int(code.dirty),
                     json.dumps(list(code.skipped)),
                     _relative_cwd(paths.root),
+                    json.dumps(self.numerics),
                 ),
             )
             learned = learned_restore_ratio(conn, self.filename)
@@ -220,6 +225,25 @@ class Run:
         self.args[name] = value
         self.log(name, value, run_level=True)
         self.events.append((Event.RUN_UPDATE, {"args": json.dumps(self.args, default=str)}))
+        if self.parsed_args.pop(name, NO_OVERRIDE) is not NO_OVERRIDE:  # rl.arg wins
+            self.events.append((Event.RUN_UPDATE, {"parsed_args": json.dumps(self.parsed_args)}))
+
+    def set_parsed_args(self, values: Mapping[str, Any]) -> None:
+        """Record what argparse/click parsed (plain data) as run-level values.
+
+        A name ``rl.arg`` reads keeps ``rl.arg``'s value.
+        """
+        fresh = {
+            name: value
+            for name, value in values.items()
+            if name not in self.args and self.parsed_args.get(name, NO_OVERRIDE) != value
+        }
+        if not fresh:
+            return
+        self.parsed_args.update(fresh)
+        for name, value in fresh.items():
+            self.log(name, value, run_level=True)
+        self.events.append((Event.RUN_UPDATE, {"parsed_args": json.dumps(self.parsed_args)}))
 
     # -- loops -----------------------------------------------------------------------
 
@@ -253,11 +277,7 @@ class Run:
             locals_before = frames.local_ids(user_frame)
         if depth == 0 and self._first_loop_at is None:
             self._first_loop_at = time.time()
-            torch = sys.modules.get("torch")
-            if torch is not None:  # replay's cost model scales compute by the threads it had
-                self.events.append(
-                    (Event.PROFILE, "threads", None, float(torch.get_num_threads()), None)
-                )
+            self._training_starts()
         stack.append(frame)
         iteration = 0
         # Locals: enum member access costs hundreds of ns on 3.11, and this runs per step.
@@ -325,6 +345,23 @@ class Run:
             elif role is Role.OUTER:
                 self._capture(None, name, "end", user_frame=user_frame, before=locals_before)
             user_frame = None  # no frame reference outlives the loop
+
+    def _training_starts(self) -> None:
+        """At the first top-level loop: torch's state as training runs with it."""
+        # A run that started before its click command was invoked sees the command now.
+        params = cli_args.click_params()
+        if params:
+            self.set_parsed_args(params)
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return
+        state = numerics.torch_state(torch)
+        self.numerics["torch"] = state
+        self.events.append((Event.RUN_UPDATE, {"numerics": json.dumps(self.numerics)}))
+        # Replay's cost model scales compute by the threads the recording had.
+        threads = state.get("intra_op_threads")
+        if isinstance(threads, int):
+            self.events.append((Event.PROFILE, "threads", None, float(threads), None))
 
     # -- checkpoints -----------------------------------------------------------------
 

@@ -156,6 +156,23 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        5,
+        "exact replay: numerical environment, parsed arguments, inexact marks, verify",
+        """
+        ALTER TABLE runs ADD COLUMN numerics TEXT;
+        ALTER TABLE runs ADD COLUMN parsed_args TEXT;
+        ALTER TABLE logs ADD COLUMN inexact TEXT;
+        CREATE INDEX logs_inexact ON logs(name, run_id, ctx_id) WHERE inexact IS NOT NULL;
+        ALTER TABLE replays ADD COLUMN kind TEXT NOT NULL DEFAULT 'backfill';
+        ALTER TABLE replay_runs ADD COLUMN compared INTEGER;
+        ALTER TABLE replay_runs ADD COLUMN inexact TEXT;
+        ALTER TABLE replay_runs ADD COLUMN environment TEXT
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
