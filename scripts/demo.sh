@@ -14,20 +14,20 @@ git add train_digits.py
 git -c user.name=demo -c user.email=demo@example.invalid commit --quiet -m "version 1"
 
 echo "== recording two runs of version 1 in $demo"
-python train_digits.py --kwargs lr=0.05 epochs=4
-python train_digits.py --kwargs lr=0.01 epochs=4 hidden=32 --seed 1
+python train_digits.py --kwargs lr=0.05
+python train_digits.py --kwargs lr=0.01 hidden=64 --seed 1
 
 echo "== version 2 (uncommitted edit: weight decay), one more run"
 python - <<'PY'
 from pathlib import Path
 p = Path("train_digits.py")
 s = p.read_text()
-s = s.replace('hidden = rl.arg("hidden", 64)\n',
-              'hidden = rl.arg("hidden", 64)\nweight_decay = rl.arg("weight_decay", 0.0)\n')
+s = s.replace('hidden = rl.arg("hidden", 128)\n',
+              'hidden = rl.arg("hidden", 128)\nweight_decay = rl.arg("weight_decay", 0.0)\n')
 s = s.replace("lr=lr, momentum=0.9)", "lr=lr, momentum=0.9, weight_decay=weight_decay)")
 p.write_text(s)
 PY
-python train_digits.py --kwargs lr=0.05 epochs=4 weight_decay=0.001
+python train_digits.py --kwargs lr=0.05 weight_decay=0.001 --seed 2
 retrolog runs
 
 echo "== today: add two hindsight statements (outer loop: weight norm; inner loop: gradient norm)"
@@ -45,14 +45,16 @@ p.write_text(s)
 PY
 git diff --stat
 
+echo "== retrolog replay --verify --yes     (do past runs replay exactly? recorded statements only)"
+retrolog replay --verify --yes
 echo "== retrolog replay w_norm --dry-run   (the plan, and the code each past run will execute)"
 retrolog replay w_norm --dry-run
 echo "== retrolog replay w_norm --yes       (outer loop: epochs restored from checkpoints)"
 retrolog replay w_norm --yes
 echo "== retrolog replay grad_norm --yes    (inner loop: training re-executed, in parallel)"
 retrolog replay grad_norm --yes
-echo "== retrolog dataframe lr weight_decay acc w_norm   (backfilled for every past run)"
-retrolog dataframe lr weight_decay acc w_norm
+echo "== retrolog dataframe lr seed weight_decay acc w_norm   (backfilled for every past run; seed is argparse's)"
+retrolog dataframe lr seed weight_decay acc w_norm
 echo "== grad_norm per run and epoch, from Python"
 python -c "import retrolog as rl; print(rl.dataframe('grad_norm').groupby(['run_id', 'epoch'])['grad_norm'].mean().unstack())"
 echo "== git status of the demo project: your files, HEAD and index as you left them"
