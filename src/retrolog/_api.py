@@ -191,19 +191,25 @@ def commit() -> None:
     run.commit()
 
 
-def dataframe(*names: str, where: str | None = None) -> pd.DataFrame:
+def dataframe(*names: str, where: str | None = None, definitions: str = "any") -> pd.DataFrame:
     """The wide view: one row per run and loop context, one column per name.
 
     names: log names (recorded or argument values) to show as columns.
     where: an optional SQL predicate over the view's columns, e.g. "lr > 0.005".
+    definitions: "any" (every value), "current" (only values computed by the
+        definition today's script has for their name; others are left empty) or
+        "column" (a column ``<name>:definition`` with each value's definition key).
     Returns a pandas DataFrame with projid, run_id, tstamp, filename, the loop
     columns (e.g. epoch, step) and the requested names; run-level values such
     as arguments are repeated on each row of their run.
     """
     from retrolog._query.dataframe import dataframe as build
+    from retrolog._query.lineage import today_keys
+    from retrolog.store.paths import locate
 
     with _reader() as conn:
-        return build(conn, list(names), where)
+        today = today_keys(locate().root) if definitions == "current" else None
+        return build(conn, list(names), where, definitions=definitions, today=today)
 
 
 def query(sql: str) -> pd.DataFrame:
@@ -212,6 +218,23 @@ def query(sql: str) -> pd.DataFrame:
 
     with _reader() as conn:
         return run_query(conn, sql)
+
+
+def lineage(run: str, name: str, at: dict[str, int] | None = None) -> dict[str, Any]:
+    """How a run's values of ``name`` came to be.
+
+    run: a run id or a unique prefix of one.
+    at: loop iterations to narrow to, e.g. ``{"epoch": 3}``.
+    Returns a dict: the run's code version and numerical environment, the
+    definitions (statement and the code it depends on) by key, the replays that
+    backfilled values (with their deferred check), and per value its context,
+    origin, definition key, replay, propagated code object, the checkpoint it
+    started from and its inexact mark.
+    """
+    from retrolog._query.lineage import explain
+
+    with _reader() as conn:
+        return explain(conn, run, name, at)
 
 
 def replay(

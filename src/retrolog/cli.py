@@ -127,25 +127,135 @@ def show_command(run: str, as_json: bool) -> None:
     click.echo(_format_details(details))
 
 
+@cli.command("lineage")
+@click.argument("run")
+@click.argument("name")
+@click.option(
+    "--at",
+    "at",
+    multiple=True,
+    metavar="LOOP=I",
+    help="Only the values at this loop iteration, e.g. --at epoch=3 (repeatable).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Write JSON.")
+@_handle_errors
+def lineage_command(run: str, name: str, at: tuple[str, ...], as_json: bool) -> None:
+    """Explain how a run's values of NAME came to be.
+
+    For each value: recorded or backfilled, the statement and the code it
+    depends on (its definition), the code version, the replay that computed it
+    and the propagated code it ran, the checkpoint it started from, the
+    numerical environment, and whether the replay's deferred check was exact.
+
+    \b
+    Example:
+      retrolog lineage 20261122-1635 w_norm --at epoch=3
+    """
+    from retrolog._query.lineage import explain
+
+    where = parse_at(at)
+    with _store() as conn:
+        found = explain(conn, run, name, where)
+    if as_json:
+        click.echo(json.dumps(found, indent=2, default=str))
+        return
+    click.echo(format_lineage(found))
+
+
+def parse_at(items: tuple[str, ...]) -> dict[str, int]:
+    """``("epoch=3", "step=7")`` as ``{"epoch": 3, "step": 7}``; a bad item is a usage error."""
+    where: dict[str, int] = {}
+    for item in items:
+        loop, sep, iteration = item.partition("=")
+        if not sep or not loop.strip() or not iteration.strip().lstrip("-").isdigit():
+            raise click.UsageError(
+                f"--at takes LOOP=ITERATION with a whole number, e.g. --at epoch=3, not {item!r}."
+            )
+        where[loop.strip()] = int(iteration)
+    return where
+
+
+def format_lineage(found: dict[str, Any]) -> str:
+    """The lineage of a run's values, readable."""
+    lines = [
+        f"run        {found['run_id']}  {found['filename']}",
+        f"code       {found['code_ref']} -> {(found['code_commit'] or '')[:12]}"
+        + (" (uncommitted changes)" if found.get("dirty") else ""),
+    ]
+    numerics = found.get("numerics")
+    if numerics:
+        lines.append("numerics   " + _format_numerics(numerics))
+    for key, definition in found["definitions"].items():
+        lines.append(
+            f"definition {key}"
+            + (f" (coarse: {definition['coarse']})" if definition and definition["coarse"] else "")
+        )
+        for text in (definition or {}).get("text", "(not kept)").splitlines():
+            lines.append(f"    {text}")
+    for replay_id, replay in found["replays"].items():
+        check = "exact" if not replay.get("mismatches") else "NOT exact"
+        lines.append(
+            f"replay     {replay_id} ({replay.get('kind')}, {replay.get('scan')}): deferred check "
+            f"{check} over {replay.get('compared') or 0} recorded values"
+            + (f"; {replay['inexact']}" if replay.get("inexact") else "")
+        )
+    lines.append("values")
+    for v in found["values"]:
+        where = " ".join(f"{k}={i}" for k, i in v["context"].items()) or "run-level"
+        origin = v["origin"]
+        extra = ""
+        if origin == "backfilled":
+            place = v.get("checkpoint_at") or {}
+            start = (
+                " from the start"
+                if place == {} or place is None
+                else f" after restoring the {place.get('kind', '')} checkpoint of "
+                + (
+                    " ".join(f"{k}={i}" for k, i in (place.get("context") or {}).items())
+                    or "the end"
+                )
+            )
+            extra = f" by replay {v['replay_id']} running code {str(v['code_object'])[:12]}{start}"
+        mark = f"  [{v['inexact']}]" if v.get("inexact") else ""
+        lines.append(
+            f"  {where:<22} {v['value']!r:<24} {origin}{extra}, definition "
+            f"{(v['lineage'] or '?')[:8]}{mark}"
+        )
+    return "\n".join(lines)
+
+
 @cli.command("dataframe")
 @click.argument("names", nargs=-1, required=True)
 @click.option("--where", help='SQL predicate over the view\'s columns, e.g. "lr > 0.005".')
+@click.option(
+    "--definitions",
+    type=click.Choice(["any", "current", "column"]),
+    default="any",
+    show_default=True,
+    help="current: only values computed by today's statement for their name (others empty); "
+    "column: add a NAME:definition column with each value's definition key.",
+)
 @_output_options
 @_handle_errors
 def dataframe_command(
-    names: tuple[str, ...], where: str | None, as_json: bool, as_csv: bool
+    names: tuple[str, ...], where: str | None, definitions: str, as_json: bool, as_csv: bool
 ) -> None:
     """Print the wide view of NAMES: one row per run and loop context.
 
     \b
     Example:
       retrolog dataframe lr acc --where "lr > 0.005"
+      retrolog dataframe acc w_norm --definitions current
     """
     from retrolog._query.dataframe import dataframe
+    from retrolog._query.lineage import today_keys
+    from retrolog.store.paths import locate
 
     split = [n for name in names for n in name.split(",") if n]
     with _store() as conn:
-        _emit(dataframe(conn, split, where), as_json, as_csv)
+        today = today_keys(locate().root) if definitions == "current" else None
+        frame = dataframe(conn, split, where, definitions=definitions, today=today)
+        _emit(frame, as_json, as_csv)
 
 
 @cli.command("query")
@@ -448,6 +558,16 @@ def _format_details(d: dict[str, Any]) -> str:
         lines.append(
             "logged     "
             + ", ".join(f"{n['name']} ({n['count']}, {n['level']})" for n in d["names"])
+        )
+    for n in d.get("definitions") or []:
+        if n["lineage"] is None:
+            lines.append(f"defined    {n['name']} ({n['origin']}): kept before definitions were")
+            continue
+        uses = f" using {', '.join(n['dependencies'])}" if n["dependencies"] else ""
+        coarse = f" [coarse: {n['coarse']}]" if n["coarse"] else ""
+        lines.append(
+            f"defined    {n['name']} {n['lineage'][:8]} ({n['origin']}): {n['statement']}"
+            f"{uses}{coarse}"
         )
     for b in d.get("backfills") or []:
         mark = ""

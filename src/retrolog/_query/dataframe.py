@@ -37,7 +37,7 @@ import json
 import math
 import re
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,9 @@ META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 
 VALUE_TYPES: tuple[str, ...] = ("float", "int", "bool", "str", "text", "json", "none")
 """The values of ``logs.value_type``, in the order of their bit in a type mask."""
+
+DEFINITION_OPTIONS: tuple[str, ...] = ("any", "current", "column")
+"""What dataframe(definitions=...) takes."""
 
 INEXACT_COLUMN = "inexact"
 """The column naming, per row, the values a replay that was not exact backfilled.
@@ -107,7 +110,12 @@ def logged_names(conn: sqlite3.Connection) -> list[str]:
 
 
 def dataframe(
-    conn: sqlite3.Connection, names: Sequence[str], where: str | None = None
+    conn: sqlite3.Connection,
+    names: Sequence[str],
+    where: str | None = None,
+    *,
+    definitions: str = "any",
+    today: Callable[[str, Sequence[str]], dict[str, str]] | None = None,
 ) -> pd.DataFrame:
     """The wide view of ``names``: a row per (run, loop context) where one of them has a value.
 
@@ -122,9 +130,22 @@ def dataframe(
     name in the ancestry of the rows (outermost first, e.g. ``epoch, step``), then
     the names. Rows are ordered by run start, then execution order.
 
+    definitions: which definitions' values to show (docs/replay.md, "Definitions"):
+        "any" (every value), "current" (only values whose definition is the one
+        today's script has: others become empty), "column" (every value, and
+        one column ``<name>:definition`` per name with each value's key).
+    today: for "current", the keys of today's statements of some names in a
+        script: ``today(filename, names) -> {name: key}``.
+
     Raises UnknownNameError for a name never logged in the store and QueryError
     for a predicate that is malformed, uses an unknown column, or tries to write.
     """
+    if definitions not in DEFINITION_OPTIONS:
+        raise QueryError(
+            f"definitions must be one of {', '.join(DEFINITION_OPTIONS)}, not {definitions!r}."
+        )
+    if definitions == "current" and today is None:
+        raise QueryError('definitions="current" needs today\'s script to compare with.')
     # A lone string is one name, not a sequence of one-letter names.
     requested = [names] if isinstance(names, str) else list(dict.fromkeys(names))
     if where is not None and not where.strip():
@@ -168,7 +189,27 @@ def dataframe(
             if not kinds:  # no value in any row: take the types the store has
                 types[name] = _store_types(conn, name)
         inexact = _inexact_column(conn, rows, requested)
+        keys = (
+            {name: _cell_keys(conn, rows, name) for name in requested}
+            if definitions != "any"
+            else {}
+        )
     frame = _typed_frame(rows, runs, take, query, types)
+    if definitions == "column":
+        for name, column in keys.items():
+            frame[f"{name}:definition"] = pd.Series(column, dtype=object)
+    elif definitions == "current":
+        assert today is not None
+        current: dict[str, dict[str, str]] = {}
+        for script in set(frame["filename"]):
+            current[script] = today(script, requested)
+        for name, column in keys.items():
+            wanted = np.array([current[f].get(name) for f in frame["filename"]], dtype=object)
+            stale = np.array(
+                [k is not None and k != w for k, w in zip(column, wanted, strict=True)], bool
+            )
+            if stale.any():
+                frame.loc[stale, name] = None
     if inexact is not None:
         taken = {c.casefold() for c in frame.columns}
         frame[INEXACT_COLUMN if INEXACT_COLUMN not in taken else "__" + INEXACT_COLUMN] = inexact
@@ -582,6 +623,46 @@ def _inexact_column(
     if all(label is None for label in labels):
         return None
     return pd.Series(labels, dtype=object)
+
+
+def _cell_keys(
+    conn: sqlite3.Connection, rows: dict[str, tuple[Any, ...]], name: str
+) -> list[str | None]:
+    """Per row, the definition key of the value of ``name`` shown there (None: no value)."""
+    from retrolog._query.lineage import recorded_definitions
+
+    keys = np.array(rows[_ROW_KEY], dtype=np.int64)
+    run_keys = sorted({int(k) for k in keys >> _CTX_BITS})
+    if not run_keys:
+        return []
+    marks = ", ".join(str(k) for k in run_keys)
+    run_ids = dict(conn.execute(f"SELECT rowid, run_id FROM runs WHERE rowid IN ({marks})"))
+    recorded = {
+        key: recorded_definitions(conn, run_id).get(name) for key, run_id in run_ids.items()
+    }
+    cell: dict[int, str | None] = {}  # row key -> key of the value there
+    whole_run: dict[int, str | None] = {}  # run key -> key of its run-level value
+    recorded_at: set[int] = set()
+    found = conn.execute(
+        "SELECT u.rowid, l.ctx_id, l.origin, l.lineage FROM logs l JOIN runs u"
+        f" ON u.run_id = l.run_id WHERE l.name = ? AND u.rowid IN ({marks}) ORDER BY l.log_id",
+        (name,),
+    )
+    # As the view chooses: the newest recorded value of a place, else the newest backfilled.
+    for run_key, ctx, origin, lineage in found:
+        key = recorded.get(run_key) if origin == "recorded" else lineage
+        place, at = (
+            (whole_run, run_key) if ctx is None else (cell, (run_key << _CTX_BITS) + ctx + 1)
+        )
+        if origin == "recorded" or at not in recorded_at:
+            place[at] = key
+        if origin == "recorded":
+            recorded_at.add(at)
+    result: list[str | None] = []
+    for row_key in keys.tolist():
+        key = cell.get(row_key)
+        result.append(key if key is not None else whole_run.get(row_key >> _CTX_BITS))
+    return result
 
 
 def _typed_frame(

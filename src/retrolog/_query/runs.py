@@ -132,10 +132,41 @@ def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
     row["duration"] = format_duration(end - row["started_at"])
     row["names"] = names
     row["backfills"] = backfills
+    row["definitions"] = _definitions(conn, run_id)
     row["loops"] = loops
     row["checkpoints"] = ckpt
     row["profile"] = profile
     return row
+
+
+def _definitions(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
+    """Each logged name's definition(s): recorded ones from the code version, backfilled ones
+    from the replay that computed them."""
+    from retrolog._query.lineage import recorded_definitions, stored
+
+    pairs = [("recorded", name, key) for name, key in recorded_definitions(conn, run_id).items()]
+    pairs += [
+        ("backfilled", name, key)
+        for name, key in conn.execute(
+            "SELECT DISTINCT name, lineage FROM logs WHERE run_id = ? AND origin = 'backfilled'"
+            " ORDER BY name",
+            (run_id,),
+        )
+    ]
+    result = []
+    for origin, name, key in pairs:
+        found = stored(conn, key) if key else None
+        result.append(
+            {
+                "name": name,
+                "origin": origin,
+                "lineage": key,
+                "statement": found.text.split("\n", 1)[0] if found else None,
+                "dependencies": list(found.dependencies) if found else [],
+                "coarse": found.coarse if found else None,
+            }
+        )
+    return result
 
 
 def format_duration(seconds: float) -> str:

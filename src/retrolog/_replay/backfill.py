@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ def backfill(
     names: Sequence[str],
     force: bool,
     inexact: str | None = None,
+    lineage: Mapping[str, str] | None = None,
 ) -> int:
     """Insert replayed values of ``names``; returns how many rows were added.
 
@@ -55,7 +56,11 @@ def backfill(
     inexact: the mark every inserted value carries (``logs.inexact``): "mismatch"
         when the run's deferred check failed, "environment" when the numerical
         environment was not the recorded one; None when neither.
+    lineage: the definition key of each name (``logs.lineage``).
+    force: replace the backfilled values of ``names`` the run already has (an
+        earlier definition, or a recomputation asked for).
     """
+    keys = lineage or {}
     latest: dict[tuple[Any, str], Sequence[Any]] = {}
     wanted = set(names)
     for row in rows:
@@ -72,12 +77,23 @@ def backfill(
         deleted = conn.total_changes - before
         conn.executemany(
             "INSERT INTO logs(run_id, ctx_id, name, value, value_type, origin, replay_id,"
-            " code_object, checkpoint, inexact)"
-            " SELECT ?1, ?2, ?3, ?4, ?5, 'backfilled', ?6, ?7, ?8, ?9"
+            " code_object, checkpoint, inexact, lineage)"
+            " SELECT ?1, ?2, ?3, ?4, ?5, 'backfilled', ?6, ?7, ?8, ?9, ?10"
             " WHERE NOT EXISTS (SELECT 1 FROM logs WHERE name = ?3 AND run_id = ?1"
             " AND ctx_id IS ?2)",
             [
-                (run_id, ctx, name, value, kind, replay_id, code_object, checkpoint, inexact)
+                (
+                    run_id,
+                    ctx,
+                    name,
+                    value,
+                    kind,
+                    replay_id,
+                    code_object,
+                    checkpoint,
+                    inexact,
+                    keys.get(name),
+                )
                 for ctx, name, value, kind, checkpoint in latest.values()
             ],
         )

@@ -143,6 +143,7 @@ def replay(
     outcomes: dict[str, RunOutcome] = {}
     notes: tuple[str, ...] = ()
     sites: dict[str, Any] = {}
+    lineage = _RunLineage({}, {}, {})
     if verify:
         source = ""
         level, needs_suffix = ScanLevel.OUTER_LOOP, True
@@ -158,12 +159,16 @@ def replay(
         needs_suffix = any(
             site.position is Position.SUFFIX for group in sites.values() for site in group
         )
+        lineage = _lineage_of(conn, paths, source, filename, names, candidates)
         complete = set() if force else _complete_runs(conn, candidates, names)
+        complete -= set(lineage.changed)
         todo = [r for r in candidates if r not in complete]
         if not todo:
             echo(
-                f"Every matching run already has {', '.join(names)}; nothing to replay "
-                "(--force recomputes them)." + _inexact_hint(conn, candidates, names)
+                f"Every matching run already has {', '.join(names)} by today's definition; "
+                "nothing to replay (--force recomputes them)."
+                + _inexact_hint(conn, candidates, names)
+                + _recorded_hint(lineage, names)
             )
             return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
 
@@ -204,7 +209,7 @@ def replay(
                 diff="" if verify else propagations[run_id].diff(old_sources[run_id], filename),
                 environment=_environment_differences(runs[run_id], run_plan, threads),
             )
-    text = _plan_text(plan, outcomes, complete, names, filename, verify)
+    text = _plan_text(plan, outcomes, complete, names, filename, verify, lineage)
     echo(text)
     result_args = (replay_id, names, filename)
     if dry_run:
@@ -221,13 +226,60 @@ def replay(
     _execute(
         conn, paths, plan, runs, propagations, outcomes, names,
         replay_id=replay_id, filename=filename, where=where, force=force,
-        echo=echo, progress=progress, threads=threads, verify=verify,
+        echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
     )  # fmt: skip
     actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
     if actual:
         echo(format_estimate_vs_actual(plan, actual))
     _report(outcomes, echo, verify)
     return ReplayResult(*result_args, plan, outcomes, sorted(complete), True, verify)
+
+
+@dataclass
+class _RunLineage:
+    """Today's definitions of the names, and how the runs' values relate to them."""
+
+    today: dict[str, Any]  # name -> versions.lineage.Definition
+    changed: dict[str, list[str]]  # run -> names whose backfilled values have another key
+    recorded_differs: dict[str, list[str]]  # name -> runs that recorded it by another key
+
+
+def _lineage_of(
+    conn: sqlite3.Connection,
+    paths: ProjectPaths,
+    source: str,
+    filename: str,
+    names: Sequence[str],
+    runs: Sequence[str],
+) -> _RunLineage:
+    """Compare the definitions the runs' values came from with today's statements."""
+    from retrolog._query.lineage import value_keys, working_tree_reader
+    from retrolog.versions.lineage import definitions
+
+    today = definitions(
+        source, names, filename=filename, read=working_tree_reader(paths.root, filename)
+    )
+    changed: dict[str, list[str]] = {}
+    recorded_differs: dict[str, list[str]] = {}
+    for (run_id, name), keys in value_keys(conn, runs, names).items():
+        key = today[name].key
+        backfilled = keys.get("backfilled", set()) - {None}  # None: kept before definitions
+        if backfilled and backfilled != {key}:
+            changed.setdefault(run_id, []).append(name)
+        if keys.get("recorded") and keys["recorded"] != {key}:
+            recorded_differs.setdefault(name, []).append(run_id)
+    return _RunLineage(today, changed, recorded_differs)
+
+
+def _recorded_hint(lineage: _RunLineage, names: Sequence[str]) -> str:
+    """A note when recorded values of a requested name come from another definition."""
+    parts = [
+        f"recorded {name!r} in {len(runs)} run(s) was computed by another definition than "
+        "today's statement, so the column mixes definitions (`retrolog show RUN` shows each)"
+        for name in names
+        if (runs := lineage.recorded_differs.get(name))
+    ]
+    return "".join(" " + part + "." for part in parts)
 
 
 def _lines_of(sites: Any, name: str, filename: str) -> str:
@@ -485,7 +537,10 @@ def _execute(
     progress: bool,
     threads: int | None,
     verify: bool,
+    lineage: _RunLineage,
 ) -> None:
+    from retrolog._query.lineage import keep
+
     logs_dir = paths.store / "replays" / replay_id
     logs_dir.mkdir(parents=True, exist_ok=True)
     code_objects = {
@@ -498,6 +553,7 @@ def _execute(
         (replay_id, time.time(), json.dumps(names), where, filename, plan.workers,
          plan.estimate_seconds, "verify" if verify else "backfill"),
     )  # fmt: skip
+    keep(conn, lineage.today.values(), replay_id=replay_id)
     by_run = {rp.run_id: rp for rp in plan.runs}
     jobs = _jobs(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
@@ -522,7 +578,7 @@ def _execute(
     finally:
         if bar is not None:
             bar.close()
-        _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force)
+        _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
         conn.execute(
             "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
             (time.time(), status, replay_id),
@@ -652,7 +708,9 @@ def _collect(
     replay_id: str,
     code_objects: dict[str, str | None],
     force: bool,
+    lineage: _RunLineage,
 ) -> None:
+    keys = {name: d.key for name, d in lineage.today.items()}
     per_run: dict[str, list[Job]] = {}
     for job in jobs:
         per_run.setdefault(job.run_id, []).append(job)
@@ -682,7 +740,8 @@ def _collect(
             outcome.inexact = "environment"
         outcome.backfilled = backfill(
             conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
-            rows=rows, names=names, force=force, inexact=outcome.inexact,
+            rows=rows, names=names, force=force or run_id in lineage.changed,
+            inexact=outcome.inexact, lineage=keys,
         )  # fmt: skip
         if failed:
             outcome.status = "partial" if finished else "failed"
@@ -771,6 +830,7 @@ def _plan_text(
     names: list[str],
     filename: str,
     verify: bool = False,
+    lineage: _RunLineage | None = None,
 ) -> str:
     if verify:
         lines = [f"Verifying replay of {filename}: recorded statements only, nothing backfilled"]
@@ -787,8 +847,25 @@ def _plan_text(
             "cannot be reproduced here (values from these runs will be marked possibly inexact):"
         )
         lines += [f"  {o.run_id}: {'; '.join(o.environment)}" for o in different]
+    if lineage is not None:
+        planned = {o.run_id for o in outcomes.values() if o.status == "planned"}
+        changed = {r: n for r, n in lineage.changed.items() if r in planned}
+        missing = [r for r in planned if r not in changed]
+        if changed and missing:
+            lines.append(f"missing: {len(missing)} run(s) have no value of a name")
+        for run_id, changed_names in changed.items():
+            lines.append(
+                f"definition changed since: {run_id} has {', '.join(changed_names)} from an "
+                "earlier statement; recomputed with today's"
+            )
+        recorded = _recorded_hint(lineage, names).strip()
+        if recorded:
+            lines.append(recorded)
     if complete:
-        lines.append(f"{len(complete)} run(s) already have these values (--force recomputes them)")
+        lines.append(
+            f"{len(complete)} run(s) already have these values by today's definition "
+            "(--force recomputes them)"
+        )
     return "\n".join(lines)
 
 

@@ -173,6 +173,37 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        6,
+        "lineage: definitions of logged values, per run and per backfilled value",
+        """
+        ALTER TABLE logs ADD COLUMN lineage TEXT;
+        CREATE TABLE definitions (
+            lineage      TEXT PRIMARY KEY,
+            name         TEXT NOT NULL,
+            text         TEXT NOT NULL,
+            dependencies TEXT NOT NULL DEFAULT '[]',
+            coarse       TEXT,
+            first_seen   REAL NOT NULL,
+            first_run    TEXT,
+            first_replay TEXT
+        );
+        CREATE TABLE run_definitions (
+            run_id  TEXT NOT NULL,
+            name    TEXT NOT NULL,
+            lineage TEXT NOT NULL,
+            PRIMARY KEY (run_id, name)
+        ) WITHOUT ROWID;
+        CREATE VIEW value_lineage AS
+            SELECT l.log_id, l.run_id, l.ctx_id, l.name, l.origin, l.replay_id,
+                   COALESCE(l.lineage, r.lineage) AS lineage
+            FROM logs l LEFT JOIN run_definitions r
+              ON l.origin = 'recorded' AND r.run_id = l.run_id AND r.name = l.name
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,383 @@
+"""Which definition produced each value in the store, and how a value came to be.
+
+A definition (``versions/lineage.py``) is what the statement logging a name
+computes: the statement plus the project functions and constants it reaches.
+The store keeps each definition once, in ``definitions`` (key, name, text,
+dependencies, why it is coarse, first seen), and links values to them:
+
+- a recorded value: through ``run_definitions`` (run, name -> key), computed
+  from the run's code version the first time anything asks (a replay, ``show``,
+  ``lineage``, the dataframe's definition option) and kept;
+- a backfilled value: ``logs.lineage``, the key of the statement the replay
+  inserted (today's, with today's helpers).
+
+The view ``value_lineage`` joins both: every value with its key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from retrolog._query.runs import resolve_run
+from retrolog.errors import UnknownNameError
+from retrolog.versions.lineage import Definition, Reader, definitions
+
+
+@dataclass(frozen=True)
+class StoredDefinition:
+    """A definition as the store keeps it."""
+
+    key: str
+    name: str
+    text: str
+    dependencies: tuple[str, ...]
+    coarse: str | None
+
+
+def working_tree_reader(root: Path, script: str) -> Reader:
+    """Project modules as the working tree has them, relative to the script's directory."""
+    base = (root / script).parent
+
+    def read(relpath: str) -> str | None:
+        for folder in (base, root):
+            path = folder / relpath
+            try:
+                return path.read_text()
+            except (OSError, UnicodeDecodeError):
+                continue
+        return None
+
+    return read
+
+
+def version_reader(git_dir: Path, commit: str, script: str) -> Reader:
+    """Project modules as a run's code version has them."""
+    from retrolog.errors import VersionError
+    from retrolog.versions.git import read_file
+
+    base = PurePosixPath(script).parent
+
+    def read(relpath: str) -> str | None:
+        for folder in (base, PurePosixPath(".")):
+            try:
+                return read_file(git_dir, commit, str(folder / relpath)).decode()
+            except (VersionError, UnicodeDecodeError):
+                continue
+        return None
+
+    return read
+
+
+def today_keys(root: Path) -> Callable[[str, Sequence[str]], dict[str, str]]:
+    """For dataframe(definitions="current"): the keys of the statements a script has today.
+
+    A name today's script does not log (or that cannot be read) has no key there.
+    """
+
+    def keys(filename: str, names: Sequence[str]) -> dict[str, str]:
+        try:
+            source = (root / filename).read_text()
+            found = definitions(source, filename=filename, read=working_tree_reader(root, filename))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            return {}
+        return {name: found[name].key for name in names if name in found}
+
+    return keys
+
+
+def keep(
+    conn: sqlite3.Connection,
+    found: Iterable[Definition],
+    *,
+    run_id: str | None = None,
+    replay_id: str | None = None,
+) -> None:
+    """Store definitions not stored yet (the first run or replay that used each)."""
+    conn.executemany(
+        "INSERT OR IGNORE INTO definitions(lineage, name, text, dependencies, coarse,"
+        " first_seen, first_run, first_replay) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (
+                d.key,
+                d.name,
+                d.text,
+                json.dumps(list(d.dependencies)),
+                d.coarse,
+                time.time(),
+                run_id,
+                replay_id,
+            )
+            for d in found
+        ],
+    )
+
+
+def recorded_definitions(conn: sqlite3.Connection, run_id: str) -> dict[str, str]:
+    """The definition key of each name the run recorded (arguments excepted), computed once.
+
+    Names whose definition cannot be computed (the code version is gone) are left out.
+    """
+    row = conn.execute(
+        "SELECT filename, git_dir, code_commit, args, parsed_args FROM runs WHERE run_id = ?",
+        (run_id,),
+    ).fetchone()
+    if row is None:
+        return {}
+    filename, git_dir, commit, args, parsed = row
+    arguments = set(json.loads(args or "{}")) | set(json.loads(parsed or "{}"))
+    names = {
+        r[0]
+        for r in conn.execute(
+            "SELECT DISTINCT name FROM logs WHERE run_id = ? AND origin = 'recorded'", (run_id,)
+        )
+    } - arguments
+    known = dict(
+        conn.execute("SELECT name, lineage FROM run_definitions WHERE run_id = ?", (run_id,))
+    )
+    missing = sorted(names - set(known))
+    if missing and git_dir and commit and not filename.startswith("<"):
+        found = _from_version(Path(git_dir), commit, filename, missing)
+        if found:
+            _write(conn, found, run_id)
+            known.update({name: d.key for name, d in found.items()})
+    return {name: key for name, key in known.items() if name in names}
+
+
+def _from_version(
+    git_dir: Path, commit: str, filename: str, names: list[str]
+) -> dict[str, Definition]:
+    from retrolog.errors import VersionError
+    from retrolog.versions.git import read_file
+
+    try:
+        source = read_file(git_dir, commit, filename).decode()
+        return definitions(
+            source, names, filename=filename, read=version_reader(git_dir, commit, filename)
+        )
+    except (VersionError, UnicodeDecodeError, SyntaxError, ValueError):
+        return {}
+
+
+def _write(conn: sqlite3.Connection, found: Mapping[str, Definition], run_id: str) -> None:
+    """Keep computed definitions; a store that cannot be written (read-only) just does not."""
+    # Computed again next time: the code version does not change.
+    with contextlib.suppress(sqlite3.OperationalError):
+        _insert(conn, found, run_id)
+
+
+def _insert(conn: sqlite3.Connection, found: Mapping[str, Definition], run_id: str) -> None:
+    own = not conn.in_transaction
+    if own:
+        conn.execute("BEGIN IMMEDIATE")
+    try:
+        keep(conn, found.values(), run_id=run_id)
+        conn.executemany(
+            "INSERT OR REPLACE INTO run_definitions(run_id, name, lineage) VALUES (?, ?, ?)",
+            [(run_id, name, d.key) for name, d in found.items()],
+        )
+        if own:
+            conn.execute("COMMIT")
+    except BaseException:
+        if own:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def stored(conn: sqlite3.Connection, key: str) -> StoredDefinition | None:
+    row = conn.execute(
+        "SELECT lineage, name, text, dependencies, coarse FROM definitions WHERE lineage = ?",
+        (key,),
+    ).fetchone()
+    if row is None:
+        return None
+    return StoredDefinition(row[0], row[1], row[2], tuple(json.loads(row[3] or "[]")), row[4])
+
+
+def value_keys(
+    conn: sqlite3.Connection, run_ids: Iterable[str], names: Iterable[str]
+) -> dict[tuple[str, str], dict[str, set[str | None]]]:
+    """Per (run, name): the definition keys of its values, by origin.
+
+    A backfilled value stored before definitions were kept has the key None.
+    """
+    runs, wanted = list(run_ids), list(names)
+    result: dict[tuple[str, str], dict[str, set[str | None]]] = {}
+    if not runs or not wanted:
+        return result
+    marks_r = ", ".join("?" for _ in runs)
+    marks_n = ", ".join("?" for _ in wanted)
+    for run_id, name, lineage in conn.execute(
+        f"SELECT DISTINCT run_id, name, lineage FROM logs WHERE origin = 'backfilled'"
+        f" AND run_id IN ({marks_r}) AND name IN ({marks_n})",
+        (*runs, *wanted),
+    ):
+        result.setdefault((run_id, name), {}).setdefault("backfilled", set()).add(lineage)
+    for run_id in runs:
+        recorded = recorded_definitions(conn, run_id)
+        for name in wanted:
+            if name in recorded:
+                result.setdefault((run_id, name), {})["recorded"] = {recorded[name]}
+    return result
+
+
+def explain(
+    conn: sqlite3.Connection, ref: str, name: str, at: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """How the values of ``name`` in a run came to be: definition, code, replay, checkpoint.
+
+    at: loop iterations to narrow to, e.g. ``{"epoch": 3}`` (every value otherwise).
+    Returns a dict with the run's code version and numerical environment and, per
+    value, its context, origin, definition, replay, code object, checkpoint and mark.
+    """
+    run_id = resolve_run(conn, ref)
+    if not conn.execute(
+        "SELECT 1 FROM logs WHERE run_id = ? AND name = ? LIMIT 1", (run_id, name)
+    ).fetchone():
+        logged = [
+            r[0]
+            for r in conn.execute(
+                "SELECT DISTINCT name FROM logs WHERE run_id = ? ORDER BY name", (run_id,)
+            )
+        ]
+        raise UnknownNameError(
+            f"Run {run_id} has no value of {name!r}; it has: {', '.join(logged) or 'none'}. "
+            f"`retrolog replay {name}` backfills it if today's script logs it.",
+            name=name,
+        )
+    recorded = recorded_definitions(conn, run_id)
+    run = dict(
+        zip(
+            ("filename", "code_commit", "code_ref", "numerics", "packages", "dirty"),
+            conn.execute(
+                "SELECT filename, code_commit, code_ref, numerics, packages, dirty FROM runs"
+                " WHERE run_id = ?",
+                (run_id,),
+            ).fetchone(),
+            strict=True,
+        )
+    )
+    rows = conn.execute(
+        "SELECT l.log_id, l.ctx_id, l.value, l.value_type, l.origin, l.replay_id,"
+        " l.code_object, l.checkpoint, l.inexact, l.lineage FROM logs l"
+        " WHERE l.run_id = ? AND l.name = ? ORDER BY l.log_id",
+        (run_id, name),
+    ).fetchall()
+    contexts = _contexts(conn, run_id)
+    values = []
+    for log_id, ctx, value, kind, origin, replay, code, checkpoint, inexact, key in rows:
+        where = contexts.get(ctx, {}) if ctx is not None else {}
+        if at and any(where.get(loop) != iteration for loop, iteration in at.items()):
+            continue
+        key = key if origin == "backfilled" else recorded.get(name)
+        values.append(
+            {
+                "log_id": log_id,
+                "context": where,
+                "value": value,
+                "value_type": kind,
+                "origin": origin,
+                "lineage": key,
+                "replay_id": replay,
+                "code_object": code,
+                "checkpoint": checkpoint,
+                "checkpoint_at": _checkpoint_place(conn, run_id, checkpoint, ctx, contexts),
+                "inexact": inexact,
+            }
+        )
+    if at and not values:
+        shown = ", ".join(f"{k}={v}" for k, v in at.items())
+        raise UnknownNameError(
+            f"Run {run_id} has no value of {name!r} at {shown}; `retrolog dataframe {name} "
+            f"--where \"run_id = '{run_id}'\"` lists where it has one.",
+            name=name,
+        )
+    keys = {v["lineage"] for v in values if v["lineage"]}
+    replays = {v["replay_id"] for v in values if v["replay_id"]}
+    return {
+        "run_id": run_id,
+        "name": name,
+        **run,
+        "numerics": json.loads(run["numerics"] or "null"),
+        "packages": json.loads(run["packages"] or "null"),
+        "definitions": {key: _definition_dict(stored(conn, key)) for key in sorted(keys)},
+        "replays": {replay: _replay_dict(conn, replay, run_id) for replay in sorted(replays)},
+        "values": values,
+    }
+
+
+def _definition_dict(found: StoredDefinition | None) -> dict[str, Any] | None:
+    if found is None:
+        return None
+    return {
+        "text": found.text,
+        "dependencies": list(found.dependencies),
+        "coarse": found.coarse,
+    }
+
+
+def _replay_dict(conn: sqlite3.Connection, replay_id: str, run_id: str) -> dict[str, Any]:
+    row = conn.execute(
+        "SELECT r.started_at, r.kind, p.scan, p.status, p.compared, p.mismatches, p.inexact,"
+        " p.environment FROM replays r LEFT JOIN replay_runs p ON p.replay_id = r.replay_id"
+        " AND p.run_id = ? WHERE r.replay_id = ?",
+        (run_id, replay_id),
+    ).fetchone()
+    if row is None:
+        return {}
+    started, kind, scan, status, compared, mismatches, inexact, environment = row
+    return {
+        "started_at": started,
+        "kind": kind,
+        "scan": scan,
+        "status": status,
+        "compared": compared,
+        "mismatches": json.loads(mismatches or "[]"),
+        "inexact": inexact,
+        "environment": json.loads(environment or "[]"),
+    }
+
+
+def _contexts(conn: sqlite3.Connection, run_id: str) -> dict[int, dict[str, int]]:
+    """Each context's loop iterations, outermost first: {ctx: {"epoch": 3, "step": 7}}."""
+    rows = conn.execute(
+        "SELECT ctx_id, parent_ctx, name, iteration FROM loops WHERE run_id = ? ORDER BY ctx_id",
+        (run_id,),
+    ).fetchall()
+    result: dict[int, dict[str, int]] = {}
+    for ctx, parent, loop, iteration in rows:
+        result[ctx] = {**(result.get(parent, {}) if parent is not None else {}), loop: iteration}
+    return result
+
+
+def _checkpoint_place(
+    conn: sqlite3.Connection,
+    run_id: str,
+    manifest: str | None,
+    value_ctx: int | None,
+    contexts: dict[int, Any],
+) -> dict[str, Any] | None:
+    """Where the checkpoint restored before a value was taken.
+
+    Identical states have one manifest (content addressing), so a block's and the
+    end's may share it: the block at or before the value's context is the one.
+    """
+    if manifest is None:
+        return None
+    rows = conn.execute(
+        "SELECT kind, ctx_id FROM checkpoints WHERE run_id = ? AND manifest = ?"
+        " ORDER BY kind = 'block' DESC, ctx_id DESC",
+        (run_id, manifest),
+    ).fetchall()
+    before = [r for r in rows if r[0] == "block" and (value_ctx is None or r[1] <= value_ctx)]
+    row = before[0] if before else (rows[-1] if rows else None)
+    if row is None:
+        return {"manifest": manifest}
+    kind, ctx = row
+    return {"manifest": manifest, "kind": kind, "context": contexts.get(ctx, {})}

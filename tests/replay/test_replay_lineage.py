@@ -1,0 +1,111 @@
+"""Replay by lineage: a changed definition is recomputed, an unchanged one never is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import Project, read_db
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """\
+import time
+
+import numpy as np
+
+import retrolog as rl
+
+SCALE = 1.0
+
+
+def weight_norm(w):
+    return float(np.sqrt((w ** 2).sum())) * SCALE
+
+
+seed = rl.arg("seed", 0)
+rng = np.random.default_rng(seed)
+w = np.zeros(8)
+with rl.checkpointing(w=w):
+    for epoch in rl.loop("epoch", range(3)):
+        for step in rl.loop("step", range(2)):
+            w += rng.normal(size=8)
+            time.sleep(0.02)
+        rl.log("acc", float(w.mean()))
+"""
+STATEMENT = '        rl.log("w_norm", weight_norm(w))\n'
+
+
+def _with(statement: str, script: str = SCRIPT) -> str:
+    anchor = '        rl.log("acc", float(w.mean()))\n'
+    return script.replace(anchor, anchor + statement)
+
+
+def _record(project: Project) -> list[str]:
+    project.write("train.py", SCRIPT)
+    project.run("train.py", "--kwargs", "seed=0")
+    project.run("train.py", "--kwargs", "seed=1")
+    return [str(r) for (r,) in read_db(project.root, "SELECT run_id FROM runs ORDER BY 1")]
+
+
+def _w_norms(project: Project) -> dict[tuple[str, object], object]:
+    rows = read_db(
+        project.root,
+        "SELECT l.run_id, p.iteration, l.value FROM logs l JOIN loops p"
+        " ON p.run_id = l.run_id AND p.ctx_id = l.ctx_id WHERE l.name = 'w_norm'",
+    )
+    return {(str(r), e): v for r, e, v in rows}
+
+
+def test_dataframe_show_and_lineage_name_each_values_definition(project: Project) -> None:
+    runs = _record(project)
+    project.write("train.py", _with(STATEMENT))
+    assert project.cli("replay", "w_norm", "seed = 0", "--yes").returncode == 0
+    # Today's statement changes after run 0 was replayed; run 1 gets the new one.
+    project.write("train.py", _with('        rl.log("w_norm", 2 * weight_norm(w))\n'))
+    assert project.cli("replay", "w_norm", "seed = 1", "--yes").returncode == 0
+
+    columns = json.loads(
+        project.cli("dataframe", "w_norm", "--definitions", "column", "--json").stdout
+    )
+    keys = {row["run_id"]: row["w_norm:definition"] for row in columns}
+    assert len(set(keys.values())) == 2
+    current = json.loads(
+        project.cli("dataframe", "w_norm", "--definitions", "current", "--json").stdout
+    )
+    shown = {row["run_id"] for row in current if row["w_norm"] is not None}
+    assert shown == {runs[1]}  # run 0's values come from the earlier statement
+
+    show = project.cli("show", runs[0])
+    assert (
+        "defined    acc" in show.stdout and "(recorded): log('acc', float(w.mean()))" in show.stdout
+    )
+    assert "w_norm" in show.stdout and "using weight_norm, SCALE" in show.stdout
+
+    lineage = project.cli("lineage", runs[1], "w_norm", "--at", "epoch=2")
+    assert lineage.returncode == 0, lineage.stderr
+    out = lineage.stdout
+    assert "log('w_norm', 2 * weight_norm(w))" in out and "def weight_norm(w):" in out
+    assert "deferred check exact" in out and "epoch=2" in out
+    assert "after restoring the block checkpoint of epoch=2" in out
+    found = json.loads(project.cli("lineage", runs[1], "w_norm", "--json").stdout)
+    assert len(found["values"]) == 3 and found["numerics"]["machine"]["cpu"]
+    bad = project.cli("lineage", runs[1], "w_norm", "--at", "epoch")
+    assert bad.returncode == 2 and "LOOP=ITERATION" in bad.stderr
+    missing = project.cli("lineage", runs[1], "nope")
+    assert missing.returncode == 1 and "has no value of 'nope'" in missing.stderr
+
+
+def test_recorded_values_of_another_definition_are_reported(project: Project) -> None:
+    _record(project)
+    # Today's script computes acc differently and adds a statement; the plan says the
+    # recorded acc column now mixes definitions.
+    today = _with(STATEMENT).replace(
+        'rl.log("acc", float(w.mean()))', 'rl.log("acc", float(np.median(w)))'
+    )
+    project.write("train.py", today)
+    plan = project.cli("replay", "w_norm", "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    plan_acc = project.cli("replay", "acc", "--dry-run")
+    assert "recorded 'acc' in 2 run(s) was computed by another definition" in plan_acc.stderr
