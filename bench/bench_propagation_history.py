@@ -170,13 +170,27 @@ class Rule:
 
 
 def after_update(pattern: str) -> Rule:
-    """After the smallest statement holding every call matching ``pattern``."""
+    """After the smallest statement holding every call matching ``pattern``.
+
+    A call inside ``for p in model.parameters(): ...`` is part of that loop, which is then
+    the statement (the update is the whole loop over parameters).
+    """
 
     def anchor(tree: _Tree) -> ast.stmt | None:
         calls = tree.calls(pattern)
-        return tree.common_statement(list(calls)) if calls else None
+        if not calls:
+            return None
+        statement = tree.common_statement(list(calls))
+        for parent, _ in tree.ancestors(statement):
+            if isinstance(parent, ast.For) and _over_parameters(parent):
+                statement = parent
+        return statement
 
-    return Rule(f"right after the smallest statement holding every `{pattern}(...)` call", anchor)
+    return Rule(
+        f"right after the smallest statement holding every `{pattern}(...)` call (a loop over "
+        "`.parameters()` around it counts as the statement)",
+        anchor,
+    )
 
 
 def after_call_in_loop(pattern: str) -> Rule:
@@ -199,6 +213,41 @@ def after_call_in_loop(pattern: str) -> Rule:
         f"`{pattern}(...)`",
         anchor,
     )
+
+
+def after_training(train: str, update: str) -> Rule:
+    """After the statement of the epoch loop that trains: a ``train(...)`` call, or the loop
+    holding the parameter updates (the epoch loop is the training loop around it)."""
+
+    def anchor(tree: _Tree) -> ast.stmt | None:
+        found = after_call_in_loop(train).anchor(tree)
+        if found is not None:
+            return found
+        calls = tree.calls(update)
+        if not calls:
+            return None
+        batch_loop = tree.training_loop(tree.common_statement(list(calls)))
+        epoch_loop = tree.training_loop(batch_loop) if batch_loop is not None else None
+        return tree.body_child(batch_loop, epoch_loop) if epoch_loop is not None else None
+
+    return Rule(
+        f"right after the statement of the epoch loop that trains: the one calling `{train}"
+        f"(...)`, or the batch loop holding `{update}(...)`",
+        anchor,
+    )
+
+
+def first_of(*rules: Rule) -> Rule:
+    """The first rule that finds a place."""
+
+    def anchor(tree: _Tree) -> ast.stmt | None:
+        for rule in rules:
+            found = rule.anchor(tree)
+            if found is not None:
+                return found
+        return None
+
+    return Rule("; where that finds nothing, ".join(rule.describe for rule in rules), anchor)
 
 
 def after_loop_of(pattern: str) -> Rule:
@@ -266,7 +315,11 @@ def _w_norm(model: str) -> str:
     return f"sum(p.norm().item() ** 2 for p in {model}.parameters()) ** 0.5"
 
 
-_STEP_OPTIMIZER = loop_of(r"optimizer\.step")
+_STEP = r"optimizer\.step"
+_STEP_OPTIMIZER = loop_of(_STEP)
+# The word language model updates by hand (``p.data.add_(...)`` in a loop over parameters)
+# and, since 2025, optionally through an optimizer.
+_UPDATE = r"optimizer\.step|\w+(\.data)?\.(add|sub)_"
 
 SPECS: dict[str, FileSpec] = {
     # train(args, model, ...) and the epoch loop in main(); before 2018-09 train(epoch) with
@@ -281,12 +334,10 @@ SPECS: dict[str, FileSpec] = {
             StatementSpec(
                 "w_norm",
                 f'rl.log("w_norm", {_w_norm("model")})',
-                after_call_in_loop(r"test"),
+                first_of(after_call_in_loop(r"test"), after_training(r"train", _STEP)),
                 ("model",),
             ),
-            StatementSpec(
-                "loss", 'rl.log("loss", loss.item())', after_update(r"optimizer\.step"), ("loss",)
-            ),
+            StatementSpec("loss", 'rl.log("loss", loss.item())', after_update(_STEP), ("loss",)),
         ),
     ),
     # train() with a manual SGD update (``for p in model.parameters(): p.data.add_``), later
@@ -297,19 +348,19 @@ SPECS: dict[str, FileSpec] = {
         "word_language_model/main.py",
         (
             LoopSpec("epoch", loop_of(r"train"), inside=False),
-            LoopSpec("step", loop_of(r"optimizer\.step|\w+\.data\.(add|sub)_"), inside=False),
+            LoopSpec("step", loop_of(_UPDATE), inside=False),
         ),
         (
             StatementSpec(
                 "w_norm",
                 f'rl.log("w_norm", {_w_norm("model")})',
-                after_call_in_loop(r"evaluate"),
+                first_of(after_call_in_loop(r"evaluate"), after_training(r"train", _UPDATE)),
                 ("model",),
             ),
             StatementSpec(
                 "loss",
                 'rl.log("loss", loss.item())',
-                after_update(r"optimizer\.step|\w+\.data\.(add|sub)_"),
+                after_update(_UPDATE),
                 ("loss",),
             ),
         ),
@@ -326,12 +377,10 @@ SPECS: dict[str, FileSpec] = {
             StatementSpec(
                 "w_norm",
                 f'rl.log("w_norm", {_w_norm("model")})',
-                after_call_in_loop(r"validate"),
+                first_of(after_call_in_loop(r"validate"), after_training(r"train", _STEP)),
                 ("model",),
             ),
-            StatementSpec(
-                "loss", 'rl.log("loss", loss.item())', after_update(r"optimizer\.step"), ("loss",)
-            ),
+            StatementSpec("loss", 'rl.log("loss", loss.item())', after_update(_STEP), ("loss",)),
         ),
     ),
     # Everything at module level, two optimizers; the statements follow the generator's step
@@ -369,12 +418,10 @@ SPECS: dict[str, FileSpec] = {
             StatementSpec(
                 "w_norm",
                 f'rl.log("w_norm", {_w_norm("model")})',
-                after_call_in_loop(r"test"),
+                first_of(after_call_in_loop(r"test"), after_training(r"train", _STEP)),
                 ("model",),
             ),
-            StatementSpec(
-                "loss", 'rl.log("loss", loss.item())', after_update(r"optimizer\.step"), ("loss",)
-            ),
+            StatementSpec("loss", 'rl.log("loss", loss.item())', after_update(_STEP), ("loss",)),
         ),
     ),
     # Episodes and environment steps; the loops moved from module level into main().
