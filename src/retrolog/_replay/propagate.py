@@ -446,11 +446,15 @@ class _Propagator:
             _Tree(new.tree, {id(unit.root) for unit in units}), _Tree(old.tree, set())
         )
         self.align.run(
-            lambda node: _loop_name(node, new.api), lambda node: _loop_name(node, old.api)
+            lambda node: _loop_name(node, new.api),
+            lambda node: _loop_name(node, old.api),
+            lambda call: new.api.function_of(call) == "loop",
+            lambda call: old.api.function_of(call) == "loop",
         )
         self.new_scopes, self.old_scopes = _scopes(new.tree), _scopes(old.tree)
         self.votes = self.align.name_votes(self.new_scopes)
         self.present: dict[int, ast.stmt] = {}  # id(unit root) -> the old file's own copy
+        self.unit_roots = {id(unit.root) for unit in units}
         self.new_functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         for node in ast.walk(new.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -600,18 +604,32 @@ class _Propagator:
                 return [match]
             if container is None:
                 return []
-            return self.align.inlined(stmt, container, field, self.new_functions)
+            return self.align.stands_for(stmt, container, field, self.new_functions)
 
-        for sibling in reversed(siblings[:index]):
-            if found := counterparts(sibling):
+        for position in range(index - 1, -1, -1):
+            if found := counterparts(siblings[position]):
+                skipped = self._real(siblings[position + 1 : index])
+                if skipped and self._unmapped_beside(found[-1], after=True):
+                    return self._rewritten(skipped, found[-1], after=True)
                 return _Spot(True, found[-1])
-        for sibling in siblings[index + 1 :]:
-            if found := counterparts(sibling):
+        for position in range(index + 1, len(siblings)):
+            if found := counterparts(siblings[position]):
+                skipped = self._real(siblings[index + 1 : position])
+                if skipped and self._unmapped_beside(found[0], after=False):
+                    return self._rewritten(skipped, found[0], after=False)
                 return _Spot(False, found[0])
         if container is None:
             return (
                 f"none of the statements around it in the {_describe_owner(parent, field)} "
                 "exist in the old version"
+            )
+        if not all(id(sibling) in self.unit_roots for sibling in siblings[:index]):
+            # Code precedes it in the new block and none of it is in the old one: the old
+            # block may hold that code rewritten, so its start would be a guess.
+            return (
+                f"none of the statements around it in the {_describe_owner(parent, field)} "
+                f"exist in the old version's {_describe_owner(container.ast, field)} at line "
+                f"{getattr(container.ast, 'lineno', 0)}"
             )
         block = getattr(container.ast, field, None)
         if not block:
@@ -627,6 +645,32 @@ class _Propagator:
         if skip:
             return _Spot(True, block[skip - 1], container.ast)
         return _Spot(False, block[0], container.ast)
+
+    def _real(self, statements: list[ast.stmt]) -> list[ast.stmt]:
+        """The statements that are not requested ones."""
+        return [s for s in statements if id(s) not in self.unit_roots]
+
+    def _unmapped_beside(self, stmt: ast.stmt, after: bool) -> bool:
+        """True if the old statement next to ``stmt`` (after or before it) has no counterpart."""
+        owner, field, index = self.old.parents[id(stmt)]
+        block: list[ast.stmt] = getattr(owner, field)
+        neighbour = index + 1 if after else index - 1
+        if not 0 <= neighbour < len(block):
+            return False
+        return self.align.old.of[id(block[neighbour])].partner is None
+
+    def _rewritten(self, skipped: list[ast.stmt], anchor: ast.stmt, after: bool) -> str:
+        # New code stands between the statement and its anchor, and old code without a
+        # counterpart stands next to the anchor: the one may be the other rewritten, and
+        # then the statement belongs beyond it. Which, the alignment cannot tell.
+        near = skipped[-1] if after else skipped[0]
+        relation, side = ("follows", "followed") if after else ("precedes", "preceded")
+        return (
+            f"it {relation} line {near.lineno} `{self.new.snippet(near)}` of the new version, "
+            f"which has no counterpart; in the old version line {anchor.lineno} "
+            f"`{self.old.snippet(anchor)}` is {side} by code that has none either, and as "
+            "the one may be the other rewritten, its place among them is not known"
+        )
 
     def _describe(self, spot: _Spot, owner: ast.AST) -> str:
         if spot.start_of is not None and not spot.after:
