@@ -823,3 +823,64 @@ def test_property_edited_bodies_place_after_the_anchor_or_refuse(
     assert lines[at_line - 1].strip() == PROBE
     assert lines[at_line - 2].strip() == "optimizer.step()"
     assert lines[at_line - 1][: -len(PROBE)] == lines[at_line - 2][: -len("optimizer.step()")]
+
+
+def test_statement_after_todays_inline_loop_goes_after_the_old_call() -> None:
+    old = """\
+import torch
+
+
+def train_epoch(model, opt, loader):
+    for x, y in loader:
+        opt.zero_grad()
+        criterion(model(x), y).backward()
+        opt.step()
+
+
+model = Net()
+for epoch in range(5):
+    train_epoch(model, opt, loader)
+    print(epoch)
+"""
+    new = """\
+import torch
+import retrolog as rl
+
+model = Net()
+for epoch in rl.loop("epoch", range(5)):
+    model.train()
+    for x, y in rl.loop("step", loader):
+        opt.zero_grad()
+        criterion(model(x), y).backward()
+        opt.step()
+    rl.log("w", model.weight.norm().item())
+    print(epoch)
+"""
+    result = propagate(new, old, ["w"])
+    want = expected(
+        old,
+        ("    train_epoch(model, opt, loader)", '    rl.log("w", model.weight.norm().item())'),
+        imported_after="import torch",
+    )
+    check(result, want, {"w": '    rl.log("w", model.weight.norm().item())'})
+
+
+def test_new_code_before_the_statement_and_unmatched_old_code_after_the_anchor() -> None:
+    # ``scheduler.step()`` is new; the old ``lr *= 0.9`` after ``optimizer.step()`` is gone
+    # from today's file. The statement follows the new line: before or after the old one?
+    old = "for x in loader:\n    optimizer.step()\n    lr *= 0.9\n    print(x)\n"
+    new = "import retrolog as rl\nfor x in rl.loop('step', loader):\n    optimizer.step()\n"
+    new += "    scheduler.step()\n    rl.log('x', x)\n    print(x)\n"
+    result = propagate(new, old, ["x"])
+    assert result.source == old
+    (problem,) = result.problems
+    assert problem.reason == (
+        "`rl.log('x', x)` (line 5 of the new version): it follows line 4 `scheduler.step()` "
+        "of the new version, which has no counterpart; in the old version line 2 "
+        "`optimizer.step()` is followed by code that has none either, and as the one may be "
+        "the other rewritten, its place among them is not known"
+    )
+    # Without old code after the anchor there is nothing to confuse it with: placed.
+    old = "for x in loader:\n    optimizer.step()\n    print(x)\n"
+    result = propagate(new, old, ["x"])
+    assert result.source.splitlines()[2:4] == ["    optimizer.step()", "    rl.log('x', x)"]

@@ -105,6 +105,15 @@ def test_old_version_binding_rl_itself_gets_another_name() -> None:
     assert "rl = 0.1" in result.source
 
 
+def test_an_rl_read_from_a_star_import_counts_as_taken() -> None:
+    old = OLD.replace("import torch\n", "import torch\nfrom config import *\n")
+    old = old.replace("net.zero_grad()", "net.zero_grad(rl)")  # ``rl`` from config
+    result = propagate(NEW, old, ["w"])
+    assert result.added_import is not None
+    assert result.added_import.statement == "import retrolog"
+    assert '    retrolog.log("w", net.weight.norm().item())' in result.source.splitlines()
+
+
 def test_a_local_rl_anywhere_counts_as_taken() -> None:
     old = OLD + "\n\ndef schedule(rl):\n    return rl / 2\n"
     old = old.replace("import os\n", "import os\nimport retrolog_utils as retrolog\n")

@@ -4,10 +4,15 @@ Falleri et al., "Fine-grained and accurate source code differencing" (ASE 2014),
 adapted to Python's :mod:`ast` for propagation (see propagate.py): ``rl.loop``
 loops with the same name first, as anchors; then identical subtrees top-down,
 largest first; then statements and blocks bottom-up by their share of matched
-descendants; then a recovery pass inside matched blocks. The result is a partial
+descendants; then a recovery pass inside matched blocks. Training-script
+histories move loops between module level, functions and methods, change
+signatures and wrappers and predate ``rl.loop``, so a few phases are added
+(docs/propagation.md lists them): the only call of a function both versions
+define, loops by what they iterate over, loops by the votes of their kept
+statements, and more pairing rules in recovery. The result is a partial
 one-to-one mapping, each :class:`_Node`'s ``partner``, and what propagation reads
-off it: the old names a new name was aligned with, the old statements a call to
-a newly extracted function stands for. Where a statement goes is decided in
+off it: the old names a new name was aligned with, the old statements a new
+statement without counterpart stands for. Where a statement goes is decided in
 propagate.py, not here.
 """
 
@@ -221,7 +226,7 @@ class _Alignment:
         if isinstance(node.ast, _LOOPS):
             field = "test" if isinstance(node.ast, ast.While) else "iter"
             head = next((c for c in node.children if c.field == field), None)
-            is_loop_call = self._is_loop_call[0 if self.new.of.get(id(node.ast)) is node else 1]
+            is_loop_call = self._is_loop_call[0 if self._tree_of(node) is self.new else 1]
             while head is not None and isinstance(head.ast, ast.Call):
                 inner = _wrapped_iterable(head, is_loop_call)
                 if inner is None:
@@ -280,8 +285,11 @@ class _Alignment:
         head = next((c for c in node.children if c.field == field), None)
         if head is None:
             return True
-        names = {n.label for n in self.new.subtree(head) if n.kind == "Name"}
+        names = {n.label for n in self._tree_of(node).subtree(head) if n.kind == "Name"}
         return names <= _BUILTINS
+
+    def _tree_of(self, node: _Node) -> _Tree:
+        return self.new if self.new.of.get(id(node.ast)) is node else self.old
 
     def _anchor_calls(self) -> None:
         """A function's only call in each version is the same call (an addition to GumTree).

@@ -10,13 +10,16 @@ corresponds to where it sits in the new one. :func:`propagate` does that:
    accurate source code differencing", ASE 2014): ``rl.loop("name", ...)``
    loops first, as anchors; then identical subtrees top-down, largest first;
    then statements and blocks bottom-up by their share of matched descendants;
-   then a recovery pass inside matched blocks;
+   then a recovery pass inside matched blocks; with additions for loops that
+   moved, changed wrappers or predate ``rl.loop`` (see _align.py);
 3. insert each statement after the old counterpart of its nearest matched
    preceding sibling (else before the following one, else at the start of the
-   counterpart block);
+   counterpart block), refusing where rewritten neighbours make that a guess;
 4. rename identifiers through the alignment (``model`` in the new file is
    ``net`` in the old one) and refuse, with a reason, when a name the statement
-   reads is not defined at that point of the old file.
+   reads is not defined at that point of the old file;
+5. add ``import retrolog as rl`` to an old file from before retrolog was
+   adopted, which never imported it.
 
 The trees are the standard library's :mod:`ast`: edits are whole lines inserted
 at statement boundaries, so everything else in the old file (comments,
@@ -503,10 +506,12 @@ class _Propagator:
     def _plan_import(self) -> _ImportPlan:
         """The import to add so that the old file reaches ``log``, spelled like the new file.
 
-        A name the old file already binds in any scope (``rl = 0.1``, ``import rl``) is
-        left alone: the import takes the next free one of ``retrolog``, ``_retrolog``, ...
+        A name the old file already binds in any scope (``rl = 0.1``, ``import rl``), or
+        reads without binding it (it may come from ``from config import *``), is left
+        alone: the import takes the next free one of ``retrolog``, ``_retrolog``, ...
         """
         taken = {name for table in self.old_scopes.bindings.values() for name in table}
+        taken.update(n.id for n in ast.walk(self.old.tree) if isinstance(n, ast.Name))
         wanted: list[tuple[str, str, str]] = []  # (name, statement, callee)
         new_api = self.new.api
         for name, target in new_api.functions.items():
