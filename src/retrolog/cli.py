@@ -393,6 +393,13 @@ def propagate_command(new_file: str, old_file: str, names: str, as_diff: bool) -
     click.echo(result.diff(old, old_file) if as_diff else result.source, nl=False)
     for placement in result.placements:
         click.echo(f"{placement.name}: line {placement.line}, {placement.anchor}", err=True)
+    if result.added_import is not None:
+        added = result.added_import
+        click.echo(
+            f"import: `{added.statement}` added at line {added.line}, since "
+            f"{old_file} does not import retrolog",
+            err=True,
+        )
     for problem in result.problems:
         click.echo(f"{problem.name}: not placed: {problem.reason}", err=True)
     if result.problems:

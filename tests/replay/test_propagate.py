@@ -547,3 +547,15 @@ def test_property_unrelated_deletion_does_not_move_the_statement(
     at = result.placements[0].line
     assert lines[at - 1] == PROBE
     assert lines[at - 2] == body[position - 1]
+
+
+def test_consecutive_statements_in_one_block_keep_their_order() -> None:
+    new = new_version(step='rl.log("g1", 1.0)\n            rl.log("g2", 2.0)')
+    result = propagate(new, OLD, ["g1", "g2"])
+    assert inserted_lines(OLD, result) == [
+        '            rl.log("g1", 1.0)',
+        '            rl.log("g2", 2.0)',
+    ]
+    lines = result.source.splitlines()
+    assert lines[result.placements[0].line - 2].strip() == "optimizer.step()"
+    assert result.placements[1].line == result.placements[0].line + 1

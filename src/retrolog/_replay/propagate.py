@@ -10,13 +10,16 @@ corresponds to where it sits in the new one. :func:`propagate` does that:
    accurate source code differencing", ASE 2014): ``rl.loop("name", ...)``
    loops first, as anchors; then identical subtrees top-down, largest first;
    then statements and blocks bottom-up by their share of matched descendants;
-   then a recovery pass inside matched blocks;
+   then a recovery pass inside matched blocks; with additions for loops that
+   moved, changed wrappers or predate ``rl.loop`` (see _align.py);
 3. insert each statement after the old counterpart of its nearest matched
    preceding sibling (else before the following one, else at the start of the
-   counterpart block);
+   counterpart block), refusing where rewritten neighbours make that a guess;
 4. rename identifiers through the alignment (``model`` in the new file is
    ``net`` in the old one) and refuse, with a reason, when a name the statement
-   reads is not defined at that point of the old file.
+   reads is not defined at that point of the old file;
+5. add ``import retrolog as rl`` to an old file from before retrolog was
+   adopted, which never imported it.
 
 The trees are the standard library's :mod:`ast`: edits are whole lines inserted
 at statement boundaries, so everything else in the old file (comments,
@@ -42,6 +45,7 @@ from retrolog._replay._align import _Alignment, _inside, _Node, _Tree
 from retrolog._replay._scopes import _DEFS, _OPERATORS, _SCOPES, _free_names, _scopes
 
 __all__ = [
+    "AddedImport",
     "LogStatement",
     "Placement",
     "Propagation",
@@ -83,10 +87,22 @@ class Placement:
 
 @dataclass(frozen=True)
 class Unplaceable:
-    """A requested statement that could not be put into the old file, and why."""
+    """A requested statement that could not be put into the old file, and why.
+
+    The reason names the statement (as written in the new file, with its line there) and
+    what the old version lacks.
+    """
 
     name: str
     reason: str
+
+
+@dataclass(frozen=True)
+class AddedImport:
+    """The retrolog import propagation added to an old file that did not import it."""
+
+    statement: str  # e.g. ``import retrolog as rl``
+    line: int  # 1-based line in the propagated file
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,9 @@ class Propagation:
     source: str
     placements: tuple[Placement, ...]
     problems: tuple[Unplaceable, ...]
+    # Set when the old version never imported retrolog (history from before it was adopted):
+    # the statements need ``log``, so the import went in with them.
+    added_import: AddedImport | None = None
 
     def diff(self, old_source: str, filename: str) -> str:
         """Unified diff from the old file to the propagated one."""
@@ -157,6 +176,13 @@ class _Api:
 
     modules: list[str]
     functions: dict[str, str]  # local name -> retrolog function, e.g. {"log": "log"}
+    imported: bool = True  # False: the file never imports retrolog; modules are a guess
+
+    def reaches_log(self) -> bool:
+        """True if the file imports retrolog in a way that reaches ``log``."""
+        return self.imported and bool(
+            self.modules or any(target == "log" for target in self.functions.values())
+        )
 
     def function_of(self, node: ast.AST) -> str | None:
         """The retrolog function a call invokes (``rl.log(...)`` -> "log"), if any."""
@@ -185,6 +211,7 @@ def _api_of(tree: ast.Module) -> _Api:
                     api.functions[alias.asname or alias.name] = alias.name
     if not api.modules and not api.functions:
         api.modules.extend(_DEFAULT_MODULES)
+        api.imported = False
     return api
 
 
@@ -396,11 +423,21 @@ class _Edit:
 class _Outcome:
     """A unit that is in the propagated file: inserted by ``edit``, or already there."""
 
-    unit: _Unit
+    unit: _Unit | None  # None: the retrolog import
     statement: str
     anchor: str
     edit: _Edit | None = None  # None: the old file already has it
     existing_line: int = 0  # 0-based old line of the existing statement
+    module_level: bool = False  # inserted into the module's own body
+
+
+@dataclass(frozen=True)
+class _ImportPlan:
+    """How an old file that never imported retrolog gets ``log``: the import and the callee."""
+
+    statement: str  # ``import retrolog as rl``
+    callee: str  # ``rl.log``
+    name: str  # the name the import binds
 
 
 class _Propagator:
@@ -412,16 +449,21 @@ class _Propagator:
             _Tree(new.tree, {id(unit.root) for unit in units}), _Tree(old.tree, set())
         )
         self.align.run(
-            lambda node: _loop_name(node, new.api), lambda node: _loop_name(node, old.api)
+            lambda node: _loop_name(node, new.api),
+            lambda node: _loop_name(node, old.api),
+            lambda call: new.api.function_of(call) == "loop",
+            lambda call: old.api.function_of(call) == "loop",
         )
         self.new_scopes, self.old_scopes = _scopes(new.tree), _scopes(old.tree)
         self.votes = self.align.name_votes(self.new_scopes)
         self.present: dict[int, ast.stmt] = {}  # id(unit root) -> the old file's own copy
+        self.unit_roots = {id(unit.root) for unit in units}
         self.new_functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         for node in ast.walk(new.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.new_functions.setdefault(node.name, []).append(node)
         self.newline = "\r\n" if old.lines and old.lines[0].endswith("\r\n") else "\n"
+        self.import_plan = None if old.api.reaches_log() else self._plan_import()
 
     def run(self) -> Propagation:
         outcomes: list[_Outcome] = []
@@ -429,19 +471,90 @@ class _Propagator:
         for unit in self.units:
             result = self._place(unit)
             if isinstance(result, str):
-                problems.extend(Unplaceable(log.name, result) for log in unit.logs)
+                problems.extend(
+                    Unplaceable(log.name, f"{self._quote(log)}: {result}") for log in unit.logs
+                )
             else:
                 outcomes.append(result)
+        added = None
+        if self.import_plan is not None and any(o.edit is not None for o in outcomes):
+            added = self._import_outcome(outcomes)
+            outcomes.insert(0, added)  # first among insertions at the same line
         source, lines = self._apply(outcomes)
         placements = []
         for outcome in outcomes:
+            if outcome.unit is None:
+                continue
             for log in outcome.unit.logs:
                 if outcome.edit is None:
                     line = lines[id(outcome)]
                 else:
                     line = lines[id(outcome)] + log.line - outcome.unit.root.lineno
                 placements.append(Placement(log.name, outcome.statement, line, outcome.anchor))
-        return Propagation(source, tuple(placements), tuple(problems))
+        imported = AddedImport(added.statement, lines[id(added)]) if added is not None else None
+        return Propagation(source, tuple(placements), tuple(problems), imported)
+
+    @staticmethod
+    def _quote(log: LogStatement) -> str:
+        text = log.source.splitlines()[0].strip() if log.source.strip() else log.name
+        if len(text) > 60:
+            text = text[:59] + "…"
+        return f"`{text}` (line {log.line} of the new version)"
+
+    # The retrolog import, for history from before retrolog was adopted.
+
+    def _plan_import(self) -> _ImportPlan:
+        """The import to add so that the old file reaches ``log``, spelled like the new file.
+
+        A name the old file already binds in any scope (``rl = 0.1``, ``import rl``), or
+        reads without binding it (it may come from ``from config import *``), is left
+        alone: the import takes the next free one of ``retrolog``, ``_retrolog``, ...
+        """
+        taken = {name for table in self.old_scopes.bindings.values() for name in table}
+        taken.update(n.id for n in ast.walk(self.old.tree) if isinstance(n, ast.Name))
+        wanted: list[tuple[str, str, str]] = []  # (name, statement, callee)
+        new_api = self.new.api
+        for name, target in new_api.functions.items():
+            if target == "log" and new_api.imported:
+                statement = "from retrolog import log" + (f" as {name}" if name != "log" else "")
+                wanted.append((name, statement, name))
+        for module in new_api.modules if new_api.imported else []:
+            statement = "import retrolog" + (f" as {module}" if module != "retrolog" else "")
+            wanted.append((module, statement, f"{module}.log"))
+        # A file logging through a snippet-style ``rl.log`` without importing prefers rl too.
+        wanted.append(("rl", "import retrolog as rl", "rl.log"))
+        wanted.append(("retrolog", "import retrolog", "retrolog.log"))
+        counter = 1
+        while not any(name not in taken for name, _, _ in wanted):
+            alias = "_retrolog" + (str(counter) if counter > 1 else "")
+            wanted.append((alias, f"import retrolog as {alias}", f"{alias}.log"))
+            counter += 1
+        name, statement, callee = next(item for item in wanted if item[0] not in taken)
+        return _ImportPlan(statement, callee, name)
+
+    def _import_outcome(self, outcomes: list[_Outcome]) -> _Outcome:
+        """The import's edit: after the module's leading imports, before anything placed."""
+        assert self.import_plan is not None
+        body = self.old.tree.body
+        leading = 0
+        while leading < len(body) and (
+            isinstance(body[leading], (ast.Import, ast.ImportFrom))
+            or _must_stay_first(body[leading], leading, self.old.tree)
+        ):
+            leading += 1
+        if leading:
+            last = body[leading - 1]
+            line = last.end_lineno or last.lineno
+        else:
+            # Before the first statement itself, not above the comments leading to it: the
+            # first lines may be a shebang or an encoding declaration.
+            line = _first_line(body[0]) - 1 if body else len(self.old.lines)
+        for outcome in outcomes:
+            if outcome.module_level and outcome.edit is not None:
+                line = min(line, outcome.edit.line)  # a statement placed among the imports
+        text = self.import_plan.statement
+        edit = _Edit(line, None, text + self.newline, text)
+        return _Outcome(None, text, "at module level", edit, module_level=True)
 
     # Where: the aligned spot in the old tree.
 
@@ -465,7 +578,7 @@ class _Propagator:
         edit = self._edit(unit, text, spot)
         if isinstance(edit, str):
             return edit
-        return _Outcome(unit, edit.statement, anchor, edit)
+        return _Outcome(unit, edit.statement, anchor, edit, module_level=owner is self.old.tree)
 
     def _spot(self, root: ast.stmt) -> _Spot | str:
         parent, field, index = self.new.parents[id(root)]
@@ -496,18 +609,32 @@ class _Propagator:
                 return [match]
             if container is None:
                 return []
-            return self.align.inlined(stmt, container, field, self.new_functions)
+            return self.align.stands_for(stmt, container, field, self.new_functions)
 
-        for sibling in reversed(siblings[:index]):
-            if found := counterparts(sibling):
+        for position in range(index - 1, -1, -1):
+            if found := counterparts(siblings[position]):
+                skipped = self._real(siblings[position + 1 : index])
+                if skipped and self._unmapped_beside(found[-1], after=True):
+                    return self._rewritten(skipped, found[-1], after=True)
                 return _Spot(True, found[-1])
-        for sibling in siblings[index + 1 :]:
-            if found := counterparts(sibling):
+        for position in range(index + 1, len(siblings)):
+            if found := counterparts(siblings[position]):
+                skipped = self._real(siblings[index + 1 : position])
+                if skipped and self._unmapped_beside(found[0], after=False):
+                    return self._rewritten(skipped, found[0], after=False)
                 return _Spot(False, found[0])
         if container is None:
             return (
                 f"none of the statements around it in the {_describe_owner(parent, field)} "
                 "exist in the old version"
+            )
+        if not all(id(sibling) in self.unit_roots for sibling in siblings[:index]):
+            # Code precedes it in the new block and none of it is in the old one: the old
+            # block may hold that code rewritten, so its start would be a guess.
+            return (
+                f"none of the statements around it in the {_describe_owner(parent, field)} "
+                f"exist in the old version's {_describe_owner(container.ast, field)} at line "
+                f"{getattr(container.ast, 'lineno', 0)}"
             )
         block = getattr(container.ast, field, None)
         if not block:
@@ -523,6 +650,32 @@ class _Propagator:
         if skip:
             return _Spot(True, block[skip - 1], container.ast)
         return _Spot(False, block[0], container.ast)
+
+    def _real(self, statements: list[ast.stmt]) -> list[ast.stmt]:
+        """The statements that are not requested ones."""
+        return [s for s in statements if id(s) not in self.unit_roots]
+
+    def _unmapped_beside(self, stmt: ast.stmt, after: bool) -> bool:
+        """True if the old statement next to ``stmt`` (after or before it) has no counterpart."""
+        owner, field, index = self.old.parents[id(stmt)]
+        block: list[ast.stmt] = getattr(owner, field)
+        neighbour = index + 1 if after else index - 1
+        if not 0 <= neighbour < len(block):
+            return False
+        return self.align.old.of[id(block[neighbour])].partner is None
+
+    def _rewritten(self, skipped: list[ast.stmt], anchor: ast.stmt, after: bool) -> str:
+        # New code stands between the statement and its anchor, and old code without a
+        # counterpart stands next to the anchor: the one may be the other rewritten, and
+        # then the statement belongs beyond it. Which, the alignment cannot tell.
+        near = skipped[-1] if after else skipped[0]
+        relation, side = ("follows", "followed") if after else ("precedes", "preceded")
+        return (
+            f"it {relation} line {near.lineno} `{self.new.snippet(near)}` of the new version, "
+            f"which has no counterpart; in the old version line {anchor.lineno} "
+            f"`{self.old.snippet(anchor)}` is {side} by code that has none either, and as "
+            "the one may be the other rewritten, its place among them is not known"
+        )
 
     def _describe(self, spot: _Spot, owner: ast.AST) -> str:
         if spot.start_of is not None and not spot.after:
@@ -559,6 +712,8 @@ class _Propagator:
         late: list[str] = []
 
         def check(name: str, shown: str) -> None:
+            if self.import_plan is not None and name == self.import_plan.name:
+                return  # bound by the import that goes in with the statement
             state = self.old_scopes.lookup(name, point, chain)
             if state == "missing":
                 missing.append(shown)
@@ -604,6 +759,8 @@ class _Propagator:
 
     def _old_callee(self, func: ast.expr) -> str | None:
         """How the old file spells ``log``, preferring the new file's spelling."""
+        if self.import_plan is not None:
+            return self.import_plan.callee
         api = self.old.api
         spelled = self.new.segment(func)
         logs = [name for name, target in api.functions.items() if target == "log"]
