@@ -207,7 +207,7 @@ def test_statement_the_old_version_cannot_hold_is_reported_per_run(project: Proj
     # It names the run, the statement (and where today's script has it), what is missing.
     today = project.root.joinpath("train.py").read_text().splitlines()
     line = today.index('        rl.log("width", hidden)') + 1
-    assert f"rl.log('width', ...) (line {line} of today's train.py)" in out.stderr
+    assert f'`rl.log("width", hidden)` (line {line} of the new version)' in out.stderr
     values = read_db(
         project.root, "SELECT run_id, COUNT(*) FROM logs WHERE name='width' GROUP BY 1"
     )

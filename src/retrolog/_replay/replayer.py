@@ -184,10 +184,9 @@ def replay(
             continue
         result = propagate(source, old, names)
         if result.problems:
-            reasons = "; ".join(
-                f"rl.log({p.name!r}, ...) ({_lines_of(sites, p.name, filename)}): {p.reason}"
-                for p in result.problems
-            )
+            # Each reason names the statement and its line in today's script, then what
+            # the old version lacks.
+            reasons = "; ".join(p.reason for p in result.problems)
             outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=reasons)
         else:
             propagations[run_id] = result
@@ -280,13 +279,6 @@ def _recorded_hint(lineage: _RunLineage, names: Sequence[str]) -> str:
         if (runs := lineage.recorded_differs.get(name))
     ]
     return "".join(" " + part + "." for part in parts)
-
-
-def _lines_of(sites: Any, name: str, filename: str) -> str:
-    """Where today's script logs ``name``: "line 44 of train.py"."""
-    lines = [str(site.line) for site in sites.get(name, [])]
-    word = "line" if len(lines) == 1 else "lines"
-    return f"{word} {', '.join(lines)} of today's {filename}" if lines else f"today's {filename}"
 
 
 def _inexact_hint(conn: sqlite3.Connection, runs: Sequence[str], names: Sequence[str]) -> str:
