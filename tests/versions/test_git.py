@@ -447,6 +447,22 @@ def test_store_inside_root_is_never_captured(
     }
 
 
+def test_a_store_the_users_gitignore_already_ignores(tmp_path: Path) -> None:
+    # Users often list the store in their own .gitignore; naming an ignored path in
+    # `git add`'s pathspecs (even to exclude it) fails, so capturing failed every run.
+    repo = new_repo(tmp_path / "proj")
+    write(repo, ".gitignore", ".retrolog/\ndata/\n")
+    write(repo, "train.py", "x = 1\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "first")
+    write(repo, ".retrolog/retrolog.db", b"db")
+    write(repo, "data/big.bin", b"data")
+    before = git_state(repo)
+    version = capture_code_version(locate(repo), "run1")
+    assert snapshot_names(version) == {".gitignore", "train.py"}
+    assert git_state(repo) == before
+
+
 def test_nested_repository_is_left_out_with_a_warning(tmp_path: Path) -> None:
     repo = new_repo(tmp_path / "proj")
     write(repo, "train.py", "x = 1\n")

@@ -156,7 +156,15 @@ def _capture(
 
     if selection.drop:
         git("update-index", "-z", "--force-remove", "--stdin", stdin=b"\0".join(selection.drop))
-    pathspecs = [b"."] + [b":(exclude,literal)" + os.fsencode(path) for path in selection.exclude]
+    excluded = list(selection.exclude)
+    if store_rel is not None and git(
+        "ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory", "--",
+        store_rel,
+    ):  # fmt: skip
+        # The user's .gitignore already leaves the store out; naming an ignored path in a
+        # pathspec, even to exclude it, makes `git add` fail.
+        excluded.remove(store_rel)
+    pathspecs = [b"."] + [b":(exclude,literal)" + os.fsencode(path) for path in excluded]
     git(
         "add",
         "--all",
