@@ -393,6 +393,9 @@ def propagate_command(new_file: str, old_file: str, names: str, as_diff: bool) -
     click.echo(result.diff(old, old_file) if as_diff else result.source, nl=False)
     for placement in result.placements:
         click.echo(f"{placement.name}: line {placement.line}, {placement.anchor}", err=True)
+    for name, alias in result.carried:
+        shown = name if alias == name else f"{name} (as {alias}: the old file has its own)"
+        click.echo(f"carried today's {shown}", err=True)
     if result.added_import is not None:
         added = result.added_import
         click.echo(

@@ -53,7 +53,10 @@ print("done")
 
 # Version 2 of the code: lines added around the loops (a user's later edits).
 V2 = (
-    V1.replace("torch.manual_seed(0)\n", "torch.manual_seed(0)\nhidden = 16  # width used below\n")
+    V1.replace(
+        "y = (x.sum(dim=1) > 8 * offset).long()\n",
+        "y = (x.sum(dim=1) > 8 * offset).long()\nhidden = 2 * x.shape[1]  # width used below\n",
+    )
     .replace("nn.Linear(8, 16), nn.ReLU()", "nn.Linear(8, hidden), nn.ReLU()")
     .replace("nn.Linear(16, 2)", "nn.Linear(hidden, 2)")
 )

@@ -46,7 +46,7 @@ def _record(project: Project) -> list[str]:
     project.write("train.py", SCRIPT)
     project.run("train.py", "--kwargs", "seed=0")
     project.run("train.py", "--kwargs", "seed=1")
-    return [str(r) for (r,) in read_db(project.root, "SELECT run_id FROM runs ORDER BY 1")]
+    return [str(r) for (r,) in read_db(project.root, "SELECT run_id FROM runs ORDER BY started_at")]
 
 
 def _w_norms(project: Project) -> dict[tuple[str, object], object]:
@@ -56,6 +56,49 @@ def _w_norms(project: Project) -> dict[tuple[str, object], object]:
         " ON p.run_id = l.run_id AND p.ctx_id = l.ctx_id WHERE l.name = 'w_norm'",
     )
     return {(str(r), e): v for r, e, v in rows}
+
+
+def test_a_changed_definition_is_replayed_and_a_reformatted_one_is_not(project: Project) -> None:
+    runs = _record(project)
+    project.write("train.py", _with(STATEMENT))
+    first = project.cli("replay", "w_norm", "--yes")
+    assert first.returncode == 0, first.stderr
+    l2 = _w_norms(project)
+    assert len(l2) == 6
+
+    # Reformatted and commented: the same definition, nothing to replay.
+    project.write("train.py", _with('        rl.log( "w_norm",  weight_norm( w ) )  # L2\n'))
+    same = project.cli("replay", "w_norm", "--yes")
+    assert same.returncode == 0 and "nothing to replay" in same.stderr, same.stderr
+
+    # The helper it calls changes: every run's w_norm is recomputed, with the new helper.
+    helper = SCRIPT.replace("np.sqrt((w ** 2).sum())", "np.abs(w).sum()")
+    project.write("train.py", _with(STATEMENT, helper))
+    plan = project.cli("replay", "w_norm", "--dry-run")
+    for run_id in runs:
+        assert f"definition changed since: {run_id} has w_norm" in plan.stderr, plan.stderr
+    again = project.cli("replay", "w_norm", "--yes")
+    assert again.returncode == 0, again.stderr
+    l1 = _w_norms(project)
+    assert l1.keys() == l2.keys() and all(l1[k] != l2[k] for k in l1)  # replaced, not added
+    keys = read_db(project.root, "SELECT DISTINCT lineage FROM logs WHERE name = 'w_norm'")
+    assert len(keys) == 1
+    (key,) = keys[0]
+    text = read_db(project.root, "SELECT text FROM definitions WHERE lineage = ?", (key,))
+    assert "np.abs(w).sum()" in str(text[0][0])
+    # Both definitions are kept, the old one too.
+    assert read_db(project.root, "SELECT COUNT(*) FROM definitions WHERE name = 'w_norm'") == [(2,)]
+
+    # A module constant the runs bind is their configuration: a new value today changes
+    # today's definition but not what a replay computes in their versions.
+    project.write("train.py", _with(STATEMENT, helper.replace("SCALE = 1.0", "SCALE = 2.0")))
+    scaled = project.cli("replay", "w_norm", "--yes")
+    assert scaled.returncode == 0 and "nothing to replay" in scaled.stderr, scaled.stderr
+    assert _w_norms(project) == l1
+    current = json.loads(
+        project.cli("dataframe", "w_norm", "--definitions", "current", "--json").stdout
+    )
+    assert all(row["w_norm"] is None for row in current)
 
 
 def test_dataframe_show_and_lineage_name_each_values_definition(project: Project) -> None:

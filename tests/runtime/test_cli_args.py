@@ -89,7 +89,8 @@ def test_argparse_flags_are_run_level_values_with_their_types(project: Project) 
     assert "no such column" not in frame.stderr
     runs = project.cli("runs")
     assert "lr=0.8 batch_size=32" in runs.stdout and "data=cifar" in runs.stdout
-    show = project.cli("show", str(read_db(project.root, "SELECT run_id FROM runs")[0][0]))
+    first = read_db(project.root, "SELECT run_id FROM runs ORDER BY started_at")[0][0]
+    show = project.cli("show", str(first))
     assert "parsed     lr=0.8 batch_size=32" in show.stdout
 
 

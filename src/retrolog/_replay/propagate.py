@@ -37,12 +37,23 @@ import re
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from retrolog._replay._align import MIN_DICE as MIN_DICE
 from retrolog._replay._align import MIN_HEIGHT as MIN_HEIGHT
 from retrolog._replay._align import MIN_SIMILARITY as MIN_SIMILARITY
 from retrolog._replay._align import _Alignment, _inside, _Node, _Tree
+from retrolog._replay._scopes import (
+    _BUILTINS as _BUILTIN_NAMES,
+)
 from retrolog._replay._scopes import _DEFS, _OPERATORS, _SCOPES, _free_names, _scopes
+from retrolog.versions.lineage import (
+    Binding,
+    canonical,
+    global_reads,
+    module_bindings,
+    rename_globals,
+)
 
 __all__ = [
     "AddedImport",
@@ -115,6 +126,9 @@ class Propagation:
     # Set when the old version never imported retrolog (history from before it was adopted):
     # the statements need ``log``, so the import went in with them.
     added_import: AddedImport | None = None
+    # Today's functions, classes, constants and imports the statements use, put into the
+    # old file because it lacks them or has them otherwise: (today's name, name there).
+    carried: tuple[tuple[str, str], ...] = ()
 
     def diff(self, old_source: str, filename: str) -> str:
         """Unified diff from the old file to the propagated one."""
@@ -440,6 +454,158 @@ class _ImportPlan:
     name: str  # the name the import binds
 
 
+class _Carry:
+    """Today's definitions the requested statements use, and which must go into the old file.
+
+    A statement that calls today's ``weight_norm`` must compute with today's
+    ``weight_norm`` in an old version too: otherwise a changed helper would leave
+    the replayed values (and their lineage) the old definition's. A function,
+    class, constant or import of today's module that the old module lacks, or
+    binds to something else, goes in before the old module-level statement that
+    holds the placement, under its own name when the old module does not bind
+    that name, else under ``_retrolog_<name>`` (so the old code keeps calling its
+    own). One that is the same in both (the same text, using the same things) is
+    used as it is. What a carried definition reads besides other carried ones
+    (``torch``, ``model``) must exist in the old module before that point.
+    """
+
+    _KINDS = ("def", "class", "constant", "import")
+
+    def __init__(self, new: _Source, old: _Source, old_scopes: Any) -> None:
+        self.new, self.old, self.old_scopes = new, old, old_scopes
+        self.new_bindings = {
+            name: b for name, b in module_bindings(new.tree).items() if b.kind in self._KINDS
+        }
+        self.old_bindings = module_bindings(old.tree)
+        self.old_taken = {n for table in old_scopes.bindings.values() for n in table} | {
+            n.id for n in ast.walk(old.tree) if isinstance(n, ast.Name)
+        }
+        self._decided: dict[str, bool] = {}
+        self._aliases: dict[str, str] = {}
+        self.needed: set[str] = set()
+        self.before: ast.stmt | None = None  # the earliest old top-level statement served
+
+    def use(self, name: str, top: ast.stmt) -> str | list[str] | None:
+        """The name today's ``name`` has in the old file once carried, None when the old
+        file's own is the same, or what is missing for it (a list of phrases)."""
+        if not self._carried(name, set()):
+            return None
+        missing = self._check(name, top, set())
+        if missing:
+            return missing
+        self._need(name)
+        if self.before is None or top.lineno < self.before.lineno:
+            self.before = top
+        return self.alias(name)
+
+    def _carried(self, name: str, visiting: set[str]) -> bool:
+        if name in self._decided:
+            return self._decided[name]
+        if name in visiting:
+            return False  # a cycle decides nothing more
+        visiting.add(name)
+        new, old = self.new_bindings[name], self.old_bindings.get(name)
+        if new.kind == "constant" and old is not None:
+            # A module constant the old file binds is the run's configuration (a width, a
+            # batch size), whatever today's value: the run computed with its own.
+            self._decided[name] = False
+            return False
+        same = old is not None and old.kind == new.kind and self._text(new) == self._text(old)
+        if same and new.kind != "import":
+            same = not any(
+                self._carried(dep, visiting) for dep in self._reads(new) if dep in self.new_bindings
+            )
+        self._decided[name] = not same
+        return not same
+
+    def _reads(self, binding: Binding) -> set[str]:
+        found: set[str] = set()
+        if binding.kind == "import":
+            return found
+        for node in binding.nodes:
+            found |= global_reads(node)
+        return found - _BUILTIN_NAMES
+
+    def _text(self, binding: Binding) -> str:
+        if binding.kind == "import":
+            return repr((binding.module, binding.attribute))
+        return "\n".join(canonical(node) for node in binding.nodes)
+
+    def _check(self, name: str, top: ast.stmt, seen: set[str]) -> list[str]:
+        """What a carried definition reads that the old module lacks at ``top``."""
+        if name in seen:
+            return []
+        seen.add(name)
+        missing = []
+        for dep in sorted(self._reads(self.new_bindings[name])):
+            if dep in self.new_bindings and self._carried(dep, set()):
+                missing += self._check(dep, top, seen)
+                continue
+            state = self.old_scopes.lookup(dep, (top.lineno, 0), [self.old.tree])
+            if state != "ok":
+                missing.append(f"`{dep}` (today's `{name}` reads it)")
+        return missing
+
+    def _need(self, name: str) -> None:
+        if name in self.needed:
+            return
+        self.needed.add(name)
+        for dep in self._reads(self.new_bindings[name]):
+            if dep in self.new_bindings and self._carried(dep, set()):
+                self._need(dep)
+
+    def alias(self, name: str) -> str:
+        if name not in self._aliases:
+            if name not in self.old_bindings and name not in self.old_taken:
+                alias = name
+            else:
+                alias, counter = f"_retrolog_{name}", 1
+                while alias in self.old_taken or alias in self._aliases.values():
+                    counter += 1
+                    alias = f"_retrolog_{name}{counter}"
+            self._aliases[name] = alias
+        return self._aliases[name]
+
+    def carried_names(self) -> tuple[tuple[str, str], ...]:
+        return tuple((name, self.alias(name)) for name in sorted(self.needed))
+
+    def outcome(self, newline: str) -> _Outcome | None:
+        """The carried definitions as one insertion, in today's order, or None."""
+        if not self.needed or self.before is None:
+            return None
+        mapping = {name: self.alias(name) for name in self.needed if self.alias(name) != name}
+        items: list[tuple[int, str]] = []
+        for name in self.needed:
+            binding = self.new_bindings[name]
+            for node in binding.nodes:
+                items.append((node.lineno, self._definition(name, node, binding, mapping)))
+        texts = list(dict.fromkeys(text for _, text in sorted(items)))
+        body = (newline * 2).join(text.replace("\n", newline) for text in texts)
+        text = "# today's definitions the replayed statements use (retrolog)" + newline
+        text += body + newline + newline
+        line = _first_line(self.before) - 1
+        edit = _Edit(line, None, text, text.strip())
+        return _Outcome(None, text.strip(), "at module level", edit, module_level=True)
+
+    def _definition(
+        self, name: str, node: ast.stmt, binding: Binding, mapping: dict[str, str]
+    ) -> str:
+        if binding.kind == "import":
+            alias = self.alias(name)
+            if binding.attribute is not None:
+                module = binding.module or ""
+                level = len(module) - len(module.lstrip("."))
+                imported = ast.ImportFrom(
+                    module.lstrip(".") or None, [ast.alias(binding.attribute, alias)], level
+                )
+                return ast.unparse(imported)
+            module = binding.module or name
+            return ast.unparse(ast.Import([ast.alias(module, None if alias == module else alias)]))
+        if binding.kind in ("def", "class"):
+            return canonical(rename_globals(node, mapping))
+        return ast.unparse(rename_globals(node, mapping))
+
+
 class _Propagator:
     """Places the units of one new version into one old version."""
 
@@ -464,6 +630,7 @@ class _Propagator:
                 self.new_functions.setdefault(node.name, []).append(node)
         self.newline = "\r\n" if old.lines and old.lines[0].endswith("\r\n") else "\n"
         self.import_plan = None if old.api.reaches_log() else self._plan_import()
+        self.carry = _Carry(new, old, self.old_scopes)
 
     def run(self) -> Propagation:
         outcomes: list[_Outcome] = []
@@ -476,6 +643,9 @@ class _Propagator:
                 )
             else:
                 outcomes.append(result)
+        carried = self.carry.outcome(self.newline)
+        if carried is not None:
+            outcomes.insert(0, carried)  # before the statements that use it
         added = None
         if self.import_plan is not None and any(o.edit is not None for o in outcomes):
             added = self._import_outcome(outcomes)
@@ -492,7 +662,9 @@ class _Propagator:
                     line = lines[id(outcome)] + log.line - outcome.unit.root.lineno
                 placements.append(Placement(log.name, outcome.statement, line, outcome.anchor))
         imported = AddedImport(added.statement, lines[id(added)]) if added is not None else None
-        return Propagation(source, tuple(placements), tuple(problems), imported)
+        return Propagation(
+            source, tuple(placements), tuple(problems), imported, self.carry.carried_names()
+        )
 
     @staticmethod
     def _quote(log: LogStatement) -> str:
@@ -737,9 +909,20 @@ class _Propagator:
                 start = self.new.offset_in(unit.root, *_span(func)[:2])
                 end = self.new.offset_in(unit.root, *_span(func)[2:])
                 replacements.append((start, end, callee))
+        top = self._top_level(spot.stmt)
         for name in _free_names(unit.root):
             if id(name) in callee_names:
                 continue
+            if self._module_level_in_new(name.id, new_chain):
+                carried = self.carry.use(name.id, top)
+                if isinstance(carried, list):
+                    missing.extend(carried)
+                    continue
+                if carried is not None:  # today's definition goes in with the statement
+                    if carried != name.id:
+                        start = self.new.offset_in(unit.root, name.lineno, name.col_offset)
+                        replacements.append((start, start + len(name.id), carried))
+                    continue
             mapped = self.new_scopes.old_name(name.id, new_chain, self.votes)
             shown = f"`{mapped}`" if mapped == name.id else f"`{mapped}` (`{name.id}` here)"
             check(mapped, shown)
@@ -756,6 +939,27 @@ class _Propagator:
         for start, end, value in sorted(replacements, reverse=True):
             text = text[:start] + value + text[end:]
         return text
+
+    def _module_level_in_new(self, name: str, chain: Sequence[ast.AST]) -> bool:
+        """Whether ``name`` read by today's statement is one of today's module-level names."""
+        for scope in chain:
+            if isinstance(scope, ast.Module):
+                return name in self.carry.new_bindings
+            if isinstance(scope, ast.ClassDef):
+                continue
+            if name in self.new_scopes.bindings.get(id(scope), {}):
+                return False
+        return name in self.carry.new_bindings
+
+    def _top_level(self, stmt: ast.stmt) -> ast.stmt:
+        """The statement of the old module's body that holds ``stmt``."""
+        node: ast.AST = stmt
+        while (entry := self.old.parents.get(id(node))) is not None and entry[
+            0
+        ] is not self.old.tree:
+            node = entry[0]
+        assert isinstance(node, ast.stmt)
+        return node
 
     def _old_callee(self, func: ast.expr) -> str | None:
         """How the old file spells ``log``, preferring the new file's spelling."""

@@ -15,7 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,7 +143,7 @@ def replay(
     outcomes: dict[str, RunOutcome] = {}
     notes: tuple[str, ...] = ()
     sites: dict[str, Any] = {}
-    lineage = _RunLineage({}, {}, {})
+    lineage = _RunLineage({}, {}, {}, {})
     if verify:
         source = ""
         level, needs_suffix = ScanLevel.OUTER_LOOP, True
@@ -159,7 +159,10 @@ def replay(
         needs_suffix = any(
             site.position is Position.SUFFIX for group in sites.values() for site in group
         )
-        lineage = _lineage_of(conn, paths, source, filename, names, candidates)
+        # Propagate into every candidate's version (once per version): what a replay would
+        # compute now is the evidence for both "missing" and "definition changed since".
+        versions = _propagate_all(conn, source, filename, names, candidates)
+        lineage = _lineage_of(conn, paths, source, filename, names, candidates, versions)
         complete = set() if force else _complete_runs(conn, candidates, names)
         complete -= set(lineage.changed)
         todo = [r for r in candidates if r not in complete]
@@ -176,13 +179,13 @@ def replay(
     propagations: dict[str, Propagation] = {}
     old_sources: dict[str, str] = {}
     for run_id in todo:
-        row = runs[run_id]
-        old = _old_source(row, filename)
-        old_sources[run_id] = old
         if verify:
+            old = _old_source(runs[run_id], filename)
+            old_sources[run_id] = old
             propagations[run_id] = Propagation(old, (), ())
             continue
-        result = propagate(source, old, names)
+        old, result, _ = versions[run_id]
+        old_sources[run_id] = old
         if result.problems:
             # Each reason names the statement and its line in today's script, then what
             # the old version lacks.
@@ -238,9 +241,46 @@ def replay(
 class _RunLineage:
     """Today's definitions of the names, and how the runs' values relate to them."""
 
-    today: dict[str, Any]  # name -> versions.lineage.Definition
+    today: dict[str, Any]  # name -> versions.lineage.Definition, in today's script
     changed: dict[str, list[str]]  # run -> names whose backfilled values have another key
     recorded_differs: dict[str, list[str]]  # name -> runs that recorded it by another key
+    # run -> name -> the key of what a replay computes there now (the statement propagated
+    # into the run's version, today's helpers carried with it)
+    would: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+def _propagate_all(
+    conn: sqlite3.Connection,
+    source: str,
+    filename: str,
+    names: Sequence[str],
+    run_ids: Sequence[str],
+) -> dict[str, tuple[str, Propagation, dict[str, str]]]:
+    """Per run: its old source, today's statements propagated into it, and the definition
+    keys of the names in the propagated file (what a replay would compute now)."""
+    from retrolog._query.lineage import version_reader
+    from retrolog.versions.lineage import definitions
+
+    rows = _run_rows(conn, run_ids)
+    by_version: dict[tuple[str, str], tuple[str, Propagation, dict[str, str]]] = {}
+    result = {}
+    for run_id in run_ids:
+        row = rows[run_id]
+        version = (row["git_dir"], row["code_commit"])
+        if version not in by_version:
+            old = _old_source(row, filename)
+            propagated = propagate(source, old, names)
+            keys: dict[str, str] = {}
+            if not propagated.problems:
+                read = version_reader(Path(row["git_dir"]), row["code_commit"], filename)
+                found = definitions(
+                    propagated.source, names, filename=filename, read=read,
+                    rename=_carried_back(propagated),
+                )  # fmt: skip
+                keys = {name: d.key for name, d in found.items()}
+            by_version[version] = (old, propagated, keys)
+        result[run_id] = by_version[version]
+    return result
 
 
 def _lineage_of(
@@ -250,8 +290,9 @@ def _lineage_of(
     filename: str,
     names: Sequence[str],
     runs: Sequence[str],
+    versions: Mapping[str, tuple[str, Propagation, dict[str, str]]],
 ) -> _RunLineage:
-    """Compare the definitions the runs' values came from with today's statements."""
+    """Compare the definitions the runs' values came from with what a replay computes now."""
     from retrolog._query.lineage import value_keys, working_tree_reader
     from retrolog.versions.lineage import definitions
 
@@ -260,14 +301,17 @@ def _lineage_of(
     )
     changed: dict[str, list[str]] = {}
     recorded_differs: dict[str, list[str]] = {}
+    would: dict[str, dict[str, str]] = {}
+    for run_id in runs:
+        would[run_id] = versions[run_id][2]
     for (run_id, name), keys in value_keys(conn, runs, names).items():
-        key = today[name].key
+        key = would[run_id].get(name)
         backfilled = keys.get("backfilled", set()) - {None}  # None: kept before definitions
-        if backfilled and backfilled != {key}:
+        if key is not None and backfilled and backfilled != {key}:
             changed.setdefault(run_id, []).append(name)
-        if keys.get("recorded") and keys["recorded"] != {key}:
+        if keys.get("recorded") and keys["recorded"] != {today[name].key}:
             recorded_differs.setdefault(name, []).append(run_id)
-    return _RunLineage(today, changed, recorded_differs)
+    return _RunLineage(today, changed, recorded_differs, would)
 
 
 def _recorded_hint(lineage: _RunLineage, names: Sequence[str]) -> str:
@@ -546,6 +590,7 @@ def _execute(
          plan.estimate_seconds, "verify" if verify else "backfill"),
     )  # fmt: skip
     keep(conn, lineage.today.values(), replay_id=replay_id)
+    _keep_propagated(conn, propagations, runs, filename, replay_id)
     by_run = {rp.run_id: rp for rp in plan.runs}
     jobs = _jobs(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
@@ -575,6 +620,38 @@ def _execute(
             "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
             (time.time(), status, replay_id),
         )
+
+
+def _keep_propagated(
+    conn: sqlite3.Connection,
+    propagations: Mapping[str, Propagation],
+    runs: Mapping[str, dict[str, Any]],
+    filename: str,
+    replay_id: str,
+) -> None:
+    """The definitions of what each replayed version computes (most are today's)."""
+    from retrolog._query.lineage import keep, version_reader
+    from retrolog.versions.lineage import definitions
+
+    seen: set[tuple[str, str]] = set()
+    for run_id, propagated in propagations.items():
+        row = runs[run_id]
+        version = (row["git_dir"], row["code_commit"])
+        names = [p.name for p in propagated.placements]
+        if version in seen or not names:
+            continue
+        seen.add(version)
+        read = version_reader(Path(row["git_dir"]), row["code_commit"], filename)
+        found = definitions(
+            propagated.source, names, filename=filename, read=read,
+            rename=_carried_back(propagated),
+        )  # fmt: skip
+        keep(conn, found.values(), replay_id=replay_id)
+
+
+def _carried_back(propagated: Propagation) -> dict[str, str]:
+    """Carried definitions' private names back to today's, for their definition keys."""
+    return {alias: name for name, alias in propagated.carried if alias != name}
 
 
 def _jobs(
@@ -702,7 +779,6 @@ def _collect(
     force: bool,
     lineage: _RunLineage,
 ) -> None:
-    keys = {name: d.key for name, d in lineage.today.items()}
     per_run: dict[str, list[Job]] = {}
     for job in jobs:
         per_run.setdefault(job.run_id, []).append(job)
@@ -733,7 +809,7 @@ def _collect(
         outcome.backfilled = backfill(
             conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
             rows=rows, names=names, force=force or run_id in lineage.changed,
-            inexact=outcome.inexact, lineage=keys,
+            inexact=outcome.inexact, lineage=lineage.would.get(run_id, {}),
         )  # fmt: skip
         if failed:
             outcome.status = "partial" if finished else "failed"

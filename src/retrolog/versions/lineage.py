@@ -35,7 +35,16 @@ import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["Definition", "definitions", "key_of"]
+__all__ = [
+    "Binding",
+    "Definition",
+    "canonical",
+    "definitions",
+    "global_reads",
+    "key_of",
+    "module_bindings",
+    "rename_globals",
+]
 
 # Lineage keys are short hashes of definitions: 64 bits tell apart any definitions a
 # project will ever have, and stay readable in a table.
@@ -93,9 +102,9 @@ def definitions(
     read: gives the source of a project module by its path relative to the
         file's directory (``"utils.py"``, ``"pkg/__init__.py"``), or None; without
         it imports are not followed.
-    rename: local names to write differently (an older version's ``net`` as
-        today's ``model``), so that a variable renamed between versions does not
-        change the key.
+    rename: names to write differently (an older version's ``net`` as today's
+        ``model``; a definition propagation carried in under ``_retrolog_f`` as
+        ``f``), so that a name that differs only in spelling does not change the key.
     Raises SyntaxError (or ValueError for NUL bytes) when the source does not parse.
     """
     module = _Module.parse(source, filename, read)
@@ -107,7 +116,7 @@ def definitions(
 
 
 @dataclass
-class _Binding:
+class Binding:
     """What a module-level name is bound to."""
 
     kind: str  # "def", "class", "import", "constant", "state"
@@ -123,7 +132,7 @@ class _Module:
         self.filename = filename
         self.read = read
         self.aliases, self.direct = _retrolog_names(tree)
-        self.bindings: dict[str, _Binding] = {}
+        self.bindings: dict[str, Binding] = {}
         self.starred: list[str] = []  # modules imported with *
         self.methods: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self._index()
@@ -137,7 +146,7 @@ class _Module:
         for stmt in _module_level(self.tree.body):
             if isinstance(stmt, _DEFS):
                 kind = "class" if isinstance(stmt, ast.ClassDef) else "def"
-                self.bindings[stmt.name] = _Binding(kind, [stmt])
+                self.bindings[stmt.name] = Binding(kind, [stmt])
                 if isinstance(stmt, ast.ClassDef):
                     for item in stmt.body:
                         if isinstance(item, _FUNCTIONS):
@@ -146,14 +155,14 @@ class _Module:
                 for alias in stmt.names:
                     bound = alias.asname or alias.name.split(".")[0]
                     module = alias.name if alias.asname else alias.name.split(".")[0]
-                    self.bindings[bound] = _Binding("import", [stmt], module=module)
+                    self.bindings[bound] = Binding("import", [stmt], module=module)
             elif isinstance(stmt, ast.ImportFrom):
                 module = "." * stmt.level + (stmt.module or "")
                 for alias in stmt.names:
                     if alias.name == "*":
                         self.starred.append(module)
                         continue
-                    self.bindings[alias.asname or alias.name] = _Binding(
+                    self.bindings[alias.asname or alias.name] = Binding(
                         "import", [stmt], module=module, attribute=alias.name
                     )
             elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
@@ -168,11 +177,11 @@ class _Module:
                             kind = (
                                 "constant" if constant and isinstance(target, ast.Name) else "state"
                             )
-                            self.bindings[name] = _Binding(kind, [stmt])
+                            self.bindings[name] = Binding(kind, [stmt])
             else:
                 for node in ast.walk(stmt):  # for-loop targets, with-targets, walrus...
                     if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-                        self.bindings.setdefault(node.id, _Binding("state"))
+                        self.bindings.setdefault(node.id, Binding("state"))
 
     # .. the logged names
 
@@ -306,14 +315,15 @@ class _Resolver:
         if binding.kind == "import":
             self._import(module, binding, qualified)
             return
+        shown = self.rename.get(qualified, qualified)
         if binding.kind == "constant":
-            self.dependencies[qualified] = "\n".join(
-                ast.unparse(_renamed(stmt, self.rename)) for stmt in binding.nodes
+            self.dependencies[shown] = "\n".join(
+                ast.unparse(rename_globals(stmt, self.rename)) for stmt in binding.nodes
             )
             return
         (definition,) = binding.nodes
         assert isinstance(definition, _DEFS)
-        self.dependencies[qualified] = ast.unparse(_without_docstrings(definition))
+        self.dependencies[shown] = canonical(rename_globals(definition, self.rename))
         self._follow(module, definition)
 
     def _follow(self, module: _Module, definition: ast.AST) -> None:
@@ -339,7 +349,7 @@ class _Resolver:
             self.dependencies[qualified] = ast.unparse(_without_docstrings(method))
             self._follow(module, method)
 
-    def _import(self, module: _Module, binding: _Binding, qualified: str) -> None:
+    def _import(self, module: _Module, binding: Binding, qualified: str) -> None:
         (statement,) = binding.nodes[:1]
         other = module.imported(binding.module or "")
         if other is None:
@@ -350,6 +360,62 @@ class _Resolver:
             self._resolve(other, binding.attribute)
         else:
             self.dependencies[qualified] = ast.unparse(statement)
+
+
+# -- for propagation: carrying today's definitions into an old version ---------------------
+
+
+def module_bindings(tree: ast.Module) -> dict[str, Binding]:
+    """What each module-level name is bound to: a def, a class, an import, a constant, state."""
+    return _Module(tree, "", "<module>", None).bindings
+
+
+def canonical(node: ast.AST) -> str:
+    """A def, class or statement as its definition text (unparsed, without docstrings)."""
+    return ast.unparse(_without_docstrings(node))
+
+
+def global_reads(node: ast.AST) -> set[str]:
+    """The names a module-level def, class or statement reads from the module's scope."""
+    if isinstance(node, _DEFS):
+        inner = _locals_of([node]) if isinstance(node, _FUNCTIONS) else set()
+        for sub in ast.walk(node):
+            if isinstance(sub, _SCOPE_NODES) and sub is not node:
+                inner |= _locals_of([sub])
+        found = {
+            sub.id
+            for sub in ast.walk(node)
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in inner
+        }
+        return found - {node.name}
+    value = getattr(node, "value", None)
+    return {name.id for name in _loads(value)} if isinstance(value, ast.AST) else set()
+
+
+def rename_globals(node: ast.AST, mapping: Mapping[str, str]) -> ast.AST:
+    """A copy of a module-level def, class or statement with module names renamed.
+
+    Only names read from (or, for the def itself, bound in) the module's scope
+    change; a parameter or local of the same name stays.
+    """
+    import copy
+
+    node = copy.deepcopy(node)
+    reads = global_reads(node)
+    if isinstance(node, _DEFS):
+        reads.add(node.name)  # a recursive call
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in mapping and sub.id in reads:
+            sub.id = mapping[sub.id]
+    if isinstance(node, _DEFS) and node.name in mapping:
+        node.name = mapping[node.name]
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Name) and sub.id in mapping:
+                    sub.id = mapping[sub.id]
+    return node
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -431,6 +497,10 @@ def _locals_of(scopes: list[ast.AST]) -> set[str]:
     """Names bound in the enclosing function scopes (parameters, assignments, loops...)."""
     names: set[str] = set()
     for scope in scopes:
+        if isinstance(scope, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            for generator in scope.generators:
+                names |= set(_stored_names(generator.target))
+            continue
         if not isinstance(scope, (*_FUNCTIONS, ast.Lambda)):
             continue
         arguments = scope.args
