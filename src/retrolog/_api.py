@@ -247,6 +247,7 @@ def replay(
     dry_run: bool = False,
     force: bool = False,
     allow_inexact: bool = False,
+    reuse: bool = True,
 ) -> pd.DataFrame:
     """Backfill the values of new log statements into past runs, by replaying them.
 
@@ -263,6 +264,8 @@ def replay(
     allow_inexact: return the dataframe even when recorded values came out different
         in replay (the values backfilled from those runs are stored marked inexact);
         otherwise that raises InexactReplayError.
+    reuse: copy the values of a run that computed exactly what another did (same
+        configuration and history) instead of replaying it.
     Returns the dataframe of ``names`` for the matching runs (empty after a dry run).
     The plan and a report go to stderr; nothing is asked (the CLI asks).
     """
@@ -277,7 +280,7 @@ def replay(
     with _reader() as conn:
         result = run_replay(
             conn, locate(), wanted, where, script=script, workers=workers, threads=threads,
-            dry_run=dry_run, force=force, progress=False,
+            dry_run=dry_run, force=force, reuse=reuse, progress=False,
         )  # fmt: skip
         if result.inexact and not allow_inexact:
             raise InexactReplayError(

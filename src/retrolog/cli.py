@@ -303,6 +303,12 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     "what it recorded; backfills nothing. Takes only an optional WHERE.",
 )
 @click.option(
+    "--no-reuse",
+    is_flag=True,
+    help="Replay every run, even one that computed exactly what another did (same "
+    "configuration and history), whose values would otherwise be copied.",
+)
+@click.option(
     "--allow-inexact",
     is_flag=True,
     help="Exit 0 even when the deferred check finds recorded values that replay recomputed "
@@ -311,7 +317,8 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
 @_handle_errors
 def replay_command(
     names: str | None, where: str | None, yes: bool, dry_run: bool, workers: int | None,
-    threads: int | None, script: str | None, force: bool, verify: bool, allow_inexact: bool,
+    threads: int | None, script: str | None, force: bool, verify: bool, no_reuse: bool,
+    allow_inexact: bool,
 ) -> None:  # fmt: skip
     """Backfill new log statements into past runs by replaying them.
 
@@ -357,7 +364,7 @@ def replay_command(
         result = replay(
             conn, locate(), names.split(",") if names else [], where, script=script,
             workers=workers, threads=threads, dry_run=dry_run, force=force, verify=verify,
-            confirm=confirm,
+            reuse=not no_reuse, confirm=confirm,
         )  # fmt: skip
     failed = [o for o in result.outcomes.values() if o.status in ("failed", "partial")]
     if failed or (result.inexact and not allow_inexact):

@@ -34,6 +34,7 @@ from retrolog._replay.plan import (
     scan_level_for,
 )
 from retrolog._replay.propagate import Propagation, propagate
+from retrolog._replay.reuse import copy_values, find_sources
 from retrolog._replay.statements import Position, locate_statements
 from retrolog.errors import QueryError, RetrologError, UsageError
 from retrolog.runtime import numerics
@@ -64,6 +65,7 @@ class RunOutcome:
     # (the deferred check found a difference) or "environment" (possibly inexact).
     inexact: str | None = None
     cause: str = ""  # for a mismatch: where the first difference points
+    reused_from: str | None = None  # the run whose values it got instead of replaying
 
 
 @dataclass
@@ -104,6 +106,7 @@ def replay(
     dry_run: bool = False,
     force: bool = False,
     verify: bool = False,
+    reuse: bool = True,
     confirm: Callable[[str], bool] | None = None,
     echo: Echo = _stderr,
     progress: bool = True,
@@ -117,6 +120,8 @@ def replay(
         they are marked possibly inexact.
     verify: replay each run's own code (no new statement) at the outer loop and
         compare what it recomputes with what it recorded; backfills nothing.
+    reuse: copy values instead of replaying a run that computed exactly what another
+        did (same configuration and history: _replay/reuse.py).
     confirm: asked with the plan text before executing; returning False stops.
     """
     names = [n.strip() for n in names if n.strip()]
@@ -194,10 +199,21 @@ def replay(
         else:
             propagations[run_id] = result
     placeable = [r for r in todo if r in propagations]
+    # Runs that computed exactly what another did get that one's values (_replay/reuse.py).
+    ready: dict[str, str] = {}
+    after: dict[str, str] = {}
+    if reuse and not verify and not force:
+        from retrolog.store.objects import LocalObjectStore
+
+        objects = LocalObjectStore(paths.objects)
+        ready, after = find_sources(conn, placeable, runs, names, lineage.would, objects.get)
+    for run_id, source_run in {**ready, **after}.items():
+        outcomes[run_id] = RunOutcome(run_id, "reused", reused_from=source_run)
+    to_run = [r for r in placeable if r not in ready and r not in after]
 
     plan: ReplayPlan | None = None
-    if placeable:
-        profiles = load_profiles(conn, placeable)
+    if to_run:
+        profiles = load_profiles(conn, to_run)
         per_byte = _restore_seconds_per_byte(paths, profiles)
         workers = workers or default_workers(max((p.threads or 1 for p in profiles), default=1))
         plan = _plan(level, profiles, workers, per_byte, notes, needs_suffix, source or "", threads)
@@ -219,22 +235,56 @@ def replay(
             if outcome.diff:
                 echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
         return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
-    if plan is None:
+    if plan is None and not ready and not after:
         return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
     if confirm is not None and not confirm(text):
         echo("Replay cancelled; nothing was run.")
         return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
 
-    _execute(
-        conn, paths, plan, runs, propagations, outcomes, names,
-        replay_id=replay_id, filename=filename, where=where, force=force,
-        echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
-    )  # fmt: skip
+    if plan is not None:
+        _execute(
+            conn, paths, plan, runs, propagations, outcomes, names,
+            replay_id=replay_id, filename=filename, where=where, force=force,
+            echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
+        )  # fmt: skip
+    _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
     actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
-    if actual:
+    if actual and plan is not None:
         echo(format_estimate_vs_actual(plan, actual))
     _report(outcomes, echo, verify)
     return ReplayResult(*result_args, plan, outcomes, sorted(complete), True, verify)
+
+
+def _copy_reused(
+    conn: sqlite3.Connection,
+    ready: Mapping[str, str],
+    after: Mapping[str, str],
+    outcomes: dict[str, RunOutcome],
+    names: Sequence[str],
+    replay_id: str,
+    lineage: _RunLineage,
+) -> None:
+    """Give the reusing runs their sources' values (after the sources were replayed)."""
+    for run_id, source_run in {**ready, **after}.items():
+        outcome = outcomes[run_id]
+        source_outcome = outcomes.get(source_run)
+        if run_id in after and (source_outcome is None or source_outcome.status != "replayed"):
+            outcome.status = "failed"
+            outcome.error = f"its values were to come from run {source_run}, which did not finish"
+            continue
+        outcome.backfilled = copy_values(
+            conn, source=source_run, target=run_id, names=names, replay_id=replay_id,
+            replace=run_id in lineage.changed,
+        )  # fmt: skip
+        outcome.status = "replayed"
+        if source_outcome is not None:
+            outcome.inexact = source_outcome.inexact
+        conn.execute(
+            "INSERT OR REPLACE INTO replay_runs(replay_id, run_id, scan, status, backfilled,"
+            " mismatches, error, inexact) VALUES (?, ?, 'REUSED', 'reused', ?, '[]', ?, ?)",
+            (replay_id, run_id, outcome.backfilled, f"copied from run {source_run}",
+             source_outcome.inexact if source_outcome else None),
+        )  # fmt: skip
 
 
 @dataclass
@@ -909,6 +959,11 @@ def _plan_text(
     for outcome in outcomes.values():
         if outcome.status == "unplaceable":
             lines.append(f"run {outcome.run_id}: not replayed: {outcome.error}")
+        elif outcome.status == "reused":
+            lines.append(
+                f"run {outcome.run_id}: reused from {outcome.reused_from} (the same "
+                "configuration and history: its values are copied, not recomputed)"
+            )
     different = [o for o in outcomes.values() if o.environment]
     if different:
         lines.append(
@@ -952,7 +1007,7 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
                 f"{m.compared} places ({m.example})"
             )
     done = [o for o in outcomes.values() if o.status == "replayed"]
-    inexact = [o for o in done if o.inexact == "mismatch"]
+    inexact = [o for o in done if o.inexact == "mismatch" and o.reused_from is None]
     if verify:
         exact = [o for o in done if not o.mismatches]
         checked = f" ({sum(o.compared for o in exact)} recorded values recomputed bit for bit)"
@@ -963,7 +1018,9 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
         )
     else:
         added = sum(o.backfilled for o in outcomes.values())
-        echo(f"Replayed {len(done)} run(s); backfilled {added} value(s).")
+        reused = [o for o in done if o.reused_from is not None]
+        shown = f" ({len(reused)} of them by reuse)" if reused else ""
+        echo(f"Replayed {len(done)} run(s){shown}; backfilled {added} value(s).")
     if inexact:
         echo(_inexact_paragraph(inexact, verify))
 

@@ -179,6 +179,7 @@ MIGRATIONS.append(
         "lineage: definitions of logged values, per run and per backfilled value",
         """
         ALTER TABLE logs ADD COLUMN lineage TEXT;
+        ALTER TABLE logs ADD COLUMN reused_from TEXT;
         CREATE TABLE definitions (
             lineage      TEXT PRIMARY KEY,
             name         TEXT NOT NULL,
