@@ -152,3 +152,20 @@ def test_recorded_values_of_another_definition_are_reported(project: Project) ->
     assert plan.returncode == 0, plan.stderr
     plan_acc = project.cli("replay", "acc", "--dry-run")
     assert "recorded 'acc' in 2 run(s) was computed by another definition" in plan_acc.stderr
+
+
+def test_a_variable_renamed_since_is_not_another_definition(project: Project) -> None:
+    _record(project)
+    renamed = _with(STATEMENT).replace("w = np.zeros", "weights = np.zeros")
+    renamed = renamed.replace("w=w", "w=weights").replace("w +=", "weights +=")
+    renamed = renamed.replace("w.mean()", "weights.mean()").replace(
+        "weight_norm(w)", "weight_norm(weights)"
+    )
+    project.write("train.py", renamed)
+    plan = project.cli("replay", "acc", "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    assert "another definition" not in plan.stderr
+    changed = renamed.replace("weights.mean()", "weights.max()")
+    project.write("train.py", changed)
+    plan = project.cli("replay", "acc", "--dry-run")
+    assert "recorded 'acc' in 2 run(s) was computed by another definition" in plan.stderr

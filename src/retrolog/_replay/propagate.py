@@ -63,6 +63,7 @@ __all__ = [
     "Unplaceable",
     "find_log_statements",
     "propagate",
+    "renames",
 ]
 
 # Compound statements copied whole when they hold nothing but requested log
@@ -179,6 +180,39 @@ def propagate(new_source: str, old_source: str, names: Sequence[str]) -> Propaga
         problems = tuple(Unplaceable(s.name, str(exc)) for s, _ in found)
         return Propagation(old_source, (), problems)
     return _Propagator(new, old, _units(new, found)).run()
+
+
+def renames(new_source: str, old_source: str) -> dict[str, str]:
+    """The old file's names for variables today's file calls otherwise (old -> new).
+
+    As propagation reads them off the alignment (``net`` then, ``model`` now), for
+    comparing an old statement's definition with today's. Empty when either file
+    does not parse; a name two new names claim is left out.
+    """
+    try:
+        new, old = _parse(new_source, "new"), _parse(old_source, "old")
+    except ValueError:
+        return {}
+    align = _Alignment(_Tree(new.tree, set()), _Tree(old.tree, set()))
+    align.run(
+        lambda node: _loop_name(node, new.api),
+        lambda node: _loop_name(node, old.api),
+        lambda call: new.api.function_of(call) == "loop",
+        lambda call: old.api.function_of(call) == "loop",
+    )
+    scopes = _scopes(new.tree)
+    mapping: dict[str, str] = {}
+    claimed: set[str] = set()
+    for (scope_id, name), counts in align.name_votes(scopes).items():
+        best, count = counts.most_common(1)[0]
+        if best == name or counts.get(name, 0) >= count:
+            continue
+        if best in scopes.bindings.get(scope_id, {}):
+            continue  # today's file has both: two variables the alignment paired
+        if best in mapping and mapping[best] != name:
+            claimed.add(best)
+        mapping[best] = name
+    return {old_name: new_name for old_name, new_name in mapping.items() if old_name not in claimed}
 
 
 # --- Reading a version -----------------------------------------------------------------

@@ -359,9 +359,25 @@ def _lineage_of(
         backfilled = keys.get("backfilled", set()) - {None}  # None: kept before definitions
         if key is not None and backfilled and backfilled != {key}:
             changed.setdefault(run_id, []).append(name)
-        if keys.get("recorded") and keys["recorded"] != {today[name].key}:
+        differs = bool(keys.get("recorded")) and keys["recorded"] != {today[name].key}
+        if differs and not _same_after_renames(source, versions[run_id][0], name, today[name].key):
             recorded_differs.setdefault(name, []).append(run_id)
     return _RunLineage(today, changed, recorded_differs, would)
+
+
+def _same_after_renames(new_source: str, old_source: str, name: str, key: str) -> bool:
+    """Whether the old statement is today's but for variables the alignment maps renamed."""
+    from retrolog._replay.propagate import renames
+    from retrolog.versions.lineage import definitions
+
+    mapping = renames(new_source, old_source)
+    if not mapping:
+        return False
+    try:
+        found = definitions(old_source, [name], rename=mapping)
+    except (SyntaxError, ValueError):
+        return False
+    return found[name].key == key
 
 
 def _recorded_hint(lineage: _RunLineage, names: Sequence[str]) -> str:
