@@ -179,7 +179,7 @@ def test_checkpoint_is_exactly_the_state_at_capture(
     assert all(
         torch.equal(a, b) for a, b in zip(params, objects["model"].parameters(), strict=True)
     )
-    assert ckpt.captured == ckpt.written == 1 and ckpt.skipped == 0
+    assert ckpt.captured == ckpt.written == 1 and ckpt.abandoned == ()
 
 
 @pytest.mark.parametrize(
@@ -295,7 +295,7 @@ def test_close_flushes_everything_in_capture_order(gated: GatedStore, tmp_path: 
     ckpt.close()
     assert [r.ctx_id for r in records] == [0, 1, 2, 3]
     assert [r.manifest for r in records] == expected
-    assert ckpt.in_flight == 0 and ckpt.written == 4
+    assert ckpt.written == 4 and ckpt.abandoned == ()
     # capture_seconds is the training thread's time only; the blocked write is write_seconds.
     assert records[0].write_seconds >= 0.3 > max(r.capture_seconds for r in records)
     assert all(r.nbytes > 0 and r.kind == "block" for r in records)
@@ -332,10 +332,11 @@ def test_the_codec_is_loaded_on_the_training_thread_before_the_writer_starts(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
-def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
+def test_the_idle_lane_takes_idle_cycles_and_close_has_the_urgent_lane_write_the_rest(
     gated: GatedStore, store: LocalObjectStore
 ) -> None:
-    """The writer thread runs under SCHED_IDLE; close() interrupts it and writes the rest."""
+    """The idle lane runs under SCHED_IDLE; at close the urgent lane, at training's priority,
+    writes what is left, without waiting for the idle lane to let go of it."""
     main_priority = priority_of_this_thread()
     state = {"a": np.zeros(10_000), "b": np.ones(10_000)}  # two arrays: two puts each
     seen: list[tuple[str, tuple[int, int], CheckpointRecord]] = []
@@ -353,7 +354,7 @@ def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     assert [(name, prio) for name, prio, _ in seen] == [
         ("retrolog-checkpoint-writer", (os.SCHED_IDLE, 19))
     ]
-    # The writer blocks inside checkpoint 1's first put; close() comes meanwhile.
+    # The idle lane blocks inside checkpoint 1's first put; close() comes meanwhile.
     gated.gate.clear()
     gated.entered.clear()
     state["a"][:] = 1.0
@@ -364,16 +365,17 @@ def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     assert gated.entered.wait(GATE_TIMEOUT)
     threading.Timer(0.2, gated.gate.set).start()
     ckpt.close()
-    # Checkpoint 1 was interrupted after its first array and started again here, at
-    # this thread's priority; the end checkpoint was never started by the writer.
+    # Checkpoint 1 was written again by the urgent lane, at this thread's priority (the
+    # idle lane stops at its next array); the end checkpoint was never started by it.
     assert [(name, prio) for name, prio, _ in seen[1:]] == [
-        (threading.current_thread().name, main_priority)
+        ("retrolog-checkpoint-urgent", main_priority)
     ] * 2
     assert priority_of_this_thread() == main_priority
     assert [r.ctx_id for _, _, r in seen] == [0, 1, None]
     restored = [decode(r.manifest, store).objects for _, _, r in seen]
     assert [(o["a"][0], o["b"][0]) for o in restored] == [(0.0, 1.0), (1.0, 2.0), (3.0, 2.0)]
-    assert seen[1][2].write_seconds >= 0.2  # counted from the interrupted attempt's start
+    assert seen[1][2].write_seconds >= 0.2  # counted from the idle lane's attempt's start
+    assert ckpt.finished_at_close == 2 and ckpt.urgent_writes == 0
 
 
 def test_the_writer_at_training_priority_when_asked(store: LocalObjectStore) -> None:
@@ -414,16 +416,17 @@ def count_snapshots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return taken
 
 
-def test_when_full_wait_blocks_the_training_thread(
+def test_a_capture_that_finds_every_slot_held_waits_for_one(
     gated: GatedStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken = count_snapshots(monkeypatch)
     state = {"x": np.arange(10.0)}
     records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2, when_full="wait")
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2)
     with pytest.warns(RetrologWarning, match="fell behind.*made training wait") as warned:
         capture(ckpt, state, 0)
         capture(ckpt, state, 1)
+        assert not ckpt.has_room()
         third, errors = in_thread(lambda: capture(ckpt, state, 2))
         third.join(0.3)
         assert third.is_alive()  # blocked: two snapshots are held, the writer cannot finish
@@ -437,50 +440,13 @@ def test_when_full_wait_blocks_the_training_thread(
     assert [r.ctx_id for r in records] == [0, 1, 2, 3]
     assert ckpt.waited_seconds >= 0.25
     assert records[2].capture_seconds >= 0.25  # the wait is main-thread cost of that checkpoint
-    assert ckpt.skipped == 0 and ckpt.captured == 4
+    assert ckpt.abandoned == () and ckpt.captured == 4
 
 
-def test_when_full_skip_drops_the_checkpoint_but_never_the_end(
-    gated: GatedStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    taken = count_snapshots(monkeypatch)
-    state = {"x": np.arange(10.0)}
-    records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=1, when_full="skip")
-    caplog.set_level("INFO", logger="retrolog.checkpoint")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # skipping is logged, not warned about
-        capture(ckpt, state, 0)
-        assert gated.entered.wait(GATE_TIMEOUT)
-        capture(ckpt, state, 1)
-        capture(ckpt, state, 2)
-        assert len(taken) == 1  # a skipped checkpoint costs no snapshot
-        end, errors = in_thread(lambda: capture(ckpt, state, None))
-        end.join(0.3)
-        assert end.is_alive()  # the end checkpoint waits instead
-        gated.gate.set()
-        end.join(GATE_TIMEOUT)
-        assert errors == []
-        ckpt.close()
-    skipped = [r.getMessage() for r in caplog.records if "not taken" in r.getMessage()]
-    assert len(skipped) == 1 and "ctx 1 of loop 'epoch'" in skipped[0]
-    assert [r.ctx_id for r in records] == [0, None]  # the sink never saw the skipped ones
-    assert ckpt.skipped == 2 and ckpt.captured == 2
-    assert [(s.ctx_id, s.loop_name, s.kind, s.in_flight) for s in ckpt.skips] == [
-        (1, "epoch", "block", 1),
-        (2, "epoch", "block", 1),
-    ]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [({"max_in_flight": 0}, "max_in_flight"), ({"when_full": "drop"}, "when_full")],
-)
-def test_bad_settings_are_refused(
-    store: LocalObjectStore, kwargs: dict[str, Any], message: str
-) -> None:
-    with pytest.raises(ValueError, match=message):
-        BackgroundCheckpointer(store, lambda record: None, **kwargs)
+@pytest.mark.parametrize("max_in_flight", [0, 1.5, "2"])
+def test_bad_settings_are_refused(store: LocalObjectStore, max_in_flight: Any) -> None:
+    with pytest.raises(ValueError, match="max_in_flight"):
+        BackgroundCheckpointer(store, lambda record: None, max_in_flight=max_in_flight)
 
 
 # -- failures -------------------------------------------------------------------------------
@@ -652,39 +618,16 @@ def decode_node(store: LocalObjectStore, manifest: str) -> Any:
     return json.loads(store.get(manifest))
 
 
-def test_under_skip_the_end_state_never_waits_behind_optional_checkpoints(
-    gated: GatedStore, store: LocalObjectStore
-) -> None:
-    """A queued block checkpoint makes room for the end; close() writes only end states."""
-    state = {"a": np.zeros(10_000), "b": np.ones(10_000)}
-    records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2, when_full="skip")
-    capture(ckpt, state, 0)
-    assert gated.entered.wait(GATE_TIMEOUT)  # the writer is inside checkpoint 0
-    state["a"][:] = 1.0
-    capture(ckpt, state, 1)  # queued behind it: both slots taken
-    state["b"][:] = 2.0
-    began = time.perf_counter()
-    capture(ckpt, state, None)  # the end: takes checkpoint 1's slot instead of waiting
-    assert time.perf_counter() - began < GATE_TIMEOUT / 2 and ckpt.waited_seconds == 0.0
-    threading.Timer(0.2, gated.gate.set).start()
-    ckpt.close()
-    assert [r.ctx_id for r in records] == [None]  # checkpoint 0 was dropped at close
-    assert [(s.ctx_id, s.dropped) for s in ckpt.skips] == [(1, True), (0, True)]
-    assert ckpt.skipped == ckpt.dropped == 2
-    end = decode(records[0].manifest, store).objects
-    assert (end["a"][0], end["b"][0]) == (1.0, 2.0)
-
-
-def test_under_wait_close_writes_every_checkpoint_in_flight(gated: GatedStore) -> None:
+def test_close_writes_every_checkpoint_in_flight(gated: GatedStore) -> None:
     state = {"a": np.zeros(10_000)}
     records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=3, when_full="wait")
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=3)
     for ctx in (0, 1, None):
         capture(ckpt, state, ctx)
     threading.Timer(0.2, gated.gate.set).start()
     ckpt.close()
-    assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.skipped == 0
+    assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.abandoned == ()
+    assert ckpt.written_of("block") == 2 and ckpt.written_of("end") == 1
 
 
 def test_a_writer_that_cannot_load_its_codec_fails_loudly(
@@ -694,7 +637,7 @@ def test_a_writer_that_cannot_load_its_codec_fails_loudly(
         raise ImportError("No module named 'imagecodecs'")
 
     monkeypatch.setattr(background, "_codec", missing)
-    ckpt = BackgroundCheckpointer(store, lambda r: None, max_in_flight=1, when_full="wait")
+    ckpt = BackgroundCheckpointer(store, lambda r: None, max_in_flight=1)
     capture(ckpt, {"a": np.zeros(10_000)}, 0)
     with pytest.raises(StoreError, match="compression library"):
         for ctx in range(1, 50):  # the next capture raises instead of waiting forever
