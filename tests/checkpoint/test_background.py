@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,36 @@ class FailingStore(GatedStore):
         raise self.error
 
 
+class StarvedIdleStore(WrappingStore):
+    """A store the idle lane cannot write to until ``fed`` is set: SCHED_IDLE beside a
+    training that keeps every core busy, made deterministic. Other threads write freely."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.fed = threading.Event()
+        self.stalled = threading.Event()  # set once the idle lane is stuck inside a put
+
+    def put(self, data: bytes) -> str:
+        if threading.current_thread().name == "retrolog-checkpoint-writer":
+            self.stalled.set()
+            if not self.fed.wait(GATE_TIMEOUT):
+                raise AssertionError("the test never fed the idle lane")
+        return self.inner.put(data)
+
+
+class SlowStore(WrappingStore):
+    """Every put takes ``delay`` seconds, or until ``gate`` opens (then none)."""
+
+    def __init__(self, inner: ObjectStore, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+        self.gate = threading.Event()
+
+    def put(self, data: bytes) -> str:
+        self.gate.wait(self.delay)
+        return self.inner.put(data)
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> LocalObjectStore:
     return LocalObjectStore(tmp_path / "objects", durable=False)
@@ -81,6 +112,13 @@ def gated(store: LocalObjectStore) -> Iterator[GatedStore]:
     gated = GatedStore(store)
     yield gated
     gated.gate.set()  # never leave a writer thread blocked behind a failed test
+
+
+@pytest.fixture
+def starved(store: LocalObjectStore) -> Iterator[StarvedIdleStore]:
+    starved = StarvedIdleStore(store)
+    yield starved
+    starved.fed.set()
 
 
 @pytest.fixture(autouse=True)
@@ -449,6 +487,91 @@ def test_bad_settings_are_refused(store: LocalObjectStore, max_in_flight: Any) -
         BackgroundCheckpointer(store, lambda record: None, max_in_flight=max_in_flight)
 
 
+# -- an idle lane that gets no CPU ----------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_a_due_checkpoint_is_written_by_the_urgent_lane_while_the_idle_lane_starves(
+    starved: StarvedIdleStore, store: LocalObjectStore
+) -> None:
+    main_priority = priority_of_this_thread()
+    seen: list[tuple[str, tuple[int, int], CheckpointRecord]] = []
+    reported: list[float] = []
+
+    def sink(record: CheckpointRecord) -> None:
+        reported.append(time.monotonic())
+        seen.append((threading.current_thread().name, priority_of_this_thread(), record))
+
+    ckpt = BackgroundCheckpointer(starved, sink, max_in_flight=2)
+    state = {"a": np.arange(10_000.0)}
+    captured = time.monotonic()
+    ckpt.capture(ctx_id=0, loop_name="epoch", kind="block", objects=state, due_in=0.2)
+    assert starved.stalled.wait(GATE_TIMEOUT)  # the idle lane took it, and stalled
+    time.sleep(0.1)
+    assert seen == []  # not due yet: left to the idle lane
+    wait_until(lambda: ckpt.written == 1)
+    ((name, priority, record),) = seen
+    assert (name, priority) == ("retrolog-checkpoint-urgent", main_priority)
+    assert reported[0] - captured >= 0.2 and record.urgent_cpu_seconds > 0
+    assert record.idle_seconds is not None and record.idle_seconds > 0.1  # stalled meanwhile
+    assert ckpt.urgent_writes == 1
+    assert decode(record.manifest, store).objects["a"][-1] == 9999.0
+    # Written, but the stalled idle lane still reads that snapshot's memory: it is not
+    # handed to the next capture until the lane lets go of it.
+    assert ckpt.in_flight == 1
+    starved.fed.set()
+    wait_until(lambda: ckpt.in_flight == 0)
+    ckpt.close()
+    assert [r.ctx_id for _, _, r in seen] == [0]
+
+
+def test_with_a_starved_idle_lane_no_checkpoint_taken_is_lost(
+    starved: StarvedIdleStore, store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the run does at each block end: take a checkpoint only when the writer has
+    room, else hurry the oldest; every checkpoint taken is written, in order, and no more
+    than max_in_flight snapshots are ever held."""
+    taken = count_snapshots(monkeypatch)
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(starved, records.append, max_in_flight=2)
+    state = {"a": np.zeros(10_000)}
+    captured, refused, held = [], 0, []
+    for ctx in range(40):
+        state["a"][:] = ctx
+        held.append(ckpt.in_flight)
+        if ckpt.has_room():
+            ckpt.capture(ctx_id=ctx, loop_name="epoch", kind="block", objects=state)
+            captured.append(ctx)
+        else:
+            ckpt.escalate()
+            refused += 1
+        time.sleep(0.005)  # a block
+    ckpt.capture(ctx_id=None, loop_name="epoch", kind="end", objects=state)
+    ckpt.close()
+    assert [r.ctx_id for r in records] == [*captured, None]
+    assert [decode(r.manifest, store).objects["a"][0] for r in records[:-1]] == captured
+    assert len(captured) > 10 and refused > 0  # the urgent lane kept freeing slots
+    assert max(held) <= 2 and len(taken) == len(captured) + 1
+    assert ckpt.abandoned == () and ckpt.written == ckpt.captured
+
+
+def test_close_does_not_wait_for_a_starved_idle_lane(starved: StarvedIdleStore) -> None:
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(starved, records.append, max_in_flight=3)
+    for ctx in (0, 1, None):
+        capture(ckpt, {"a": np.full(10_000, ctx or 0.0)}, ctx)
+    assert starved.stalled.wait(GATE_TIMEOUT)
+    ckpt.close()  # would hang here (until the fixture feeds it) if close waited for it
+    assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.finished_at_close == 3
+
+
 # -- failures -------------------------------------------------------------------------------
 
 
@@ -540,6 +663,75 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
     assert [int(w[1]) for w in written] == [0, 1, 2, 3, 4]
     store = LocalObjectStore(tmp_path / "objects")
     assert [int(decode(w[2], store).objects["x"][0]) for w in written] == [0, 1, 2, 3, 4]
+
+
+def test_a_long_finish_shows_what_remains_on_stderr(
+    store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = SlowStore(store, delay=0.15)
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(slow, records.append, max_in_flight=3, label="run R")
+    state = {f"w{i}": np.full(50_000, float(i)) for i in range(4)}  # 4 arrays of 400 KB
+    for ctx in (0, 1, None):
+        capture(ckpt, state, ctx)
+    ckpt.close()  # 3 checkpoints of 5 puts each: over 2 s at 0.15 s a put
+    err = capsys.readouterr().err
+    assert [r.ctx_id for r in records] == [0, 1, None]
+    progress = [line for line in err.splitlines() if "before exit" in line]
+    assert progress, err
+    assert re.search(
+        r"finishing [123] checkpoints? \(\d+\.\d MB\) of run R before exit, "
+        r"about \d+(\.\d)? s left",
+        progress[0],
+    ), progress
+    assert "wrote 3 checkpoints (4.8 MB) of run R in" in err
+    assert ckpt.finish_seconds > 1.0
+
+
+def test_a_short_finish_says_nothing(
+    store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with BackgroundCheckpointer(store, lambda r: None) as ckpt:
+        capture(ckpt, {"a": np.zeros(1000)}, None)
+    assert capsys.readouterr().err == ""
+
+
+def test_ctrl_c_once_keeps_finishing_and_twice_abandons(
+    store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = SlowStore(store, delay=GATE_TIMEOUT)  # nothing finishes until the gate opens
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(slow, records.append, max_in_flight=3, label="run R")
+    state = {"a": np.zeros(100_000), "b": np.ones(100_000)}
+    for ctx in (4, 5, None):
+        capture(ckpt, state, ctx)
+
+    def press(after: float) -> None:
+        threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    press(0.3)
+    press(0.8)
+    began = time.monotonic()
+    try:
+        ckpt.close()  # on the main thread: Ctrl-C is handled here, not raised
+    finally:
+        slow.gate.set()
+    err = capsys.readouterr().err
+    assert time.monotonic() - began < GATE_TIMEOUT / 2
+    assert "retrolog: finishing 3 checkpoints (4.8 MB); press Ctrl-C again to abandon them" in err
+    assert (
+        "retrolog: abandoned 3 checkpoints (4.8 MB) of run R: epoch context 4, epoch "
+        "context 5, the end state." in err
+    )
+    assert records == []
+    assert [(a.ctx_id, a.kind) for a in ckpt.abandoned] == [
+        (4, "block"),
+        (5, "block"),
+        (None, "end"),
+    ]
+    # The two arrays, and the RNG states beside them.
+    assert all(1_600_000 < a.nbytes < 1_620_000 for a in ckpt.abandoned)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 # -- unchanged tensors are not copied -------------------------------------------------------
