@@ -25,9 +25,9 @@ from retrolog.checkpoint.state import DeviceTensor, Snapshot, loaded_torch
 
 # Finishing at exit shows its progress once it has taken this long (seconds).
 PROGRESS_AFTER = 1.0
-# What the remaining time is estimated from until the first checkpoint is finished at
-# exit: lz4 on every core wrote a 302 MB end state in 1.41 s on 2 cores
-# (docs/materialization.md), about 100 MB/s per core.
+# What the remaining time is estimated from when nothing was written at training's
+# priority before and nothing is finished yet: lz4 on every core wrote a 302 MB end
+# state in 1.41 s on 2 cores (docs/materialization.md), about 100 MB/s per core.
 GUESS_BYTES_PER_SECOND_PER_CORE = 100e6
 
 
@@ -44,7 +44,9 @@ class AbandonedCheckpoint:
 class Finishing:
     """What close() shows while it finishes the checkpoints in flight, and its Ctrl-C handling."""
 
-    def __init__(self, label: str, count: int, nbytes: int) -> None:
+    def __init__(self, label: str, count: int, nbytes: int, rate_hint: float | None = None) -> None:
+        """``rate_hint``: bytes per second the writer managed at training's priority so far,
+        what the remaining time is estimated from until something is finished here."""
         self.label = label
         self.count = count
         self.nbytes = nbytes
@@ -59,6 +61,7 @@ class Finishing:
         self._shown = 0  # length of the progress line on screen (0: none)
         self._last_update = 0.0
         self._rate: float | None = None  # bytes per second of what was finished so far
+        self._rate_hint = rate_hint
 
     @property
     def abandon(self) -> bool:
@@ -85,7 +88,7 @@ class Finishing:
         if elapsed < PROGRESS_AFTER or now - self._last_update < self.tick or not left:
             return
         self._last_update = now
-        rate = self._rate or GUESS_BYTES_PER_SECOND_PER_CORE * all_cores()
+        rate = self._rate or self._rate_hint or GUESS_BYTES_PER_SECOND_PER_CORE * all_cores()
         line = (
             f"retrolog: finishing {_checkpoints(left)} ({_mb(left_bytes)}) of {self.label} "
             f"before exit, about {_seconds(left_bytes / rate)} left"
@@ -178,6 +181,8 @@ def _mb(nbytes: int) -> str:
 
 
 def _seconds(seconds: float) -> str:
+    if seconds < 0.1:
+        return "under 0.1 s"
     return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 

@@ -110,6 +110,7 @@ class _Job:
     urgent_cpu_seconds: float = 0.0
     idle_seconds: float = 0.0  # wall seconds the idle lane spent on it
     idle_since: float | None = None  # start of the idle lane's attempt going on
+    urgent_since: float | None = None  # start of the urgent lane's attempt
 
 
 class BackgroundCheckpointer(Checkpointer):
@@ -180,6 +181,10 @@ class BackgroundCheckpointer(Checkpointer):
         self._finished_at_close = 0
         self._waited_seconds = 0.0
         self._finish_seconds = 0.0
+        # Bytes of state the urgent lane wrote, and its wall seconds doing it: how fast
+        # the rest goes at close, until something is finished there.
+        self._urgent_bytes = 0
+        self._urgent_wall = 0.0
         self._abandoned: list[AbandonedCheckpoint] = []
         # Wall seconds each lane spent in writes: finished attempts, and the start of
         # the one going on.
@@ -419,7 +424,8 @@ class BackgroundCheckpointer(Checkpointer):
         """Wait for the urgent lane to write what is in flight, showing and handling Ctrl-C."""
         with self._cond:
             sizes = {id(job): snapshot_nbytes(job.snap) for job in self._pending}
-        finishing = Finishing(self.label, len(sizes), sum(sizes.values()))
+            rate = self._urgent_bytes / self._urgent_wall if self._urgent_wall > 0 else None
+        finishing = Finishing(self.label, len(sizes), sum(sizes.values()), rate)
         with finishing.interruptible():
             while True:
                 with self._cond:
@@ -556,6 +562,8 @@ class BackgroundCheckpointer(Checkpointer):
         with self._cond:
             if job.write_started is None:
                 job.write_started = began
+            if lane is _Lane.URGENT:
+                job.urgent_since = began
         with self._busy_lock:
             self._busy_since[lane] = began
         cpu_started = time.thread_time()
@@ -656,6 +664,9 @@ class BackgroundCheckpointer(Checkpointer):
             return
         job.state = _State.WRITTEN
         self._pending.popleft()
+        if lane is _Lane.URGENT and job.urgent_since is not None:
+            self._urgent_bytes += snapshot_nbytes(job.snap)
+            self._urgent_wall += now - job.urgent_since
         self._written[job.kind] += 1
         if finishing:
             self._finished_at_close += 1
