@@ -7,7 +7,7 @@ Run from the repository root with the project's venv (retrolog and torch install
     python bench/bench_record.py --workloads stress --epochs stress=96 --no-blocking \
         --output /tmp/record-long.json   # a longer run, its one-time costs amortized
 
-(a) Record overhead. Three workloads (bench/_record_workload.py), each run as
+(a) Record overhead. Four workloads (bench/_record_workload.py), each run as
 a plain script and as the same script recording with retrolog (default
 settings: background checkpoints, adaptive rule, eps = 1/15), in a fresh git
 project and a fresh process each time; the span timed is from just before the
@@ -15,12 +15,25 @@ first recording call to just after ``commit()`` returns, so the run start and
 the last checkpoint writes are inside it:
 
 - cnn: a small CNN, a checkpoint per epoch allowed; target: median overhead <= 1%;
+- saturated: the cnn fed by a DataLoader whose worker process keeps a core
+  busy, beside torch's threads on every core: the checkpoint writer's idle
+  lane gets next to no CPU; target: median overhead <= eps;
 - stress: a 25M-parameter MLP with Adam (300 MB of state) and blocks of a
   second or two; target: overhead <= eps (1/15) in every repetition, with the
   checkpoint count the adaptive rule chose;
 - finetune: a frozen 6M-parameter backbone with a trainable head; target: <= 1%;
 - the cnn workload recorded with FlorDB 4.0.1 (bench/.venv-flordb, torch linked
   in as bench_replay.py does), for its overhead on the same script.
+
+Every recorded run must keep every block checkpoint the adaptive rule chose
+(``chosen`` in runs.checkpointing equals its block checkpoint rows, none
+abandoned); a run that loses one fails the benchmark. What the rule chose,
+how many the writer's urgent lane wrote while training ran, and how long
+the exit waited for the rest are reported per run.
+
+``--normal-writer`` also runs cnn and saturated recorded with the writer's
+idle lane left at training's priority (variant ``retrolog_normal``: no
+SCHED_IDLE at all), the design the two lanes were measured against.
 
 Overhead per repetition = recorded span / plain span - 1, with the plain and
 recorded runs of a repetition back to back (their order alternating), so load
@@ -73,8 +86,9 @@ RESULTS = BENCH_DIR / "results" / "record.json"
 EPS = 1 / 15
 # Long enough that a run's one-time costs (its code version, the first and the end
 # checkpoints) are what they are in a real training: a small share.
-EPOCHS = {"cnn": 12, "stress": 24, "finetune": 16}
-TARGETS = {"cnn": 0.01, "stress": EPS, "finetune": 0.01}
+EPOCHS = {"cnn": 12, "saturated": 12, "stress": 24, "finetune": 16}
+TARGETS = {"cnn": 0.01, "saturated": EPS, "stress": EPS, "finetune": 0.01}
+NORMAL_WRITER = ("cnn", "saturated")  # the workloads --normal-writer compares on
 CHILD_TIMEOUT = 900
 
 
@@ -117,7 +131,7 @@ def run_once(
         if not lines:
             raise BenchError(f"{name}/{variant} printed no figures:\n{tail(done.stdout)}")
         figures: dict[str, Any] = json.loads(lines[-1])
-        if variant == "retrolog":
+        if variant.startswith("retrolog"):
             figures.update(store_figures(project / ".retrolog" / "retrolog.db", epochs))
         return figures
     finally:
@@ -125,7 +139,10 @@ def run_once(
 
 
 def store_figures(db: Path, epochs: int) -> dict[str, Any]:
-    """What the recorded run's store says about its checkpoints; fails on a short store."""
+    """What the recorded run's store says about its checkpoints; fails on a short store.
+
+    Also fails when a block checkpoint the adaptive rule chose was not written.
+    """
     conn = sqlite3.connect(db)
     try:
         ((status, policy_json),) = conn.execute("SELECT status, checkpointing FROM runs")
@@ -142,14 +159,25 @@ def store_figures(db: Path, epochs: int) -> dict[str, Any]:
     if len(ends) != 1 or not blocks or losses == 0:
         raise BenchError(f"the store holds {len(blocks)} block and {len(ends)} end checkpoints")
     policy = json.loads(policy_json)
+    epoch = policy["blocks"]["epoch"]
+    if epoch["checkpoints"] != len(blocks) or policy["abandoned"]:
+        raise BenchError(
+            f"the rule chose {epoch['checkpoints']} block checkpoints and {len(blocks)} were "
+            f"written ({policy['abandoned']} abandoned): a chosen checkpoint was lost"
+        )
     return {
         "block_checkpoints": len(blocks),
-        "block_executions": policy["blocks"]["epoch"]["executions"],
+        "block_executions": epoch["executions"],
+        "chosen": epoch["checkpoints"],
+        "refused_cost": epoch["refused_cost"],
+        "refused_writer_full": epoch["refused_writer_full"],
+        "urgent_writes": policy["urgent_writes"],
+        "finished_at_exit": policy["finished_at_exit"],
+        "finish_seconds": policy["finish_seconds"],
         "capture_ms": [r[1] * 1e3 for r in rows],
         "writer_cpu_ms": [(r[2] or 0.0) * 1e3 for r in rows],
         "checkpoint_mb": [r[3] / 1e6 for r in rows],
         "waited_seconds": policy["waited_seconds"],
-        "skipped_writer_behind": policy["skipped_writer_behind"],
     }
 
 
@@ -214,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run workload NAME for N epochs instead of its default (repeatable)",
     )
     parser.add_argument("--no-blocking", action="store_true", help="skip (b)")
+    parser.add_argument(
+        "--normal-writer",
+        action="store_true",
+        help="also record cnn and saturated with the writer at training's priority",
+    )
     args = parser.parse_args(argv)
     try:
         epochs = dict(EPOCHS, **parse_epochs(args.epochs))
@@ -254,7 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rep in range(args.reps):
             for name in names:
-                order = ["plain", "retrolog"] if rep % 2 == 0 else ["retrolog", "plain"]
+                order = ["plain", "retrolog"]
+                if args.normal_writer and name in NORMAL_WRITER:
+                    order.append("retrolog_normal")
+                # Each variant first in turn, so a trend in the machine's load does not
+                # always fall on the same one.
+                shift = rep % len(order)
+                order = order[shift:] + order[:shift]
                 got = {v: run_once(python, name, v, args.threads, env, epochs[name]) for v in order}
                 # A/A: the plain script once more, right after: what the same run differs
                 # by from one execution to the next here, the floor of any overhead claim.
@@ -266,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                         flor_python, name, "flordb", args.threads, flor_env, epochs[name]
                     )
                     flordb_samples.append(got["flordb"])
+                if "retrolog_normal" in got:
+                    got["normal_overhead"] = (
+                        got["retrolog_normal"]["seconds"] / got["plain"]["seconds"] - 1
+                    )
                 got["overhead"] = got["retrolog"]["seconds"] / got["plain"]["seconds"] - 1
                 got["noise"] = got["plain_again"]["seconds"] / got["plain"]["seconds"] - 1
                 got["cpu_overhead"] = (
@@ -282,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"  plain again {got['noise'] * 100:+.2f}%"
                     f"  checkpoints {got['retrolog']['block_checkpoints']}"
                     f"/{got['retrolog']['block_executions']} blocks + end"
+                    f" ({got['retrolog']['urgent_writes']} urgent,"
+                    f" {got['retrolog']['finished_at_exit']} at exit)"
+                    + (
+                        f"  normal writer {got['normal_overhead'] * 100:+.2f}%"
+                        f" ({got['retrolog_normal']['block_checkpoints']} checkpoints)"
+                        if "normal_overhead" in got
+                        else ""
+                    )
                     + (
                         f"  flordb {got['flordb_overhead'] * 100:+.2f}%"
                         if "flordb_overhead" in got
@@ -328,6 +379,14 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "block_checkpoints": [s["retrolog"]["block_checkpoints"] for s in reps],
             "block_executions": reps[0]["retrolog"]["block_executions"],
+            # Every block checkpoint chosen was written (store_figures checks it).
+            "chosen": [s["retrolog"]["chosen"] for s in reps],
+            "abandoned": [0 for _ in reps],
+            "refused_cost": [s["retrolog"]["refused_cost"] for s in reps],
+            "refused_writer_full": [s["retrolog"]["refused_writer_full"] for s in reps],
+            "urgent_writes": [s["retrolog"]["urgent_writes"] for s in reps],
+            "finished_at_exit": [s["retrolog"]["finished_at_exit"] for s in reps],
+            "finish_seconds": spread([s["retrolog"]["finish_seconds"] for s in reps]),
             "capture_ms": spread([x for s in reps for x in s["retrolog"]["capture_ms"]]),
             "writer_cpu_ms": spread([x for s in reps for x in s["retrolog"]["writer_cpu_ms"]]),
             "checkpoint_mb": statistics.median(
@@ -335,6 +394,18 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "waited_seconds": [s["retrolog"]["waited_seconds"] for s in reps],
         }
+        if all("retrolog_normal" in s for s in reps):
+            entry["normal_writer"] = {
+                "seconds": spread([s["retrolog_normal"]["seconds"] for s in reps]),
+                "overhead_pct": spread([s["normal_overhead"] * 100 for s in reps]),
+                "cpu_overhead_pct": spread(
+                    [
+                        (s["retrolog_normal"]["cpu_seconds"] / s["plain"]["cpu_seconds"] - 1) * 100
+                        for s in reps
+                    ]
+                ),
+                "block_checkpoints": [s["retrolog_normal"]["block_checkpoints"] for s in reps],
+            }
         if name == "cnn" and flordb_samples:
             entry["flordb_seconds"] = spread([s["seconds"] for s in flordb_samples])
             entry["flordb_overhead_pct"] = spread([s["flordb_overhead"] * 100 for s in reps])
@@ -370,6 +441,20 @@ def print_report(result: dict[str, Any]) -> None:
             f"  {w['capture_ms']['median']:.1f}  {'met' if w['target_met'] else 'NOT met'}"
         )
         print(f"{'':9s} CPU time overhead %: {cell(w['cpu_overhead_pct'], '+6.2f')}")
+        if "chosen" in w:
+            print(
+                f"{'':9s} block checkpoints chosen {w['chosen']} = written, none abandoned;"
+                f" urgent-lane writes {w['urgent_writes']}, at exit {w['finished_at_exit']}"
+                f" ({cell(w['finish_seconds'], '.2f')} s), refused for a full writer"
+                f" {w['refused_writer_full']}"
+            )
+        if "normal_writer" in w:
+            n = w["normal_writer"]
+            print(
+                f"{'':9s} writer at training's priority: overhead % "
+                f"{cell(n['overhead_pct'], '+6.2f')}, CPU % {cell(n['cpu_overhead_pct'], '+6.2f')},"
+                f" checkpoints {n['block_checkpoints']}"
+            )
         print(
             f"{'':9s} plain run again vs plain run (A/A) %: {cell(w['plain_again_pct'], '+6.2f')}"
             f", median |difference| {w['plain_again_median_abs_pct']:.2f}%"

@@ -79,7 +79,8 @@ class Finishing:
                 "press Ctrl-C again to abandon them"
             )
 
-    def update(self, left: int, left_bytes: int) -> None:
+    def update(self, left: int, left_bytes: int, head_bytes: int) -> None:
+        """What is left now: checkpoints, their bytes, and the bytes of the oldest one."""
         now = time.monotonic()
         elapsed = now - self.began
         if left_bytes < self.nbytes and elapsed > 0:
@@ -88,7 +89,11 @@ class Finishing:
         if elapsed < PROGRESS_AFTER or now - self._last_update < self.tick or not left:
             return
         self._last_update = now
-        rate = self._rate or self._rate_hint or GUESS_BYTES_PER_SECOND_PER_CORE * all_cores()
+        rate = self._rate
+        if rate is None:
+            # Nothing finished yet: the oldest has taken at least this long already.
+            guess = self._rate_hint or GUESS_BYTES_PER_SECOND_PER_CORE * all_cores()
+            rate = min(guess, max(head_bytes, 1) / elapsed)
         line = (
             f"retrolog: finishing {_checkpoints(left)} ({_mb(left_bytes)}) of {self.label} "
             f"before exit, about {_seconds(left_bytes / rate)} left"
@@ -181,8 +186,6 @@ def _mb(nbytes: int) -> str:
 
 
 def _seconds(seconds: float) -> str:
-    if seconds < 0.1:
-        return "under 0.1 s"
     return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 

@@ -9,10 +9,10 @@ thread over a forked child or a worker process was made from measurements
     ---------------                   ----------------------
     capture(due_in=...)
       snapshot(objects)  ──> pending ──> idle lane (SCHED_IDLE): writes the oldest
-      (a deep copy: the    (at most          on cycles training leaves idle
+      (a deep copy: the    (at most          on cycles training leaves idle (zstd, deltas)
        only work here)     max_in_flight) ─> urgent lane (training's priority): writes
-                                             the oldest once it is due, and at close
-                                             whatever is left
+                                             the oldest once it is due (lz4, the least
+                                             CPU), and at close whatever is left
                                           ──> sink(record), in capture order
 
 Two lanes because a thread cannot raise its own priority again without
@@ -153,10 +153,8 @@ class BackgroundCheckpointer(Checkpointer):
         self.store = store
         self.sink = sink
         self.label = label
-        # Used by one lane at a time, under _history_lock: the idle lane always, the
-        # urgent lane when the lock is free (else it writes without deltas).
+        # Used by the idle lane only: the urgent lane writes without deltas (see _write).
         self.history = DeltaHistory()
-        self._history_lock = threading.Lock()
         self.max_in_flight = max_in_flight
         # Whether the idle lane runs below training's priority: requested, and possible
         # here (per-thread priorities are a Linux feature).
@@ -435,9 +433,8 @@ class BackgroundCheckpointer(Checkpointer):
                         self._abandon(sizes)
                         break
                     self._cond.wait(0.1)  # Ctrl-C is handled between waits
-                    left = len(self._pending)
-                    left_bytes = sum(sizes.get(id(job), 0) for job in self._pending)
-                finishing.update(left, left_bytes)
+                    left = [sizes.get(id(job), 0) for job in self._pending]
+                finishing.update(len(left), sum(left), left[0] if left else 0)
         finishing.done(self.abandoned)
         urgent = self._urgent
         if urgent is not None and not self._abandoning:
@@ -567,22 +564,12 @@ class BackgroundCheckpointer(Checkpointer):
         with self._busy_lock:
             self._busy_since[lane] = began
         cpu_started = time.thread_time()
-        history: DeltaHistory | None = None
         if lane is _Lane.IDLE:
-            # The idle lane writes with deltas; it is the only lane that waits for this
-            # lock, and the urgent lane holds it only while writing the head, which the
-            # idle lane then does not start.
-            self._history_lock.acquire()
-            history = self.history
 
             def interrupt() -> bool:
                 return self._closing or job.urgent or job.state is not _State.PENDING
 
         else:
-            # Deltas only when the idle lane is not using the history (it may be
-            # stalled inside this very checkpoint), and none at close (latency first).
-            if not finishing and self._history_lock.acquire(blocking=False):
-                history = self.history
 
             def interrupt() -> bool:
                 return self._abandoning
@@ -590,21 +577,27 @@ class BackgroundCheckpointer(Checkpointer):
         result: tuple[str, int] | None = None
         failure: BaseException | None = None
         try:
-            result = encode(
-                snap,
-                self.store,
-                history=history,
-                threads=all_cores() if finishing else 1,
-                interrupt=interrupt,
-                fast=finishing,
-            )
+            if lane is _Lane.IDLE:
+                # zstd with deltas: the smallest checkpoints, on cycles nobody wanted.
+                result = encode(snap, self.store, history=self.history, interrupt=interrupt)
+            else:
+                # At training's priority each CPU second costs training about one, so the
+                # cheapest encode: lz4 and no deltas, a third less CPU than zstd for 9% more
+                # bytes on the cnn workload's state (docs/materialization.md). Without the
+                # history, which the idle lane may be using, stalled inside this very
+                # checkpoint. Training over (at close): every core.
+                result = encode(
+                    snap,
+                    self.store,
+                    threads=all_cores() if finishing else 1,
+                    interrupt=interrupt,
+                    fast=True,
+                )
         except Interrupted:
             pass  # the other lane, or close(), writes it
         except BaseException as exc:  # all of it goes to the training thread, none is lost
             failure = exc
         finally:
-            if history is not None:
-                self._history_lock.release()
             cpu = time.thread_time() - cpu_started
             ended = time.perf_counter()
             with self._busy_lock:
