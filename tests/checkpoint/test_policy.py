@@ -177,32 +177,35 @@ def test_before_the_first_write_the_rule_cannot_price_a_checkpoint() -> None:
     assert policy.blocks["epoch"].refused_cost == 1
 
 
-def test_the_urgent_lanes_cpu_counts_in_full_and_its_blocks_stay_out_of_the_fit() -> None:
-    """The urgent lane writes at training's priority: its CPU time is training's loss,
-    whatever the idle lane's measured slowdown says."""
+def test_the_urgent_lanes_time_counts_in_full_and_its_blocks_stay_out_of_the_fit() -> None:
+    """The urgent lane writes at training's priority: while it writes, training loses
+    the cores and the GIL to it, whatever the idle lane's measured slowdown says."""
     policy = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
     assert policy.decide("epoch", 5.0)  # warm-up, not fitted
     policy.captured("epoch", 0.01)
-    # Written by the urgent lane: 0.04 s of its CPU, after the idle lane spent 0.01 s.
-    policy.written("epoch", 0.05, 0.5, urgent_cpu_seconds=0.04, idle_seconds=0.3)
+    # Taken over by the urgent lane after the idle lane spent 0.01 s of CPU in 0.3 s:
+    # the urgent lane wrote for 0.06 s (0.04 s of it on a CPU).
+    policy.written(
+        "epoch", 0.05, 0.5, urgent_cpu_seconds=0.04, idle_seconds=0.3, urgent_seconds=0.06
+    )
     stats = policy.blocks["epoch"]
     assert stats.urgent_writes == 1
-    assert policy.materialize_seconds(stats) == pytest.approx(0.01 + 0.04 + 0.01)
+    assert policy.materialize_seconds(stats) == pytest.approx(0.01 + 0.06 + 0.01)
     # Idle and busy blocks measure the idle lane's slowdown: 20% ...
     policy.decide("epoch", 1.0, 0.0, urgent_seconds=0.0)
     policy.decide("epoch", 1.2, 1.2, urgent_seconds=0.0)
     # ... and a block the urgent lane wrote in (it is slower for that) is not fitted.
     policy.decide("epoch", 3.0, 0.0, urgent_seconds=0.5)
     assert stats.fits == 2 and stats.writer_slowdown() == pytest.approx(0.2)
-    # M: capture + urgent CPU + the idle lane's 0.3 s times s / (1 + s).
-    assert policy.materialize_seconds(stats) == pytest.approx(0.01 + 0.04 + 0.3 * 0.2 / 1.2)
+    # M: capture + the urgent lane's time + the idle lane's 0.3 s times s / (1 + s).
+    assert policy.materialize_seconds(stats) == pytest.approx(0.01 + 0.06 + 0.3 * 0.2 / 1.2)
     policy.decide("epoch", 1.0, 0.0, urgent_seconds=0.5)  # the lane did nothing since
     assert stats.fits == 3
-    # Training on a GPU leaves the CPU to the writer: neither lane's CPU counts.
+    # Training on a GPU leaves the CPU to the writer: neither lane counts.
     gpu = AdaptivePolicy(eps=1 / 15, count_writer_cpu=False)
     gpu.decide("epoch", 1.0)
     gpu.captured("epoch", 0.01)
-    gpu.written("epoch", 0.05, 0.5, urgent_cpu_seconds=0.04)
+    gpu.written("epoch", 0.05, 0.5, urgent_cpu_seconds=0.04, urgent_seconds=0.06)
     assert gpu.materialize_seconds(gpu.blocks["epoch"]) == pytest.approx(0.01)
 
 

@@ -108,6 +108,7 @@ class _Job:
     write_started: float | None = None
     writer_cpu_seconds: float = 0.0
     urgent_cpu_seconds: float = 0.0
+    urgent_seconds: float = 0.0  # wall seconds the urgent lane spent on it
     idle_seconds: float = 0.0  # wall seconds the idle lane spent on it
     idle_since: float | None = None  # start of the idle lane's attempt going on
     urgent_since: float | None = None  # start of the urgent lane's attempt
@@ -608,6 +609,7 @@ class BackgroundCheckpointer(Checkpointer):
             job.writer_cpu_seconds += cpu
             if lane is _Lane.URGENT:
                 job.urgent_cpu_seconds += cpu
+                job.urgent_seconds += ended - began
             elif job.idle_since is not None:
                 job.idle_seconds += ended - job.idle_since
                 job.idle_since = None
@@ -649,6 +651,7 @@ class BackgroundCheckpointer(Checkpointer):
                     writer_cpu_seconds=job.writer_cpu_seconds,
                     frame_locals=job.frame_locals,
                     urgent_cpu_seconds=job.urgent_cpu_seconds,
+                    urgent_seconds=job.urgent_seconds,
                     idle_seconds=idle_seconds,
                 )
             )

@@ -42,8 +42,10 @@ class CheckpointRecord:
     writer_cpu_seconds: float | None = None  # CPU time the writer spent (None: not measured)
     frame_locals: bytes | None = None  # the script's small locals (runtime/frames.py)
     # Of writer_cpu_seconds, what was spent at training's priority (a background
-    # writer's urgent lane), which costs CPU-bound training about as much.
+    # writer's urgent lane), and that lane's wall seconds on it: while it writes it
+    # competes with CPU-bound training for the cores and the GIL.
     urgent_cpu_seconds: float = 0.0
+    urgent_seconds: float = 0.0
     # Wall seconds a background writer's idle-priority lane spent on it (None: no such lane).
     idle_seconds: float | None = None
 

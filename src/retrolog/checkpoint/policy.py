@@ -30,10 +30,12 @@ line is identifiable (some blocks with the lane idle, some with it busy for
 at least :data:`BUSY` of the block), training on the CPU counts the idle
 lane's CPU time instead (training on a GPU: nothing). The urgent lane writes
 at training's priority what the idle lane has not written in time; training
-on the CPU counts its CPU time in full (a writer at training's priority cost
-0.9 s of training per second of its CPU, docs/materialization.md). The
-writer's figures arrive after each write, so the rule uses the means of the
-writes finished so far.
+on the CPU counts its whole wall time on a write as lost: while it writes it
+competes with training for the cores (a writer at training's priority cost
+0.9 s of training per second of its CPU, docs/materialization.md) and for the
+GIL, and on the cnn workload a write cost training several times its CPU
+time. The writer's figures arrive after each write, so the rule uses the
+means of the writes finished so far.
 
 A checkpoint the rule chose is written, so the rule must also know whether
 the writer can take one: when all ``max_in_flight`` snapshots are held, a
@@ -89,6 +91,7 @@ class BlockStats:
     captures: int = 0
     writer_cpu_seconds: float = 0.0  # writer CPU seconds of the finished writes, both lanes
     urgent_cpu_seconds: float = 0.0  # of them, the urgent lane's (at training's priority)
+    urgent_write_seconds: float = 0.0  # wall seconds the urgent lane spent on finished writes
     idle_write_seconds: float = 0.0  # wall seconds the idle lane spent on finished writes
     write_seconds: float = 0.0  # wall seconds of the finished writes
     writes: int = 0
@@ -151,7 +154,7 @@ class AdaptivePolicy:
             if not stats.writes:
                 return m
             if self.count_writer_cpu:
-                m += stats.urgent_cpu_seconds / stats.writes
+                m += stats.urgent_write_seconds / stats.writes
             slowdown = stats.writer_slowdown()
             if slowdown is not None:
                 m += stats.idle_write_seconds / stats.writes * slowdown / (1.0 + slowdown)
@@ -241,19 +244,22 @@ class AdaptivePolicy:
         write_seconds: float,
         urgent_cpu_seconds: float = 0.0,
         idle_seconds: float | None = None,
+        urgent_seconds: float = 0.0,
     ) -> None:
         """The writer finished a checkpoint of ``loop_name``'s block (called on its thread).
 
         writer_cpu_seconds: CPU time of both lanes; urgent_cpu_seconds: of it,
         the urgent lane's; write_seconds: wall time from the first attempt to
-        the end; idle_seconds: of that, the idle lane's (None: all of it).
+        the end; idle_seconds and urgent_seconds: the idle lane's and the
+        urgent lane's wall time on it (idle_seconds None: all of write_seconds).
         """
         stats = self.blocks.setdefault(loop_name, BlockStats())
         with self._lock:
             stats.writes += 1
             stats.writer_cpu_seconds += writer_cpu_seconds
             stats.urgent_cpu_seconds += urgent_cpu_seconds
+            stats.urgent_write_seconds += urgent_seconds
             stats.write_seconds += write_seconds
             stats.idle_write_seconds += write_seconds if idle_seconds is None else idle_seconds
-            if urgent_cpu_seconds > 0:
+            if urgent_seconds > 0 or urgent_cpu_seconds > 0:
                 stats.urgent_writes += 1

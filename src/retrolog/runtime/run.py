@@ -427,6 +427,7 @@ class Run:
                     record.write_seconds,
                     record.urgent_cpu_seconds,
                     record.idle_seconds,
+                    record.urgent_seconds,
                 )
             append((checkpoint_event, record))
 
@@ -477,6 +478,7 @@ class Run:
                 "mean_capture_seconds": stats.capture_seconds / max(stats.captures, 1),
                 "mean_writer_cpu_seconds": stats.writer_cpu_seconds / max(stats.writes, 1),
                 "mean_urgent_cpu_seconds": stats.urgent_cpu_seconds / max(stats.writes, 1),
+                "mean_urgent_write_seconds": stats.urgent_write_seconds / max(stats.writes, 1),
                 "mean_write_seconds": stats.write_seconds / max(stats.writes, 1),
                 "urgent_writes": stats.urgent_writes,
                 # How much slower blocks ran while the idle lane wrote (None: not measured).
