@@ -7,7 +7,7 @@ import math
 import pytest
 
 from retrolog.checkpoint import settings
-from retrolog.checkpoint.policy import DUE_SHARE, AdaptivePolicy, Decision
+from retrolog.checkpoint.policy import DUE_SHARE_ONE_SLOT, AdaptivePolicy, Decision
 from retrolog.errors import UsageError
 
 
@@ -209,12 +209,15 @@ def test_the_urgent_lanes_time_counts_in_full_and_its_blocks_stay_out_of_the_fit
     assert gpu.materialize_seconds(gpu.blocks["epoch"]) == pytest.approx(0.01)
 
 
-def test_a_checkpoint_is_due_half_a_mean_block_after_its_capture() -> None:
+def test_a_checkpoint_is_due_one_mean_block_before_its_slot_is_needed_again() -> None:
     policy = AdaptivePolicy(eps=1 / 15)
-    assert policy.due_in("epoch") == 0.0
+    assert policy.due_in("epoch", 2) == 0.0
     policy.decide("epoch", 3.0)
-    policy.decide("epoch", 1.0)
-    assert policy.due_in("epoch") == pytest.approx(DUE_SHARE * 2.0) == pytest.approx(1.0)
+    policy.decide("epoch", 1.0)  # a mean block of 2 s
+    assert policy.due_in("epoch", 2) == pytest.approx(2.0)
+    assert policy.due_in("epoch", 4) == pytest.approx(6.0)
+    # One slot: needed at the next block end, so due half a block after the capture.
+    assert policy.due_in("epoch", 1) == pytest.approx(DUE_SHARE_ONE_SLOT * 2.0) == 1.0
 
 
 def test_blocks_of_different_loops_are_counted_apart() -> None:

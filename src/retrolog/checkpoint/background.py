@@ -20,8 +20,8 @@ privilege (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE that
 distributions set to 0): the idle lane alone gets no CPU while training keeps
 every core busy, and a checkpoint chosen by the adaptive rule would wait
 until the process exits. So a checkpoint is *due* ``due_in`` seconds after its
-capture (the run passes half a block, so its slot is free at the next block
-end), or at once when training would otherwise have to wait or refuse
+capture (the run passes a block less than the time until its slot may be
+needed again), or at once when training would otherwise have to wait or refuse
 (:meth:`BackgroundCheckpointer.escalate`); the urgent lane, which sleeps
 until then, writes it at training's priority. Both lanes only ever write the
 oldest checkpoint not yet written, so checkpoints are reported in capture

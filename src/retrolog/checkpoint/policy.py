@@ -56,9 +56,9 @@ from dataclasses import dataclass
 
 BUSY = 0.25  # the slowdown is measured once a block had the writer busy this share of it
 IDLE = 0.05  # ... and one had it busy at most this share
-# A checkpoint is due this share of a mean block after its capture: if the idle lane has
-# not written it by then, the urgent lane does, so its slot is free at the next block end.
-DUE_SHARE = 0.5
+# With a single writer slot, a checkpoint is due this share of a mean block after its
+# capture, so that the urgent lane has the rest of the block to free the slot.
+DUE_SHARE_ONE_SLOT = 0.5
 
 
 class Decision(enum.Enum):
@@ -162,12 +162,22 @@ class AdaptivePolicy:
                 m += (stats.writer_cpu_seconds - stats.urgent_cpu_seconds) / stats.writes
             return m
 
-    def due_in(self, loop_name: str) -> float:
-        """Seconds after a capture of ``loop_name``'s block by which it should be written."""
+    def due_in(self, loop_name: str, max_in_flight: int) -> float:
+        """Seconds after a capture of ``loop_name``'s block after which the urgent lane writes it.
+
+        As late as the rule can afford, so that the idle lane, which costs
+        training next to nothing, has every chance to write it first: with
+        ``max_in_flight`` slots and a checkpoint at every block end, a
+        checkpoint's slot is needed again ``max_in_flight`` block ends after
+        its capture, so it is due one mean block before that (the urgent lane
+        then has a block to write it); with one slot, half a block after its
+        capture.
+        """
         stats = self.blocks.get(loop_name)
         if stats is None or not stats.executions:
             return 0.0
-        return DUE_SHARE * stats.compute_seconds / stats.executions
+        blocks = max(max_in_flight - 1, DUE_SHARE_ONE_SLOT)
+        return blocks * stats.compute_seconds / stats.executions
 
     def decide(
         self,

@@ -371,7 +371,7 @@ class Run:
             "block",
             user_frame=user_frame,
             before=before,
-            due_in=policy.due_in(loop_name),
+            due_in=policy.due_in(loop_name, self._settings.max_in_flight),
         )
         policy.captured(loop_name, time.perf_counter() - began)
 
