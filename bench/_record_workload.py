@@ -32,7 +32,7 @@ Workloads (sized for a 2-core machine; all take arguments ``epochs`` and
   about a second per epoch; the step loop is the block, so a checkpoint per
   epoch is what the adaptive rule can give;
 - ``saturated``: the cnn fed by a DataLoader whose worker process spends
-  0.4 ms of CPU per sample, about what training takes per sample: torch's
+  0.08 ms of CPU per sample, a little less than training takes: torch's
   threads on every core and the worker keep the machine saturated, as real
   training does, so the writer's idle lane gets next to no CPU;
 - ``stress``: a 25M-parameter MLP with Adam (about 300 MB of state), blocks
@@ -144,10 +144,11 @@ with CKPT(net=net, opt=opt):
 COMMIT
 """
 
-# The cnn fed by a DataLoader whose worker process spends 0.4 ms of CPU per sample (an
-# augmentation), about what training takes per sample here: torch's threads on every
-# core plus a busy worker keep the machine saturated, as real training does, and the
-# checkpoint writer's idle lane gets next to no CPU.
+# The cnn fed by a DataLoader whose worker process spends 0.08 ms of CPU per sample (an
+# augmentation), a little less than training takes per sample here (5.5 ms a batch of 64
+# on both cores): training stays the bottleneck, so torch's threads keep every core busy
+# and the worker competes with them, as in real training, and the checkpoint writer's
+# idle lane gets next to no CPU.
 SATURATED = (
     """\
 from torch.utils.data import DataLoader, Dataset
@@ -161,7 +162,7 @@ class Augmented(Dataset):
         return len(self.x)
 
     def __getitem__(self, i):
-        end = time.perf_counter() + 0.0004
+        end = time.perf_counter() + 0.00008
         while time.perf_counter() < end:
             pass
         return self.x[i], self.y[i]
