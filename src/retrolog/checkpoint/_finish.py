@@ -102,9 +102,14 @@ class Finishing:
             line += " (Ctrl-C twice abandons them)"
         self._show(line)
 
-    def done(self, abandoned: tuple[AbandonedCheckpoint, ...]) -> None:
+    def done(self, abandoned: tuple[AbandonedCheckpoint, ...], failed: bool = False) -> None:
+        """Say how finishing ended, if anything was shown; ``failed``: a write failed (the
+        caller raises it, so the line only ends here)."""
         elapsed = time.monotonic() - self.began
-        if abandoned:
+        if failed:
+            if self._shown and self.terminal and self.stream is not None:
+                self.stream.write("\n")
+        elif abandoned:
             self._clear()
             which = ", ".join(
                 "the end state" if a.kind == "end" else f"{a.loop_name} context {a.ctx_id}"

@@ -436,7 +436,7 @@ class BackgroundCheckpointer(Checkpointer):
                     self._cond.wait(0.1)  # Ctrl-C is handled between waits
                     left = [sizes.get(id(job), 0) for job in self._pending]
                 finishing.update(len(left), sum(left), left[0] if left else 0)
-        finishing.done(self.abandoned)
+        finishing.done(self.abandoned, failed=self._error is not None)
         urgent = self._urgent
         if urgent is not None and not self._abandoning:
             urgent.join(timeout=1.0)  # it has nothing left to do: it is returning
