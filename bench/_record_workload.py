@@ -1,4 +1,4 @@
-"""The training scripts bench_record.py times, each in three variants (and a fourth).
+"""The training scripts bench_record.py times, each in three variants (and two more).
 
 One template per workload, with markers that each variant fills in:
 
@@ -14,6 +14,9 @@ marker            retrolog                     plain                flordb
 
 ``retrolog_normal`` is ``retrolog`` with the checkpoint writer's idle lane left
 at training's priority (no SCHED_IDLE): a design compared, not a setting.
+``retrolog_minimal`` records with eps = 1e-9, so it takes only the two
+checkpoints every run takes: against it, ``retrolog`` shows what the adaptive
+rule's own choices cost.
 
 Every variant computes the same values (``LOG(n, v)`` still evaluates ``v``)
 and times the same span, in wall time and in the process's CPU time (all its
@@ -258,7 +261,7 @@ with tempfile.TemporaryDirectory() as tmp:
         out["copy"].append(time.perf_counter() - began)
 print(json.dumps(out))
 """
-VARIANTS = ("plain", "retrolog", "retrolog_normal", "flordb")
+VARIANTS = ("plain", "retrolog", "retrolog_normal", "retrolog_minimal", "flordb")
 
 _FILL = {
     "retrolog": (
@@ -274,6 +277,15 @@ _FILL = {
         "import retrolog as rl\n"
         "from retrolog.checkpoint import background as _background\n"
         "_background._lower_priority = lambda: False",
+        "rl.loop(",
+        "rl.log(",
+        "rl.checkpointing(",
+        "rl.commit()",
+    ),
+    # Only the checkpoints every run takes (the first block's and the end state): what
+    # recording costs apart from the adaptive rule's choices.
+    "retrolog_minimal": (
+        "import retrolog as rl\nrl.configure(overhead_tolerance=1e-9)",
         "rl.loop(",
         "rl.log(",
         "rl.checkpointing(",
