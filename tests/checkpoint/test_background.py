@@ -734,6 +734,16 @@ def test_ctrl_c_once_keeps_finishing_and_twice_abandons(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
+def test_close_says_so_instead_of_hanging_if_the_urgent_lane_is_gone(
+    starved: StarvedIdleStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(BackgroundCheckpointer, "_run_urgent", lambda self: None)
+    ckpt = BackgroundCheckpointer(starved, lambda r: None, label="run R")
+    capture(ckpt, {"a": np.zeros(10_000)}, None)
+    with pytest.raises(StoreError, match=r"stopped with 1 checkpoint\(s\) of run R not written"):
+        ckpt.close()
+
+
 # -- unchanged tensors are not copied -------------------------------------------------------
 
 

@@ -425,6 +425,7 @@ class BackgroundCheckpointer(Checkpointer):
             sizes = {id(job): snapshot_nbytes(job.snap) for job in self._pending}
             rate = self._urgent_bytes / self._urgent_wall if self._urgent_wall > 0 else None
         finishing = Finishing(self.label, len(sizes), sum(sizes.values()), rate)
+        urgent = self._urgent
         with finishing.interruptible():
             while True:
                 with self._cond:
@@ -433,11 +434,21 @@ class BackgroundCheckpointer(Checkpointer):
                     if finishing.abandon:
                         self._abandon(sizes)
                         break
+                    if urgent is None or not urgent.is_alive():
+                        # Not expected (the lane catches what its writes raise), but
+                        # waiting for a thread that is gone would hang the exit.
+                        self._lose_pending(
+                            StoreError(
+                                f"retrolog's checkpoint writer stopped with "
+                                f"{len(self._pending)} checkpoint(s) of {self.label} not "
+                                "written; they are lost. Please report this as a bug."
+                            )
+                        )
+                        break
                     self._cond.wait(0.1)  # Ctrl-C is handled between waits
                     left = [sizes.get(id(job), 0) for job in self._pending]
                 finishing.update(len(left), sum(left), left[0] if left else 0)
         finishing.done(self.abandoned, failed=self._error is not None)
-        urgent = self._urgent
         if urgent is not None and not self._abandoning:
             urgent.join(timeout=1.0)  # it has nothing left to do: it is returning
 
@@ -454,9 +465,10 @@ class BackgroundCheckpointer(Checkpointer):
         self._cond.notify_all()
 
     def _close_at_exit(self) -> None:
-        # A run's commit() closes its checkpointer; this catches a checkpointer
-        # used on its own and never closed, so interpreter exit still flushes
-        # (atexit runs before daemon threads are stopped).
+        # Registered at the first capture, after the run's own exit hook, so it runs
+        # first (atexit is last in, first out) and the run's commit() finds it closed;
+        # it also closes a checkpointer used on its own. atexit runs before daemon
+        # threads are stopped, so exit finishes what is in flight.
         try:
             self.close()
         except StoreError as exc:
