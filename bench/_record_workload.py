@@ -1,4 +1,4 @@
-"""The training scripts bench_record.py times, each in three variants.
+"""The training scripts bench_record.py times, each in three variants (and two more).
 
 One template per workload, with markers that each variant fills in:
 
@@ -11,6 +11,12 @@ marker            retrolog                     plain                flordb
 ``CKPT(...)``     ``rl.checkpointing(...)``    ``nullcontext()``    ``flor.checkpointing(...)``
 ``COMMIT``        ``rl.commit()``              ``pass``             ``flor.commit()``
 ================  ===========================  ===================  ======================
+
+``retrolog_normal`` is ``retrolog`` with the checkpoint writer's idle lane left
+at training's priority (no SCHED_IDLE): a design compared, not a setting.
+``retrolog_minimal`` records with eps = 1e-9, so it takes only the two
+checkpoints every run takes: against it, ``retrolog`` shows what the adaptive
+rule's own choices cost.
 
 Every variant computes the same values (``LOG(n, v)`` still evaluates ``v``)
 and times the same span, in wall time and in the process's CPU time (all its
@@ -28,6 +34,10 @@ Workloads (sized for a 2-core machine; all take arguments ``epochs`` and
 - ``cnn``: a small CNN (two conv layers) on 28x28 synthetic images, Adam,
   about a second per epoch; the step loop is the block, so a checkpoint per
   epoch is what the adaptive rule can give;
+- ``saturated``: the cnn fed by a DataLoader whose worker process spends
+  0.08 ms of CPU per sample, a little less than training takes: torch's
+  threads on every core and the worker keep the machine saturated, as real
+  training does, so the writer's idle lane gets next to no CPU;
 - ``stress``: a 25M-parameter MLP with Adam (about 300 MB of state), blocks
   of about a second: a checkpoint costs as much as a fraction of a block, so
   the adaptive rule has to thin them out;
@@ -137,7 +147,50 @@ with CKPT(net=net, opt=opt):
 COMMIT
 """
 
-WORKLOADS = {"cnn": CNN, "stress": STRESS, "finetune": FINETUNE}
+# The cnn fed by a DataLoader whose worker process spends 0.08 ms of CPU per sample (an
+# augmentation), a little less than training takes per sample here (5.5 ms a batch of 64
+# on both cores): training stays the bottleneck, so torch's threads keep every core busy
+# and the worker competes with them, as in real training, and the checkpoint writer's
+# idle lane gets next to no CPU.
+SATURATED = (
+    """\
+from torch.utils.data import DataLoader, Dataset
+
+
+class Augmented(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        end = time.perf_counter() + 0.00008
+        while time.perf_counter() < end:
+            pass
+        return self.x[i], self.y[i]
+
+
+"""
+    + CNN_SETUP
+    + """\
+loader = DataLoader(Augmented(x, y), batch_size=64, shuffle=True, num_workers=1)
+t0, c0 = time.perf_counter(), time.process_time()
+with CKPT(net=net, opt=opt):
+    for epoch in LOOP("epoch", range(epochs)):
+        for xb, yb in LOOP("step", loader):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(xb), yb)
+            loss.backward()
+            opt.step()
+            LOG("loss", loss.item())
+        with torch.no_grad():
+            LOG("acc", (net(x[:512]).argmax(1) == y[:512]).float().mean().item())
+COMMIT
+"""
+)
+
+WORKLOADS = {"cnn": CNN, "saturated": SATURATED, "stress": STRESS, "finetune": FINETUNE}
 
 # Main-thread blocking of one checkpoint of the stress state, against torch.save of the
 # same state and a plain copy into preallocated buffers (the floor), in one process with
@@ -208,11 +261,31 @@ with tempfile.TemporaryDirectory() as tmp:
         out["copy"].append(time.perf_counter() - began)
 print(json.dumps(out))
 """
-VARIANTS = ("plain", "retrolog", "flordb")
+VARIANTS = ("plain", "retrolog", "retrolog_normal", "retrolog_minimal", "flordb")
 
 _FILL = {
     "retrolog": (
         "import retrolog as rl",
+        "rl.loop(",
+        "rl.log(",
+        "rl.checkpointing(",
+        "rl.commit()",
+    ),
+    # A design compared, not a setting: the writer's idle lane left at training's
+    # priority, so both lanes are a writer at normal priority (docs/materialization.md).
+    "retrolog_normal": (
+        "import retrolog as rl\n"
+        "from retrolog.checkpoint import background as _background\n"
+        "_background._lower_priority = lambda: False",
+        "rl.loop(",
+        "rl.log(",
+        "rl.checkpointing(",
+        "rl.commit()",
+    ),
+    # Only the checkpoints every run takes (the first block's and the end state): what
+    # recording costs apart from the adaptive rule's choices.
+    "retrolog_minimal": (
+        "import retrolog as rl\nrl.configure(overhead_tolerance=1e-9)",
         "rl.loop(",
         "rl.log(",
         "rl.checkpointing(",

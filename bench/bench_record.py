@@ -7,7 +7,7 @@ Run from the repository root with the project's venv (retrolog and torch install
     python bench/bench_record.py --workloads stress --epochs stress=96 --no-blocking \
         --output /tmp/record-long.json   # a longer run, its one-time costs amortized
 
-(a) Record overhead. Three workloads (bench/_record_workload.py), each run as
+(a) Record overhead. Four workloads (bench/_record_workload.py), each run as
 a plain script and as the same script recording with retrolog (default
 settings: background checkpoints, adaptive rule, eps = 1/15), in a fresh git
 project and a fresh process each time; the span timed is from just before the
@@ -15,12 +15,34 @@ first recording call to just after ``commit()`` returns, so the run start and
 the last checkpoint writes are inside it:
 
 - cnn: a small CNN, a checkpoint per epoch allowed; target: median overhead <= 1%;
+- saturated: the cnn fed by a DataLoader whose worker process keeps a core
+  busy, beside torch's threads on every core: the checkpoint writer's idle
+  lane gets next to no CPU; target: median overhead <= eps;
 - stress: a 25M-parameter MLP with Adam (300 MB of state) and blocks of a
   second or two; target: overhead <= eps (1/15) in every repetition, with the
   checkpoint count the adaptive rule chose;
 - finetune: a frozen 6M-parameter backbone with a trainable head; target: <= 1%;
 - the cnn workload recorded with FlorDB 4.0.1 (bench/.venv-flordb, torch linked
   in as bench_replay.py does), for its overhead on the same script.
+
+Every recorded run must keep every block checkpoint the adaptive rule chose
+(``chosen`` in runs.checkpointing equals its block checkpoint rows, none
+abandoned); a run that loses one fails the benchmark. What the rule chose,
+how many the writer's urgent lane wrote while training ran, and how long
+the exit waited for the rest are reported per run.
+
+``--normal-writer`` also runs cnn and saturated recorded with the writer's
+idle lane left at training's priority (variant ``retrolog_normal``: no
+SCHED_IDLE at all), the design the two lanes were measured against.
+``--rule-cost`` also runs them recorded with eps = 1e-9 (``retrolog_minimal``:
+only the first block's and the end checkpoint, which every run takes): the
+default's overhead beyond it is what the adaptive rule's choices cost, which
+the rule keeps under eps; the rest is recording's own cost.
+``--baseline-src DIR`` also runs them recorded with another version of
+retrolog (``retrolog_baseline``: the package in DIR, on PYTHONPATH; e.g.
+``git archive 3feb204 src | tar -x -C /tmp/base`` and ``DIR=/tmp/base/src``),
+interleaved with the rest: this version against it, per repetition, and how
+many of the block checkpoints its rule chose it kept.
 
 Overhead per repetition = recorded span / plain span - 1, with the plain and
 recorded runs of a repetition back to back (their order alternating), so load
@@ -73,8 +95,9 @@ RESULTS = BENCH_DIR / "results" / "record.json"
 EPS = 1 / 15
 # Long enough that a run's one-time costs (its code version, the first and the end
 # checkpoints) are what they are in a real training: a small share.
-EPOCHS = {"cnn": 12, "stress": 24, "finetune": 16}
-TARGETS = {"cnn": 0.01, "stress": EPS, "finetune": 0.01}
+EPOCHS = {"cnn": 12, "saturated": 12, "stress": 24, "finetune": 16}
+TARGETS = {"cnn": 0.01, "saturated": EPS, "stress": EPS, "finetune": 0.01}
+COMPARED = ("cnn", "saturated")  # the workloads --normal-writer and --rule-cost run on
 CHILD_TIMEOUT = 900
 
 
@@ -107,7 +130,9 @@ def run_once(
         project = work / "proj"
         project.mkdir()
         git(project, env, "init", "-q")
-        (project / "train.py").write_text(workload.source(name, variant))
+        baseline = variant == "retrolog_baseline"
+        script = workload.source(name, "retrolog" if baseline else variant)
+        (project / "train.py").write_text(script)
         git(project, env, "add", "train.py")
         git(project, env, "commit", "-q", "-m", "workload")
         cmd = [str(python), "train.py", str(epochs), str(threads)]
@@ -117,15 +142,21 @@ def run_once(
         if not lines:
             raise BenchError(f"{name}/{variant} printed no figures:\n{tail(done.stdout)}")
         figures: dict[str, Any] = json.loads(lines[-1])
-        if variant == "retrolog":
-            figures.update(store_figures(project / ".retrolog" / "retrolog.db", epochs))
+        db = project / ".retrolog" / "retrolog.db"
+        if baseline:
+            figures.update(baseline_figures(db))
+        elif variant.startswith("retrolog"):
+            figures.update(store_figures(db, epochs))
         return figures
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def store_figures(db: Path, epochs: int) -> dict[str, Any]:
-    """What the recorded run's store says about its checkpoints; fails on a short store."""
+    """What the recorded run's store says about its checkpoints; fails on a short store.
+
+    Also fails when a block checkpoint the adaptive rule chose was not written.
+    """
     conn = sqlite3.connect(db)
     try:
         ((status, policy_json),) = conn.execute("SELECT status, checkpointing FROM runs")
@@ -142,15 +173,42 @@ def store_figures(db: Path, epochs: int) -> dict[str, Any]:
     if len(ends) != 1 or not blocks or losses == 0:
         raise BenchError(f"the store holds {len(blocks)} block and {len(ends)} end checkpoints")
     policy = json.loads(policy_json)
+    epoch = policy["blocks"]["epoch"]
+    if epoch["checkpoints"] != len(blocks) or policy["abandoned"]:
+        raise BenchError(
+            f"the rule chose {epoch['checkpoints']} block checkpoints and {len(blocks)} were "
+            f"written ({policy['abandoned']} abandoned): a chosen checkpoint was lost"
+        )
     return {
         "block_checkpoints": len(blocks),
-        "block_executions": policy["blocks"]["epoch"]["executions"],
+        "block_executions": epoch["executions"],
+        "chosen": epoch["checkpoints"],
+        "refused_cost": epoch["refused_cost"],
+        "refused_writer_full": epoch["refused_writer_full"],
+        "urgent_writes": policy["urgent_writes"],
+        "finished_at_exit": policy["finished_at_exit"],
+        "finish_seconds": policy["finish_seconds"],
         "capture_ms": [r[1] * 1e3 for r in rows],
         "writer_cpu_ms": [(r[2] or 0.0) * 1e3 for r in rows],
         "checkpoint_mb": [r[3] / 1e6 for r in rows],
         "waited_seconds": policy["waited_seconds"],
-        "skipped_writer_behind": policy["skipped_writer_behind"],
     }
+
+
+def baseline_figures(db: Path) -> dict[str, Any]:
+    """What another version's run kept: block checkpoints written, and chosen if it says.
+
+    Earlier versions may lose chosen checkpoints; that is reported, not failed on.
+    """
+    conn = sqlite3.connect(db)
+    try:
+        ((policy_json,),) = conn.execute("SELECT checkpointing FROM runs")
+        (blocks,) = conn.execute("SELECT count(*) FROM checkpoints WHERE kind = 'block'").fetchone()
+    finally:
+        conn.close()
+    policy = json.loads(policy_json or "{}")
+    chosen = policy.get("blocks", {}).get("epoch", {}).get("checkpoints")
+    return {"block_checkpoints": blocks, "chosen": chosen}
 
 
 def blocking_figures(python: Path, env: dict[str, str], reps: int) -> dict[str, Any]:
@@ -214,6 +272,22 @@ def main(argv: list[str] | None = None) -> int:
         help="run workload NAME for N epochs instead of its default (repeatable)",
     )
     parser.add_argument("--no-blocking", action="store_true", help="skip (b)")
+    parser.add_argument(
+        "--normal-writer",
+        action="store_true",
+        help="also record cnn and saturated with the writer at training's priority",
+    )
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="also record cnn and saturated with the retrolog package in this src directory"
+        " (another version, e.g. from `git archive COMMIT src`), on PYTHONPATH",
+    )
+    parser.add_argument(
+        "--rule-cost",
+        action="store_true",
+        help="also record cnn and saturated with only the two checkpoints every run takes",
+    )
     args = parser.parse_args(argv)
     try:
         epochs = dict(EPOCHS, **parse_epochs(args.epochs))
@@ -249,13 +323,38 @@ def main(argv: list[str] | None = None) -> int:
         if flor_python is None:
             print(f"flordb unavailable: {flordb_note}", file=sys.stderr)
 
+    baseline_env = dict(env)
+    if args.baseline_src is not None:
+        if not (args.baseline_src / "retrolog" / "__init__.py").is_file():
+            parser.error(f"--baseline-src {args.baseline_src}: no retrolog package in it")
+        baseline_env["PYTHONPATH"] = str(args.baseline_src.resolve())
     samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     flordb_samples: list[dict[str, Any]] = []
     try:
         for rep in range(args.reps):
             for name in names:
-                order = ["plain", "retrolog"] if rep % 2 == 0 else ["retrolog", "plain"]
-                got = {v: run_once(python, name, v, args.threads, env, epochs[name]) for v in order}
+                order = ["plain", "retrolog"]
+                if args.normal_writer and name in COMPARED:
+                    order.append("retrolog_normal")
+                if args.rule_cost and name in COMPARED:
+                    order.append("retrolog_minimal")
+                if args.baseline_src is not None and name in COMPARED:
+                    order.append("retrolog_baseline")
+                # Each variant first in turn, so a trend in the machine's load does not
+                # always fall on the same one.
+                shift = rep % len(order)
+                order = order[shift:] + order[:shift]
+                got = {
+                    v: run_once(
+                        python,
+                        name,
+                        v,
+                        args.threads,
+                        baseline_env if v == "retrolog_baseline" else env,
+                        epochs[name],
+                    )
+                    for v in order
+                }
                 # A/A: the plain script once more, right after: what the same run differs
                 # by from one execution to the next here, the floor of any overhead claim.
                 got["plain_again"] = run_once(
@@ -266,6 +365,26 @@ def main(argv: list[str] | None = None) -> int:
                         flor_python, name, "flordb", args.threads, flor_env, epochs[name]
                     )
                     flordb_samples.append(got["flordb"])
+                if "retrolog_normal" in got:
+                    got["normal_overhead"] = (
+                        got["retrolog_normal"]["seconds"] / got["plain"]["seconds"] - 1
+                    )
+                if "retrolog_baseline" in got:
+                    got["baseline_overhead"] = (
+                        got["retrolog_baseline"]["seconds"] / got["plain"]["seconds"] - 1
+                    )
+                    # This version against the baseline version, per repetition.
+                    got["versus_baseline"] = (
+                        got["retrolog"]["seconds"] / got["retrolog_baseline"]["seconds"] - 1
+                    )
+                if "retrolog_minimal" in got:
+                    got["minimal_overhead"] = (
+                        got["retrolog_minimal"]["seconds"] / got["plain"]["seconds"] - 1
+                    )
+                    # What the rule's own checkpoints cost, against the same run's minimal.
+                    got["rule_overhead"] = (
+                        got["retrolog"]["seconds"] / got["retrolog_minimal"]["seconds"] - 1
+                    )
                 got["overhead"] = got["retrolog"]["seconds"] / got["plain"]["seconds"] - 1
                 got["noise"] = got["plain_again"]["seconds"] / got["plain"]["seconds"] - 1
                 got["cpu_overhead"] = (
@@ -282,6 +401,27 @@ def main(argv: list[str] | None = None) -> int:
                     f"  plain again {got['noise'] * 100:+.2f}%"
                     f"  checkpoints {got['retrolog']['block_checkpoints']}"
                     f"/{got['retrolog']['block_executions']} blocks + end"
+                    f" ({got['retrolog']['urgent_writes']} urgent,"
+                    f" {got['retrolog']['finished_at_exit']} at exit)"
+                    + (
+                        f"  normal writer {got['normal_overhead'] * 100:+.2f}%"
+                        f" ({got['retrolog_normal']['block_checkpoints']} checkpoints)"
+                        if "normal_overhead" in got
+                        else ""
+                    )
+                    + (
+                        f"  baseline {got['baseline_overhead'] * 100:+.2f}%"
+                        f" ({got['retrolog_baseline']['block_checkpoints']} of"
+                        f" {got['retrolog_baseline']['chosen']} kept)"
+                        if "baseline_overhead" in got
+                        else ""
+                    )
+                    + (
+                        f"  minimal {got['minimal_overhead'] * 100:+.2f}%, the rule's"
+                        f" {got['rule_overhead'] * 100:+.2f}%"
+                        if "minimal_overhead" in got
+                        else ""
+                    )
                     + (
                         f"  flordb {got['flordb_overhead'] * 100:+.2f}%"
                         if "flordb_overhead" in got
@@ -328,6 +468,14 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "block_checkpoints": [s["retrolog"]["block_checkpoints"] for s in reps],
             "block_executions": reps[0]["retrolog"]["block_executions"],
+            # Every block checkpoint chosen was written (store_figures checks it).
+            "chosen": [s["retrolog"]["chosen"] for s in reps],
+            "abandoned": [0 for _ in reps],
+            "refused_cost": [s["retrolog"]["refused_cost"] for s in reps],
+            "refused_writer_full": [s["retrolog"]["refused_writer_full"] for s in reps],
+            "urgent_writes": [s["retrolog"]["urgent_writes"] for s in reps],
+            "finished_at_exit": [s["retrolog"]["finished_at_exit"] for s in reps],
+            "finish_seconds": spread([s["retrolog"]["finish_seconds"] for s in reps]),
             "capture_ms": spread([x for s in reps for x in s["retrolog"]["capture_ms"]]),
             "writer_cpu_ms": spread([x for s in reps for x in s["retrolog"]["writer_cpu_ms"]]),
             "checkpoint_mb": statistics.median(
@@ -335,6 +483,35 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "waited_seconds": [s["retrolog"]["waited_seconds"] for s in reps],
         }
+        if all("retrolog_normal" in s for s in reps):
+            entry["normal_writer"] = {
+                "seconds": spread([s["retrolog_normal"]["seconds"] for s in reps]),
+                "overhead_pct": spread([s["normal_overhead"] * 100 for s in reps]),
+                "cpu_overhead_pct": spread(
+                    [
+                        (s["retrolog_normal"]["cpu_seconds"] / s["plain"]["cpu_seconds"] - 1) * 100
+                        for s in reps
+                    ]
+                ),
+                "block_checkpoints": [s["retrolog_normal"]["block_checkpoints"] for s in reps],
+            }
+        if all("retrolog_baseline" in s for s in reps):
+            entry["baseline"] = {
+                "src": str(args.baseline_src),
+                "seconds": spread([s["retrolog_baseline"]["seconds"] for s in reps]),
+                "overhead_pct": spread([s["baseline_overhead"] * 100 for s in reps]),
+                "versus_baseline_pct": spread([s["versus_baseline"] * 100 for s in reps]),
+                "block_checkpoints": [s["retrolog_baseline"]["block_checkpoints"] for s in reps],
+                "chosen": [s["retrolog_baseline"]["chosen"] for s in reps],
+            }
+        if all("retrolog_minimal" in s for s in reps):
+            entry["minimal"] = {
+                "seconds": spread([s["retrolog_minimal"]["seconds"] for s in reps]),
+                "overhead_pct": spread([s["minimal_overhead"] * 100 for s in reps]),
+                "block_checkpoints": [s["retrolog_minimal"]["block_checkpoints"] for s in reps],
+                # The default against minimal, per repetition: the adaptive rule's choices.
+                "rule_overhead_pct": spread([s["rule_overhead"] * 100 for s in reps]),
+            }
         if name == "cnn" and flordb_samples:
             entry["flordb_seconds"] = spread([s["seconds"] for s in flordb_samples])
             entry["flordb_overhead_pct"] = spread([s["flordb_overhead"] * 100 for s in reps])
@@ -370,6 +547,34 @@ def print_report(result: dict[str, Any]) -> None:
             f"  {w['capture_ms']['median']:.1f}  {'met' if w['target_met'] else 'NOT met'}"
         )
         print(f"{'':9s} CPU time overhead %: {cell(w['cpu_overhead_pct'], '+6.2f')}")
+        if "chosen" in w:
+            print(
+                f"{'':9s} block checkpoints chosen {w['chosen']} = written, none abandoned;"
+                f" urgent-lane writes {w['urgent_writes']}, at exit {w['finished_at_exit']}"
+                f" ({cell(w['finish_seconds'], '.2f')} s), refused for a full writer"
+                f" {w['refused_writer_full']}"
+            )
+        if "baseline" in w:
+            b = w["baseline"]
+            print(
+                f"{'':9s} baseline {b['src']}: overhead % {cell(b['overhead_pct'], '+6.2f')};"
+                f" this version against it % {cell(b['versus_baseline_pct'], '+6.2f')};"
+                f" block checkpoints kept {b['block_checkpoints']} of chosen {b['chosen']}"
+            )
+        if "minimal" in w:
+            m = w["minimal"]
+            print(
+                f"{'':9s} only the two mandatory checkpoints: overhead % "
+                f"{cell(m['overhead_pct'], '+6.2f')}; the default against it (the rule's"
+                f" choices) % {cell(m['rule_overhead_pct'], '+6.2f')}"
+            )
+        if "normal_writer" in w:
+            n = w["normal_writer"]
+            print(
+                f"{'':9s} writer at training's priority: overhead % "
+                f"{cell(n['overhead_pct'], '+6.2f')}, CPU % {cell(n['cpu_overhead_pct'], '+6.2f')},"
+                f" checkpoints {n['block_checkpoints']}"
+            )
         print(
             f"{'':9s} plain run again vs plain run (A/A) %: {cell(w['plain_again_pct'], '+6.2f')}"
             f", median |difference| {w['plain_again_median_abs_pct']:.2f}%"

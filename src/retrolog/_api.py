@@ -161,9 +161,11 @@ def configure(
         "every" (every block, whatever it costs; env RETROLOG_CHECKPOINTS).
     max_in_flight: snapshots held in memory while the background writer stores
         them (default 2; env RETROLOG_MAX_IN_FLIGHT).
-    when_full: when the writer is behind, "skip" the checkpoint (default;
-        replay then executes that block) or make training "wait" (the default
-        with checkpoints="every"; env RETROLOG_WHEN_FULL).
+    when_full: what a block end does when the background writer already
+        holds max_in_flight snapshots: "skip" (default) does not checkpoint it
+        (decided before any copy; replay executes that block), "wait" makes
+        training wait for a slot (the default with checkpoints="every"; env
+        RETROLOG_WHEN_FULL). A checkpoint once taken is always written.
     restore_ratio: restore time over materialize time, Flor's c (default:
         learned from the script's past replays, 1 before any; env
         RETROLOG_RESTORE_RATIO).

@@ -595,6 +595,23 @@ def _format_details(d: dict[str, Any]) -> str:
         lines.append(f"backfilled {b['name']} ({b['count']}, replay {b['replay_id']}{mark})")
     ck = d["checkpoints"]
     lines.append(f"checkpoints {ck['count']} ({ck['bytes'] / 1e6:.2f} MB)")
+    if "chosen" in ck:
+        blocks = f"chosen {ck['chosen']}, written {ck['written']}, abandoned {ck['abandoned']}"
+        if ck["lost"]:
+            blocks += f", lost to a failed write {ck['lost']}"
+        if ck["refused_writer_full"]:
+            blocks += f"; refused, writer full {ck['refused_writer_full']}"
+        lines.append("  blocks    " + blocks)
+        if ck["abandoned_at"]:
+            lines.append(
+                "  abandoned "
+                + ", ".join(
+                    "the end state"
+                    if a["kind"] == "end"
+                    else f"{a['loop']} {a['iteration'] if a['iteration'] is not None else '?'}"
+                    for a in ck["abandoned_at"]
+                )
+            )
     prof = d["profile"]
     if prof:
         parts = []

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,36 @@ class FailingStore(GatedStore):
         raise self.error
 
 
+class StarvedIdleStore(WrappingStore):
+    """A store the idle lane cannot write to until ``fed`` is set: SCHED_IDLE beside a
+    training that keeps every core busy, made deterministic. Other threads write freely."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.fed = threading.Event()
+        self.stalled = threading.Event()  # set once the idle lane is stuck inside a put
+
+    def put(self, data: bytes) -> str:
+        if threading.current_thread().name == "retrolog-checkpoint-writer":
+            self.stalled.set()
+            if not self.fed.wait(GATE_TIMEOUT):
+                raise AssertionError("the test never fed the idle lane")
+        return self.inner.put(data)
+
+
+class SlowStore(WrappingStore):
+    """Every put takes ``delay`` seconds, or until ``gate`` opens (then none)."""
+
+    def __init__(self, inner: ObjectStore, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+        self.gate = threading.Event()
+
+    def put(self, data: bytes) -> str:
+        self.gate.wait(self.delay)
+        return self.inner.put(data)
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> LocalObjectStore:
     return LocalObjectStore(tmp_path / "objects", durable=False)
@@ -81,6 +112,13 @@ def gated(store: LocalObjectStore) -> Iterator[GatedStore]:
     gated = GatedStore(store)
     yield gated
     gated.gate.set()  # never leave a writer thread blocked behind a failed test
+
+
+@pytest.fixture
+def starved(store: LocalObjectStore) -> Iterator[StarvedIdleStore]:
+    starved = StarvedIdleStore(store)
+    yield starved
+    starved.fed.set()
 
 
 @pytest.fixture(autouse=True)
@@ -179,7 +217,7 @@ def test_checkpoint_is_exactly_the_state_at_capture(
     assert all(
         torch.equal(a, b) for a, b in zip(params, objects["model"].parameters(), strict=True)
     )
-    assert ckpt.captured == ckpt.written == 1 and ckpt.skipped == 0
+    assert ckpt.captured == ckpt.written == 1 and ckpt.abandoned == ()
 
 
 @pytest.mark.parametrize(
@@ -295,7 +333,7 @@ def test_close_flushes_everything_in_capture_order(gated: GatedStore, tmp_path: 
     ckpt.close()
     assert [r.ctx_id for r in records] == [0, 1, 2, 3]
     assert [r.manifest for r in records] == expected
-    assert ckpt.in_flight == 0 and ckpt.written == 4
+    assert ckpt.written == 4 and ckpt.abandoned == ()
     # capture_seconds is the training thread's time only; the blocked write is write_seconds.
     assert records[0].write_seconds >= 0.3 > max(r.capture_seconds for r in records)
     assert all(r.nbytes > 0 and r.kind == "block" for r in records)
@@ -332,10 +370,11 @@ def test_the_codec_is_loaded_on_the_training_thread_before_the_writer_starts(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
-def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
+def test_the_idle_lane_takes_idle_cycles_and_close_has_the_urgent_lane_write_the_rest(
     gated: GatedStore, store: LocalObjectStore
 ) -> None:
-    """The writer thread runs under SCHED_IDLE; close() interrupts it and writes the rest."""
+    """The idle lane runs under SCHED_IDLE; at close the urgent lane, at training's priority,
+    writes what is left, without waiting for the idle lane to let go of it."""
     main_priority = priority_of_this_thread()
     state = {"a": np.zeros(10_000), "b": np.ones(10_000)}  # two arrays: two puts each
     seen: list[tuple[str, tuple[int, int], CheckpointRecord]] = []
@@ -353,7 +392,7 @@ def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     assert [(name, prio) for name, prio, _ in seen] == [
         ("retrolog-checkpoint-writer", (os.SCHED_IDLE, 19))
     ]
-    # The writer blocks inside checkpoint 1's first put; close() comes meanwhile.
+    # The idle lane blocks inside checkpoint 1's first put; close() comes meanwhile.
     gated.gate.clear()
     gated.entered.clear()
     state["a"][:] = 1.0
@@ -364,16 +403,17 @@ def test_the_writer_takes_idle_cycles_and_close_writes_the_rest_itself(
     assert gated.entered.wait(GATE_TIMEOUT)
     threading.Timer(0.2, gated.gate.set).start()
     ckpt.close()
-    # Checkpoint 1 was interrupted after its first array and started again here, at
-    # this thread's priority; the end checkpoint was never started by the writer.
+    # Checkpoint 1 was written again by the urgent lane, at this thread's priority (the
+    # idle lane stops at its next array); the end checkpoint was never started by it.
     assert [(name, prio) for name, prio, _ in seen[1:]] == [
-        (threading.current_thread().name, main_priority)
+        ("retrolog-checkpoint-urgent", main_priority)
     ] * 2
     assert priority_of_this_thread() == main_priority
     assert [r.ctx_id for _, _, r in seen] == [0, 1, None]
     restored = [decode(r.manifest, store).objects for _, _, r in seen]
     assert [(o["a"][0], o["b"][0]) for o in restored] == [(0.0, 1.0), (1.0, 2.0), (3.0, 2.0)]
-    assert seen[1][2].write_seconds >= 0.2  # counted from the interrupted attempt's start
+    assert seen[1][2].write_seconds >= 0.2  # counted from the idle lane's attempt's start
+    assert ckpt.finished_at_close == 2 and ckpt.urgent_writes == 0
 
 
 def test_the_writer_at_training_priority_when_asked(store: LocalObjectStore) -> None:
@@ -414,16 +454,17 @@ def count_snapshots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return taken
 
 
-def test_when_full_wait_blocks_the_training_thread(
+def test_a_capture_that_finds_every_slot_held_waits_for_one(
     gated: GatedStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken = count_snapshots(monkeypatch)
     state = {"x": np.arange(10.0)}
     records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2, when_full="wait")
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2)
     with pytest.warns(RetrologWarning, match="fell behind.*made training wait") as warned:
         capture(ckpt, state, 0)
         capture(ckpt, state, 1)
+        assert not ckpt.has_room()
         third, errors = in_thread(lambda: capture(ckpt, state, 2))
         third.join(0.3)
         assert third.is_alive()  # blocked: two snapshots are held, the writer cannot finish
@@ -437,50 +478,98 @@ def test_when_full_wait_blocks_the_training_thread(
     assert [r.ctx_id for r in records] == [0, 1, 2, 3]
     assert ckpt.waited_seconds >= 0.25
     assert records[2].capture_seconds >= 0.25  # the wait is main-thread cost of that checkpoint
-    assert ckpt.skipped == 0 and ckpt.captured == 4
+    assert ckpt.abandoned == () and ckpt.captured == 4
 
 
-def test_when_full_skip_drops_the_checkpoint_but_never_the_end(
-    gated: GatedStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("max_in_flight", [0, 1.5, "2"])
+def test_bad_settings_are_refused(store: LocalObjectStore, max_in_flight: Any) -> None:
+    with pytest.raises(ValueError, match="max_in_flight"):
+        BackgroundCheckpointer(store, lambda record: None, max_in_flight=max_in_flight)
+
+
+# -- an idle lane that gets no CPU ----------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_a_due_checkpoint_is_written_by_the_urgent_lane_while_the_idle_lane_starves(
+    starved: StarvedIdleStore, store: LocalObjectStore
 ) -> None:
+    main_priority = priority_of_this_thread()
+    seen: list[tuple[str, tuple[int, int], CheckpointRecord]] = []
+    reported: list[float] = []
+
+    def sink(record: CheckpointRecord) -> None:
+        reported.append(time.monotonic())
+        seen.append((threading.current_thread().name, priority_of_this_thread(), record))
+
+    ckpt = BackgroundCheckpointer(starved, sink, max_in_flight=2)
+    state = {"a": np.arange(10_000.0)}
+    captured = time.monotonic()
+    ckpt.capture(ctx_id=0, loop_name="epoch", kind="block", objects=state, due_in=0.2)
+    assert starved.stalled.wait(GATE_TIMEOUT)  # the idle lane took it, and stalled
+    time.sleep(0.1)
+    assert seen == []  # not due yet: left to the idle lane
+    wait_until(lambda: ckpt.written == 1)
+    ((name, priority, record),) = seen
+    assert (name, priority) == ("retrolog-checkpoint-urgent", main_priority)
+    assert reported[0] - captured >= 0.2 and record.urgent_cpu_seconds > 0
+    assert record.idle_seconds is not None and record.idle_seconds > 0.1  # stalled meanwhile
+    assert ckpt.urgent_writes == 1
+    assert decode(record.manifest, store).objects["a"][-1] == 9999.0
+    # Written, but the stalled idle lane still reads that snapshot's memory: it is not
+    # handed to the next capture until the lane lets go of it.
+    assert ckpt.in_flight == 1
+    starved.fed.set()
+    wait_until(lambda: ckpt.in_flight == 0)
+    ckpt.close()
+    assert [r.ctx_id for _, _, r in seen] == [0]
+
+
+def test_with_a_starved_idle_lane_no_checkpoint_taken_is_lost(
+    starved: StarvedIdleStore, store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the run does at each block end: take a checkpoint only when the writer has
+    room, else hurry the oldest; every checkpoint taken is written, in order, and no more
+    than max_in_flight snapshots are ever held."""
     taken = count_snapshots(monkeypatch)
-    state = {"x": np.arange(10.0)}
     records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=1, when_full="skip")
-    caplog.set_level("INFO", logger="retrolog.checkpoint")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # skipping is logged, not warned about
-        capture(ckpt, state, 0)
-        assert gated.entered.wait(GATE_TIMEOUT)
-        capture(ckpt, state, 1)
-        capture(ckpt, state, 2)
-        assert len(taken) == 1  # a skipped checkpoint costs no snapshot
-        end, errors = in_thread(lambda: capture(ckpt, state, None))
-        end.join(0.3)
-        assert end.is_alive()  # the end checkpoint waits instead
-        gated.gate.set()
-        end.join(GATE_TIMEOUT)
-        assert errors == []
-        ckpt.close()
-    skipped = [r.getMessage() for r in caplog.records if "not taken" in r.getMessage()]
-    assert len(skipped) == 1 and "ctx 1 of loop 'epoch'" in skipped[0]
-    assert [r.ctx_id for r in records] == [0, None]  # the sink never saw the skipped ones
-    assert ckpt.skipped == 2 and ckpt.captured == 2
-    assert [(s.ctx_id, s.loop_name, s.kind, s.in_flight) for s in ckpt.skips] == [
-        (1, "epoch", "block", 1),
-        (2, "epoch", "block", 1),
-    ]
+    ckpt = BackgroundCheckpointer(starved, records.append, max_in_flight=2)
+    state = {"a": np.zeros(10_000)}
+    captured, refused, held = [], 0, []
+    for ctx in range(40):
+        state["a"][:] = ctx
+        held.append(ckpt.in_flight)
+        if ckpt.has_room():
+            ckpt.capture(ctx_id=ctx, loop_name="epoch", kind="block", objects=state)
+            captured.append(ctx)
+        else:
+            ckpt.escalate()
+            refused += 1
+        time.sleep(0.005)  # a block
+    ckpt.capture(ctx_id=None, loop_name="epoch", kind="end", objects=state)
+    ckpt.close()
+    assert [r.ctx_id for r in records] == [*captured, None]
+    assert [decode(r.manifest, store).objects["a"][0] for r in records[:-1]] == captured
+    assert len(captured) > 10 and refused > 0  # the urgent lane kept freeing slots
+    assert max(held) <= 2 and len(taken) == len(captured) + 1
+    assert ckpt.abandoned == () and ckpt.written == ckpt.captured
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [({"max_in_flight": 0}, "max_in_flight"), ({"when_full": "drop"}, "when_full")],
-)
-def test_bad_settings_are_refused(
-    store: LocalObjectStore, kwargs: dict[str, Any], message: str
-) -> None:
-    with pytest.raises(ValueError, match=message):
-        BackgroundCheckpointer(store, lambda record: None, **kwargs)
+def test_close_does_not_wait_for_a_starved_idle_lane(starved: StarvedIdleStore) -> None:
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(starved, records.append, max_in_flight=3)
+    for ctx in (0, 1, None):
+        capture(ckpt, {"a": np.full(10_000, ctx or 0.0)}, ctx)
+    assert starved.stalled.wait(GATE_TIMEOUT)
+    ckpt.close()  # would hang here (until the fixture feeds it) if close waited for it
+    assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.finished_at_close == 3
 
 
 # -- failures -------------------------------------------------------------------------------
@@ -576,6 +665,85 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
     assert [int(decode(w[2], store).objects["x"][0]) for w in written] == [0, 1, 2, 3, 4]
 
 
+def test_a_long_finish_shows_what_remains_on_stderr(
+    store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = SlowStore(store, delay=0.15)
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(slow, records.append, max_in_flight=3, label="run R")
+    state = {f"w{i}": np.full(50_000, float(i)) for i in range(4)}  # 4 arrays of 400 KB
+    for ctx in (0, 1, None):
+        capture(ckpt, state, ctx)
+    ckpt.close()  # 3 checkpoints of 5 puts each: over 2 s at 0.15 s a put
+    err = capsys.readouterr().err
+    assert [r.ctx_id for r in records] == [0, 1, None]
+    progress = [line for line in err.splitlines() if "before exit" in line]
+    assert progress, err
+    assert re.search(
+        r"finishing [123] checkpoints? \(\d+\.\d MB\) of run R before exit, "
+        r"about \d+(\.\d)? s left",
+        progress[0],
+    ), progress
+    assert "wrote 3 checkpoints (4.8 MB) of run R in" in err
+    assert ckpt.finish_seconds > 1.0
+
+
+def test_a_short_finish_says_nothing(
+    store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with BackgroundCheckpointer(store, lambda r: None) as ckpt:
+        capture(ckpt, {"a": np.zeros(1000)}, None)
+    assert capsys.readouterr().err == ""
+
+
+def test_ctrl_c_once_keeps_finishing_and_twice_abandons(
+    store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = SlowStore(store, delay=GATE_TIMEOUT)  # nothing finishes until the gate opens
+    records: list[CheckpointRecord] = []
+    ckpt = BackgroundCheckpointer(slow, records.append, max_in_flight=3, label="run R")
+    state = {"a": np.zeros(100_000), "b": np.ones(100_000)}
+    for ctx in (4, 5, None):
+        capture(ckpt, state, ctx)
+
+    def press(after: float) -> None:
+        threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    press(0.3)
+    press(0.8)
+    began = time.monotonic()
+    try:
+        ckpt.close()  # on the main thread: Ctrl-C is handled here, not raised
+    finally:
+        slow.gate.set()
+    err = capsys.readouterr().err
+    assert time.monotonic() - began < GATE_TIMEOUT / 2
+    assert "retrolog: finishing 3 checkpoints (4.8 MB); press Ctrl-C again to abandon them" in err
+    assert (
+        "retrolog: abandoned 3 checkpoints (4.8 MB) of run R: epoch context 4, epoch "
+        "context 5, the end state." in err
+    )
+    assert records == []
+    assert [(a.ctx_id, a.kind) for a in ckpt.abandoned] == [
+        (4, "block"),
+        (5, "block"),
+        (None, "end"),
+    ]
+    # The two arrays, and the RNG states beside them.
+    assert all(1_600_000 < a.nbytes < 1_620_000 for a in ckpt.abandoned)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_close_says_so_instead_of_hanging_if_the_urgent_lane_is_gone(
+    starved: StarvedIdleStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(BackgroundCheckpointer, "_run_urgent", lambda self: None)
+    ckpt = BackgroundCheckpointer(starved, lambda r: None, label="run R")
+    capture(ckpt, {"a": np.zeros(10_000)}, None)
+    with pytest.raises(StoreError, match=r"stopped with 1 checkpoint\(s\) of run R not written"):
+        ckpt.close()
+
+
 # -- unchanged tensors are not copied -------------------------------------------------------
 
 
@@ -652,39 +820,16 @@ def decode_node(store: LocalObjectStore, manifest: str) -> Any:
     return json.loads(store.get(manifest))
 
 
-def test_under_skip_the_end_state_never_waits_behind_optional_checkpoints(
-    gated: GatedStore, store: LocalObjectStore
-) -> None:
-    """A queued block checkpoint makes room for the end; close() writes only end states."""
-    state = {"a": np.zeros(10_000), "b": np.ones(10_000)}
-    records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=2, when_full="skip")
-    capture(ckpt, state, 0)
-    assert gated.entered.wait(GATE_TIMEOUT)  # the writer is inside checkpoint 0
-    state["a"][:] = 1.0
-    capture(ckpt, state, 1)  # queued behind it: both slots taken
-    state["b"][:] = 2.0
-    began = time.perf_counter()
-    capture(ckpt, state, None)  # the end: takes checkpoint 1's slot instead of waiting
-    assert time.perf_counter() - began < GATE_TIMEOUT / 2 and ckpt.waited_seconds == 0.0
-    threading.Timer(0.2, gated.gate.set).start()
-    ckpt.close()
-    assert [r.ctx_id for r in records] == [None]  # checkpoint 0 was dropped at close
-    assert [(s.ctx_id, s.dropped) for s in ckpt.skips] == [(1, True), (0, True)]
-    assert ckpt.skipped == ckpt.dropped == 2
-    end = decode(records[0].manifest, store).objects
-    assert (end["a"][0], end["b"][0]) == (1.0, 2.0)
-
-
-def test_under_wait_close_writes_every_checkpoint_in_flight(gated: GatedStore) -> None:
+def test_close_writes_every_checkpoint_in_flight(gated: GatedStore) -> None:
     state = {"a": np.zeros(10_000)}
     records: list[CheckpointRecord] = []
-    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=3, when_full="wait")
+    ckpt = BackgroundCheckpointer(gated, records.append, max_in_flight=3)
     for ctx in (0, 1, None):
         capture(ckpt, state, ctx)
     threading.Timer(0.2, gated.gate.set).start()
     ckpt.close()
-    assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.skipped == 0
+    assert [r.ctx_id for r in records] == [0, 1, None] and ckpt.abandoned == ()
+    assert ckpt.written_of("block") == 2 and ckpt.written_of("end") == 1
 
 
 def test_a_writer_that_cannot_load_its_codec_fails_loudly(
@@ -694,7 +839,7 @@ def test_a_writer_that_cannot_load_its_codec_fails_loudly(
         raise ImportError("No module named 'imagecodecs'")
 
     monkeypatch.setattr(background, "_codec", missing)
-    ckpt = BackgroundCheckpointer(store, lambda r: None, max_in_flight=1, when_full="wait")
+    ckpt = BackgroundCheckpointer(store, lambda r: None, max_in_flight=1)
     capture(ckpt, {"a": np.zeros(10_000)}, 0)
     with pytest.raises(StoreError, match="compression library"):
         for ctx in range(1, 50):  # the next capture raises instead of waiting forever

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from retrolog.checkpoint import settings
-from retrolog.checkpoint.policy import AdaptivePolicy
+from retrolog.checkpoint.policy import DUE_SHARE_ONE_SLOT, AdaptivePolicy, Decision
 from retrolog.errors import UsageError
 
 
@@ -144,15 +144,80 @@ def test_no_second_checkpoint_before_the_first_write_reports_its_cost() -> None:
     assert policy.decide("epoch", 1.0)
 
 
-def test_a_skipped_checkpoint_does_not_count_as_taken() -> None:
+def test_a_full_writer_is_a_refusal_of_its_own_and_the_rule_asks_again() -> None:
+    """The rule decides against a block end the writer cannot take, before any capture,
+    counts it apart from the cost refusals, and takes the next block end that has room."""
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.decide("epoch", 1.0) is Decision.TAKE
+    policy.captured("epoch", 0.001)
+    policy.written("epoch", 0.001, 0.01)
+    full = policy.decide("epoch", 1.0, room=False)
+    assert full is Decision.WRITER_FULL and not full and full.waits_on_writer
+    stats = policy.blocks["epoch"]
+    assert stats.checkpoints == 1 and stats.refused_writer_full == 1 and stats.refused_cost == 0
+    assert policy.decide("epoch", 1.0) is Decision.TAKE
+    # A block end the invariant refuses is a cost refusal, whether the writer has room or not.
+    policy.captured("epoch", 100.0)
+    assert policy.decide("epoch", 1.0, room=False) is Decision.COST
+    assert (stats.refused_cost, stats.refused_writer_full) == (1, 1)
+
+
+def test_the_first_block_end_waits_for_room_too() -> None:
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.decide("round", 1.0, room=False) is Decision.WRITER_FULL
+    assert policy.decide("round", 1.0) is Decision.TAKE
+
+
+def test_before_the_first_write_the_rule_cannot_price_a_checkpoint() -> None:
     policy = AdaptivePolicy(eps=1 / 15)
     assert policy.decide("epoch", 1.0)
     policy.captured("epoch", 0.001)
-    policy.written("epoch", 0.001, 0.01)
-    assert policy.decide("epoch", 1.0)
-    policy.not_taken("epoch", 0.0)
-    assert policy.blocks["epoch"].checkpoints == 1
-    assert policy.decide("epoch", 1.0)
+    unpriced = policy.decide("epoch", 1.0)
+    assert unpriced is Decision.UNPRICED and unpriced.waits_on_writer
+    assert policy.blocks["epoch"].refused_cost == 1
+
+
+def test_the_urgent_lanes_time_counts_in_full_and_its_blocks_stay_out_of_the_fit() -> None:
+    """The urgent lane writes at training's priority: while it writes, training loses
+    the cores and the GIL to it, whatever the idle lane's measured slowdown says."""
+    policy = AdaptivePolicy(eps=1 / 15, count_writer_cpu=True)
+    assert policy.decide("epoch", 5.0)  # warm-up, not fitted
+    policy.captured("epoch", 0.01)
+    # Taken over by the urgent lane after the idle lane spent 0.01 s of CPU in 0.3 s:
+    # the urgent lane wrote for 0.06 s (0.04 s of it on a CPU).
+    policy.written(
+        "epoch", 0.05, 0.5, urgent_cpu_seconds=0.04, idle_seconds=0.3, urgent_seconds=0.06
+    )
+    stats = policy.blocks["epoch"]
+    assert stats.urgent_writes == 1
+    assert policy.materialize_seconds(stats) == pytest.approx(0.01 + 0.06 + 0.01)
+    # Idle and busy blocks measure the idle lane's slowdown: 20% ...
+    policy.decide("epoch", 1.0, 0.0, urgent_seconds=0.0)
+    policy.decide("epoch", 1.2, 1.2, urgent_seconds=0.0)
+    # ... and a block the urgent lane wrote in (it is slower for that) is not fitted.
+    policy.decide("epoch", 3.0, 0.0, urgent_seconds=0.5)
+    assert stats.fits == 2 and stats.writer_slowdown() == pytest.approx(0.2)
+    # M: capture + the urgent lane's time + the idle lane's 0.3 s times s / (1 + s).
+    assert policy.materialize_seconds(stats) == pytest.approx(0.01 + 0.06 + 0.3 * 0.2 / 1.2)
+    policy.decide("epoch", 1.0, 0.0, urgent_seconds=0.5)  # the lane did nothing since
+    assert stats.fits == 3
+    # Training on a GPU leaves the CPU to the writer: neither lane counts.
+    gpu = AdaptivePolicy(eps=1 / 15, count_writer_cpu=False)
+    gpu.decide("epoch", 1.0)
+    gpu.captured("epoch", 0.01)
+    gpu.written("epoch", 0.05, 0.5, urgent_cpu_seconds=0.04, urgent_seconds=0.06)
+    assert gpu.materialize_seconds(gpu.blocks["epoch"]) == pytest.approx(0.01)
+
+
+def test_a_checkpoint_is_due_one_mean_block_before_its_slot_is_needed_again() -> None:
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.due_in("epoch", 2) == 0.0
+    policy.decide("epoch", 3.0)
+    policy.decide("epoch", 1.0)  # a mean block of 2 s
+    assert policy.due_in("epoch", 2) == pytest.approx(2.0)
+    assert policy.due_in("epoch", 4) == pytest.approx(6.0)
+    # One slot: needed at the next block end, so due half a block after the capture.
+    assert policy.due_in("epoch", 1) == pytest.approx(DUE_SHARE_ONE_SLOT * 2.0) == 1.0
 
 
 def test_blocks_of_different_loops_are_counted_apart() -> None:

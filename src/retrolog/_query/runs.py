@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
@@ -98,7 +99,8 @@ def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
         ckpt = dict(
             conn.execute(
                 "SELECT COUNT(*) AS count, COALESCE(SUM(nbytes), 0) AS bytes,"
-                " COALESCE(SUM(capture_seconds), 0) AS capture_seconds"
+                " COALESCE(SUM(capture_seconds), 0) AS capture_seconds,"
+                " COALESCE(SUM(kind = 'block'), 0) AS blocks"
                 " FROM checkpoints WHERE run_id = ?",
                 (run_id,),
             ).fetchone()
@@ -114,6 +116,7 @@ def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
                 (run_id,),
             )
         ]
+        ckpt.update(_checkpoint_outcome(conn, run_id, row.get("checkpointing"), ckpt["blocks"]))
         profile = {
             r["phase"]: {"count": r["n"], "seconds": r["s"], "block_seconds": r["b"]}
             for r in conn.execute(
@@ -124,7 +127,15 @@ def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
         }
     finally:
         conn.row_factory = None
-    for key in ("args", "packages", "argv", "skipped_files", "numerics", "parsed_args"):
+    for key in (
+        "args",
+        "packages",
+        "argv",
+        "skipped_files",
+        "numerics",
+        "parsed_args",
+        "checkpointing",
+    ):
         if row.get(key):
             row[key] = json.loads(row[key])
     row["dirty"] = bool(row["dirty"]) if row.get("dirty") is not None else None
@@ -167,6 +178,56 @@ def _definitions(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
             }
         )
     return result
+
+
+def _checkpoint_outcome(
+    conn: sqlite3.Connection, run_id: str, summary_json: str | None, written: int
+) -> dict[str, Any]:
+    """Block checkpoints the adaptive rule chose, and what became of them.
+
+    From the run's ``checkpointing`` record (written at the run's end, so
+    nothing while it runs) and its block checkpoint rows, which are what was
+    written. ``lost`` is what neither a row nor the abandoned list accounts
+    for: a write that failed (the run raised it).
+    """
+    summary: Any = None
+    with contextlib.suppress(ValueError):  # not JSON: show what the rows say, nothing more
+        summary = json.loads(summary_json) if summary_json else None
+    if not isinstance(summary, dict) or not isinstance(summary.get("blocks"), dict):
+        return {}
+    # Records of earlier versions have no totals: "checkpoints" per block counted the
+    # ones taken, and "dropped_unwritten" the ones taken and then dropped at exit.
+    chosen = int(
+        summary["chosen"]
+        if summary.get("chosen") is not None
+        else sum(int(b.get("checkpoints", 0)) for b in summary["blocks"].values())
+    )
+    abandoned = int(summary.get("abandoned", summary.get("dropped_unwritten")) or 0)
+    listed = summary.get("abandoned_checkpoints") or []
+    ctx_ids = [a["ctx_id"] for a in listed if a.get("ctx_id") is not None]
+    iterations: dict[Any, tuple[Any, Any]] = {}
+    if ctx_ids:
+        marks = ", ".join("?" * len(ctx_ids))
+        iterations = {
+            ctx: (name, iteration)
+            for ctx, name, iteration in conn.execute(
+                "SELECT ctx_id, name, iteration FROM loops"
+                f" WHERE run_id = ? AND ctx_id IN ({marks})",
+                (run_id, *ctx_ids),
+            )
+        }
+    abandoned_at = []
+    for item in listed:
+        loop, iteration = iterations.get(item.get("ctx_id"), (item.get("loop"), None))
+        abandoned_at.append({"kind": item.get("kind"), "loop": loop, "iteration": iteration})
+    return {
+        "chosen": chosen,
+        "written": written,
+        "abandoned": abandoned,
+        "lost": max(chosen - written - abandoned, 0),
+        "refused_writer_full": int(summary.get("refused_writer_full", 0)),
+        "abandoned_at": abandoned_at,
+    }
 
 
 def format_duration(seconds: float) -> str:

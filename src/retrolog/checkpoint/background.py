@@ -1,26 +1,44 @@
-"""Checkpoints whose encoding and writing happen off the training thread.
+"""Checkpoints whose encoding and writing happen off the training thread, never lost.
 
 DESIGN.md, "Background materialization": the training thread only takes a
 snapshot; hashing, compression and I/O happen elsewhere. The choice of a
 thread over a forked child or a worker process was made from measurements
 (docs/materialization.md, bench/bench_materialize.py)::
 
-    training thread                   retrolog-checkpoint-writer thread
-    ---------------                   ---------------------------------
-    capture()
-      snapshot(objects)  ──> pending ──> encode(snap, store): blobs first, manifest last
-      (a deep copy: the    (at most      ──> sink(record), in capture order
-       only work here)     max_in_flight)
+    training thread                   writer lanes (threads)
+    ---------------                   ----------------------
+    capture(due_in=...)
+      snapshot(objects)  ──> pending ──> idle lane (SCHED_IDLE): writes the oldest
+      (a deep copy: the    (at most          on cycles training leaves idle (zstd, deltas)
+       only work here)     max_in_flight) ─> urgent lane (training's priority): writes
+                                             the oldest once it is due (lz4, the least
+                                             CPU), and at close whatever is left
+                                          ──> sink(record), in capture order
 
-The thread works because what it spends its time on releases the GIL:
-hashing (xxhash), compressing (c-blosc2) and the file writes in
-:class:`~retrolog.store.objects.LocalObjectStore`; and it runs at the lowest
-CPU priority, so it takes only the cycles training leaves idle. Memory is
-bounded: at most ``max_in_flight`` snapshots are held (queued or being
-written); when a block ends while all are taken, ``when_full`` decides
-whether the training thread waits (a warning, the first time) or the
-checkpoint is skipped (logged, counted, and listed in
-:attr:`BackgroundCheckpointer.skips` so the adaptive rule can account for it).
+Two lanes because a thread cannot raise its own priority again without
+privilege (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE that
+distributions set to 0): the idle lane alone gets no CPU while training keeps
+every core busy, and a checkpoint chosen by the adaptive rule would wait
+until the process exits. So a checkpoint is *due* ``due_in`` seconds after its
+capture (the run passes a block less than the time until its slot may be
+needed again), or at once when training would otherwise have to wait or refuse
+(:meth:`BackgroundCheckpointer.escalate`); the urgent lane, which sleeps
+until then, writes it at training's priority. Both lanes only ever write the
+oldest checkpoint not yet written, so checkpoints are reported in capture
+order and a tensor referenced as unchanged (``StoredTensor``) was always
+stored by an earlier checkpoint first.
+
+Memory is bounded: at most ``max_in_flight`` snapshots are held, and a
+capture that finds them all held waits (the run asks :meth:`has_room` first
+and, under the adaptive rule, does not choose that block end instead). A
+snapshot's memory goes back to the pool only when no lane is reading it any
+more: the idle lane may be stalled in the middle of an array when the urgent
+lane takes its checkpoint over, and reusing that memory then would let it
+store one state's bytes under another's key.
+
+Nothing chosen is dropped: :meth:`close` writes everything in flight, with
+progress on stderr when that takes over a second, and abandons checkpoints
+only on a second Ctrl-C, listing them in :attr:`abandoned`.
 
 Visibility: the sink is called only after :func:`~retrolog.checkpoint.codec.encode`
 returned, and encode puts the manifest after every blob it references, each
@@ -33,7 +51,7 @@ checkpoint replay could pick.
 from __future__ import annotations
 
 import atexit
-import logging
+import enum
 import os
 import sys
 import threading
@@ -42,77 +60,84 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from retrolog.checkpoint._arrays import _codec, all_cores, preload_codec
+from retrolog.checkpoint._finish import AbandonedCheckpoint, Finishing, snapshot_nbytes
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
 from retrolog.checkpoint.codec import DeltaHistory, Interrupted, encode
 from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, TensorMemo, snapshot
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
 from retrolog.store.objects import ObjectStore
 
-_log = logging.getLogger("retrolog.checkpoint")
 
-WhenFull = Literal["wait", "skip"]
-WHEN_FULL: tuple[WhenFull, ...] = ("wait", "skip")
+class _Lane(enum.Enum):
+    """Which writer thread does a write."""
 
-
-@dataclass(frozen=True)
-class SkippedCheckpoint:
-    """A checkpoint that was not taken because the writer was behind (``when_full="skip"``)."""
-
-    ctx_id: int | None
-    loop_name: str
-    kind: str
-    at: float  # time.time() of the capture() call
-    in_flight: int  # snapshots held by the writer at that moment
-    dropped: bool = False  # taken, then dropped unwritten to make room for the end or at close
+    IDLE = "idle"  # under SCHED_IDLE: only cycles training leaves idle; zstd with deltas
+    URGENT = "urgent"  # at training's priority: what is due, and at close what is left
 
 
-@dataclass
+class _State(enum.Enum):
+    """Where a captured checkpoint is."""
+
+    PENDING = "pending"  # queued or being written
+    WRITTEN = "written"  # stored and reported to the sink
+    ABANDONED = "abandoned"  # in flight at exit; the user pressed Ctrl-C twice
+    LOST = "lost"  # a write failed, this one's or an earlier one's (raised to training)
+
+
+@dataclass(eq=False)
 class _Job:
-    """One snapshot waiting for (or going through) the writer."""
+    """One snapshot waiting for (or going through) the writer lanes."""
 
     ctx_id: int | None
     loop_name: str
     kind: str
-    snap: Snapshot | None  # dropped as soon as it is encoded, to free its memory early
+    snap: Snapshot | None  # dropped once no lane reads it, to free its memory early
     created_at: float
     capture_seconds: float
-    buffers: SnapshotBuffers  # the memory the snapshot's large tensors live in
-    frame_locals: bytes | None = None  # stored with the checkpoint as they are
-    # Writing may take two attempts (close() takes over an interrupted one):
-    # when the first began, and the CPU time of all of them.
+    buffers: SnapshotBuffers | None  # the memory the snapshot's large tensors live in
+    frame_locals: bytes | None  # stored with the checkpoint as they are
+    due_at: float | None  # time.monotonic() after which the urgent lane writes it
+    state: _State = _State.PENDING
+    encoders: int = 0  # lanes encoding it now: its memory is reused only at 0
+    idle_writing: bool = False
+    urgent: bool = False  # the urgent lane has it: the idle lane stops at its next array
+    # Writing may take several attempts (a lane interrupted, the other taking over):
+    # when the first began, the CPU time of all of them, and of that the urgent lane's.
     write_started: float | None = None
     writer_cpu_seconds: float = 0.0
+    urgent_cpu_seconds: float = 0.0
+    urgent_seconds: float = 0.0  # wall seconds the urgent lane spent on it
+    idle_seconds: float = 0.0  # wall seconds the idle lane spent on it
+    idle_since: float | None = None  # start of the idle lane's attempt going on
+    urgent_since: float | None = None  # start of the urgent lane's attempt
 
 
 class BackgroundCheckpointer(Checkpointer):
-    """Snapshots on the calling thread; encodes, writes and reports on a writer thread.
+    """Snapshots on the calling thread; encodes, writes and reports on two writer lanes.
 
     ``store`` and ``sink`` are as for
     :class:`~retrolog.checkpoint.capture.SynchronousCheckpointer`; ``sink`` is
-    called on the writer thread, once per written checkpoint, in capture order.
+    called on a writer thread, once per written checkpoint, in capture order.
     ``max_in_flight`` bounds the snapshots held at once (each is a full copy of
-    the state). ``when_full`` is what a capture does when that bound is reached:
-    ``"wait"`` blocks until the oldest is written (counted in
-    :attr:`waited_seconds`), ``"skip"`` takes no checkpoint (counted in
-    :attr:`skipped`). The ``end`` checkpoint is never skipped: it is the only
-    one replay always needs, so it waits.
+    the state); a capture that finds them all held waits for one (counted in
+    :attr:`waited_seconds`), after making the oldest due. ``label`` names what
+    the checkpoints belong to in messages (e.g. ``"run 20261123-..."``).
 
-    ``low_priority`` (the default) runs the writer at the lowest CPU priority
-    (SCHED_IDLE, else nice 19, for its thread only; Linux), so it takes only
-    cycles training leaves idle: on a CPU-bound machine a writer at training's
-    priority slows training several times its own CPU time
-    (docs/materialization.md). What is left to write at :meth:`close` is
-    written by the closing thread, at its priority and with every core, since
-    training is over by then and a busy machine could starve an idle-priority
-    writer.
+    ``low_priority`` (the default) runs the idle lane at the lowest CPU
+    priority (SCHED_IDLE, else nice 19, for its thread only; Linux), so it
+    takes only cycles training leaves idle: on a CPU-bound machine a writer at
+    training's priority slows training about as much as its own CPU time
+    (docs/materialization.md). The urgent lane runs at the priority of the
+    thread that made the first capture, and writes only what is due
+    (``capture(due_in=...)``, :meth:`escalate`) and, at :meth:`close`, the rest.
 
-    A failure on the writer thread is raised in the training thread, as
+    A failure on a writer thread is raised in the training thread, as
     StoreError (or CheckpointTargetError for a value that cannot be encoded),
-    at the next :meth:`capture` or at :meth:`close`; the checkpoints still
-    queued behind it are not written and the message says how many.
+    at the next :meth:`capture` or :meth:`has_room` or at :meth:`close`; the
+    checkpoints still queued behind it are not written and the message says
+    how many.
     """
 
     def __init__(
@@ -121,43 +146,52 @@ class BackgroundCheckpointer(Checkpointer):
         sink: Callable[[CheckpointRecord], None],
         *,
         max_in_flight: int = 2,
-        when_full: WhenFull = "wait",
         low_priority: bool = True,
+        label: str = "this run",
     ) -> None:
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int of at least 1, not {max_in_flight!r}")
-        if when_full not in WHEN_FULL:
-            raise ValueError(f"when_full must be one of {WHEN_FULL}, not {when_full!r}")
         self.store = store
         self.sink = sink
-        self.history = DeltaHistory()  # used by the writer thread only
+        self.label = label
+        # Used by the idle lane only: the urgent lane writes without deltas (see _write).
+        self.history = DeltaHistory()
         self.max_in_flight = max_in_flight
-        self.when_full: WhenFull = when_full
-        # Whether the writer runs below training's priority: requested, and possible
+        # Whether the idle lane runs below training's priority: requested, and possible
         # here (per-thread priorities are a Linux feature).
         self.low_priority = low_priority and sys.platform.startswith("linux")
         # Here, on the training thread (~10 ms): a low-priority writer importing it would
         # hold the GIL while the scheduler starves it, and training would wait for the GIL.
         preload_codec()
         self._cond = threading.Condition()
-        # Queued jobs and, at the head, the one being written: len() is the
-        # number of snapshots held, which is what max_in_flight bounds.
+        # Checkpoints not yet written, oldest first; both lanes write only the head.
         self._pending: deque[_Job] = deque()
-        self._thread: threading.Thread | None = None
+        self._idle: threading.Thread | None = None
+        self._urgent: threading.Thread | None = None
         self._closing = False
         self._closed = False
-        self._error: BaseException | None = None  # the writer's failure, converted
+        self._abandoning = False
+        self._error: BaseException | None = None  # a writer's failure, converted
         self._error_reported = False
         self._warned = False
         self._captured = 0
-        self._written = 0
+        self._written: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._urgent_writes = 0
+        self._finished_at_close = 0
         self._waited_seconds = 0.0
-        self._busy_total = 0.0  # wall seconds spent in finished writes (attempts)
-        self._busy_since: float | None = None  # start of the write going on, if any
+        self._finish_seconds = 0.0
+        # Bytes of state the urgent lane wrote, and its wall seconds doing it: how fast
+        # the rest goes at close, until something is finished there.
+        self._urgent_bytes = 0
+        self._urgent_wall = 0.0
+        self._abandoned: list[AbandonedCheckpoint] = []
+        # Wall seconds each lane spent in writes: finished attempts, and the start of
+        # the one going on.
         self._busy_lock = threading.Lock()
-        self._skips: list[SkippedCheckpoint] = []
+        self._busy_total = dict.fromkeys(_Lane, 0.0)
+        self._busy_since: dict[_Lane, float | None] = dict.fromkeys(_Lane, None)
         # One set of reusable buffers per snapshot that may be held at once; a job
-        # takes one when it is captured and gives it back once it is written.
+        # takes one when it is captured and gives it back once no lane reads it.
         # They share one memo of which tensors did not change, which are then not copied.
         memo = TensorMemo()
         self._free_buffers: list[SnapshotBuffers] = [
@@ -165,10 +199,7 @@ class BackgroundCheckpointer(Checkpointer):
         ]
 
     def __repr__(self) -> str:
-        return (
-            f"BackgroundCheckpointer({self.store!r}, max_in_flight={self.max_in_flight}, "
-            f"when_full={self.when_full!r})"
-        )
+        return f"BackgroundCheckpointer({self.store!r}, max_in_flight={self.max_in_flight})"
 
     def __enter__(self) -> BackgroundCheckpointer:
         return self
@@ -183,41 +214,76 @@ class BackgroundCheckpointer(Checkpointer):
     @property
     def written(self) -> int:
         """Checkpoints completely written and reported to the sink."""
-        return self._written
+        return sum(self._written.values())
+
+    def written_of(self, kind: str) -> int:
+        """Checkpoints of ``kind`` ("block" or "end") written and reported."""
+        return self._written[kind]
 
     @property
-    def skipped(self) -> int:
-        """Checkpoints not taken, or not written, because the writer was behind (``"skip"``)."""
-        return len(self._skips)
+    def urgent_writes(self) -> int:
+        """Checkpoints the urgent lane wrote while training ran (due, or escalated)."""
+        return self._urgent_writes
 
     @property
-    def dropped(self) -> int:
-        """Of :attr:`skipped`, the snapshots taken and then dropped unwritten."""
-        return sum(s.dropped for s in self._skips)
+    def finished_at_close(self) -> int:
+        """Checkpoints written by :meth:`close`, after training ended."""
+        return self._finished_at_close
 
     @property
-    def skips(self) -> tuple[SkippedCheckpoint, ...]:
-        """The skipped checkpoints, oldest first."""
-        return tuple(self._skips)
+    def finish_seconds(self) -> float:
+        """Seconds :meth:`close` spent finishing the checkpoints in flight."""
+        return self._finish_seconds
+
+    @property
+    def abandoned(self) -> tuple[AbandonedCheckpoint, ...]:
+        """Checkpoints in flight at close that a second Ctrl-C abandoned, oldest first."""
+        return tuple(self._abandoned)
 
     @property
     def waited_seconds(self) -> float:
-        """Training-thread time spent waiting for the writer (``when_full="wait"``)."""
+        """Training-thread time spent waiting for a free slot."""
         return self._waited_seconds
 
     def busy_seconds(self) -> float:
-        """Wall seconds spent writing so far, the write going on included."""
+        """Wall seconds the idle lane spent writing so far, the write going on included."""
+        return self._busy(_Lane.IDLE)
+
+    def urgent_seconds(self) -> float:
+        """Wall seconds the urgent lane spent writing so far, the write going on included."""
+        return self._busy(_Lane.URGENT)
+
+    def _busy(self, lane: _Lane) -> float:
         with self._busy_lock:
-            since, total = self._busy_since, self._busy_total
+            since, total = self._busy_since[lane], self._busy_total[lane]
         return total + (time.perf_counter() - since if since is not None else 0.0)
 
     @property
     def in_flight(self) -> int:
-        """Snapshots held right now: queued or being written."""
+        """Snapshots held right now: queued, being written, or still read by a lane."""
         with self._cond:
-            return len(self._pending)
+            return self.max_in_flight - len(self._free_buffers)
 
     # -- training thread -----------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        """Whether a capture now would find a free slot (and so not wait).
+
+        Raises the writer's failure, if there was one: the adaptive rule asks
+        this at every block end, so a failure is heard there too.
+        """
+        with self._cond:
+            self._raise_if_failed()
+            return bool(self._free_buffers)
+
+    def escalate(self) -> None:
+        """Make the oldest checkpoint in flight due now: the urgent lane writes it.
+
+        For when training would otherwise have to refuse a checkpoint (no free
+        slot) or wait for one.
+        """
+        with self._cond:
+            self._escalate()
 
     def capture(
         self,
@@ -227,11 +293,13 @@ class BackgroundCheckpointer(Checkpointer):
         kind: str,
         objects: Mapping[str, object],
         frame_locals: bytes | None = None,
-    ) -> float | None:
+        due_in: float | None = None,
+    ) -> float:
         """Snapshot ``objects`` and the RNGs now; they are written in the background.
 
-        Returns the training-thread seconds this took (waiting for a slot
-        included), or None when the checkpoint was skipped.
+        due_in: seconds after which the urgent lane writes it if the idle lane
+          has not (None: only when escalated, or at close).
+        Returns the training-thread seconds this took, waiting for a slot included.
         """
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
@@ -243,18 +311,12 @@ class BackgroundCheckpointer(Checkpointer):
                 raise StoreError(
                     "This checkpointer is closed; create a new one to checkpoint again."
                 )
-            if len(self._pending) >= self.max_in_flight:
-                if self.when_full == "skip" and kind != "end":
-                    self._skip(ctx_id, loop_name, kind, created_at)
-                    return None
-                # The end state is never skipped; under "skip" a queued block
-                # checkpoint makes room for it rather than training waiting.
-                if not (self.when_full == "skip" and self._drop_queued_blocks(newest_only=True)):
-                    self._wait_for_slot(ctx_id, kind)
+            if not self._free_buffers:
+                self._escalate()
+                self._wait_for_slot(ctx_id, kind)
             buffers = self._free_buffers.pop()
-        # The snapshot is taken outside the lock so the writer can report the
-        # previous checkpoint meanwhile; only this thread adds jobs, so the
-        # slot found above is still free.
+        # The snapshot is taken outside the lock so a lane can report the previous
+        # checkpoint meanwhile; only this thread takes buffers, so this set stays ours.
         try:
             snap = snapshot(objects, buffers)
         except BaseException:
@@ -272,68 +334,37 @@ class BackgroundCheckpointer(Checkpointer):
             capture_seconds=time.perf_counter() - start,
             buffers=buffers,
             frame_locals=frame_locals,
+            due_at=None if due_in is None else time.monotonic() + max(due_in, 0.0),
         )
         with self._cond:
             self._raise_if_failed()
             self._pending.append(job)
             self._captured += 1
-            self._ensure_writer()
+            self._ensure_lanes()
             self._cond.notify_all()
         return job.capture_seconds
 
-    def _drop_queued_blocks(self, *, newest_only: bool) -> bool:
-        """Drop unwritten block checkpoints (the newest queued one, or all); whether any was.
-
-        Called holding the lock. The one being written is left to the writer
-        unless it has stopped (``close``). A dropped checkpoint counts as
-        skipped: it is listed in :attr:`skips` and replay executes its block.
-        """
-        writing = 1 if self._thread is not None and self._thread.is_alive() else 0
-        dropped = False
-        for job in reversed(list(self._pending)[writing:]):
-            if job.kind != "block":
-                continue
-            self._pending.remove(job)
-            self._free_buffers.append(job.buffers)
-            self._skips.append(
-                SkippedCheckpoint(
-                    job.ctx_id,
-                    job.loop_name,
-                    job.kind,
-                    job.created_at,
-                    len(self._pending),
-                    dropped=True,
-                )
-            )
-            dropped = True
-            if newest_only:
-                break
-        return dropped
-
-    def _skip(self, ctx_id: int | None, loop_name: str, kind: str, at: float) -> None:
-        self._skips.append(SkippedCheckpoint(ctx_id, loop_name, kind, at, len(self._pending)))
-        if len(self._skips) == 1:
-            # Skipping is the adaptive default's way of never making training wait for
-            # a writer that takes only idle cycles: logged, counted, not warned about.
-            _log.info(
-                "the checkpoint writer was behind at ctx %s of loop %r (%d checkpoint(s) "
-                "in flight), so that checkpoint was not taken; skips are counted in "
-                "runs.checkpointing and the adaptive rule sees them as not taken, so replay "
-                "executes those blocks",
-                ctx_id,
-                loop_name,
-                len(self._pending),
-            )
+    def _escalate(self) -> None:
+        """Make the head due now (called holding the lock)."""
+        if not self._pending:
+            return
+        head = self._pending[0]
+        now = time.monotonic()
+        if head.due_at is None or head.due_at > now:
+            head.due_at = now
+            self._cond.notify_all()
 
     def _wait_for_slot(self, ctx_id: int | None, kind: str) -> None:
-        """Block (holding nothing but the condition) until the writer frees a slot.
+        """Block (holding nothing but the condition) until a slot is free.
 
         A block's wait is warned about once per run (training waited on the
-        writer); the end checkpoint, which always waits, is only counted.
+        writer); the end checkpoint's is only counted.
         """
         began = time.perf_counter()
-        while len(self._pending) >= self.max_in_flight and self._error is None:
+        while not self._free_buffers and self._error is None:
             self._cond.wait()
+            # The checkpoint written last may have freed its slot's turn to the next one.
+            self._escalate()
         waited = time.perf_counter() - began
         self._waited_seconds += waited
         self._raise_if_failed()
@@ -353,48 +384,91 @@ class BackgroundCheckpointer(Checkpointer):
             f"{self.store!r} were still being written when the next one was due, so it "
             f"{what}. This is reported once per run. If it keeps happening, checkpoints are "
             "produced faster than the store takes them: raise max_in_flight (memory: one copy "
-            "of the state each) or use a faster store.",
+            "of the state each), use a faster store, or leave the choice to the adaptive rule "
+            "(checkpoints='adaptive', when_full='skip').",
             RetrologWarning,
             stacklevel=4,
         )
 
     def close(self) -> None:
-        """Write and report the checkpoints in flight, stop the writer, raise its failure.
+        """Write and report every checkpoint in flight, stop the writers, raise a failure.
 
-        The writer stops at the next array it would encode, and this thread
-        writes the rest, with every core, lz4 and no deltas (an interrupted
-        checkpoint is started again; what it wrote is found stored). Under
-        ``when_full="skip"`` only end states are written: block checkpoints
-        still unwritten are dropped (see :attr:`dropped`).
+        The urgent lane writes what is left, with every core, lz4 and no deltas
+        (training is over and the user waits for the exit); the idle lane stops
+        at its next array. When that takes over :data:`PROGRESS_AFTER` seconds,
+        what remains is shown on stderr. On the main thread, a first Ctrl-C
+        says what is being finished and a second one abandons it (see
+        :attr:`abandoned`).
         """
         with self._cond:
+            if self._closed:
+                self._raise_if_failed()
+                return
             self._closing = True
-            thread = self._thread
+            lanes = (self._idle, self._urgent)
             self._cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-            if self.when_full == "skip":
-                # Block checkpoints are optional, and training is over: the user
-                # would wait for them. Only end states are written now.
-                with self._cond:
-                    self._drop_queued_blocks(newest_only=False)
-            while True:
-                with self._cond:
-                    if not self._pending or self._error is not None:
-                        break
-                    job = self._pending[0]
-                if not self._write_one(job, threads=all_cores(), fast=True):
-                    break
+        if self._urgent is not None and threading.current_thread() not in lanes:
+            began = time.perf_counter()
+            try:
+                self._finish()
+            finally:
+                self._finish_seconds += time.perf_counter() - began
         with self._cond:
             if not self._closed:
                 self._closed = True
                 atexit.unregister(self._close_at_exit)
             self._raise_if_failed()
 
+    def _finish(self) -> None:
+        """Wait for the urgent lane to write what is in flight, showing and handling Ctrl-C."""
+        with self._cond:
+            sizes = {id(job): snapshot_nbytes(job.snap) for job in self._pending}
+            rate = self._urgent_bytes / self._urgent_wall if self._urgent_wall > 0 else None
+        finishing = Finishing(self.label, len(sizes), sum(sizes.values()), rate)
+        urgent = self._urgent
+        with finishing.interruptible():
+            while True:
+                with self._cond:
+                    if not self._pending or self._error is not None:
+                        break
+                    if finishing.abandon:
+                        self._abandon(sizes)
+                        break
+                    if urgent is None or not urgent.is_alive():
+                        # Not expected (the lane catches what its writes raise), but
+                        # waiting for a thread that is gone would hang the exit.
+                        self._lose_pending(
+                            StoreError(
+                                f"retrolog's checkpoint writer stopped with "
+                                f"{len(self._pending)} checkpoint(s) of {self.label} not "
+                                "written; they are lost. Please report this as a bug."
+                            )
+                        )
+                        break
+                    self._cond.wait(0.1)  # Ctrl-C is handled between waits
+                    left = [sizes.get(id(job), 0) for job in self._pending]
+                finishing.update(len(left), sum(left), left[0] if left else 0)
+        finishing.done(self.abandoned, failed=self._error is not None)
+        if urgent is not None and not self._abandoning:
+            urgent.join(timeout=1.0)  # it has nothing left to do: it is returning
+
+    def _abandon(self, sizes: Mapping[int, int]) -> None:
+        """Give up the checkpoints in flight (called holding the lock)."""
+        self._abandoning = True
+        for job in self._pending:
+            job.state = _State.ABANDONED
+            self._abandoned.append(
+                AbandonedCheckpoint(job.ctx_id, job.loop_name, job.kind, sizes.get(id(job), 0))
+            )
+            self._release(job)
+        self._pending.clear()
+        self._cond.notify_all()
+
     def _close_at_exit(self) -> None:
-        # A run's commit() closes its checkpointer; this catches a checkpointer
-        # used on its own and never closed, so interpreter exit still flushes
-        # (atexit runs before daemon threads are stopped).
+        # Registered at the first capture, after the run's own exit hook, so it runs
+        # first (atexit is last in, first out) and the run's commit() finds it closed;
+        # it also closes a checkpointer used on its own. atexit runs before daemon
+        # threads are stopped, so exit finishes what is in flight.
         try:
             self.close()
         except StoreError as exc:
@@ -411,119 +485,222 @@ class BackgroundCheckpointer(Checkpointer):
         self._error_reported = True
         raise error
 
-    def _ensure_writer(self) -> None:
-        if self._thread is None:
-            # Started on the first capture, not at construction: importing or
-            # configuring retrolog must not start threads.
-            self._thread = threading.Thread(
-                target=self._run, name="retrolog-checkpoint-writer", daemon=True
+    def _ensure_lanes(self) -> None:
+        if self._urgent is None:
+            # Started on the first capture, not at construction: importing or configuring
+            # retrolog must not start threads. Both are started here, on the training
+            # thread, because a thread inherits its creator's priority: the urgent lane
+            # keeps training's, and the idle lane lowers its own.
+            self._idle = threading.Thread(
+                target=self._run_idle, name="retrolog-checkpoint-writer", daemon=True
             )
-            self._thread.start()
+            self._urgent = threading.Thread(
+                target=self._run_urgent, name="retrolog-checkpoint-urgent", daemon=True
+            )
+            self._idle.start()
+            self._urgent.start()
             atexit.register(self._close_at_exit)
 
-    # -- writer thread -------------------------------------------------------------------
+    # -- writer lanes ----------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run_idle(self) -> None:
         if self.low_priority:
             _lower_priority()
         # Loaded by preload_codec() already, unless that failed: then say so here.
         try:
             _codec()
         except BaseException as exc:  # the training thread must hear of it, not hang
+            error = StoreError(
+                f"retrolog's checkpoint writer cannot load its compression library "
+                f"(c-blosc2, from imagecodecs): {type(exc).__name__}: {exc}. No checkpoint "
+                "is written; reinstall retrolog's dependencies "
+                "(pip install --force-reinstall imagecodecs)."
+            )
+            error.__cause__ = exc
             with self._cond:
-                self._error = StoreError(
-                    f"retrolog's checkpoint writer cannot load its compression library "
-                    f"(c-blosc2, from imagecodecs): {type(exc).__name__}: {exc}. No checkpoint "
-                    "is written; reinstall retrolog's dependencies "
-                    "(pip install --force-reinstall imagecodecs)."
-                )
-                self._error.__cause__ = exc
-                self._pending.clear()
-                self._cond.notify_all()
+                self._lose_pending(error)
             return
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
+                job = self._idle_job()
+                while job is None:
+                    if self._closing or self._error is not None:
+                        return  # close() has the urgent lane write what is left
                     self._cond.wait()
-                if self._closing:
-                    return  # close() writes what is left
-                job = self._pending[0]
-            if not self._write_one(job, threads=1, interrupt=self._is_closing):
+                    job = self._idle_job()
+                job.encoders += 1
+                job.idle_writing = True
+                job.idle_since = time.perf_counter()
+            self._write(job, _Lane.IDLE)
+
+    def _idle_job(self) -> _Job | None:
+        """The checkpoint the idle lane may write now, if any (called holding the lock)."""
+        if self._closing or self._error is not None or not self._pending:
+            return None
+        job = self._pending[0]
+        if job.urgent or job.idle_writing or _is_due(job):
+            return None
+        return job
+
+    def _run_urgent(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._error is not None or self._abandoning:
+                        return
+                    job = self._pending[0] if self._pending else None
+                    if job is None:
+                        if self._closing:
+                            return
+                        self._cond.wait()
+                    elif self._closing or _is_due(job):
+                        break
+                    else:
+                        wait = None if job.due_at is None else job.due_at - time.monotonic()
+                        self._cond.wait(wait)
+                job.urgent = True
+                job.encoders += 1
+                finishing = self._closing
+            if not self._write(job, _Lane.URGENT, finishing=finishing):
                 return
 
-    def _is_closing(self) -> bool:
-        return self._closing
-
-    def _write_one(
-        self,
-        job: _Job,
-        *,
-        threads: int,
-        interrupt: Callable[[], bool] | None = None,
-        fast: bool = False,
-    ) -> bool:
-        """Write ``job``, the head of the queue; False if that ended the writing."""
-        try:
-            self._write(job, threads=threads, interrupt=interrupt, fast=fast)
-        except Interrupted:
-            return False  # still queued: close() writes it
-        except BaseException as exc:  # all of it goes to the training thread, none is lost
-            with self._cond:
-                dropped = len(self._pending) - 1
-                self._pending.clear()
-                self._error = _converted(exc, job, dropped)
-                self._cond.notify_all()
-            return False
-        with self._cond:
-            self._pending.popleft()
-            self._free_buffers.append(job.buffers)
-            self._written += 1
-            self._cond.notify_all()
-        return True
-
-    def _write(
-        self, job: _Job, *, threads: int, interrupt: Callable[[], bool] | None, fast: bool
-    ) -> None:
+    def _write(self, job: _Job, lane: _Lane, *, finishing: bool = False) -> bool:
+        """Encode ``job`` on this lane and settle the outcome; False if writing must stop."""
         snap = job.snap
-        assert snap is not None
+        assert snap is not None  # a lane holds an encoder count, so it was not released
         began = time.perf_counter()
-        if job.write_started is None:
-            job.write_started = began
-        cpu_started = time.thread_time()
+        with self._cond:
+            if job.write_started is None:
+                job.write_started = began
+            if lane is _Lane.URGENT:
+                job.urgent_since = began
         with self._busy_lock:
-            self._busy_since = began
+            self._busy_since[lane] = began
+        cpu_started = time.thread_time()
+        if lane is _Lane.IDLE:
+
+            def interrupt() -> bool:
+                return self._closing or job.urgent or job.state is not _State.PENDING
+
+        else:
+
+            def interrupt() -> bool:
+                return self._abandoning
+
+        result: tuple[str, int] | None = None
+        failure: BaseException | None = None
         try:
-            manifest, nbytes = encode(
-                snap,
-                self.store,
-                history=self.history,
-                threads=threads,
-                interrupt=interrupt,
-                fast=fast,
-            )
+            if lane is _Lane.IDLE:
+                # zstd with deltas: the smallest checkpoints, on cycles nobody wanted.
+                result = encode(snap, self.store, history=self.history, interrupt=interrupt)
+            else:
+                # At training's priority each CPU second costs training about one, so the
+                # cheapest encode: lz4 and no deltas, a third less CPU than zstd for 9% more
+                # bytes on the cnn workload's state (docs/materialization.md). Without the
+                # history, which the idle lane may be using, stalled inside this very
+                # checkpoint. Training over (at close): every core.
+                result = encode(
+                    snap,
+                    self.store,
+                    threads=all_cores() if finishing else 1,
+                    interrupt=interrupt,
+                    fast=True,
+                )
+        except Interrupted:
+            pass  # the other lane, or close(), writes it
+        except BaseException as exc:  # all of it goes to the training thread, none is lost
+            failure = exc
         finally:
-            job.writer_cpu_seconds += time.thread_time() - cpu_started
+            cpu = time.thread_time() - cpu_started
+            ended = time.perf_counter()
             with self._busy_lock:
-                self._busy_total += time.perf_counter() - began
-                self._busy_since = None
-        written = time.perf_counter()
-        job.snap = None
-        # Only now, with the manifest (written last by encode) in place, may the
-        # checkpoint become visible.
-        self.sink(
-            CheckpointRecord(
-                ctx_id=job.ctx_id,
-                loop_name=job.loop_name,
-                kind=job.kind,
-                manifest=manifest,
-                nbytes=nbytes,
-                capture_seconds=job.capture_seconds,
-                write_seconds=written - job.write_started,
-                created_at=job.created_at,
-                writer_cpu_seconds=job.writer_cpu_seconds,
-                frame_locals=job.frame_locals,
+                self._busy_total[lane] += ended - began
+                self._busy_since[lane] = None
+        with self._cond:
+            job.encoders -= 1
+            job.writer_cpu_seconds += cpu
+            if lane is _Lane.URGENT:
+                job.urgent_cpu_seconds += cpu
+                job.urgent_seconds += ended - began
+            elif job.idle_since is not None:
+                job.idle_seconds += ended - job.idle_since
+                job.idle_since = None
+                job.idle_writing = False
+            if job.state is _State.PENDING:
+                if failure is not None:
+                    self._lose_pending(_converted(failure, job, len(self._pending) - 1))
+                elif result is not None:
+                    self._report(job, result, lane, finishing)
+            self._release(job)
+            self._cond.notify_all()
+            return self._error is None and not self._abandoning
+
+    def _report(self, job: _Job, result: tuple[str, int], lane: _Lane, finishing: bool) -> None:
+        """``job`` is written: hand it to the sink and free its turn (called holding the lock).
+
+        The sink is called under the lock, so that no later checkpoint can be
+        reported before it and close() cannot return before it was.
+        """
+        manifest, nbytes = result
+        now = time.perf_counter()
+        assert self._pending[0] is job and job.write_started is not None
+        idle_seconds = job.idle_seconds
+        if job.idle_since is not None:  # the idle lane is still inside it (stalled)
+            idle_seconds += now - job.idle_since
+        try:
+            # Only now, with the manifest (written last by encode) in place, may the
+            # checkpoint become visible.
+            self.sink(
+                CheckpointRecord(
+                    ctx_id=job.ctx_id,
+                    loop_name=job.loop_name,
+                    kind=job.kind,
+                    manifest=manifest,
+                    nbytes=nbytes,
+                    capture_seconds=job.capture_seconds,
+                    write_seconds=now - job.write_started,
+                    created_at=job.created_at,
+                    writer_cpu_seconds=job.writer_cpu_seconds,
+                    frame_locals=job.frame_locals,
+                    urgent_cpu_seconds=job.urgent_cpu_seconds,
+                    urgent_seconds=job.urgent_seconds,
+                    idle_seconds=idle_seconds,
+                )
             )
-        )
+        except BaseException as exc:
+            self._lose_pending(_converted(exc, job, len(self._pending) - 1))
+            return
+        job.state = _State.WRITTEN
+        self._pending.popleft()
+        if lane is _Lane.URGENT and job.urgent_since is not None:
+            self._urgent_bytes += snapshot_nbytes(job.snap)
+            self._urgent_wall += now - job.urgent_since
+        self._written[job.kind] += 1
+        if finishing:
+            self._finished_at_close += 1
+        elif lane is _Lane.URGENT:
+            self._urgent_writes += 1
+
+    def _lose_pending(self, error: BaseException) -> None:
+        """Stop writing after a failure: everything queued is lost (called holding the lock)."""
+        self._error = error
+        for job in self._pending:
+            job.state = _State.LOST
+            self._release(job)
+        self._pending.clear()
+        self._cond.notify_all()
+
+    def _release(self, job: _Job) -> None:
+        """Give ``job``'s memory back to the pool once it is settled and no lane reads it."""
+        if job.state is _State.PENDING or job.encoders or job.buffers is None:
+            return
+        self._free_buffers.append(job.buffers)
+        job.buffers = None
+        job.snap = None
+
+
+def _is_due(job: _Job) -> bool:
+    return job.due_at is not None and time.monotonic() >= job.due_at
 
 
 def _lower_priority() -> bool:
@@ -536,8 +713,8 @@ def _lower_priority() -> bool:
     cost training 0.26 s per second of its CPU time at nice 19 and none
     measurable under SCHED_IDLE (bench/bench_writer_priority.py). Nice 19 is
     set as well, for where SCHED_IDLE is refused. Both are per thread on Linux
-    and need no privilege to take; the thread cannot give them back, which is
-    why close() writes the rest elsewhere.
+    and need no privilege to take; the thread cannot give them back without
+    privilege, which is why what is due is written by the urgent lane instead.
     """
     tid = threading.get_native_id()
     lowered = False
@@ -555,7 +732,7 @@ def _lower_priority() -> bool:
 
 
 def _converted(exc: BaseException, job: _Job, dropped: int) -> BaseException:
-    """``exc`` from the writer thread as the error the training thread should see."""
+    """``exc`` from a writer thread as the error the training thread should see."""
     where = (
         f"the end checkpoint of loop {job.loop_name!r}"
         if job.kind == "end"

@@ -7,7 +7,8 @@ manifest references is written. :class:`SynchronousCheckpointer` does all of
 it on the calling thread; the background materializer (DESIGN.md,
 "Background materialization") replaces it behind the same two methods, which
 is why ``capture`` returns only the calling thread's cost (what the adaptive
-rule sees) and ``close`` is the only flush.
+rule sees) and ``close`` is the only flush: every checkpoint a capture
+took is written by the time it returns.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ class CheckpointRecord:
     created_at: float  # time.time() when the capture began
     writer_cpu_seconds: float | None = None  # CPU time the writer spent (None: not measured)
     frame_locals: bytes | None = None  # the script's small locals (runtime/frames.py)
+    # Of writer_cpu_seconds, what was spent at training's priority (a background
+    # writer's urgent lane), and that lane's wall seconds on it: while it writes it
+    # competes with CPU-bound training for the cores and the GIL.
+    urgent_cpu_seconds: float = 0.0
+    urgent_seconds: float = 0.0
+    # Wall seconds a background writer's idle-priority lane spent on it (None: no such lane).
+    idle_seconds: float | None = None
 
 
 class Checkpointer(abc.ABC):
@@ -54,12 +62,15 @@ class Checkpointer(abc.ABC):
         kind: str,
         objects: Mapping[str, object],
         frame_locals: bytes | None = None,
-    ) -> float | None:
+        due_in: float | None = None,
+    ) -> float:
         """Checkpoint the current state of ``objects`` and the RNGs.
 
         The state is the one at the moment of the call, even if the writing
-        finishes later. ``frame_locals`` is stored with it as it is. Returns the
-        seconds the calling thread spent, or None when the checkpoint was not taken.
+        finishes later; once called, the checkpoint is written (or the failure
+        raised). ``frame_locals`` is stored with it as it is. ``due_in``: seconds
+        within which a background writer should have written it. Returns the
+        seconds the calling thread spent.
         """
 
     @abc.abstractmethod
@@ -95,8 +106,9 @@ class SynchronousCheckpointer(Checkpointer):
         kind: str,
         objects: Mapping[str, object],
         frame_locals: bytes | None = None,
+        due_in: float | None = None,
     ) -> float:
-        """Write a checkpoint of ``objects`` now, then report it to the sink."""
+        """Write a checkpoint of ``objects`` now, then report it to the sink (``due_in``: moot)."""
         if self._closed:
             raise StoreError("This checkpointer is closed; create a new one to checkpoint again.")
         if kind not in KINDS:

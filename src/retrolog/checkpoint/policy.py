@@ -16,31 +16,66 @@ the rule.
 
 What M counts: the training thread's own time in the capture (the snapshot
 copy, plus any wait for a free writer slot), plus what the background
-writer's work costs training. The writer runs at the lowest priority on idle
-cycles (docs/materialization.md), which costs a CPU-bound training little but
-not nothing: memory bandwidth, a hyperthread sibling, the GIL. So the rule
-measures it. Each block end reports the share f of the block the writer was
-busy; a least-squares line through (f, C) over the block's executions (the
-first left out: it is warming up) gives C = C0 * (1 + s * f), s being how much
-slower blocks run while the writer writes, and a checkpoint costs training
-W * s / (1 + s), with W the wall time of a write. Until the line is
-identifiable (some blocks with the writer idle, some with it busy for at
-least :data:`BUSY` of the block), training on the CPU counts the writer's CPU
-time instead (training on a GPU: nothing); the writer's figures arrive after
-each write, so the rule uses the means of the writes finished so far.
+writer's work costs training. The writer has two lanes
+(docs/materialization.md). Its idle lane runs at the lowest priority on idle
+cycles, which costs a CPU-bound training little but not nothing: memory
+bandwidth, a hyperthread sibling, the GIL. So the rule measures it. Each
+block end reports the share f of the block the idle lane was busy; a
+least-squares line through (f, C) over the block's executions (the first
+left out: it is warming up; and blocks during which the urgent lane wrote,
+which are slower for another reason) gives C = C0 * (1 + s * f), s being how
+much slower blocks run while the idle lane writes, and its share of a
+checkpoint costs training W * s / (1 + s), with W its wall time. Until the
+line is identifiable (some blocks with the lane idle, some with it busy for
+at least :data:`BUSY` of the block), training on the CPU counts the idle
+lane's CPU time instead (training on a GPU: nothing). The urgent lane writes
+at training's priority what the idle lane has not written in time; training
+on the CPU counts its whole wall time on a write as lost: while it writes it
+competes with training for the cores (a writer at training's priority cost
+0.9 s of training per second of its CPU, docs/materialization.md) and for the
+GIL, and on the cnn workload a write cost training several times its CPU
+time. The writer's figures arrive after each write, so the rule uses the
+means of the writes finished so far.
+
+A checkpoint the rule chose is written, so the rule must also know whether
+the writer can take one: when all ``max_in_flight`` snapshots are held, a
+block end the invariant would checkpoint is refused (:attr:`Decision.WRITER_FULL`,
+counted apart from the cost refusals), and the rule asks again at the next
+block end. The run then has the writer hurry the oldest checkpoint.
 
 The first execution of a block is always checkpointed (nothing is known about
-M yet, and a replay needs a starting point), and so is the end state; neither
-goes through this class's decision.
+M yet, and a replay needs a starting point) if the writer has room, and so is
+the end state, which goes through no decision.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from dataclasses import dataclass
 
 BUSY = 0.25  # the slowdown is measured once a block had the writer busy this share of it
 IDLE = 0.05  # ... and one had it busy at most this share
+# With a single writer slot, a checkpoint is due this share of a mean block after its
+# capture, so that the urgent lane has the rest of the block to free the slot.
+DUE_SHARE_ONE_SLOT = 0.5
+
+
+class Decision(enum.Enum):
+    """What the rule decided at a block end; true only for TAKE."""
+
+    TAKE = "take"  # checkpoint this block end
+    COST = "cost"  # the invariant says no: it would cost more than the bound allows
+    UNPRICED = "unpriced"  # the block's first write has not finished: M is not known yet
+    WRITER_FULL = "writer_full"  # the invariant says yes, but the writer holds max_in_flight
+
+    def __bool__(self) -> bool:
+        return self is Decision.TAKE
+
+    @property
+    def waits_on_writer(self) -> bool:
+        """Whether the rule cannot take a checkpoint until the writer finishes the oldest."""
+        return self is Decision.WRITER_FULL or self is Decision.UNPRICED
 
 
 @dataclass
@@ -48,13 +83,19 @@ class BlockStats:
     """What the rule knows about one skippable block (one outer loop)."""
 
     executions: int = 0  # n
-    checkpoints: int = 0  # k: taken (a skipped one under when_full="skip" does not count)
+    checkpoints: int = 0  # k: chosen (each is captured and written)
+    refused_cost: int = 0  # block ends refused by the invariant, or before M was known
+    refused_writer_full: int = 0  # ... that the invariant would take, the writer being full
     compute_seconds: float = 0.0  # sum of C over the executions
     capture_seconds: float = 0.0  # training-thread seconds of the captures
     captures: int = 0
-    writer_cpu_seconds: float = 0.0  # writer CPU seconds of the finished writes
+    writer_cpu_seconds: float = 0.0  # writer CPU seconds of the finished writes, both lanes
+    urgent_cpu_seconds: float = 0.0  # of them, the urgent lane's (at training's priority)
+    urgent_write_seconds: float = 0.0  # wall seconds the urgent lane spent on finished writes
+    idle_write_seconds: float = 0.0  # wall seconds the idle lane spent on finished writes
     write_seconds: float = 0.0  # wall seconds of the finished writes
     writes: int = 0
+    urgent_writes: int = 0  # finished writes the urgent lane took part in
     # Sums for the least-squares line C = a + b * f, f the writer's busy share.
     fits: int = 0
     sum_f: float = 0.0
@@ -62,6 +103,7 @@ class BlockStats:
     sum_ff: float = 0.0
     sum_fc: float = 0.0
     busy_seen: bool = False  # a block with f >= BUSY
+    urgent_mark: float = 0.0  # the urgent lane's busy seconds at the block's previous end
     idle_seen: bool = False  # a block with f <= IDLE
 
     def writer_slowdown(self) -> float | None:
@@ -84,8 +126,9 @@ class AdaptivePolicy:
 
     eps: the overhead tolerance; c: restore time over materialize time;
     every: checkpoint every block regardless (the "every" setting);
-    count_writer_cpu: whether to count the writer's CPU time as training's
-      loss until its slowdown is measured (training on the CPU).
+    count_writer_cpu: whether training loses the writer's CPU time (training
+      on the CPU): the urgent lane's always, the idle lane's until its
+      slowdown is measured.
     """
 
     def __init__(
@@ -110,28 +153,61 @@ class AdaptivePolicy:
             m = stats.capture_seconds / stats.captures
             if not stats.writes:
                 return m
+            if self.count_writer_cpu:
+                m += stats.urgent_write_seconds / stats.writes
             slowdown = stats.writer_slowdown()
             if slowdown is not None:
-                m += stats.write_seconds / stats.writes * slowdown / (1.0 + slowdown)
+                m += stats.idle_write_seconds / stats.writes * slowdown / (1.0 + slowdown)
             elif self.count_writer_cpu:
-                m += stats.writer_cpu_seconds / stats.writes
+                m += (stats.writer_cpu_seconds - stats.urgent_cpu_seconds) / stats.writes
             return m
 
-    def decide(self, loop_name: str, compute_seconds: float, writer_busy: float = 0.0) -> bool:
+    def due_in(self, loop_name: str, max_in_flight: int) -> float:
+        """Seconds after a capture of ``loop_name``'s block after which the urgent lane writes it.
+
+        As late as the rule can afford, so that the idle lane, which costs
+        training next to nothing, has every chance to write it first: with
+        ``max_in_flight`` slots and a checkpoint at every block end, a
+        checkpoint's slot is needed again ``max_in_flight`` block ends after
+        its capture, so it is due one mean block before that (the urgent lane
+        then has a block to write it); with one slot, half a block after its
+        capture.
+        """
+        stats = self.blocks.get(loop_name)
+        if stats is None or not stats.executions:
+            return 0.0
+        blocks = max(max_in_flight - 1, DUE_SHARE_ONE_SLOT)
+        return blocks * stats.compute_seconds / stats.executions
+
+    def decide(
+        self,
+        loop_name: str,
+        compute_seconds: float,
+        writer_busy: float = 0.0,
+        *,
+        room: bool = True,
+        urgent_seconds: float = 0.0,
+    ) -> Decision:
         """Count one execution of ``loop_name``'s block; checkpoint its end state?
 
         compute_seconds: the block's time (C); writer_busy: seconds of it the
-        background writer spent writing.
+        idle lane spent writing; room: whether the writer can take a
+        checkpoint now without training waiting; urgent_seconds: the urgent
+        lane's busy seconds so far in the run (it wrote during this block if
+        they grew since the block's previous end).
         """
         stats = self.blocks.setdefault(loop_name, BlockStats())
         stats.executions += 1
+        urgent_busy, stats.urgent_mark = urgent_seconds - stats.urgent_mark, urgent_seconds
         compute = max(compute_seconds, 0.0)
         stats.compute_seconds += compute
         # The first execution is left out of the fit: it is warming up (allocations,
         # caches, lazy initialization), and as the one block with the writer surely
         # idle it would pass for "the writer costs nothing" (a CNN whose first epoch
         # ran 20% slower got s = 0 and a checkpoint every epoch, each costing ~15%).
-        if compute > 0 and stats.executions > 1:
+        # So is a block the urgent lane wrote in: it is slower by that lane's CPU time,
+        # which M counts on its own, and the line would charge it to the idle lane.
+        if compute > 0 and stats.executions > 1 and urgent_busy <= 0:
             # The fit is only touched on the training thread: no lock.
             share = min(max(writer_busy / compute, 0.0), 1.0)
             stats.fits += 1
@@ -141,17 +217,27 @@ class AdaptivePolicy:
             stats.sum_fc += share * compute
             stats.busy_seen = stats.busy_seen or share >= BUSY
             stats.idle_seen = stats.idle_seen or share <= IDLE
+        decision = self._invariant(stats)
+        if decision is Decision.TAKE and not room:
+            decision = Decision.WRITER_FULL
+        if decision is Decision.WRITER_FULL:
+            stats.refused_writer_full += 1
+        elif decision is not Decision.TAKE:
+            stats.refused_cost += 1
+        return decision
+
+    def _invariant(self, stats: BlockStats) -> Decision:
         if self.every or stats.checkpoints == 0:
-            return True
+            return Decision.TAKE
         with self._lock:
             if not stats.writes:
                 # The first write has not finished: what a checkpoint costs beyond
                 # the capture is unknown yet, and a guess could take one too many.
-                return False
+                return Decision.UNPRICED
         n, k = stats.executions, stats.checkpoints
         mean_compute = stats.compute_seconds / n
         m = self.materialize_seconds(stats)
-        return (k + 1) * m < n * mean_compute * self.bound()
+        return Decision.TAKE if (k + 1) * m < n * mean_compute * self.bound() else Decision.COST
 
     def captured(self, loop_name: str, capture_seconds: float) -> None:
         """A checkpoint of ``loop_name``'s block was taken, costing the training thread this."""
@@ -161,18 +247,29 @@ class AdaptivePolicy:
             stats.captures += 1
             stats.capture_seconds += capture_seconds
 
-    def not_taken(self, loop_name: str, capture_seconds: float) -> None:
-        """A decided checkpoint was skipped because the writer was behind (when_full="skip")."""
-        stats = self.blocks.setdefault(loop_name, BlockStats())
-        with self._lock:
-            # What the skip itself cost is still training's loss; k stays, so the
-            # rule keeps asking and replay executes the block.
-            stats.capture_seconds += capture_seconds
+    def written(
+        self,
+        loop_name: str,
+        writer_cpu_seconds: float,
+        write_seconds: float,
+        urgent_cpu_seconds: float = 0.0,
+        idle_seconds: float | None = None,
+        urgent_seconds: float = 0.0,
+    ) -> None:
+        """The writer finished a checkpoint of ``loop_name``'s block (called on its thread).
 
-    def written(self, loop_name: str, writer_cpu_seconds: float, write_seconds: float) -> None:
-        """The writer finished a checkpoint of ``loop_name``'s block (called on its thread)."""
+        writer_cpu_seconds: CPU time of both lanes; urgent_cpu_seconds: of it,
+        the urgent lane's; write_seconds: wall time from the first attempt to
+        the end; idle_seconds and urgent_seconds: the idle lane's and the
+        urgent lane's wall time on it (idle_seconds None: all of write_seconds).
+        """
         stats = self.blocks.setdefault(loop_name, BlockStats())
         with self._lock:
             stats.writes += 1
             stats.writer_cpu_seconds += writer_cpu_seconds
+            stats.urgent_cpu_seconds += urgent_cpu_seconds
+            stats.urgent_write_seconds += urgent_seconds
             stats.write_seconds += write_seconds
+            stats.idle_write_seconds += write_seconds if idle_seconds is None else idle_seconds
+            if urgent_seconds > 0 or urgent_cpu_seconds > 0:
+                stats.urgent_writes += 1

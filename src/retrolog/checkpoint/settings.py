@@ -17,10 +17,15 @@ setting                    environment variable            default
 
 ``checkpoints="every"`` checkpoints every block, knowingly paying whatever it
 costs (tests, and users who want dense checkpoints); ``"adaptive"`` applies
-Flor's joint invariant (:mod:`retrolog.checkpoint.policy`). Unless set,
-``when_full`` follows the mode: the adaptive rule skips a checkpoint when the
-writer, which takes only idle cycles, is still busy (training never waits for
-it); ``"every"`` waits, since dense checkpoints are what was asked for.
+Flor's joint invariant (:mod:`retrolog.checkpoint.policy`). A checkpoint
+chosen is always written; ``when_full`` says what a block end does when the
+background writer already holds ``max_in_flight`` snapshots: ``"skip"``
+decides against checkpointing that block end (before any copy is taken;
+counted in ``runs.checkpointing`` as ``refused_writer_full``, and the rule
+asks again at the next block end), ``"wait"`` has training wait for a slot.
+Unless set, it follows the mode: the adaptive rule skips (training never
+waits), ``"every"`` waits, since dense checkpoints are what was asked for.
+The end state is always taken, waiting if it must.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ class CheckpointSettings:
     overhead_tolerance: float = 1 / 15  # eps: the share of training time checkpoints may cost
     checkpoints: Mode = "adaptive"  # "adaptive" (Flor's invariant) or "every" block
     max_in_flight: int = 2  # snapshots held by the background writer at once
-    when_full: str = "skip"  # what a block end does when the writer is behind: wait or skip
+    when_full: str = "skip"  # a block end with the writer full: "skip" it, or "wait" for a slot
     # c: restore time / materialize time; None: learned from the script's past replays.
     restore_ratio: float | None = None
 
@@ -89,8 +94,9 @@ def _in_flight(value: Any, source: str) -> int:
 def _when_full(value: Any, source: str) -> str:
     if value not in WHEN_FULL:
         raise UsageError(
-            f"{source} must be 'wait' (training waits for the writer) or 'skip' (the "
-            f"checkpoint is not taken and replay executes that block), not {value!r}."
+            f"{source} must be 'skip' (a block end that finds the checkpoint writer full "
+            f"is not checkpointed, and replay executes that block) or 'wait' (training waits "
+            f"for the writer), not {value!r}."
         )
     return str(value)
 

@@ -384,14 +384,33 @@ class Run:
         scope = self.scope
         if scope is None or not scope.objects:
             return
-        _, policy = self._checkpointing()
-        if not policy.decide(loop_name, seconds, writer_busy):
+        checkpointer, policy = self._checkpointing()
+        # A chosen checkpoint is always written, so the rule must know whether the
+        # writer can take one without training waiting (when_full="wait": it waits).
+        room = self._settings.when_full == "wait" or checkpointer.has_room()
+        decision = policy.decide(
+            loop_name,
+            seconds,
+            writer_busy,
+            room=room,
+            urgent_seconds=checkpointer.urgent_seconds(),
+        )
+        if not decision:
+            if decision.waits_on_writer:
+                # Training would otherwise keep refusing: have the urgent lane write
+                # the oldest checkpoint now, so the next block end finds room (or a price).
+                checkpointer.escalate()
             return
         began = time.perf_counter()
-        if self._capture(ctx, loop_name, "block", user_frame=user_frame, before=before):
-            policy.captured(loop_name, time.perf_counter() - began)
-        else:
-            policy.not_taken(loop_name, 0.0)
+        self._capture(
+            ctx,
+            loop_name,
+            "block",
+            user_frame=user_frame,
+            before=before,
+            due_in=policy.due_in(loop_name, self._settings.max_in_flight),
+        )
+        policy.captured(loop_name, time.perf_counter() - began)
 
     def _capture(
         self,
@@ -401,20 +420,26 @@ class Run:
         *,
         user_frame: FrameType | None,
         before: Mapping[str, int],
+        due_in: float | None = None,
     ) -> bool:
-        """Checkpoint the scope's objects and the frame's small locals; False if skipped."""
+        """Checkpoint the scope's objects and the frame's small locals; False if none are named.
+
+        due_in: when the writer should have written it (None: the end state,
+        written in the background or at the latest at commit()).
+        """
         scope = self.scope
         if scope is None or not scope.objects:
             return False
         checkpointer, _ = self._checkpointing()
-        spent = checkpointer.capture(
+        checkpointer.capture(
             ctx_id=ctx,
             loop_name=loop_name,
             kind=kind,
             objects=scope.objects,
             frame_locals=frames.capture(user_frame, before, scope.ids),
+            due_in=due_in,
         )
-        return spent is not None
+        return True
 
     def _checkpointing(self) -> tuple[Any, Any]:
         """The run's background checkpointer and adaptive policy, made at the first block end."""
@@ -431,16 +456,23 @@ class Run:
         checkpoint_event = Event.CHECKPOINT
 
         def sink(record: Any) -> None:
-            # Called on the writer thread, after the policy below exists.
+            # Called on a writer thread, after the policy below exists.
             if record.kind == "block" and record.writer_cpu_seconds is not None:
-                policy.written(record.loop_name, record.writer_cpu_seconds, record.write_seconds)
+                policy.written(
+                    record.loop_name,
+                    record.writer_cpu_seconds,
+                    record.write_seconds,
+                    record.urgent_cpu_seconds,
+                    record.idle_seconds,
+                    record.urgent_seconds,
+                )
             append((checkpoint_event, record))
 
         checkpointer = BackgroundCheckpointer(
             LocalObjectStore(self.paths.objects),
             sink,
             max_in_flight=config.max_in_flight,
-            when_full=config.when_full,  # type: ignore[arg-type]
+            label=f"run {self.run_id}",
         )
         torch = sys.modules.get("torch")
         # Until the policy has measured what the writer costs training, training on
@@ -466,21 +498,33 @@ class Run:
         return float(config.restore_ratio or self._restore_ratio[0])
 
     def _checkpointing_summary(self) -> str:
-        """What checkpointing did in this run, for runs.checkpointing (JSON)."""
+        """What checkpointing did in this run, for runs.checkpointing (JSON).
+
+        ``chosen`` block checkpoints are ``written`` plus ``abandoned`` (a
+        second Ctrl-C at exit; listed in ``abandoned_checkpoints``) plus any a
+        write failure lost, which was raised in the training thread.
+        """
         config, policy, checkpointer = self._settings, self._policy, self._checkpointer
         blocks = {
             name: {
                 "executions": stats.executions,
                 "checkpoints": stats.checkpoints,
+                "refused_cost": stats.refused_cost,
+                "refused_writer_full": stats.refused_writer_full,
                 "mean_block_seconds": stats.compute_seconds / max(stats.executions, 1),
                 "mean_capture_seconds": stats.capture_seconds / max(stats.captures, 1),
                 "mean_writer_cpu_seconds": stats.writer_cpu_seconds / max(stats.writes, 1),
+                "mean_urgent_cpu_seconds": stats.urgent_cpu_seconds / max(stats.writes, 1),
+                "mean_urgent_write_seconds": stats.urgent_write_seconds / max(stats.writes, 1),
                 "mean_write_seconds": stats.write_seconds / max(stats.writes, 1),
-                # How much slower blocks ran while the writer wrote (None: not measured).
+                "urgent_writes": stats.urgent_writes,
+                # How much slower blocks ran while the idle lane wrote (None: not measured).
                 "writer_slowdown": stats.writer_slowdown(),
             }
             for name, stats in policy.blocks.items()
         }
+        abandoned = checkpointer.abandoned
+        abandoned_blocks = sum(a.kind == "block" for a in abandoned)
         return json.dumps(
             {
                 "mode": config.checkpoints,
@@ -494,9 +538,24 @@ class Run:
                 "writer_cpu_counted": policy.count_writer_cpu,
                 "writer_low_priority": checkpointer.low_priority,
                 "blocks": blocks,
-                "skipped_writer_behind": checkpointer.skipped,
-                "dropped_unwritten": checkpointer.dropped,
+                "chosen": sum(stats.checkpoints for stats in policy.blocks.values()),
+                "written": checkpointer.written_of("block"),
+                "abandoned": abandoned_blocks,
+                "refused_writer_full": sum(
+                    stats.refused_writer_full for stats in policy.blocks.values()
+                ),
+                "end_written": checkpointer.written_of("end"),
+                "end_abandoned": len(abandoned) - abandoned_blocks,
+                "abandoned_checkpoints": [
+                    {"ctx_id": a.ctx_id, "loop": a.loop_name, "kind": a.kind, "bytes": a.nbytes}
+                    for a in abandoned
+                ],
+                "urgent_writes": checkpointer.urgent_writes,
+                "finished_at_exit": checkpointer.finished_at_close,
+                "finish_seconds": checkpointer.finish_seconds,
                 "waited_seconds": checkpointer.waited_seconds,
+                # The name earlier versions gave what is now "abandoned", for their readers.
+                "dropped_unwritten": abandoned_blocks,
             }
         )
 
