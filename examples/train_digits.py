@@ -26,7 +26,7 @@ cli = parser.parse_args()  # the script's own flags still work beside --kwargs
 lr = rl.arg("lr", 0.05)
 epochs = rl.arg("epochs", 6)
 batch_size = rl.arg("batch_size", 32)
-hidden = rl.arg("hidden", 128)
+hidden = rl.arg("hidden", 256)
 
 torch.manual_seed(cli.seed)
 np.random.seed(cli.seed)
@@ -37,7 +37,9 @@ x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
 y = torch.tensor(digits.target, dtype=torch.long)
 order = torch.randperm(len(x))
 train_idx, test_idx = order[:1400], order[1400:]
-train = DataLoader(TensorDataset(x[train_idx], y[train_idx]), batch_size=batch_size, shuffle=True)
+# An epoch sees each training image 16 times, each time shifted and noised differently.
+train_x, train_y = x[train_idx].repeat(16, 1), y[train_idx].repeat(16)
+train = DataLoader(TensorDataset(train_x, train_y), batch_size=batch_size, shuffle=True)
 
 net = nn.Sequential(
     nn.Linear(64, hidden),

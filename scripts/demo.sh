@@ -15,15 +15,15 @@ git -c user.name=demo -c user.email=demo@example.invalid commit --quiet -m "vers
 
 echo "== recording two runs of version 1 in $demo"
 python train_digits.py --kwargs lr=0.05
-python train_digits.py --kwargs lr=0.01 hidden=64 --seed 1
+python train_digits.py --kwargs lr=0.01 hidden=128 --seed 1
 
 echo "== version 2 (uncommitted edit: weight decay), one more run"
 python - <<'PY'
 from pathlib import Path
 p = Path("train_digits.py")
 s = p.read_text()
-s = s.replace('hidden = rl.arg("hidden", 128)\n',
-              'hidden = rl.arg("hidden", 128)\nweight_decay = rl.arg("weight_decay", 0.0)\n')
+s = s.replace('hidden = rl.arg("hidden", 256)\n',
+              'hidden = rl.arg("hidden", 256)\nweight_decay = rl.arg("weight_decay", 0.0)\n')
 s = s.replace("lr=lr, momentum=0.9)", "lr=lr, momentum=0.9, weight_decay=weight_decay)")
 p.write_text(s)
 PY
