@@ -39,6 +39,7 @@ import pickle
 import sys
 import sysconfig
 import types
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -79,15 +80,49 @@ def script_frame(frame: types.FrameType | None) -> types.FrameType | None:
     return None
 
 
-def local_ids(frame: types.FrameType | None) -> dict[str, int]:
-    """The identity of every local of ``frame`` now, to tell later which were rebound."""
+def local_ids(frame: types.FrameType | None) -> dict[str, Any]:
+    """The identity of every local of ``frame`` now, to tell later which were rebound.
+
+    Not bare ``id()``s: an object freed after its name was rebound can leave its
+    address to a new object, which then has the old id, and a rebound local (a
+    step's ``loss`` tensor) would pass for unchanged and be left out of the
+    checkpoint. Each local is held by a weak reference where it takes one (tensors,
+    arrays, most objects: nothing is kept alive), else by a strong one (numbers,
+    strings, tuples: small, or alive anyway); lists, dicts and sets are captured
+    whether rebound or not.
+    """
     if frame is None:
         return {}
-    return {name: id(value) for name, value in frame.f_locals.items()}
+    found: dict[str, Any] = {}
+    for name, value in frame.f_locals.items():
+        if type(value) in (list, dict, set):
+            continue
+        try:
+            found[name] = weakref.ref(value)
+        except TypeError:
+            found[name] = _Strong(value)
+    return found
+
+
+class _Strong:
+    """A local that takes no weak reference, held as it was."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
+
+
+def _rebound(before: Mapping[str, Any], name: str, value: Any) -> bool:
+    held = before.get(name)
+    return held is None or held() is not value
 
 
 def capture(
-    frame: types.FrameType | None, before: Mapping[str, int], skip_ids: frozenset[int]
+    frame: types.FrameType | None, before: Mapping[str, Any], skip_ids: frozenset[int]
 ) -> bytes | None:
     """The pickled small locals of ``frame`` rebound since ``before`` (and small containers).
 
@@ -105,7 +140,7 @@ def capture(
             value, types.ModuleType | types.FunctionType | type | types.BuiltinFunctionType
         ):
             continue
-        rebound = before.get(name, _MISSING) != id(value)
+        rebound = _rebound(before, name, value)
         container = type(value) in (list, dict, set)
         if not (rebound or container):
             continue

@@ -271,7 +271,7 @@ class Run:
         # The script's frame running this loop, and its locals now: a checkpoint taken
         # where this loop (or its iteration) ends carries what the loop rebound.
         user_frame = None
-        locals_before: dict[str, int] = {}
+        locals_before: dict[str, Any] = {}
         if role is not Role.PLAIN:
             user_frame = frames.script_frame(sys._getframe(1))
             locals_before = frames.local_ids(user_frame)
@@ -378,7 +378,7 @@ class Run:
         writer_busy: float,
         *,
         user_frame: FrameType | None,
-        before: Mapping[str, int],
+        before: Mapping[str, Any],
     ) -> None:
         """A skippable block took ``seconds``; checkpoint it if the adaptive rule says so."""
         scope = self.scope
@@ -419,7 +419,7 @@ class Run:
         kind: str,
         *,
         user_frame: FrameType | None,
-        before: Mapping[str, int],
+        before: Mapping[str, Any],
         due_in: float | None = None,
     ) -> bool:
         """Checkpoint the scope's objects and the frame's small locals; False if none are named.

@@ -1,0 +1,61 @@
+"""The locals a checkpoint carries: which ones a block rebound.
+
+At module level a frame's locals are the module's globals: rebinding a name
+frees the old object at once, and a new object may get its address. These run
+the code as a module does, through exec.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from retrolog.runtime import frames
+
+
+def _module(code: str) -> dict[str, Any]:
+    namespace: dict[str, Any] = {"frames": frames, "pickle": pickle}
+    exec(compile(code, "<script>", "exec"), namespace)
+    return namespace
+
+
+def test_a_local_rebound_onto_a_reused_address_still_counts_as_rebound() -> None:
+    found = _module(
+        "import sys\n"
+        "frame = sys._getframe()\n"
+        "value = float('1.5')\n"
+        "first = id(value)\n"
+        "before = frames.local_ids(frame)\n"
+        "value = float('2.5')\n"
+        "value = float('3.5')\n"
+        "blob = frames.capture(frame, before, frozenset())\n"
+        "captured = pickle.loads(blob)['values']\n"
+        # The same steps holding bare ids: 1.5 is freed at the first rebinding and
+        # CPython's float free list hands its address to 3.5.
+        "value = float('1.5')\n"
+        "plain = id(value)\n"
+        "value = float('2.5')\n"
+        "value = float('3.5')\n"
+        "reused = id(value) == plain\n"
+    )
+    assert found["captured"]["value"] == 3.5
+    assert found["reused"]  # what made bare ids miss the rebinding
+
+
+def test_nothing_is_kept_alive_and_an_untouched_local_is_left_out() -> None:
+    found = _module(
+        "import sys, weakref\n"
+        "class Big:\n"
+        "    pass\n"
+        "frame = sys._getframe()\n"
+        "big = Big()\n"
+        "kept = 7\n"
+        "before = frames.local_ids(frame)\n"
+        "watch = weakref.ref(big)\n"
+        "big = Big()\n"
+        "alive = watch() is not None\n"
+        "loaded = pickle.loads(frames.capture(frame, before, frozenset()))\n"
+    )
+    assert not found["alive"]
+    assert "kept" not in found["loaded"]["values"]
+    assert "big" in found["loaded"]["not_captured"]
