@@ -154,3 +154,39 @@ def test_whole_iteration_locals_carry_a_second_worker_into_its_range(project: Pr
     _replay_matches_fresh(
         project, _in_function(WHOLE), _in_function(WHOLE_PROBE), ("running",), workers=2
     )
+
+
+CARRIED = """\
+import torch
+from torch import nn
+
+import retrolog as rl
+
+torch.manual_seed(0)
+rnn = nn.LSTM(8, 128, 2)
+opt = torch.optim.SGD(rnn.parameters(), lr=0.1)
+# The hidden state is carried from epoch to epoch, not reset: 2 x 20 x 128 floats each.
+hidden = (torch.zeros(2, 20, 128), torch.zeros(2, 20, 128))
+with rl.checkpointing(rnn=rnn, opt=opt):
+    for epoch in rl.loop("epoch", range(4)):
+        for step in rl.loop("step", range(6)):
+            out, hidden = rnn(torch.randn(5, 20, 8), tuple(h.detach() for h in hidden))
+            loss = out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        rl.log("loss", loss.item())
+"""
+
+CARRIED_PROBE = CARRIED.replace(
+    '        rl.log("loss", loss.item())\n',
+    '        rl.log("loss", loss.item())\n        rl.log("h_norm", hidden[0].norm().item())\n',
+)
+
+
+def test_a_hidden_state_carried_across_epochs_is_restored(project: Project) -> None:
+    """Larger than a few thousand elements, it still travels with the block checkpoints."""
+    report = _replay_matches_fresh(
+        project, _in_function(CARRIED), _in_function(CARRIED_PROBE), ("h_norm",), 1
+    )
+    assert re.search(r"outer loop\s+0\s+4\s", report), report

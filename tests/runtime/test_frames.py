@@ -59,3 +59,28 @@ def test_nothing_is_kept_alive_and_an_untouched_local_is_left_out() -> None:
     assert not found["alive"]
     assert "kept" not in found["loaded"]["values"]
     assert "big" in found["loaded"]["not_captured"]
+
+
+def test_a_hidden_state_is_captured_and_what_does_not_fit_is_listed() -> None:
+    """Smallest first within the frame's budget: the state, the counters; not the big output."""
+    found = _module(
+        "import sys, torch\n"
+        "frame = sys._getframe()\n"
+        "before = frames.local_ids(frame)\n"
+        "hidden = (torch.randn(2, 20, 128), torch.randn(2, 20, 128))\n"
+        "total = 3.25\n"
+        "output = torch.randn(400, 1000)\n"  # 1.6 MB: more than the whole budget
+        "half = torch.randn(frames.MAX_FRAME_BYTES // 8)\n"  # half the budget each
+        "other = torch.randn(frames.MAX_FRAME_BYTES // 8)\n"
+        "loaded = pickle.loads(frames.capture(frame, before, frozenset()))\n"
+    )
+    values, missing = found["loaded"]["values"], found["loaded"]["not_captured"]
+    assert [t.shape for t in values["hidden"]] == [(2, 20, 128), (2, 20, 128)]
+    assert all(
+        (kept == live).all() for kept, live in zip(values["hidden"], found["hidden"], strict=True)
+    )
+    assert values["total"] == 3.25
+    # Of two half-budget tensors, one fits beside the small values; the other is listed.
+    assert len({"half", "other"} & set(values)) == 1
+    assert len({"half", "other"} & set(missing)) == 1
+    assert "output" in missing and "output" not in values

@@ -22,12 +22,15 @@ end                         the one running the       rebound since the outer lo
 ==========================  ========================  ==============================
 
 "Small and plain" means numbers, strings, bools, None, numpy scalars, tensors
-of at most :data:`MAX_TENSOR_ELEMENTS` elements (detached copies), and lists,
-tuples, dicts and sets of those with at most :data:`MAX_ITEMS` items in all.
-Containers are captured whether or not they were rebound, because
-``losses.append(...)`` changes one in place. Anything else (a batch tensor, an
-iterator, a module) is listed by name as not captured, so a replay can tell
-the user which values it could not restore. The objects named in
+(detached copies), and lists, tuples, dicts and sets of those with at most
+:data:`MAX_ITEMS` items in all, taken smallest first while they fit in
+:data:`MAX_FRAME_BYTES` together: a language model's hidden state carried from
+epoch to epoch (2 x 20 x 128 floats) fits beside the counters and running
+sums, where one large batch output may not. Containers are captured whether or
+not they were rebound, because ``losses.append(...)`` changes one in place.
+Anything else (an iterator, a module, what does not fit) is listed by name as
+not captured, so a replay can tell the user which values it could not
+restore. The objects named in
 ``checkpointing`` are skipped: the checkpoint restores those in place.
 """
 
@@ -48,9 +51,9 @@ import numpy as np
 
 from retrolog.checkpoint.state import is_tensor
 
-MAX_TENSOR_ELEMENTS = 4096
 MAX_ITEMS = 10_000
-MAX_PICKLED_BYTES = 1 << 20  # more than this is not "small": nothing is captured, all listed
+MAX_FRAME_BYTES = 1 << 20  # the captured values of one frame, together
+MAX_PICKLED_BYTES = 2 << 20  # a safety net: more than this, nothing is captured, all listed
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 _LIBRARY_DIRS = tuple(
@@ -133,6 +136,7 @@ def capture(
         return None
     values: dict[str, Any] = {}
     not_captured: list[str] = []
+    wanted: list[tuple[int, str, Any]] = []
     for name, value in frame.f_locals.items():
         if name.startswith("__") or id(value) in skip_ids:
             continue
@@ -144,11 +148,19 @@ def capture(
         container = type(value) in (list, dict, set)
         if not (rebound or container):
             continue
-        copied = _small_copy(value, [MAX_ITEMS])
-        if copied is _MISSING:
+        size = _size(value, [MAX_ITEMS])
+        if size is None or size > MAX_FRAME_BYTES:
             if rebound:
                 not_captured.append(name)
             continue
+        wanted.append((size, name, value))
+    room = MAX_FRAME_BYTES
+    for size, name, value in sorted(wanted, key=lambda w: w[0]):
+        copied = _small_copy(value) if size <= room else _MISSING
+        if copied is _MISSING:
+            not_captured.append(name)
+            continue
+        room -= size
         values[name] = copied
     try:
         blob = pickle.dumps({"values": values, "not_captured": not_captured}, protocol=5)
@@ -159,35 +171,55 @@ def capture(
     return blob
 
 
-def _small_copy(value: Any, budget: list[int]) -> Any:
-    """A copy of ``value`` if it is small and plain (see the module docstring), else _MISSING."""
+def _size(value: Any, budget: list[int]) -> int | None:
+    """About how many bytes a copy of ``value`` takes, or None if it is not small and plain."""
     budget[0] -= 1
     if budget[0] < 0:
-        return _MISSING
+        return None
     t = type(value)
+    if t in (str, bytes):
+        return 16 + len(value)
     if t in _PLAIN:
-        return value
+        return 16
     if isinstance(value, np.generic) and not value.dtype.hasobject:
+        return 16 + value.nbytes
+    if t in (list, tuple, set, dict):
+        items = value.items() if t is dict else ((v,) for v in value)
+        total = 16
+        for item in items:
+            for part in item:
+                size = _size(part, budget)
+                if size is None:
+                    return None
+                total += 8 + size
+        return total
+    if is_tensor(value) and value.layout is not None:
+        return 64 + value.numel() * value.element_size()
+    return None
+
+
+def _small_copy(value: Any) -> Any:
+    """A copy of ``value``, which :func:`_size` found small and plain; _MISSING if it fails."""
+    t = type(value)
+    if t in _PLAIN or isinstance(value, np.generic):
         return value
     if t in (list, tuple, set):
-        items = [_small_copy(v, budget) for v in value]
+        items = [_small_copy(v) for v in value]
         if any(v is _MISSING for v in items):
             return _MISSING
         return t(items)
     if t is dict:
         out = {}
         for k, v in value.items():
-            key, item = _small_copy(k, budget), _small_copy(v, budget)
+            key, item = _small_copy(k), _small_copy(v)
             if key is _MISSING or item is _MISSING:
                 return _MISSING
             out[key] = item
         return out
-    if is_tensor(value) and value.numel() <= MAX_TENSOR_ELEMENTS and value.layout is not None:
-        try:
-            return value.detach().clone()
-        except RuntimeError:
-            return _MISSING
-    return _MISSING
+    try:
+        return value.detach().clone()
+    except RuntimeError:
+        return _MISSING
 
 
 def load(blob: bytes | None) -> tuple[dict[str, Any], list[str]]:
