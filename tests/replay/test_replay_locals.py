@@ -190,3 +190,26 @@ def test_a_hidden_state_carried_across_epochs_is_restored(project: Project) -> N
         project, _in_function(CARRIED), _in_function(CARRIED_PROBE), ("h_norm",), 1
     )
     assert re.search(r"outer loop\s+0\s+4\s", report), report
+
+
+LARGE = NESTED.replace(
+    "            g = np.random.standard_normal(3)\n",
+    "            g = np.random.standard_normal(3)\n"
+    "            big = np.full(300_000, float(g[0]))  # 2.4 MB: more than a checkpoint's locals\n",
+)
+LARGE_PROBE = LARGE.replace(
+    '        rl.log("total", total)\n',
+    '        rl.log("total", total)\n        rl.log("big_last", float(big[-1]))\n',
+)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["module", "function"])
+def test_a_block_whose_checkpoint_lacks_what_the_statement_reads_is_executed(
+    project: Project, wrap: bool
+) -> None:
+    record = _in_function(LARGE) if wrap else LARGE
+    probe = _in_function(LARGE_PROBE) if wrap else LARGE_PROBE
+    report = _replay_matches_fresh(project, record, probe, ("big_last",), 1)
+    assert re.search(r"checkpoint \S+ was not restored.*it does not hold big, which", report), (
+        report
+    )

@@ -35,7 +35,7 @@ from retrolog._replay.plan import (
 )
 from retrolog._replay.propagate import Propagation, propagate
 from retrolog._replay.reuse import copy_values, find_sources
-from retrolog._replay.statements import Position, locate_statements
+from retrolog._replay.statements import Position, locate_statements, names_read
 from retrolog.errors import QueryError, RetrologError, UsageError
 from retrolog.runtime import numerics
 from retrolog.runtime.replay import WorkerSpec
@@ -764,6 +764,9 @@ def _jobs(
                 code_object=code_objects.get(run_plan.run_id),
                 torch_state=_torch_state_for_worker(recorded, profile.threads, threads),
                 parsed_args=parsed,
+                reads=sorted(
+                    names_read(propagations[run_plan.run_id].source, [*names, *check_names])
+                ),
             )
             jobs.append(
                 Job(
@@ -1014,7 +1017,7 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
         for key, why in outcome.fallbacks:
             echo(
-                f"run {outcome.run_id}: checkpoint {key} could not be read, so its code was "
+                f"run {outcome.run_id}: checkpoint {key} was not restored, so its code was "
                 f"executed instead (values are still exact, the replay was slower): {why}"
             )
         for m in outcome.mismatches:

@@ -405,6 +405,36 @@ class _Module:
         return list(seen.values())
 
 
+def names_read(source: str, names: Sequence[str]) -> set[str]:
+    """The variables the ``log`` calls of ``names`` in ``source`` read directly.
+
+    A replay worker does not restore a checkpoint that lacks one of them (a large
+    local the block rebound): the statement would read what the variable held
+    before the block. It executes that block instead.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    wanted = set(names)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "log"
+            and _literal_name(node) in wanted
+        ):
+            continue
+        for argument in [*node.args[1:], *(k.value for k in node.keywords if k.arg != "name")]:
+            found.update(
+                n.id
+                for n in _walk_expression(argument)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            )
+    return found
+
+
 def _literal_name(call: ast.Call) -> str | None:
     """The call's name argument when it is a string literal (first positional or name=)."""
     arg: ast.expr | None = call.args[0] if call.args else None

@@ -66,6 +66,9 @@ class WorkerSpec:
     # the recorded ones, or the thread count the user asked for instead.
     torch_state: dict[str, Any] = field(default_factory=dict)
     parsed_args: dict[str, Any] = field(default_factory=dict)  # recorded argparse/click values
+    # Variables the statements of names and check_names read: a checkpoint that does not
+    # hold one of them (a large local) is not restored; its block executes instead.
+    reads: list[str] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -131,6 +134,7 @@ class ReplayRun:
         self._contexts = _load_contexts(Path(spec.store) / "retrolog.db", spec.run_id)
         self._frame_locals = _load_frame_locals(Path(spec.store) / "retrolog.db", spec.run_id)
         self._fallbacks: list[list[str]] = []  # [manifest, why] of checkpoints executed instead
+        self._reads = set(spec.reads)
         self._occurrences: dict[tuple[int | None, str], int] = {}
         self._outer_seen = False
         self._store: Any = None
@@ -257,17 +261,24 @@ class ReplayRun:
         if self._store is None:
             self._store = LocalObjectStore(Path(self.spec.store) / "objects")
         started = time.perf_counter()
+        values, not_captured = frames.load(self._frame_locals.get(key))
+        stale = sorted(set(not_captured) & self._reads)
+        if stale:
+            # The statement would read what the variable held before the skipped code.
+            self._fallbacks.append(
+                [manifest, f"it does not hold {', '.join(stale)}, which a statement reads"]
+            )
+            return False
         try:
             restore_checkpoint(scope.objects, self._store, manifest)
         except StoreError as exc:
-            self._fallbacks.append([manifest, str(exc)])
+            self._fallbacks.append([manifest, f"it cannot be read: {exc}"])
             print(
                 f"retrolog replay: checkpoint {manifest} cannot be read ({exc}); executing "
                 "that code instead of restoring it.",
                 file=sys.stderr,
             )
             return False
-        values, _ = frames.load(self._frame_locals.get(key))
         frames.restore(user_frame, values)
         _mark_optimizers_stepped(scope.objects)
         self._restore_seconds += time.perf_counter() - started
