@@ -12,6 +12,7 @@ codecs are converted where they enter our code (``raise ... from exc``)::
     │   ├── UnknownNameError        a requested log name was never logged
     │   └── RunNotFoundError        no run matches the given id
     ├── StoreError                  the store cannot be opened, read or written
+    │   ├── UntrustedPickleError    a stored pickle, not read without the user's trust
     │   └── CorruptObjectError      a stored object fails its checksum
     ├── VersionError                git failed while capturing or reading a code version
     └── InexactReplayError          a replay recomputed recorded values differently
@@ -76,6 +77,14 @@ class StoreError(RetrologError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class UntrustedPickleError(StoreError):
+    """A stored value is a pickle, and the user has not said they trust the store's pickles.
+
+    Unpickling can run any code the pickle names, so retrolog never does it on read
+    unless RETROLOG_TRUST_PICKLES=1 (docs/store.md, "Trust").
+    """
 
 
 class CorruptObjectError(StoreError):

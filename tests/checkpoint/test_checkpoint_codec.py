@@ -23,7 +23,12 @@ from hypothesis.extra import numpy as hnp
 
 from retrolog.checkpoint.codec import decode, encode, manifest_blobs
 from retrolog.checkpoint.state import DeviceTensor, Snapshot, capture_rng
-from retrolog.errors import CheckpointTargetError, CorruptObjectError, StoreError
+from retrolog.errors import (
+    CheckpointTargetError,
+    CorruptObjectError,
+    StoreError,
+    UntrustedPickleError,
+)
 from retrolog.store.objects import LocalObjectStore
 
 
@@ -86,10 +91,24 @@ def test_scalars_and_containers(store: LocalObjectStore) -> None:
         2.5: "float key",
         "complex": 1 + 2j,
         "od": OrderedDict([("b", 1), ("a", 2)]),
-        "fraction": Fraction(1, 3),  # no native encoding: pickled
         "set": {1, 2, 3},
+        "frozenset": frozenset({"a", (1, 2)}),
     }
     assert_same(roundtrip(value, store), value)
+
+
+def test_a_value_without_a_data_encoding_is_pickled_only_when_allowed_and_trusted(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    value = {"fraction": Fraction(1, 3)}
+    with pytest.raises(CheckpointTargetError, match=r"RETROLOG_ALLOW_PICKLES=1"):
+        roundtrip(value, store)
+    monkeypatch.setenv("RETROLOG_ALLOW_PICKLES", "1")
+    key, _ = encode(Snapshot(objects=value, rng={}), store)
+    with pytest.raises(UntrustedPickleError, match=r"RETROLOG_TRUST_PICKLES=1"):
+        decode(key, store)
+    monkeypatch.setenv("RETROLOG_TRUST_PICKLES", "1")
+    assert_same(decode(key, store).objects, value)
 
 
 def test_negative_nan_keeps_its_bits(store: LocalObjectStore) -> None:
@@ -112,7 +131,11 @@ def test_numpy_arrays(store: LocalObjectStore, dtype: str) -> None:
     assert roundtrip(arr, store).flags.writeable
 
 
-def test_numpy_arrays_that_need_pickle(store: LocalObjectStore) -> None:
+def test_numpy_arrays_that_need_pickle(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RETROLOG_ALLOW_PICKLES", "1")
+    monkeypatch.setenv("RETROLOG_TRUST_PICKLES", "1")
     structured = np.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")])
     objects = np.array([{"a": 1}, None], dtype=object)
     out = roundtrip([structured, objects], store)

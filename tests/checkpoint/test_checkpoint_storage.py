@@ -185,7 +185,7 @@ def test_state_dicts_of_every_kind_round_trip(store: LocalObjectStore) -> None:
         "model": state,
         "optimizer": opt.state_dict(),
         "nested": OrderedDict([("t", (torch.arange(2000), [np.ones((40, 40), order="F")]))]),
-        "pickled": {1, 2, 3},
+        "set": {1, 2, 3},
         "big_bytes": os.urandom(5000),
     }
     hist = DeltaHistory()
@@ -560,8 +560,14 @@ def test_a_damaged_delta_base_fails_the_delta(store: LocalObjectStore) -> None:
 # ------------------------------------------------------------------ format /1
 
 
-def test_format_1_manifests_still_decode(store: LocalObjectStore) -> None:
-    """A checkpoint as retrolog 0.1 wrote it: raw sha256 objects and a /1 manifest."""
+def test_format_1_manifests_still_decode(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint as retrolog 0.1 wrote it: raw sha256 objects and a /1 manifest.
+
+    It holds a pickle: read once the user says they trust the store's pickles.
+    """
+    monkeypatch.setenv("RETROLOG_TRUST_PICKLES", "1")
     w = weights(3000)
     arr = np.arange(12, dtype=np.float64).reshape(3, 4)
     w_blob = store.put(w.numpy().tobytes())

@@ -29,7 +29,7 @@ def test_a_local_rebound_onto_a_reused_address_still_counts_as_rebound() -> None
         "value = float('2.5')\n"
         "value = float('3.5')\n"
         "blob = frames.capture(frame, before, frozenset())\n"
-        "captured = pickle.loads(blob)['values']\n"
+        "captured = frames.load(blob)[0]\n"
         # The same steps holding bare ids: 1.5 is freed at the first rebinding and
         # CPython's float free list hands its address to 3.5.
         "value = float('1.5')\n"
@@ -54,11 +54,11 @@ def test_nothing_is_kept_alive_and_an_untouched_local_is_left_out() -> None:
         "watch = weakref.ref(big)\n"
         "big = Big()\n"
         "alive = watch() is not None\n"
-        "loaded = pickle.loads(frames.capture(frame, before, frozenset()))\n"
+        "loaded = frames.load(frames.capture(frame, before, frozenset()))\n"
     )
     assert not found["alive"]
-    assert "kept" not in found["loaded"]["values"]
-    assert "big" in found["loaded"]["not_captured"]
+    assert "kept" not in found["loaded"][0]
+    assert "big" in found["loaded"][1]
 
 
 def test_a_hidden_state_is_captured_and_what_does_not_fit_is_listed() -> None:
@@ -72,9 +72,9 @@ def test_a_hidden_state_is_captured_and_what_does_not_fit_is_listed() -> None:
         "output = torch.randn(400, 1000)\n"  # 1.6 MB: more than the whole budget
         "half = torch.randn(frames.MAX_FRAME_BYTES // 8)\n"  # half the budget each
         "other = torch.randn(frames.MAX_FRAME_BYTES // 8)\n"
-        "loaded = pickle.loads(frames.capture(frame, before, frozenset()))\n"
+        "loaded = frames.load(frames.capture(frame, before, frozenset()))\n"
     )
-    values, missing = found["loaded"]["values"], found["loaded"]["not_captured"]
+    values, missing = found["loaded"]
     assert [t.shape for t in values["hidden"]] == [(2, 20, 128), (2, 20, 128)]
     assert all(
         (kept == live).all() for kept, live in zip(values["hidden"], found["hidden"], strict=True)

@@ -17,6 +17,8 @@ says what it is:
 
 =============  ==============================================================
 ``tuple``      ``v``: the items
+``set``        ``v``: the items (also ``frozenset``)
+``complex``    ``v``: the real and imaginary parts
 ``dict``       ``items``: ``[key, value]`` pairs in order (keys of any type)
 ``odict``      an OrderedDict: ``items``, and ``metadata`` (a module's
                state_dict keeps per-submodule versions in ``_metadata``)
@@ -27,8 +29,12 @@ says what it is:
 ``npscalar``   ``dtype``, ``b64``: the raw bytes of a numpy scalar
 ``tensor``     ``dtype``, ``shape``, ``device`` (where it lived), ``b64`` or
                ``blob``, ``requires_grad`` when true; stored contiguous
+``sparse_coo`` a sparse COO tensor: ``shape``, ``indices`` and ``values``
+               (tensor nodes)
 ``size``       torch.Size; ``torch_dtype``, ``torch_device``: ``v``
-``pickle``     ``blob``: anything else, pickled (a raw object)
+``pickle``     ``blob``: anything else, pickled (a raw object), only when the
+               user allows it (RETROLOG_ALLOW_PICKLES=1); read only when the
+               reader trusts the store (RETROLOG_TRUST_PICKLES=1)
 =============  ==============================================================
 
 A ``blob`` of 32 hex digits is a framed array object (format /2), one of 64
@@ -40,6 +46,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import pickle
 import struct
 import time
@@ -66,7 +73,12 @@ from retrolog.checkpoint.state import (
     import_torch,
     loaded_torch,
 )
-from retrolog.errors import CheckpointTargetError, CorruptObjectError, StoreError
+from retrolog.errors import (
+    CheckpointTargetError,
+    CorruptObjectError,
+    StoreError,
+    UntrustedPickleError,
+)
 from retrolog.store.objects import ObjectStore, is_framed_key
 
 __all__ = [
@@ -203,6 +215,24 @@ def manifest_blobs(key: str, store: ObjectStore) -> set[str]:
     return found
 
 
+ALLOW_PICKLES_ENV = "RETROLOG_ALLOW_PICKLES"
+TRUST_PICKLES_ENV = "RETROLOG_TRUST_PICKLES"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def pickles_allowed() -> bool:
+    """Whether the user lets checkpoints keep what has no data encoding as a pickle."""
+    return _env_flag(ALLOW_PICKLES_ENV)
+
+
+def pickles_trusted() -> bool:
+    """Whether the user trusts this store's pickles enough to unpickle them (run their code)."""
+    return _env_flag(TRUST_PICKLES_ENV)
+
+
 def _simple_dtype(dtype: np.dtype[Any]) -> bool:
     """Whether an array of ``dtype`` is exactly its raw bytes plus ``dtype.str``."""
     return not dtype.hasobject and dtype.fields is None and dtype.itemsize > 0
@@ -251,6 +281,11 @@ class _Encoder:
             if metadata is not None:
                 node["metadata"] = self.value(metadata, f"{path}._metadata")
             return node
+        if t is set or t is frozenset:
+            items = [self.value(x, f"{path} item") for x in v]
+            return {"$": t.__name__, "v": items}
+        if t is complex:
+            return {"$": "complex", "v": [self.value(v.real, path), self.value(v.imag, path)]}
         if t is bytes:
             if len(v) <= INLINE_BYTES:
                 return {"$": "bytes", "b64": _b64(v)}
@@ -290,6 +325,14 @@ class _Encoder:
     def tensor(self, v: Any, path: str, known: str | None = None) -> dict[str, Any]:
         """The node of tensor ``v``; ``known``: its key, when it is stored already."""
         torch = import_torch("Encoding a tensor")
+        if v.layout == torch.sparse_coo and known is None:
+            v = v.coalesce()
+            return {
+                "$": "sparse_coo",
+                "shape": list(v.shape),
+                "indices": self.tensor(v._indices(), f"{path} indices"),
+                "values": self.tensor(v._values(), f"{path} values"),
+            }
         if v.layout != torch.strided or v.is_quantized:
             return self.pickled(v, path)
         dense = v.detach().resolve_conj().resolve_neg()
@@ -339,6 +382,17 @@ class _Encoder:
         return node
 
     def pickled(self, v: Any, path: str) -> dict[str, Any]:
+        if not pickles_allowed():
+            raise CheckpointTargetError(
+                f"Cannot store {path} in a checkpoint: it is a {type(v).__module__}."
+                f"{type(v).__qualname__}, which checkpoints hold only as data (numbers, "
+                "strings, lists, dicts, tuples, arrays, tensors). It could be kept as a "
+                "pickle, but reading a pickle can run any code it names, so retrolog makes "
+                f"one only when you allow it: set {ALLOW_PICKLES_ENV}=1 when recording "
+                f"(whoever restores or replays it must then set {TRUST_PICKLES_ENV}=1), or "
+                "keep such values out of state_dict().",
+                name=self.name,
+            )
         try:
             data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # pickle raises many types (PicklingError, TypeError, ...)
@@ -397,6 +451,12 @@ class _Decoder:
             return tuple(self.value(x) for x in node["v"])
         if tag == "float":
             return struct.unpack(">d", bytes.fromhex(node["bits"]))[0]
+        if tag in ("set", "frozenset"):
+            items = [self.value(x) for x in node["v"]]
+            return set(items) if tag == "set" else frozenset(items)
+        if tag == "complex":
+            real, imag = (self.value(x) for x in node["v"])
+            return complex(real, imag)
         if tag == "odict":
             out: OrderedDict[Any, Any] = OrderedDict(
                 (self.value(k), self.value(x)) for k, x in node["items"]
@@ -409,11 +469,23 @@ class _Decoder:
         if tag == "ndarray":
             return self.ndarray(node)
         if tag == "npscalar":
-            return np.frombuffer(base64.b64decode(node["b64"]), dtype=np.dtype(node["dtype"]))[0]
+            return np.frombuffer(
+                base64.b64decode(node["b64"]), dtype=self.data_dtype(node["dtype"])
+            )[0]
         if tag == "tensor":
             return self.tensor(node)
         if tag == "pickle":
             return self.unpickle(node["blob"])
+        if tag == "sparse_coo":
+            torch = import_torch("Loading a checkpoint with sparse tensors")
+            indices, values = self.tensor(node["indices"]), self.tensor(node["values"])
+            if isinstance(indices, DeviceTensor) or isinstance(values, DeviceTensor):
+                raise self.corrupt("a sparse tensor's parts are not on the CPU", self.manifest)
+            self.fill()  # the parts' bytes, before they are put together
+            # Checked: indices out of range would otherwise be memory errors later.
+            return torch.sparse_coo_tensor(
+                indices, values, node["shape"], check_invariants=True
+            ).coalesce()
         if tag in ("size", "torch_dtype", "torch_device"):
             torch = import_torch("Loading a checkpoint with torch values")
             if tag == "size":
@@ -459,8 +531,18 @@ class _Decoder:
         if out.nbytes:
             out[:] = np.frombuffer(raw, dtype=np.uint8)
 
+    def data_dtype(self, text: Any) -> np.dtype[Any]:
+        """A numpy dtype that is plain bytes (never object): what a manifest may name."""
+        try:
+            dtype = np.dtype(str(text))
+        except TypeError as exc:
+            raise self.corrupt(f"{text!r} is not a numpy dtype", self.manifest) from exc
+        if not _simple_dtype(dtype):
+            raise self.corrupt(f"numpy dtype {text!r} is not plain data", self.manifest)
+        return dtype
+
     def ndarray(self, node: dict[str, Any]) -> np.ndarray[Any, Any]:
-        dtype = np.dtype(node["dtype"])
+        dtype = self.data_dtype(node["dtype"])
         order = node.get("order", "C")
         arr = np.empty(node["shape"], dtype=dtype, order=order)
         self.content(node, "numpy." + node["dtype"], arr.ravel(order=order).view(np.uint8))
@@ -487,6 +569,14 @@ class _Decoder:
         return tensor if device == "cpu" else DeviceTensor(tensor, device)
 
     def unpickle(self, key: str) -> Any:
+        if not pickles_trusted():
+            raise UntrustedPickleError(
+                f"Checkpoint manifest {self.manifest} holds a pickled object ({key}). "
+                "Reading a pickle can run any code it names, and whoever can write this "
+                "store could have put one there, so retrolog does not unpickle unless you "
+                f"trust the store: set {TRUST_PICKLES_ENV}=1 to restore it. Replay executes "
+                "such a checkpoint's code instead of restoring it."
+            )
         try:
             return pickle.loads(self.blob(key))
         except Exception as exc:  # unpickling can raise anything a class's __setstate__ raises

@@ -36,9 +36,13 @@ restore. The objects named in
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
+import json
+import math
 import pickle
+import struct
 import sys
 import sysconfig
 import types
@@ -50,10 +54,11 @@ from typing import Any
 import numpy as np
 
 from retrolog.checkpoint.state import is_tensor
+from retrolog.errors import StoreError, UntrustedPickleError
 
 MAX_ITEMS = 10_000
 MAX_FRAME_BYTES = 1 << 20  # the captured values of one frame, together
-MAX_PICKLED_BYTES = 2 << 20  # a safety net: more than this, nothing is captured, all listed
+MAX_ENCODED_BYTES = 3 << 20  # a safety net: more than this, nothing is captured, all listed
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 _LIBRARY_DIRS = tuple(
@@ -127,10 +132,10 @@ def _rebound(before: Mapping[str, Any], name: str, value: Any) -> bool:
 def capture(
     frame: types.FrameType | None, before: Mapping[str, Any], skip_ids: frozenset[int]
 ) -> bytes | None:
-    """The pickled small locals of ``frame`` rebound since ``before`` (and small containers).
+    """The encoded small locals of ``frame`` rebound since ``before`` (and small containers).
 
-    Returns None when there is no frame; else a pickle of ``{"values": {name: value},
-    "not_captured": [names]}``.
+    Returns None when there is no frame; else ``{"values": {name: value},
+    "not_captured": [names]}`` in a data-only encoding (JSON, see :func:`load`).
     """
     if frame is None:
         return None
@@ -162,12 +167,15 @@ def capture(
             continue
         room -= size
         values[name] = copied
-    try:
-        blob = pickle.dumps({"values": values, "not_captured": not_captured}, protocol=5)
-    except Exception:  # a tensor subclass or numpy scalar of an odd type: be safe
-        return pickle.dumps({"values": {}, "not_captured": sorted(values) + not_captured})
-    if len(blob) > MAX_PICKLED_BYTES:
-        return pickle.dumps({"values": {}, "not_captured": sorted(values) + not_captured})
+    encoded: dict[str, Any] = {}
+    for name, value in values.items():
+        try:
+            encoded[name] = _encode(value)
+        except _NotData:  # a tensor subclass or numpy scalar of an odd type: listed instead
+            not_captured.append(name)
+    blob = _dump({"values": encoded, "not_captured": not_captured})
+    if len(blob) > MAX_ENCODED_BYTES:
+        return _dump({"values": {}, "not_captured": sorted(encoded) + not_captured})
     return blob
 
 
@@ -223,11 +231,135 @@ def _small_copy(value: Any) -> Any:
 
 
 def load(blob: bytes | None) -> tuple[dict[str, Any], list[str]]:
-    """The values and the not-captured names from a blob :func:`capture` made."""
+    """The values and the not-captured names from a blob :func:`capture` made.
+
+    Data only: JSON whose tagged nodes name one of a fixed set of plain types, never a
+    class or function. A blob an older retrolog pickled is read only when the user
+    trusts the store's pickles (:func:`retrolog.checkpoint.codec.pickles_trusted`);
+    else :class:`UntrustedPickleError`, and replay executes that block instead.
+    """
     if not blob:
         return {}, []
+    if blob.startswith(_MAGIC):
+        try:
+            doc = json.loads(blob[len(_MAGIC) :])
+            values = {str(k): _decode(v) for k, v in doc["values"].items()}
+            return values, [str(n) for n in doc["not_captured"]]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StoreError(f"a checkpoint's saved locals cannot be decoded: {exc}") from exc
+    from retrolog.checkpoint.codec import pickles_trusted
+
+    if not pickles_trusted():
+        raise UntrustedPickleError(
+            "its saved locals were written by an older retrolog as a pickle, which can run "
+            "code when read; set RETROLOG_TRUST_PICKLES=1 if you trust this store"
+        )
     doc = pickle.loads(blob)
     return dict(doc.get("values", {})), list(doc.get("not_captured", []))
+
+
+# -- the data-only encoding of captured locals ---------------------------------------
+
+_MAGIC = b"RLF1"  # followed by UTF-8 JSON
+
+
+class _NotData(Exception):
+    """A value the encoding does not have a node for."""
+
+
+def _dump(doc: dict[str, Any]) -> bytes:
+    return _MAGIC + json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _encode(value: Any) -> Any:
+    """A JSON node for ``value`` (a copy :func:`_small_copy` made)."""
+    t = type(value)
+    if value is None or t in (bool, int, str):
+        return value
+    if t is float:
+        if math.isfinite(value):
+            return value
+        return {"$": "float", "bits": struct.pack(">d", value).hex()}
+    if t is complex:
+        return {"$": "complex", "v": [_encode(value.real), _encode(value.imag)]}
+    if t is bytes:
+        return {"$": "bytes", "b64": base64.b64encode(value).decode()}
+    if t is list:
+        return [_encode(v) for v in value]
+    if t in (tuple, set):
+        return {"$": t.__name__, "v": [_encode(v) for v in value]}
+    if t is dict:
+        return {"$": "dict", "items": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if isinstance(value, np.generic) and _plain_dtype(value.dtype):
+        return {"$": "npscalar", "dtype": value.dtype.str, "b64": _b64(value.tobytes())}
+    if is_tensor(value) and type(value).__name__ == "Tensor":
+        dense = value.detach().cpu().contiguous()
+        if dense.numel() <= 1:
+            dense = dense.clone()
+        try:
+            raw = dense.reshape(-1).view(_torch().uint8).numpy().tobytes()
+        except (RuntimeError, TypeError) as exc:  # a dtype without a byte view
+            raise _NotData from exc
+        return {
+            "$": "tensor",
+            "dtype": str(dense.dtype).removeprefix("torch."),
+            "shape": list(dense.shape),
+            "b64": _b64(raw),
+        }
+    raise _NotData
+
+
+def _decode(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_decode(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    tag = node["$"]
+    if tag == "float":
+        return struct.unpack(">d", bytes.fromhex(node["bits"]))[0]
+    if tag == "complex":
+        return complex(*(_decode(v) for v in node["v"]))
+    if tag == "bytes":
+        return base64.b64decode(node["b64"])
+    if tag == "tuple":
+        return tuple(_decode(v) for v in node["v"])
+    if tag == "set":
+        return {_decode(v) for v in node["v"]}
+    if tag == "dict":
+        return {_decode(k): _decode(v) for k, v in node["items"]}
+    if tag == "npscalar":
+        dtype = np.dtype(node["dtype"])
+        if not _plain_dtype(dtype):
+            raise ValueError(f"numpy dtype {node['dtype']!r} is not plain data")
+        return np.frombuffer(base64.b64decode(node["b64"]), dtype=dtype)[0]
+    if tag == "tensor":
+        torch = _torch()
+        torch_dtype = getattr(torch, str(node["dtype"]), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"{node['dtype']!r} is not a torch dtype")
+        shape = [int(n) for n in node["shape"]]
+        raw = bytearray(base64.b64decode(node["b64"]))
+        out = torch.empty(shape, dtype=torch_dtype)
+        if len(raw) != out.numel() * out.element_size():
+            raise ValueError("a tensor's bytes do not match its shape and dtype")
+        if raw:
+            out.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
+        return out
+    raise ValueError(f"unknown node {tag!r}")
+
+
+def _plain_dtype(dtype: np.dtype[Any]) -> bool:
+    return dtype.kind in "biufcmMSU" and not dtype.hasobject
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def restore(frame: types.FrameType | None, values: Mapping[str, Any]) -> None:

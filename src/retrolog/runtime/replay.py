@@ -261,7 +261,11 @@ class ReplayRun:
         if self._store is None:
             self._store = LocalObjectStore(Path(self.spec.store) / "objects")
         started = time.perf_counter()
-        values, not_captured = frames.load(self._frame_locals.get(key))
+        try:
+            values, not_captured = frames.load(self._frame_locals.get(key))
+        except StoreError as exc:
+            self._fallbacks.append([manifest, f"its saved locals are not usable: {exc}"])
+            return False
         stale = sorted(set(not_captured) & self._reads)
         if stale:
             # The statement would read what the variable held before the skipped code.
