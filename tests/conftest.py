@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -137,6 +138,15 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RETROLOG_STORE", raising=False)
     # Delta bases decoded by an earlier test would spare this one its reads from disk.
     DECODED.clear()
+
+
+def default_sigint() -> None:
+    """For ``preexec_fn``: a child gets Ctrl-C as a terminal would deliver it.
+
+    Run as a background job of a non-interactive shell (CI, nohup), the tests inherit
+    SIGINT ignored, and so would their children: Python leaves an ignored SIGINT ignored.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def read_db(root: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:

@@ -697,7 +697,7 @@ def test_a_short_finish_says_nothing(
 
 
 def test_ctrl_c_once_keeps_finishing_and_twice_abandons(
-    store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
+    store: LocalObjectStore, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
     slow = SlowStore(store, delay=GATE_TIMEOUT)  # nothing finishes until the gate opens
     records: list[CheckpointRecord] = []
@@ -708,6 +708,11 @@ def test_ctrl_c_once_keeps_finishing_and_twice_abandons(
 
     def press(after: float) -> None:
         threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    # Ctrl-C as a terminal delivers it, also when the suite runs as a background job
+    # (which inherits SIGINT ignored, and close() rightly leaves an ignored one alone).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
 
     press(0.3)
     press(0.8)

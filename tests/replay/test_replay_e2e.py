@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, default_sigint, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -250,11 +250,6 @@ def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
 
     runs = _record(project)
     before = (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD"))
-
-    def default_sigint() -> None:
-        # Run as a background job of a non-interactive shell, this test inherits SIGINT
-        # ignored, and so would the replay: Python leaves an ignored SIGINT ignored.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     with subprocess.Popen(
         [sys.executable, "-m", "retrolog", "replay", "grad", "--yes", "--workers", "2"],

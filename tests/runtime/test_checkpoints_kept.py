@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, default_sigint, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -185,6 +185,7 @@ def record_slowly(project: Project, presses: int) -> tuple[int, str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_sigint,
     ) as proc:
         assert proc.stderr is not None
         killer = threading.Timer(120, proc.kill)  # a hang fails the test instead
