@@ -179,6 +179,8 @@ def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None
     )
     spec_path = job.log_path.with_suffix(".spec.json")
     job.spec.output = str(job.log_path.with_suffix(".out.json"))
+    job.spec.checkout = str(job.checkout)
+    job.spec.project = str(root)
     job.spec.save(spec_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
     env = worker_environment(env, job.numerics)

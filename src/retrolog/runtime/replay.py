@@ -69,6 +69,10 @@ class WorkerSpec:
     # Variables the statements of names and check_names read: a checkpoint that does not
     # hold one of them (a large local) is not restored; its block executes instead.
     reads: list[str] = field(default_factory=list)
+    # The worker's checkout and the user's project: writes through the checkout's links
+    # into the project are made private to the checkout (runtime/isolation.py).
+    checkout: str | None = None
+    project: str | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -83,17 +87,26 @@ _NUMERICS_PROBLEMS: list[str] = []
 
 
 def prepare_worker(spec_path: str) -> None:
-    """At ``import retrolog`` in a replay worker: put the recorded torch state in place.
+    """At ``import retrolog`` in a replay worker: guard writes, set the recorded torch state.
 
-    It is applied now if the script imported torch first, else right after torch's
-    import, so the script's own code (which may set some of it again) runs in the
-    recorded environment from its first torch call.
+    Writes through the checkout's links into the user's project are made private to
+    the checkout from here on (runtime/isolation.py). The torch state is applied now if
+    the script imported torch first, else right after torch's import, so the script's
+    own code (which may set some of it again) runs in the recorded environment from
+    its first torch call.
     """
     try:
-        wanted = json.loads(Path(spec_path).read_text()).get("torch_state") or {}
+        spec = json.loads(Path(spec_path).read_text())
     except (OSError, ValueError) as exc:
         _NUMERICS_PROBLEMS.append(f"cannot read the worker spec {spec_path}: {exc}")
         return
+    if spec.get("checkout") and spec.get("project"):
+        from retrolog.runtime import isolation
+
+        isolation.install(
+            Path(spec["checkout"]), Path(spec["project"]), allowed=[Path(spec["store"])]
+        )
+    wanted = spec.get("torch_state") or {}
     if wanted:
         numerics.apply_in_worker(wanted, _NUMERICS_PROBLEMS)
 
