@@ -4,12 +4,26 @@
 reads only, so neither a user's query nor a ``where`` predicate spliced into
 ``dataframe()``'s SQL can change the store or the connection. The tables a
 user may read are listed in :data:`DOCUMENTED_TABLES`.
+
+Every such statement also runs within limits, so that a query cannot run
+forever or take the machine's memory: a time budget (``RETROLOG_QUERY_TIMEOUT``
+seconds, default 120, 0 for none), a memory budget for what the process grows
+by while it runs, SQLite's allocations and the rows fetched alike
+(``RETROLOG_QUERY_MEMORY_MB``, default 1024), and Ctrl-C, which stops it at
+once (SQLite returns to Python only between steps of its virtual machine, so a
+progress handler is what hears it).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import signal
 import sqlite3
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -161,6 +175,96 @@ def read_only(conn: sqlite3.Connection) -> Iterator[_Refusal]:
         conn.set_authorizer(None)
 
 
+TIMEOUT_ENV = "RETROLOG_QUERY_TIMEOUT"
+MEMORY_ENV = "RETROLOG_QUERY_MEMORY_MB"
+DEFAULT_TIMEOUT = 120.0
+DEFAULT_MEMORY_MB = 1024
+_PROGRESS_STEPS = 10_000  # SQLite virtual-machine steps between two looks at the clock
+_FETCH_ROWS = 4096
+
+
+def _setting(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise QueryError(
+            f"{name}={text!r} is not a number of {'seconds' if 'TIMEOUT' in name else 'MB'}: "
+            f"set it to a positive number, or 0 for no limit (default {default:g}).",
+            sql=None,
+        )
+    return value
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class _Limits:
+    """The time and memory budgets and Ctrl-C, heard through SQLite's progress handler.
+
+    SQLite calls the handler every few thousand steps of its virtual machine, also
+    while ``fetchmany`` steps through rows, so the process's memory growth it checks
+    covers SQLite's own allocations and the rows Python holds alike.
+    """
+
+    def __init__(self, seconds: float, memory_mb: float) -> None:
+        now = time.monotonic()
+        self.deadline = now + seconds if seconds else math.inf
+        self.memory = memory_mb * (1 << 20) if memory_mb else math.inf
+        self.base = _resident_bytes() if memory_mb else 0
+        self.next_memory_check = now
+        self.expired = False
+        self.too_big = False
+        self.interrupted = False
+
+    def progress(self) -> int:
+        if self.interrupted:
+            return 1
+        now = time.monotonic()
+        if now > self.deadline:
+            self.expired = True
+            return 1
+        if now >= self.next_memory_check and self.memory != math.inf:
+            self.next_memory_check = now + 0.02
+            if _resident_bytes() - self.base > self.memory:
+                self.too_big = True
+                return 1
+        return 0
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        self.interrupted = True
+
+
+@contextmanager
+def _within_limits(conn: sqlite3.Connection, limits: _Limits) -> Iterator[None]:
+    previous_sigint = None
+    if threading.current_thread() is threading.main_thread():
+        previous_sigint = signal.signal(signal.SIGINT, limits.on_sigint)
+    conn.set_progress_handler(limits.progress, _PROGRESS_STEPS)
+    try:
+        yield
+    finally:
+        conn.set_progress_handler(None, 0)
+        if previous_sigint is not None:
+            signal.signal(signal.SIGINT, previous_sigint)
+
+
 def execute_read(
     conn: sqlite3.Connection,
     sql: str,
@@ -175,21 +279,53 @@ def execute_read(
         it becomes the QueryError's ``sql``.
     malformed: sqlite's complaint -> the message when the statement fails.
     writes: (what it tried, sqlite's complaint) -> the message when it tries to write.
+
+    Raises QueryError when the statement outlasts ``RETROLOG_QUERY_TIMEOUT`` or needs
+    more memory than ``RETROLOG_QUERY_MEMORY_MB``, and KeyboardInterrupt on Ctrl-C.
     """
     if _UNAUTHORIZED_WRITE.match(sql):
         what = "rebuild indexes (REINDEX)"
         raise QueryError(writes(what, "not authorized"), sql=subject)
-    with read_only(conn) as refusal:
+    seconds = _setting(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+    memory_mb = _setting(MEMORY_ENV, DEFAULT_MEMORY_MB)
+    limits = _Limits(seconds, memory_mb)
+    rows: list[tuple[Any, ...]] = []
+    with _within_limits(conn, limits), read_only(conn) as refusal:
         try:
             cursor = conn.execute(sql)
-            rows = cursor.fetchall()
+            while batch := cursor.fetchmany(_FETCH_ROWS):
+                rows.extend(batch)
+            if limits.interrupted:  # Ctrl-C while Python, not SQLite, was fetching
+                raise KeyboardInterrupt
         # Python < 3.12 reports a second statement as sqlite3.Warning, not an Error.
-        except (sqlite3.Error, sqlite3.Warning) as exc:
+        except (sqlite3.Error, sqlite3.Warning, MemoryError) as exc:
+            rows.clear()
+            if limits.interrupted:
+                raise KeyboardInterrupt from exc
+            if limits.expired:
+                raise QueryError(
+                    f"{_what(subject)} ran longer than its time budget of {seconds:g} s and was "
+                    "stopped; nothing was changed. Narrow it (a condition on run_id or name, a "
+                    f"LIMIT), or give it more time: {TIMEOUT_ENV}=600 (0 for no limit).",
+                    sql=subject,
+                ) from exc
+            if limits.too_big or isinstance(exc, MemoryError):
+                raise QueryError(
+                    f"{_what(subject)} needs more than its memory budget of {memory_mb:g} MB "
+                    "and was stopped; nothing was changed. Narrow it (a condition on run_id or "
+                    f"name, a LIMIT, fewer columns), or allow more: {MEMORY_ENV}=4096 (0 for "
+                    "no limit).",
+                    sql=subject,
+                ) from exc
             if refusal.action is not None:
                 raise QueryError(writes(refusal.action, _complaint(exc)), sql=subject) from exc
             raise QueryError(malformed(_complaint(exc)), sql=subject) from exc
     columns = [d[0] for d in cursor.description] if cursor.description else []
     return columns, rows
+
+
+def _what(subject: str | None) -> str:
+    return "The query" if subject is None else f"The query {subject!r}"
 
 
 def query(conn: sqlite3.Connection, sql: str) -> pd.DataFrame:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retrolog._query.sql import execute_read
 from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
 from retrolog._replay.execute import Job, cpu_cores, default_workers, log_tail, run_jobs
 from retrolog._replay.plan import (
@@ -36,7 +37,7 @@ from retrolog._replay.plan import (
 from retrolog._replay.propagate import Propagation, propagate
 from retrolog._replay.reuse import copy_values, find_sources
 from retrolog._replay.statements import Position, locate_statements, names_read
-from retrolog.errors import QueryError, RetrologError, UsageError
+from retrolog.errors import RetrologError, UsageError
 from retrolog.runtime import numerics
 from retrolog.runtime.replay import WorkerSpec
 from retrolog.store.paths import ProjectPaths
@@ -552,16 +553,22 @@ def _matching(conn: sqlite3.Connection, where: str) -> set[str]:
     if referenced:
         frame = dataframe(conn, referenced, where)
         return set(frame["run_id"])
-    try:
-        rows = conn.execute(
-            f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) WHERE {where}"
-        ).fetchall()
-    except sqlite3.Error as exc:
-        raise QueryError(
-            f"The predicate {where!r} cannot be used to choose runs ({exc}). It may use "
-            "projid, run_id, tstamp, filename and the names logged in this store.",
-            sql=where,
-        ) from exc
+
+    def malformed(complaint: str) -> str:
+        return (
+            f"The predicate {where!r} cannot be used to choose runs (SQLite says "
+            f"{complaint!r}). It may use projid, run_id, tstamp, filename and the names "
+            "logged in this store."
+        )
+
+    def writes(action: str, complaint: str) -> str:
+        return f"The predicate {where!r} tries to {action}; a predicate only reads."
+
+    _, rows = execute_read(
+        conn,
+        f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) WHERE {where}",
+        subject=where, malformed=malformed, writes=writes,
+    )  # fmt: skip
     return {r[0] for r in rows}
 
 

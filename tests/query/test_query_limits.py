@@ -1,0 +1,126 @@
+"""A read-only query cannot run forever or take the machine's memory, and stops on Ctrl-C.
+
+The probes are the ones a user (or a typo) produces: an unbounded recursive
+CTE through ``retrolog query`` and through a ``--where`` predicate, a query
+that builds a huge string inside SQLite, one that returns more rows than its
+budget holds. Each stops with a clear one-paragraph error (no traceback) and
+leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from retrolog._query.sql import query
+from retrolog.errors import QueryError
+from retrolog.store.metadata import connect
+from retrolog.store.schema import migrate
+
+from conftest import Project, default_sigint
+
+FOREVER = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"
+HUGE_STRING = (
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 30000000)"
+    " SELECT length(group_concat(x)) FROM c"
+)
+MANY_ROWS = (
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 200000)"
+    " SELECT x, printf('%0100d', x) FROM c"
+)
+
+
+@pytest.fixture
+def conn(tmp_path: Path) -> sqlite3.Connection:
+    c = connect(tmp_path / "retrolog.db")
+    migrate(c)
+    return c
+
+
+def _dump(c: sqlite3.Connection) -> list[object]:
+    return list(c.iterdump())
+
+
+def test_a_query_past_its_time_budget_stops(
+    conn: sqlite3.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RETROLOG_QUERY_TIMEOUT", "0.5")
+    before = _dump(conn)
+    began = time.monotonic()
+    with pytest.raises(QueryError, match=r"time budget of 0.5 s.*RETROLOG_QUERY_TIMEOUT"):
+        query(conn, FOREVER)
+    assert time.monotonic() - began < 5
+    assert _dump(conn) == before
+    assert query(conn, "SELECT 1 AS one")["one"].tolist() == [1]  # the connection still works
+
+
+def test_a_query_past_its_memory_budget_stops(
+    conn: sqlite3.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RETROLOG_QUERY_MEMORY_MB", "16")
+    with pytest.raises(QueryError, match=r"memory budget of 16 MB.*RETROLOG_QUERY_MEMORY_MB"):
+        query(conn, HUGE_STRING)  # SQLite's own allocations
+    with pytest.raises(QueryError, match=r"memory budget of 16 MB"):
+        query(conn, MANY_ROWS)  # the rows fetched into Python: 200k x (100 bytes + objects)
+    monkeypatch.setenv("RETROLOG_QUERY_MEMORY_MB", "0")
+    assert len(query(conn, MANY_ROWS)) == 200_000
+
+
+def test_a_bad_budget_setting_is_a_clear_error(
+    conn: sqlite3.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RETROLOG_QUERY_TIMEOUT", "soon")
+    with pytest.raises(QueryError, match=r"RETROLOG_QUERY_TIMEOUT='soon' is not a number"):
+        query(conn, "SELECT 1")
+
+
+def _recorded(project: Project) -> None:
+    project.write(
+        "train.py",
+        "import retrolog as rl\nfor e in rl.loop('epoch', range(2)):\n    rl.log('acc', e / 2)\n",
+    )
+    project.run("train.py")
+
+
+def test_the_cli_stops_an_endless_query_and_an_endless_predicate(project: Project) -> None:
+    _recorded(project)
+    before = sorted(p.name for p in (project.root / ".retrolog").iterdir())
+    for args in (
+        ("query", FOREVER),
+        ("dataframe", "acc", "--where", f"acc < ({FOREVER})"),
+        ("replay", "acc", f"run_id IN (SELECT 'x' FROM ({FOREVER}))", "--dry-run"),
+    ):
+        began = time.monotonic()
+        out = project.cli(*args, RETROLOG_QUERY_TIMEOUT="1")
+        assert out.returncode == 1, (args, out.stderr)
+        assert "time budget of 1 s" in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert time.monotonic() - began < 20
+    assert sorted(p.name for p in (project.root / ".retrolog").iterdir()) == before
+
+
+def test_ctrl_c_stops_a_running_query(project: Project) -> None:
+    _recorded(project)
+    with subprocess.Popen(
+        [sys.executable, "-m", "retrolog", "query", FOREVER],
+        cwd=project.root,
+        env=project.env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    ) as proc:
+        time.sleep(2.0)  # started, and inside SQLite
+        assert proc.poll() is None
+        began = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - began < 5
+    assert proc.returncode == 130, err
+    assert "Interrupted." in err and "Traceback" not in err
