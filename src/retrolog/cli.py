@@ -498,6 +498,10 @@ def gc_command(
             )
 
     with _store() as conn:
+        from retrolog._replay.execute import sweep_stale
+
+        # A replay whose coordinator was killed no longer holds runs back.
+        sweep_stale(conn, locate().store)
         store = LocalObjectStore(locate().objects)
         chosen = select_runs(conn, runs, where)
         if chosen == []:

@@ -18,6 +18,7 @@ from pathlib import Path
 from retrolog.versions.git import materialize
 
 _NEVER_LINKED = {".git", ".retrolog"}
+_PREFIX = "retrolog-"
 
 
 def make_checkout(
@@ -32,7 +33,9 @@ def make_checkout(
     prefix: str,
 ) -> Path:
     """Materialise ``commit`` into a new temporary directory prepared for a replay worker."""
-    dest = Path(tempfile.mkdtemp(prefix=f"retrolog-{prefix}-"))
+    # The coordinator's pid in the name: a checkout a killed coordinator left behind is
+    # recognised, and removed, by the next replay or gc (sweep_checkouts).
+    dest = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-{prefix}-"))
     try:
         materialize(git_dir, commit, dest)
         target = dest / filename
@@ -62,3 +65,48 @@ def _link_missing(root: Path, store: Path, dest: Path, skipped: list[str]) -> No
 def remove_checkout(path: Path) -> None:
     """Delete a checkout; the links in it are removed, never followed."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep_checkouts() -> list[Path]:
+    """Remove checkouts whose coordinator is gone (killed before it could clean up).
+
+    Only directories of this user named ``retrolog-<pid>-...`` whose pid is not a live
+    process are removed; their links are removed, never followed.
+    """
+    removed: list[Path] = []
+    tmp = Path(tempfile.gettempdir())
+    try:
+        entries = list(tmp.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(_PREFIX):
+            continue
+        pid_text = name[len(_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if not entry.is_dir() or entry.is_symlink() or info.st_uid != os.getuid():
+            continue
+        if process_alive(int(pid_text)):
+            continue
+        remove_checkout(entry)
+        removed.append(entry)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (on this machine)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True

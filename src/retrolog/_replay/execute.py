@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog._replay.checkout import make_checkout, remove_checkout
+from retrolog._replay.checkout import make_checkout, process_alive, remove_checkout, sweep_checkouts
 from retrolog.runtime.numerics import worker_environment
 from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 
@@ -201,9 +201,58 @@ def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the coordinator, which stops workers itself
+            preexec_fn=_die_with(os.getpid()),
         )
     finally:
         log.close()
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """For preexec_fn: the worker is killed when its coordinator dies, however it dies.
+
+    Linux's parent-death signal; a coordinator killed with SIGKILL (the OOM killer, a
+    batch scheduler) cannot stop its workers itself. Elsewhere, None: the coordinator's
+    own handlers (Ctrl-C, SIGTERM) stop them, and the next replay sweeps what is left.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def set_parent_death_signal() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the coordinator died before the line above
+            os._exit(1)
+
+    return set_parent_death_signal
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP stop a replay as Ctrl-C does: workers killed, checkouts removed.
+
+    Raised as KeyboardInterrupt in the coordinator's main thread, so the same cleanup
+    runs and the replay is recorded as interrupted.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _finish(job: Job) -> None:
@@ -241,3 +290,52 @@ def log_tail(path: Path, lines: int = _TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+COORDINATOR_FILE = "coordinator.json"
+
+
+def claim(logs_dir: Path) -> None:
+    """Write who coordinates this replay, so a later command can tell it was killed."""
+    (logs_dir / COORDINATOR_FILE).write_text(
+        json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "start": _start_time()})
+    )
+
+
+def sweep_stale(conn: Any, store: Path) -> list[str]:
+    """After a coordinator was killed: remove its checkouts, mark its replay interrupted.
+
+    A replay is stale when its row says running and its coordinator, on this machine,
+    is no longer the process that wrote ``coordinator.json``. Returns their ids.
+    """
+    sweep_checkouts()
+    stale: list[str] = []
+    for (replay_id,) in conn.execute("SELECT replay_id FROM replays WHERE status = 'running'"):
+        try:
+            who = json.loads((store / "replays" / replay_id / COORDINATOR_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # from before coordinators were recorded: gc's age rule applies
+        if who.get("host") != os.uname().nodename:
+            continue
+        pid = int(who.get("pid", 0))
+        if process_alive(pid) and _start_time(pid) == who.get("start"):
+            continue
+        stale.append(replay_id)
+    for replay_id in stale:
+        conn.execute(
+            "UPDATE replays SET status = 'interrupted', ended_at = COALESCE(ended_at, ?)"
+            " WHERE replay_id = ? AND status = 'running'",
+            (time.time(), replay_id),
+        )
+    if stale:
+        conn.commit()
+    return stale
+
+
+def _start_time(pid: int | None = None) -> str | None:
+    """When a process started, in clock ticks since boot (Linux), to tell a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid or os.getpid()}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]

@@ -22,7 +22,16 @@ from typing import Any
 
 from retrolog._query.sql import execute_read
 from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
-from retrolog._replay.execute import Job, cpu_cores, default_workers, log_tail, run_jobs
+from retrolog._replay.execute import (
+    Job,
+    claim,
+    cpu_cores,
+    default_workers,
+    log_tail,
+    run_jobs,
+    sweep_stale,
+    terminate_as_interrupt,
+)
 from retrolog._replay.plan import (
     ReplayPlan,
     RunPlan,
@@ -126,6 +135,10 @@ def replay(
     confirm: asked with the plan text before executing; returning False stops.
     """
     names = [n.strip() for n in names if n.strip()]
+    stale = sweep_stale(conn, paths.store)  # what a killed coordinator left behind
+    for replay_id in stale:
+        echo(f"replay {replay_id} was stopped without finishing (its coordinator was killed); "
+             "marked interrupted, its temporary checkouts removed.")  # fmt: skip
     if verify and names:
         raise UsageError(
             "--verify replays the statements each run recorded; it takes no NAMES, only an "
@@ -652,6 +665,7 @@ def _execute(
 
     logs_dir = paths.store / "replays" / replay_id
     logs_dir.mkdir(parents=True, exist_ok=True)
+    claim(logs_dir)
     code_objects = {
         run_id: None if verify else _store_code(Path(runs[run_id]["git_dir"]), prop.source)
         for run_id, prop in propagations.items()
@@ -681,7 +695,8 @@ def _execute(
 
     status = "finished"
     try:
-        run_jobs(jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done)
+        with terminate_as_interrupt():
+            run_jobs(jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done)
     except KeyboardInterrupt:
         status = "interrupted"
         raise

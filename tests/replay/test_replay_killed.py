@@ -1,0 +1,147 @@
+"""A replay coordinator killed from outside leaves nothing running and nothing held.
+
+SIGTERM (a timeout, a batch scheduler) and SIGKILL (the OOM killer) of the
+``retrolog replay`` process while its worker trains: the worker dies with it,
+the temporary checkout is removed (at once for SIGTERM, by the next ``gc`` or
+``replay`` for SIGKILL), the replay is marked interrupted, and a second replay
+backfills exact values with no duplicates.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Project, default_sigint, read_db
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """\
+import time
+
+import numpy as np
+import retrolog as rl
+
+np.random.seed(0)
+state = {"w": np.zeros(2)}
+with rl.checkpointing(state=state):
+    for epoch in rl.loop("epoch", range(4)):
+        for step in rl.loop("step", range(4)):
+            state["w"] += np.random.standard_normal(2)
+            time.sleep(0.5)
+        rl.log("w0", float(state["w"][0]))
+"""
+
+PROBE = SCRIPT.replace(
+    "            time.sleep(0.5)\n",
+    '            time.sleep(0.5)\n            rl.log("w1", float(state["w"][1]))\n',
+)
+
+
+def _processes_with(text: str) -> list[int]:
+    """Pids of replay workers (a train.py in a checkout) whose command line has ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and "train.py" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _start_replay(project: Project) -> tuple[subprocess.Popen[str], str]:
+    """Start a replay and return once its worker is training; (process, checkout marker)."""
+    project.write("train.py", SCRIPT)
+    project.run("train.py")
+    project.write("train.py", PROBE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrolog", "replay", "w1", "--yes"],
+        cwd=project.root,
+        env=project.env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
+    marker = f"{tempfile.gettempdir()}/retrolog-{proc.pid}-"
+    workers = f"{tempfile.gettempdir()}/retrolog-"  # however a checkout is named
+    deadline = time.monotonic() + 60
+    while not _processes_with(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(workers), "the worker did not start"
+    time.sleep(1.0)  # training, inside the step loop
+    return proc, marker
+
+
+def _checkouts(marker: str) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(Path(marker).name + "*"))
+
+
+def _gone(pred, seconds: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return pred()
+
+
+def _replays_again_exactly(project: Project) -> None:
+    done = project.cli("replay", "w1", "--yes")
+    assert done.returncode == 0, done.stderr
+    rows = read_db(
+        project.root,
+        "SELECT l.ctx_id, COUNT(*), MIN(value) FROM logs l WHERE name = 'w1' GROUP BY l.ctx_id",
+    )
+    assert rows and all(count == 1 for _, count, _ in rows)  # no duplicates
+    replayed = sorted(v for _, _, v in rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        project.run("train.py", RETROLOG_STORE=str(Path(tmp) / "s"))
+        conn = sqlite3.connect(Path(tmp) / "s" / "retrolog.db")
+        fresh = sorted(v for (v,) in conn.execute("SELECT value FROM logs WHERE name = 'w1'"))
+        conn.close()
+    assert replayed == fresh
+
+
+def test_sigkill_of_the_coordinator_kills_its_worker_and_gc_sweeps_the_rest(
+    project: Project,
+) -> None:
+    proc, marker = _start_replay(project)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    workers = f"{tempfile.gettempdir()}/retrolog-"
+    # The worker has seconds of training left: gone this soon, it was killed.
+    assert _gone(lambda: not _processes_with(workers), 3.0), "the worker outlived its coordinator"
+    assert _checkouts(marker), "nothing to sweep: the test no longer tests the sweep"
+    assert read_db(project.root, "SELECT status FROM replays") == [("running",)]
+
+    swept = project.cli("gc", "--dry-run")
+    assert swept.returncode == 0, swept.stderr
+    assert not _checkouts(marker)
+    assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
+    _replays_again_exactly(project)
+
+
+def test_sigterm_of_the_coordinator_stops_and_cleans_up_like_ctrl_c(project: Project) -> None:
+    proc, marker = _start_replay(project)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert not _processes_with(f"{tempfile.gettempdir()}/retrolog-")
+    assert not _checkouts(marker)
+    assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
+    _replays_again_exactly(project)
