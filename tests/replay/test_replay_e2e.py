@@ -167,7 +167,7 @@ def test_replay_is_exact_at_every_scan_level_across_two_versions(project: Projec
 
     # Nothing of the user's changed, and no temporary checkout is left behind.
     assert (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD")) == git_before
-    assert not list(Path(tempfile.gettempdir()).glob(f"retrolog-{runs[0]}-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"retrolog-checkout-*-{runs[0]}-*"))
     assert (project.root / "data" / "offset.txt").read_text() == "0.25\n"
 
     # Replaying again adds nothing; --force recomputes without duplicating.
@@ -271,9 +271,11 @@ def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
     assert proc.returncode == 130, err
     assert "Interrupted" in err and "Traceback" not in err
     for run_id in runs:
-        assert not list(Path(tempfile.gettempdir()).glob(f"retrolog-{run_id}-*"))
+        assert not list(Path(tempfile.gettempdir()).glob(f"retrolog-checkout-*-{run_id}-*"))
         # Workers run from their checkout, whose path holds the run id: none is left.
-        left = subprocess.run(["pgrep", "-f", f"retrolog-{run_id}"], capture_output=True)
+        left = subprocess.run(
+            ["pgrep", "-f", f"retrolog-checkout-.*-{run_id}-"], capture_output=True
+        )
         assert left.stdout == b"", left.stdout
     assert (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD")) == before
     ((status,),) = read_db(project.root, "SELECT status FROM replays")

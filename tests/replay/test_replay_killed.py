@@ -76,7 +76,7 @@ def _start_replay(project: Project) -> tuple[subprocess.Popen[str], str]:
         text=True,
         preexec_fn=default_sigint,
     )
-    marker = f"{tempfile.gettempdir()}/retrolog-{proc.pid}-"
+    marker = f"{tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
     workers = f"{tempfile.gettempdir()}/retrolog-"  # however a checkout is named
     deadline = time.monotonic() + 60
     while not _processes_with(workers) and time.monotonic() < deadline:

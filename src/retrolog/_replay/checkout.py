@@ -18,7 +18,7 @@ from pathlib import Path
 from retrolog.versions.git import materialize
 
 _NEVER_LINKED = {".git", ".retrolog"}
-_PREFIX = "retrolog-"
+_PREFIX = "retrolog-checkout-"  # then the coordinator's pid
 
 
 def make_checkout(
