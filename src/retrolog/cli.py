@@ -46,7 +46,7 @@ def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _fail(message: str) -> None:
     width = 100
-    click.echo(textwrap.fill("Error: " + message, width=width), err=True)
+    click.echo(terminal_safe(textwrap.fill("Error: " + message, width=width)), err=True)
     sys.exit(1)
 
 
@@ -56,11 +56,21 @@ def _output_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+# Control characters a logged string may hold (ESC starts terminal sequences that can
+# move the cursor, rewrite lines, set the window title): shown escaped, never sent raw.
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0)]}
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with control characters other than newline and tab written as ``\\xNN``."""
+    return text.translate(_CONTROL)
+
+
 def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
     if as_json and as_csv:
         raise click.UsageError("Choose one of --json and --csv.")
     if as_json:
-        click.echo(frame.to_json(orient="records", force_ascii=False))
+        click.echo(_json_safe(frame).to_json(orient="records", force_ascii=False))
     elif as_csv:
         click.echo(frame.to_csv(index=False), nl=False)
     elif frame.empty:
@@ -71,7 +81,22 @@ def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
         with pd.option_context(
             "display.max_rows", None, "display.max_columns", None, "display.width", 250
         ):
-            click.echo(frame.to_string(index=False, na_rep=""))
+            click.echo(terminal_safe(frame.to_string(index=False, na_rep="")))
+
+
+def _json_safe(frame: Any) -> Any:
+    """Blob cells (bytes) as base64 text, which JSON can hold."""
+    import base64
+
+    blobs = [c for c in frame.columns if frame[c].map(lambda v: isinstance(v, bytes)).any()]
+    if not blobs:
+        return frame
+    frame = frame.copy()
+    for column in blobs:
+        frame[column] = frame[column].map(
+            lambda v: base64.b64encode(v).decode() if isinstance(v, bytes) else v
+        )
+    return frame
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -124,7 +149,7 @@ def show_command(run: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(details, indent=2, default=str))
         return
-    click.echo(_format_details(details))
+    click.echo(terminal_safe(_format_details(details)))
 
 
 @cli.command("lineage")
@@ -159,7 +184,7 @@ def lineage_command(run: str, name: str, at: tuple[str, ...], as_json: bool) -> 
     if as_json:
         click.echo(json.dumps(found, indent=2, default=str))
         return
-    click.echo(format_lineage(found))
+    click.echo(terminal_safe(format_lineage(found)))
 
 
 def parse_at(items: tuple[str, ...]) -> dict[str, int]:

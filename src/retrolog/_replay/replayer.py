@@ -43,7 +43,7 @@ from retrolog._replay.plan import (
     plan_replay,
     scan_level_for,
 )
-from retrolog._replay.propagate import Propagation, propagate
+from retrolog._replay.propagate import Propagation, Unplaceable, propagate
 from retrolog._replay.reuse import copy_values, find_sources
 from retrolog._replay.statements import Position, locate_statements, names_read
 from retrolog.errors import RetrologError, UsageError
@@ -76,6 +76,9 @@ class RunOutcome:
     inexact: str | None = None
     cause: str = ""  # for a mismatch: where the first difference points
     reused_from: str | None = None  # the run whose values it got instead of replaying
+    # A crashed run: values the replay computed past where the run got (name -> count),
+    # not backfilled.
+    past_the_crash: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -199,7 +202,12 @@ def replay(
     old_sources: dict[str, str] = {}
     for run_id in todo:
         if verify:
-            old = _old_source(runs[run_id], filename)
+            try:
+                old = _old_source(runs[run_id], filename)
+            except RetrologError as exc:
+                error = _version_gone(runs[run_id], filename, exc)
+                outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=error)
+                continue
             old_sources[run_id] = old
             propagations[run_id] = Propagation(old, (), ())
             continue
@@ -332,7 +340,14 @@ def _propagate_all(
         row = rows[run_id]
         version = (row["git_dir"], row["code_commit"])
         if version not in by_version:
-            old = _old_source(row, filename)
+            try:
+                old = _old_source(row, filename)
+            except RetrologError as exc:
+                # This run alone cannot be replayed; the others still are.
+                problem = Unplaceable("*", _version_gone(row, filename, exc))
+                by_version[version] = ("", Propagation("", (), (problem,)), {})
+                result[run_id] = by_version[version]
+                continue
             propagated = propagate(source, old, names)
             keys: dict[str, str] = {}
             if not propagated.problems:
@@ -612,6 +627,14 @@ def _old_source(row: dict[str, Any], filename: str) -> str:
     from retrolog.versions.git import read_file
 
     return read_file(Path(row["git_dir"]), row["code_commit"], filename).decode()
+
+
+def _version_gone(row: dict[str, Any], filename: str, exc: Exception) -> str:
+    return (
+        f"its code version ({str(row['code_commit'])[:12]}, {filename}) cannot be read from "
+        f"{row['git_dir']}: {exc}. Was the repository re-cloned, or its ref "
+        f"refs/retrolog/runs/{row['run_id']} deleted? Only this run is skipped."
+    )
 
 
 def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> float | None:
@@ -897,6 +920,8 @@ def _collect(
             outcome.cause = _likely_cause(check, outcome.environment)
         elif outcome.environment:
             outcome.inexact = "environment"
+        if runs[run_id]["status"] == "crashed":
+            rows, outcome.past_the_crash = _within_what_ran(conn, run_id, rows, outputs, hindsight)
         outcome.backfilled = backfill(
             conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
             rows=rows, names=names, force=force or run_id in lineage.changed,
@@ -1033,10 +1058,48 @@ def _plan_text(
     return "\n".join(lines)
 
 
+def _within_what_ran(
+    conn: sqlite3.Connection,
+    run_id: str,
+    rows: list[Any],
+    outputs: list[dict[str, Any]],
+    hindsight: set[str],
+) -> tuple[list[Any], dict[str, int]]:
+    """A crashed run's replayed rows, without the hindsight values past where it got.
+
+    The run did not complete a loop iteration that has no end time (the epoch it died
+    in, and the step), nor reach code after its outer loop; a replay that runs on
+    (the run was killed, not failing deterministically) computes values there as if
+    it had. Those are left out: the run has no such values to answer for.
+    """
+    unfinished = {
+        ctx for (ctx,) in conn.execute(
+            "SELECT ctx_id FROM loops WHERE run_id = ? AND t_end IS NULL", (run_id,)
+        )
+    }  # fmt: skip
+    late = {name for out in outputs for name in out.get("after_loop", [])}
+    kept: list[Any] = []
+    dropped: dict[str, int] = {}
+    for row in rows:
+        ctx, name = row[0], row[1]
+        if name in hindsight and (ctx in unfinished or (ctx is None and name in late)):
+            dropped[name] = dropped.get(name, 0) + 1
+            continue
+        kept.append(row)
+    return kept, dropped
+
+
 def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -> None:
     for outcome in outcomes.values():
         if outcome.status in ("failed", "partial"):
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
+        if outcome.past_the_crash:
+            counts = ", ".join(f"{n} x{c}" for n, c in sorted(outcome.past_the_crash.items()))
+            echo(
+                f"run {outcome.run_id} crashed: values the replay computed past where the run "
+                f"got ({counts}: the iteration it died in, or after its loop) were not "
+                "backfilled, since the run never computed them."
+            )
         for key, why in outcome.fallbacks:
             echo(
                 f"run {outcome.run_id}: checkpoint {key} was not restored, so its code was "

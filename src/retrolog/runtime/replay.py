@@ -150,6 +150,9 @@ class ReplayRun:
         self._reads = set(spec.reads)
         self._occurrences: dict[tuple[int | None, str], int] = {}
         self._outer_seen = False
+        # (values, events) queued when the first top-level loop began: a run-level value
+        # queued after it is one a crashed run may never have got to.
+        self._loop_mark: tuple[int, int] | None = None
         self._store: Any = None
         self.writer = None
         self._torch_ran: dict[str, Any] | None = None  # torch's state when training started
@@ -184,6 +187,8 @@ class ReplayRun:
         outer = stack[-1] if stack else None
         scope = self.scope
         role, _ = loop_role(stack, scope)
+        if depth == 0 and self._loop_mark is None:
+            self._loop_mark = (len(self.values), len(self.events))
         if depth == 0 and self._torch_ran is None:
             self.set_parsed_args(cli_args.click_params())
             torch = sys.modules.get("torch")
@@ -322,6 +327,19 @@ class ReplayRun:
         sys.stderr.flush()
         os._exit(0)
 
+    def _after_loop_names(self) -> list[str]:
+        """Names logged at run level (outside any loop) once the first top-level loop began."""
+        if self._loop_mark is None:
+            return []
+        values, events = self._loop_mark
+        found = {
+            name for i, (ctx, name, _) in enumerate(self.values) if ctx is None and i >= values
+        }
+        found |= {
+            name for i, (ctx, name, *_) in enumerate(self.events) if ctx is None and i >= events
+        }
+        return sorted(found & self._wanted)
+
     def _write_output(self, status: Status, error: str | None) -> None:
         wanted = self._wanted
         rows: list[list[Any]] = []
@@ -356,6 +374,7 @@ class ReplayRun:
             "torch_state": self._torch_ran or {},
             "numerics_problems": list(_NUMERICS_PROBLEMS),
             "parsed_args": self.parsed_args,
+            "after_loop": self._after_loop_names(),
         }
         path = Path(self.spec.output)
         tmp = path.with_suffix(".tmp")

@@ -66,6 +66,15 @@ def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
                 path=str(paths.database),
             )
         _make_store_dir(paths)
+    elif paths.database.stat().st_size == 0:
+        # SQLite would take an empty file for a new database: the loss would go unseen.
+        raise StoreError(
+            f"The retrolog store {paths.database} is an empty file (0 bytes): it was "
+            "truncated, or copied before it was written. retrolog does not start a new store "
+            "on top of it, which would hide what was lost. Restore the file from a backup or "
+            "copy, or, to start over, move it away (with its -wal and -shm files).",
+            path=str(paths.database),
+        )
     conn = connect(paths.database)
     try:
         migrate(conn)
@@ -148,7 +157,10 @@ def mark_dead_runs_crashed(conn: sqlite3.Connection) -> int:
     if dead:
         conn.executemany(
             "UPDATE runs SET status = 'crashed', "
-            "error = COALESCE(error, 'the process died without ending the run (killed?)') "
+            "error = COALESCE(error, 'the process died without ending the run (killed?)'), "
+            # Its duration ends at its last record, not whenever this is noticed.
+            "ended_at = COALESCE(ended_at, started_at + (SELECT MAX(COALESCE(l.t_end,"
+            " l.t_start)) FROM loops l WHERE l.run_id = runs.run_id), started_at) "
             "WHERE run_id = ? AND status = 'running'",
             [(run_id,) for run_id in dead],
         )
