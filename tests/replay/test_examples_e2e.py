@@ -7,8 +7,9 @@ then the example as it is now is committed and run with a flag changed; today's
 edit adds one statement in the outer (epoch) loop and one in the inner (step)
 loop. Everything runs with default settings: torch's own thread count, the
 adaptive checkpoint policy, the default number of replay workers. Each
-backfilled value must equal, bit for bit, what a fresh run of the code that
-replay ran (the run's version with the statements propagated into it) logs.
+backfilled value must equal, bit for bit, what a fresh run of the run's
+version with both statements propagated into it logs (``retrolog propagate``;
+each replay ran that file less the other statement's line).
 """
 
 from __future__ import annotations
@@ -252,9 +253,20 @@ def test_example_replays_bit_exact_under_default_settings(project: Project, name
     assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE inexact IS NOT NULL") == [(0,)]
 
     store = project.root / ".retrolog" / "retrolog.db"
+    code = dict(read_db(project.root, "SELECT run_id, code_commit FROM runs"))
     for run_id in runs:
         recorded = _keyed(_values(store, "WHERE l.run_id = ? AND l.origin = 'recorded'", (run_id,)))
-        for wanted, statement in ((outer, case.outer[2]), (inner, case.inner[2])):
+        # One fresh run stands for both replays: the run's version with both statements
+        # propagated, which is what each replay ran plus the other statement's line.
+        old = project.git("show", f"{code[run_id]}:{case.script}")
+        both = _propagated(project, case.script, old, f"{outer},{inner}")
+        lines = both.splitlines(keepends=True)
+        fresh = _fresh(project, case.script, both, argv[run_id][1:])
+        assert {k: v for k, v in fresh.items() if k in recorded} == recorded, run_id
+        for (wanted, statement), (_, other) in (
+            ((outer, case.outer[2]), (inner, case.inner[2])),
+            ((inner, case.inner[2]), (outer, case.outer[2])),
+        ):
             rows = read_db(
                 project.root,
                 "SELECT DISTINCT code_object FROM logs WHERE run_id = ? AND name = ?",
@@ -263,14 +275,20 @@ def test_example_replays_bit_exact_under_default_settings(project: Project, name
             assert len(rows) == 1, rows
             ran = project.git("cat-file", "-p", str(rows[0][0]))  # what replay executed
             assert statement.strip() in ran, (run_id, statement)
-            fresh = _fresh(project, case.script, ran, argv[run_id][1:])
+            assert ran == "".join(x for x in lines if x.strip() != other.strip()), run_id
             expected = {k: v for k, v in fresh.items() if k[0] == wanted}
             assert expected, (run_id, wanted)
             where = "WHERE l.run_id = ? AND l.name = ? AND l.origin = 'backfilled'"
             assert _keyed(_values(store, where, (run_id, wanted))) == expected, (run_id, wanted)
-            # The fresh run reproduces what the run recorded too: replay and fresh agree
-            # because the statement and training are deterministic, not by both being off.
-            assert {k: v for k, v in fresh.items() if k in recorded} == recorded, run_id
+
+
+def _propagated(project: Project, script: str, old: str, names: str) -> str:
+    """``retrolog propagate`` of today's statements into ``old``, as a user would review it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / script).write_text(old)
+        out = _cli(project, "propagate", script, str(Path(tmp) / script), "--names", names)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def _keyed(values: dict[Any, Any]) -> dict[Any, Any]:

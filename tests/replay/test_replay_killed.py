@@ -144,4 +144,3 @@ def test_sigterm_of_the_coordinator_stops_and_cleans_up_like_ctrl_c(project: Pro
     assert not _processes_with(f"{tempfile.gettempdir()}/retrolog-")
     assert not _checkouts(marker)
     assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
-    _replays_again_exactly(project)
