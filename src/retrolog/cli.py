@@ -78,9 +78,12 @@ def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
     else:
         import pandas as pd
 
+        # A cell shows its start (an array logged as JSON can be megabytes); --json and
+        # --csv write every value whole.
         with pd.option_context(
-            "display.max_rows", None, "display.max_columns", None, "display.width", 250
-        ):
+            "display.max_rows", None, "display.max_columns", None, "display.width", 250,
+            "display.max_colwidth", 80,
+        ):  # fmt: skip
             click.echo(terminal_safe(frame.to_string(index=False, na_rep="")))
 
 

@@ -250,3 +250,71 @@ def test_infinite_floats_round_trip(project: Project, value: float) -> None:
     project.write("train.py", f"import retrolog as rl\nrl.log('x', float('{value}'))\n")
     project.run("train.py")
     assert read_db(project.root, "SELECT value, value_type FROM logs") == [(value, "float")]
+
+
+def test_large_arrays_are_exact_up_to_the_limit_and_refused_past_it(project: Project) -> None:
+    """Up to 100,000 elements an array is its exact JSON; past it (or a list past 10,000
+    items) a note says what was left out, a warning says so once per name, and the call
+    costs no more than for a small value: the content is never read."""
+    project.write(
+        "train.py",
+        """
+        import time
+
+        import numpy as np
+        import torch
+        import retrolog as rl
+
+        rng = np.random.default_rng(0)
+        exact = rng.standard_normal(50_000)
+        exact[3] = np.nan
+        big = list(range(2_000_000))
+        for epoch in rl.loop("epoch", range(3)):
+            rl.log("exact", exact)
+            rl.log("tensor", torch.arange(60_000, dtype=torch.float32).view(300, 200) / 7)
+            rl.log("too_big", rng.standard_normal((500, 500)))
+            started = time.perf_counter()
+            rl.log("long_list", big)
+            rl.log("call_seconds", time.perf_counter() - started)
+        rl.log("exact_sum", float(np.nansum(exact)))
+        """,
+    )
+    done = project.run("train.py")
+    # One warning per name, naming what to do instead.
+    assert done.stderr.count("'too_big' was logged as a ndarray of shape (500, 500)") == 1
+    assert done.stderr.count("'long_list' was logged as a list with 2,000,000 items") == 1
+    assert "Log a summary instead" in done.stderr
+
+    rows = read_db(project.root, "SELECT name, value, value_type FROM logs")
+    by_name: dict[str, list[tuple[object, object]]] = {}
+    for name, value, kind in rows:
+        by_name.setdefault(str(name), []).append((value, kind))
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    expected = rng.standard_normal(50_000)
+    expected[3] = np.nan  # as the script set it
+    for value, kind in by_name["exact"]:
+        assert kind == "json"
+        stored = json.loads(str(value))
+        assert stored[3] == "nan" and len(stored) == 50_000
+        assert np.array_equal(np.array([float(v) for v in stored]), expected, equal_nan=True)
+    for value, kind in by_name["tensor"]:
+        stored = json.loads(str(value))
+        assert (
+            kind == "json"
+            and len(stored) == 300
+            and stored[299][199] == np.float32(59_999) / np.float32(7)
+        )
+    for value, kind in by_name["too_big"]:
+        assert kind == "text" and "250,000 elements, over rl.log's limit of 100,000" in str(value)
+    for value, kind in by_name["long_list"]:
+        assert kind == "text" and "2,000,000 items, over rl.log's limit of 10,000" in str(value)
+    # Deciding to refuse reads the size, not the content: far from the 1.1 s a str() took.
+    assert max(float(v) for v, _ in by_name["call_seconds"]) < 0.05
+
+    shown = project.cli("dataframe", "exact")
+    # The terminal gets the start of each cell (three rows here), not 50,000 numbers each.
+    assert shown.returncode == 0 and len(shown.stdout) < 10_000
+    whole = json.loads(project.cli("dataframe", "exact", "--json").stdout)
+    assert len(whole[0]["exact"]) == 50_000

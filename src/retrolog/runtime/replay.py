@@ -177,7 +177,7 @@ class ReplayRun:
         if type(value) in FAST_TYPES:
             self.values.append((ctx, name, value))
         else:
-            stored, kind = slow_path(value)
+            stored, kind = slow_path(value, name=name)
             self.events.append((ctx, name, stored, kind))
 
     def loop(self, name: str, iterable: Iterable[Any]) -> Iterator[Any]:

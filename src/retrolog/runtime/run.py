@@ -213,7 +213,7 @@ class Run:
         if type(value) in FAST_TYPES:
             self.values.append((ctx, name, value))
         else:
-            stored, kind = slow_path(value)
+            stored, kind = slow_path(value, name=name, defer=True)
             self.events.append((Event.LOG, ctx, name, stored, kind))
 
     def resolve_arg(self, name: str, default: Any, override: Any) -> Any:

@@ -17,7 +17,29 @@ FAST_TYPES = frozenset({float, int, str})
 # Loop items of these types are kept as the loop's value.
 PLAIN_TYPES = frozenset({float, int, str, bool, type(None)})
 
-_MAX_LIST_ELEMENTS = 10_000
+MAX_ARRAY_ELEMENTS = 100_000
+"""Arrays and tensors up to this many elements are stored exactly, as JSON."""
+MAX_CONTAINER_ITEMS = 10_000
+"""Lists, tuples and dicts up to this many items are stored exactly, as JSON."""
+
+_warned: set[str] = set()  # names already warned about, once per process
+
+
+class DeferredJSON:
+    """A copy of an array taken at log time, turned into JSON by the writer thread.
+
+    The copy is a memcpy; the conversion to text (a hundred thousand floats take tens
+    of milliseconds) happens off the training thread, mostly while torch's kernels,
+    which release the GIL, are running.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def encode(self) -> str:
+        return json.dumps(_finite(self.array.tolist()))
 
 
 class Typed:
@@ -30,8 +52,16 @@ class Typed:
         self.kind = kind
 
 
-def normalize(value: Any) -> Any:
-    """Turn a non-plain value into a plain one, or a :class:`Typed` json/text value."""
+def normalize(value: Any, *, name: str = "", defer: bool = False) -> Any:
+    """Turn a non-plain value into a plain one, or a :class:`Typed` json/text value.
+
+    Arrays and tensors of up to :data:`MAX_ARRAY_ELEMENTS` elements, and lists, tuples
+    and dicts of up to :data:`MAX_CONTAINER_ITEMS` items, become JSON (with ``defer``,
+    an array is copied now and encoded by the writer: :class:`DeferredJSON`). Larger
+    ones are not stored: a short text says what was left out, and a warning (once per
+    name) says what to log instead. Deciding that costs nothing: their size is read,
+    never their content.
+    """
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):  # int subclasses (IntEnum), numpy ints are handled below
@@ -48,17 +78,62 @@ def normalize(value: Any) -> Any:
             return normalize_scalar(value.item())
         except (TypeError, ValueError, RuntimeError):
             pass
-    if size is not None and size <= _MAX_LIST_ELEMENTS and hasattr(value, "tolist"):
+    if size is not None and hasattr(value, "tolist"):
+        if size > MAX_ARRAY_ELEMENTS:
+            return _too_large(value, size, MAX_ARRAY_ELEMENTS, "elements", name)
+        if defer:
+            copied = _array_copy(value)
+            if copied is not None:
+                return DeferredJSON(copied)
         try:
             return Typed(json.dumps(_finite(value.tolist())), "json")
         except (TypeError, ValueError, RuntimeError):
             pass
     if isinstance(value, (list, tuple, dict)):
+        if len(value) > MAX_CONTAINER_ITEMS:
+            return _too_large(value, len(value), MAX_CONTAINER_ITEMS, "items", name)
         try:
             return Typed(json.dumps(_finite(value)), "json")
         except (TypeError, ValueError):
             pass
     return Typed(str(value), "text")
+
+
+def _array_copy(value: Any) -> Any:
+    """A numpy copy of an array or tensor whose tolist() gives the same values, else None."""
+    import numpy as np
+
+    try:
+        if isinstance(value, np.ndarray):
+            return None if value.dtype.hasobject else value.copy()
+        detach = getattr(value, "detach", None)
+        if callable(detach):  # a torch tensor (bfloat16 and the like have no numpy form)
+            return detach().cpu().numpy().copy()
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    return None
+
+
+def _too_large(value: Any, size: int, limit: int, unit: str, name: str) -> Typed:
+    kind = type(value).__name__
+    shape = getattr(value, "shape", None)
+    what = f"a {kind}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+    text = f"<not stored: {what} with {size:,} {unit}, over rl.log's limit of {limit:,}>"
+    if name not in _warned:
+        _warned.add(name)
+        import warnings
+
+        from retrolog.errors import RetrologWarning
+
+        warnings.warn(
+            f"retrolog: {name!r} was logged as {what} with {size:,} {unit}, more than rl.log "
+            f"stores ({limit:,}); it is recorded as a note saying so, not as its values. Log "
+            "a summary instead (its mean, norm, a histogram with np.histogram), or keep the "
+            "whole value in a file or in the objects rl.checkpointing saves.",
+            RetrologWarning,
+            stacklevel=4,
+        )
+    return Typed(text, "text")
 
 
 def normalize_scalar(value: Any) -> Any:
@@ -67,9 +142,17 @@ def normalize_scalar(value: Any) -> Any:
     return normalize(value)
 
 
-def slow_path(value: Any) -> tuple[Any, str]:
-    """The (SQLite value, value_type) of a value that is not a float, int or str."""
-    return storage_form(value if type(value) in PLAIN_TYPES else normalize(value))
+def slow_path(value: Any, *, name: str = "", defer: bool = False) -> tuple[Any, str]:
+    """The (SQLite value, value_type) of a value that is not a float, int or str.
+
+    With ``defer``, the SQLite value may be a :class:`DeferredJSON` the writer encodes.
+    """
+    if type(value) in PLAIN_TYPES:
+        return storage_form(value)
+    normalized = normalize(value, name=name, defer=defer)
+    if type(normalized) is DeferredJSON:
+        return normalized, "json"
+    return storage_form(normalized)
 
 
 def _element_count(value: Any) -> int | None:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from retrolog.runtime.values import DeferredJSON
 from retrolog.store.metadata import connect
 
 FLUSH_INTERVAL = 0.2  # seconds; the crash-loss window is about this long
@@ -157,6 +158,8 @@ class Writer:
         for record in events:
             head = record[0]
             if head is Event.LOG:
+                if type(record[3]) is DeferredJSON:  # an array copied at log time
+                    record = (*record[:3], record[3].encode(), *record[4:])
                 logs.append((run_id, *record[1:]))
                 self.latest[record[2]] = record[3]
             elif head is Event.LOOP_START:
