@@ -108,6 +108,44 @@ class Project:
             timeout=120,
         )
 
+    def start_cli(self, *args: str, **env: str) -> subprocess.Popen[str]:
+        """Start the ``retrolog`` command in the background, as from a terminal: Ctrl-C
+        (SIGINT) reaches it even when the suite runs as a background job."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "retrolog", *args],
+            cwd=self.root,
+            env=self.env(**env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=default_sigint,
+        )
+
+
+def logged_values(
+    database: Path, where: str = "", params: tuple[object, ...] = ()
+) -> dict[tuple[object, ...], object]:
+    """A store's logged values keyed by (run_id, name, epoch, step), read with plain sqlite3.
+
+    ``where`` filters over ``l`` (logs); epoch and step are the iterations of the depth-0
+    and depth-1 loops the value sits in (None outside them).
+    """
+    import sqlite3
+
+    conn = sqlite3.connect(database)
+    try:
+        rows = conn.execute(
+            "SELECT l.run_id, l.name, e.iteration, s.iteration, l.value FROM logs l"
+            " LEFT JOIN loops s ON s.run_id = l.run_id AND s.ctx_id = l.ctx_id AND s.depth = 1"
+            " LEFT JOIN loops e ON e.run_id = l.run_id AND e.ctx_id = COALESCE(s.parent_ctx,"
+            f" l.ctx_id) AND e.depth = 0 {where}",
+            params,
+        ).fetchall()
+    finally:
+        conn.close()
+    return {(r, n, e, s): v for r, n, e, s, v in rows}
+
 
 @pytest.fixture
 def project(tmp_path: Path) -> Iterator[Project]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from retrolog.errors import QueryError
 from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
 
-from conftest import Project, default_sigint
+from conftest import Project
 
 FOREVER = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"
 HUGE_STRING = (
@@ -106,16 +104,7 @@ def test_the_cli_stops_an_endless_query_and_an_endless_predicate(project: Projec
 
 def test_ctrl_c_stops_a_running_query(project: Project) -> None:
     _recorded(project)
-    with subprocess.Popen(
-        [sys.executable, "-m", "retrolog", "query", FOREVER],
-        cwd=project.root,
-        env=project.env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=default_sigint,
-    ) as proc:
+    with project.start_cli("query", FOREVER) as proc:
         time.sleep(2.0)  # started, and inside SQLite
         assert proc.poll() is None
         began = time.monotonic()

@@ -15,7 +15,6 @@ each replay ran that file less the other statement's line).
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, logged_values, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -196,20 +195,7 @@ def _cli(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def _values(database: Path, where: str = "", params: tuple[Any, ...] = ()) -> dict[Any, Any]:
-    """Logged values keyed by (run_id, name, epoch, step), read with plain sqlite3."""
-    conn = sqlite3.connect(database)
-    try:
-        rows = conn.execute(
-            "SELECT l.run_id, l.name, e.iteration, s.iteration, l.value FROM logs l"
-            " LEFT JOIN loops s ON s.run_id = l.run_id AND s.ctx_id = l.ctx_id AND s.depth = 1"
-            " LEFT JOIN loops e ON e.run_id = l.run_id AND e.ctx_id = COALESCE(s.parent_ctx,"
-            f" l.ctx_id) AND e.depth = 0 {where}",
-            params,
-        ).fetchall()
-    finally:
-        conn.close()
-    return {(r, n, e, s): v for r, n, e, s, v in rows}
+_values = logged_values
 
 
 def _worker_outputs(project: Project, run_id: str) -> list[dict[str, Any]]:

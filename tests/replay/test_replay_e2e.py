@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, default_sigint, read_db
+from conftest import Project, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -245,22 +245,12 @@ def test_python_api_returns_the_dataframe(
 def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
     import signal
     import subprocess
-    import sys
     import time
 
     runs = _record(project)
     before = (project.git("status", "--porcelain"), project.git("rev-parse", "HEAD"))
 
-    with subprocess.Popen(
-        [sys.executable, "-m", "retrolog", "replay", "grad", "--yes", "--workers", "2"],
-        cwd=project.root,
-        env=project.env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=default_sigint,
-    ) as proc:
+    with project.start_cli("replay", "grad", "--yes", "--workers", "2") as proc:
         replays = project.root / ".retrolog" / "replays"
         deadline = time.monotonic() + 120
         while not list(replays.glob("*/*.log")) and time.monotonic() < deadline:

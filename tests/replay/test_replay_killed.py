@@ -13,14 +13,13 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Project, default_sigint, read_db
+from conftest import Project, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -66,16 +65,7 @@ def _start_replay(project: Project) -> tuple[subprocess.Popen[str], str]:
     project.write("train.py", SCRIPT)
     project.run("train.py")
     project.write("train.py", PROBE)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "retrolog", "replay", "w1", "--yes"],
-        cwd=project.root,
-        env=project.env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=default_sigint,
-    )
+    proc = project.start_cli("replay", "w1", "--yes")
     marker = f"{tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
     workers = f"{tempfile.gettempdir()}/retrolog-"  # however a checkout is named
     deadline = time.monotonic() + 60

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, logged_values, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -114,20 +113,7 @@ def _cli(project: Project, *args: str, **env: str) -> Any:
     return project.cli(*args, **_shell(**env))
 
 
-def _values(database: Path, where: str = "", params: tuple[Any, ...] = ()) -> dict[Any, Any]:
-    """Logged values keyed by (run_id, name, epoch, step)."""
-    conn = sqlite3.connect(database)
-    try:
-        rows = conn.execute(
-            "SELECT l.run_id, l.name, e.iteration, s.iteration, l.value FROM logs l"
-            " LEFT JOIN loops s ON s.run_id = l.run_id AND s.ctx_id = l.ctx_id AND s.depth = 1"
-            " LEFT JOIN loops e ON e.run_id = l.run_id AND e.ctx_id = COALESCE(s.parent_ctx,"
-            f" l.ctx_id) AND e.depth = 0 {where}",
-            params,
-        ).fetchall()
-    finally:
-        conn.close()
-    return {(r, n, e, s): v for r, n, e, s, v in rows}
+_values = logged_values
 
 
 def _fresh(project: Project, args: list[str], names: tuple[str, ...], **env: str) -> dict:
