@@ -30,6 +30,8 @@ import retrolog as rl
 
 with open("data/input.txt") as f:
     scale = float(f.read())
+if os.path.exists("out/old.txt"):
+    os.rename("out/old.txt", "moved.txt")  # a file of the linked out/, moved out of it
 state = {"w": np.zeros(2)}
 with rl.checkpointing(state=state):
     for epoch in rl.loop("epoch", range(3)):
@@ -43,6 +45,9 @@ with rl.checkpointing(state=state):
         np.save("out/ckpt/w.npy", state["w"])
         if os.path.exists("out/stale.txt"):
             os.remove("out/stale.txt")
+        with open("out/next.tmp", "w") as f:
+            f.write(str(epoch))
+        os.replace("out/next.tmp", "out/latest.txt")  # write, then move into place
         rl.log("w0", float(state["w"][0]))
 """
 
@@ -83,6 +88,7 @@ def _set_up(project: Project, edit: Callable[[str], str] = lambda s: s) -> None:
     project.write("out/result.txt", "today's result")
     project.write("out/log.txt", "today's log\n")
     project.write("out/stale.txt", "keep me")
+    project.write("out/old.txt", "stay where you are")
     project.write("out/ckpt/w.npy", "today's array")
     project.write("train.py", edit(PROBE))
 

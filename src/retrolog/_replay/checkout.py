@@ -70,7 +70,7 @@ def remove_checkout(path: Path) -> None:
 def sweep_checkouts() -> list[Path]:
     """Remove checkouts whose coordinator is gone (killed before it could clean up).
 
-    Only directories of this user named ``retrolog-<pid>-...`` whose pid is not a live
+    Only directories of this user named ``retrolog-checkout-<pid>-...`` whose pid is not a live
     process are removed; their links are removed, never followed.
     """
     removed: list[Path] = []

@@ -43,6 +43,7 @@ _CHANGES_SECOND = {"os.rename", "os.link", "os.symlink", "shutil.copyfile", "shu
                    "shutil.copystat", "shutil.move"}  # fmt: skip
 # Of those, the ones that act on a link itself rather than on what it points to.
 _ON_THE_LINK = {"os.remove", "os.rmdir", "shutil.rmtree", "os.rename", "shutil.move"}
+_MOVES = {"os.rename", "shutil.move"}
 
 _state = threading.local()
 
@@ -64,6 +65,8 @@ class _Guard:
         elif event in _CHANGES_FIRST and args:
             self.before_write(args[0], follows=event not in _ON_THE_LINK)
         elif event in _CHANGES_SECOND and len(args) > 1:
+            if event in _MOVES:  # the source leaves its directory: that one changes too
+                self.before_write(args[0], follows=False)
             self.before_write(args[1], follows=event not in _ON_THE_LINK)
 
     def before_write(self, path: Any, *, follows: bool) -> None:
