@@ -26,7 +26,9 @@ end                         the one running the       rebound since the outer lo
 :data:`MAX_ITEMS` items in all, taken smallest first while they fit in
 :data:`MAX_FRAME_BYTES` together: a language model's hidden state carried from
 epoch to epoch (2 x 20 x 128 floats) fits beside the counters and running
-sums, where one large batch output may not. Containers are captured whether or
+sums, where a batch of images does not. Capture runs on the training thread at
+each checkpoint, so the budget is small; a statement that reads a name left
+out makes replay execute that block instead of restoring it. Containers are captured whether or
 not they were rebound, because ``losses.append(...)`` changes one in place.
 Anything else (an iterator, a module, what does not fit) is listed by name as
 not captured, so a replay can tell the user which values it could not
@@ -57,7 +59,7 @@ from retrolog.checkpoint.state import is_tensor
 from retrolog.errors import StoreError, UntrustedPickleError
 
 MAX_ITEMS = 10_000
-MAX_FRAME_BYTES = 1 << 20  # the captured values of one frame, together
+MAX_FRAME_BYTES = 128 << 10  # the captured values of one frame, together (see below)
 MAX_ENCODED_BYTES = 3 << 20  # a safety net: more than this, nothing is captured, all listed
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
