@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import time
 
 import pytest
 
@@ -54,6 +56,8 @@ def test_an_empty_database_file_is_refused_not_made_anew(project: Project) -> No
     store = project.root / ".retrolog"
     store.mkdir()
     (store / "retrolog.db").write_bytes(b"")
+    # Left empty a while ago (one being created right now by another run is not refused).
+    os.utime(store / "retrolog.db", (time.time() - 60, time.time() - 60))
     out = project.cli("runs")
     assert out.returncode == 1
     said = " ".join(out.stderr.split())

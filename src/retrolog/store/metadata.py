@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +67,7 @@ def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
                 path=str(paths.database),
             )
         _make_store_dir(paths)
-    elif paths.database.stat().st_size == 0:
+    elif _stale_empty(paths.database):
         # SQLite would take an empty file for a new database: the loss would go unseen.
         raise StoreError(
             f"The retrolog store {paths.database} is an empty file (0 bytes): it was "
@@ -85,6 +86,22 @@ def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
             f"The retrolog store {paths.database} cannot be read: {exc}.", path=str(paths.database)
         ) from exc
     return conn
+
+
+EMPTY_STORE_GRACE_SECONDS = 10.0
+
+
+def _stale_empty(database: Path) -> bool:
+    """An empty database file that nobody is creating: 0 bytes and untouched for a while.
+
+    A process that has just created the store (two runs starting at once) leaves it
+    empty until its first write; that one is being made, not lost.
+    """
+    try:
+        info = database.stat()
+    except OSError:
+        return False
+    return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_STORE_GRACE_SECONDS
 
 
 @contextmanager
