@@ -288,3 +288,24 @@ def test_a_file_too_complex_to_follow_puts_everything_inner(
 def test_nul_byte_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match=r"train\.py"):
         locate_statements("x = 1\0\n", ["x"], "train.py")
+
+
+def test_names_read_leaves_out_what_is_assigned_after_the_block() -> None:
+    """A checkpoint lacking ``fake`` does not matter when ``fake`` is set anew after the
+    step loop and before the statement; ``total += ...`` reads the restored value first."""
+    from retrolog._replay.statements import names_read
+
+    source = (
+        "import retrolog as rl\n"
+        "for epoch in rl.loop('epoch', range(3)):\n"
+        "    for step in rl.loop('step', range(2)):\n"
+        "        fake = g(step)\n"
+        "        big = h(step)\n"
+        "        total = total + 1\n"
+        "    total += 2\n"
+        "    with no_grad():\n"
+        "        fake = g(None)\n"
+        "    if epoch:\n"
+        "        rl.log('m', fake.mean() + total + big.sum())\n"
+    )
+    assert names_read(source, ["m"]) == {"total", "big"}

@@ -406,17 +406,20 @@ class _Module:
 
 
 def names_read(source: str, names: Sequence[str]) -> set[str]:
-    """The variables the ``log`` calls of ``names`` in ``source`` read directly.
+    """The variables the ``log`` calls of ``names`` in ``source`` read from before them.
 
     A replay worker does not restore a checkpoint that lacks one of them (a large
     local the block rebound): the statement would read what the variable held
-    before the block. It executes that block instead.
+    before the block. It executes that block instead. A name the code assigns
+    between the last loop before the statement and the statement itself (``fake =
+    netG(noise)`` after the step loop) is not one: it is set anew either way.
     """
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return set()
     wanted = set(names)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found: set[str] = set()
     for node in ast.walk(tree):
         if not (
@@ -426,12 +429,56 @@ def names_read(source: str, names: Sequence[str]) -> set[str]:
             and _literal_name(node) in wanted
         ):
             continue
+        reads: set[str] = set()
         for argument in [*node.args[1:], *(k.value for k in node.keywords if k.arg != "name")]:
-            found.update(
+            reads.update(
                 n.id
                 for n in _walk_expression(argument)
                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
             )
+        found |= reads - _assigned_since_last_loop(node, parents)
+    return found
+
+
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.Module)
+
+
+def _assigned_since_last_loop(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> set[str]:
+    """Names plainly assigned by the statements that run after the last loop before
+    ``node`` and before it, in its function (an augmented assignment reads first)."""
+    assigned: set[str] = set()
+    child = node
+    parent = parents.get(child)
+    while parent is not None and not isinstance(parent, _SCOPES):
+        for part in ("body", "orelse", "finalbody"):
+            seq = getattr(parent, part, None)
+            if isinstance(seq, list) and child in seq:
+                for before in reversed(seq[: seq.index(child)]):
+                    if isinstance(before, _LOOPS):
+                        return assigned
+                    if isinstance(before, ast.stmt):
+                        assigned |= _stored(before)
+                break
+        if isinstance(parent, _LOOPS):
+            return assigned  # the statement is inside a loop's body: that loop comes first
+        child, parent = parent, parents.get(parent)
+    return assigned
+
+
+def _stored(statement: ast.stmt) -> set[str]:
+    """Names a statement binds outright (not through ``+=``, not in nested scopes or loops)."""
+    found: set[str] = set()
+    stack: list[ast.AST] = [statement]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, ast.AugAssign) or (
+            current is not statement and isinstance(current, (*_SCOPES, *_LOOPS))
+        ):
+            continue
+        if isinstance(current, ast.Name) and isinstance(current.ctx, ast.Store):
+            found.add(current.id)
+        stack.extend(ast.iter_child_nodes(current))
     return found
 
 
