@@ -293,6 +293,10 @@ def dataframe_command(
 def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile).
 
+    A query stops after RETROLOG_QUERY_TIMEOUT seconds (default 120) or when it needs
+    more than RETROLOG_QUERY_MEMORY_MB (default 1024), and on Ctrl-C; 0 means no limit.
+    --json writes blob columns as base64.
+
     \b
     Example:
       retrolog query "SELECT name, COUNT(*) FROM logs GROUP BY name"

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from retrolog.store.metadata import process_alive
 from retrolog.versions.git import materialize
 
 _NEVER_LINKED = {".git", ".retrolog"}
@@ -92,21 +93,8 @@ def sweep_checkouts() -> list[Path]:
             continue
         if not entry.is_dir() or entry.is_symlink() or info.st_uid != os.getuid():
             continue
-        if process_alive(int(pid_text)):
+        if process_alive(int(pid_text), None):
             continue
         remove_checkout(entry)
         removed.append(entry)
     return removed
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (on this machine)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog._replay.checkout import make_checkout, process_alive, remove_checkout, sweep_checkouts
+from retrolog._replay.checkout import make_checkout, remove_checkout, sweep_checkouts
 from retrolog.runtime.numerics import worker_environment
 from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
+from retrolog.store.metadata import process_alive, process_start_marker
 
 _TAIL_LINES = 15
 
@@ -298,7 +299,13 @@ COORDINATOR_FILE = "coordinator.json"
 def claim(logs_dir: Path) -> None:
     """Write who coordinates this replay, so a later command can tell it was killed."""
     (logs_dir / COORDINATOR_FILE).write_text(
-        json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "start": _start_time()})
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": os.uname().nodename,
+                "start": process_start_marker(os.getpid()),
+            }
+        )
     )
 
 
@@ -318,7 +325,7 @@ def sweep_stale(conn: Any, store: Path) -> list[str]:
         if who.get("host") != os.uname().nodename:
             continue
         pid = int(who.get("pid", 0))
-        if process_alive(pid) and _start_time(pid) == who.get("start"):
+        if process_alive(pid, who.get("start")):  # the same process, not a reused pid
             continue
         stale.append(replay_id)
     for replay_id in stale:
@@ -330,12 +337,3 @@ def sweep_stale(conn: Any, store: Path) -> list[str]:
     if stale:
         conn.commit()
     return stale
-
-
-def _start_time(pid: int | None = None) -> str | None:
-    """When a process started, in clock ticks since boot (Linux), to tell a reused pid."""
-    try:
-        stat = Path(f"/proc/{pid or os.getpid()}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]

@@ -789,6 +789,7 @@ def _jobs(
         nested = profile.nested_block or tuple(True for _ in range(profile.iterations))
         whole = [i for i, has_nested in enumerate(nested) if not has_nested]
         check_names = _recorded_names(conn, run_plan.run_id, args, parsed, names)
+        reads = sorted(names_read(propagations[run_plan.run_id].source, [*names, *check_names]))
         for index, segment in enumerate(run_plan.segments):
             spec = WorkerSpec(
                 replay_id=replay_id,
@@ -809,9 +810,7 @@ def _jobs(
                 code_object=code_objects.get(run_plan.run_id),
                 torch_state=_torch_state_for_worker(recorded, profile.threads, threads),
                 parsed_args=parsed,
-                reads=sorted(
-                    names_read(propagations[run_plan.run_id].source, [*names, *check_names])
-                ),
+                reads=reads,
             )
             jobs.append(
                 Job(
