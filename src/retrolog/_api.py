@@ -334,7 +334,7 @@ def _reader() -> Iterator[Any]:
 
     if _active is not None and _active.owned_by_this_process():
         _active.writer.flush(timeout=30)  # a script reading its own run sees what it logged
-    conn = open_store(locate(), create=False)
+    conn = open_store(locate(), create=False, write=False)
     try:
         yield conn
     finally:

@@ -531,9 +531,14 @@ def gc_command(
 
     with _store() as conn:
         from retrolog._replay.execute import sweep_stale
+        from retrolog.store.metadata import is_readonly, read_only_error
 
-        # A replay whose coordinator was killed no longer holds runs back.
-        sweep_stale(conn, locate().store)
+        readonly = is_readonly(conn)
+        if readonly and not dry_run:
+            raise read_only_error(locate(), "gc")
+        if not readonly:
+            # A replay whose coordinator was killed no longer holds runs back.
+            sweep_stale(conn, locate().store)
         store = LocalObjectStore(locate().objects)
         chosen = select_runs(conn, runs, where)
         if chosen == []:
@@ -567,7 +572,7 @@ class _store:
         from retrolog.store.metadata import open_store
         from retrolog.store.paths import locate
 
-        self.conn = open_store(locate(), create=False)
+        self.conn = open_store(locate(), create=False, write=False)
         return self.conn
 
     def __exit__(self, *exc: object) -> None:

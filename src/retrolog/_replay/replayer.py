@@ -49,6 +49,7 @@ from retrolog._replay.statements import Position, locate_statements, names_read
 from retrolog.errors import RetrologError, UsageError
 from retrolog.runtime import numerics
 from retrolog.runtime.replay import WorkerSpec
+from retrolog.store.metadata import is_readonly, read_only_error
 from retrolog.store.paths import ProjectPaths
 
 
@@ -138,7 +139,11 @@ def replay(
     confirm: asked with the plan text before executing; returning False stops.
     """
     names = [n.strip() for n in names if n.strip()]
-    stale = sweep_stale(conn, paths.store)  # what a killed coordinator left behind
+    readonly = is_readonly(conn)
+    if readonly and not dry_run:
+        raise read_only_error(paths, "replay --verify" if verify else "replay")
+    # What a killed coordinator left behind (a read-only store keeps its marks).
+    stale = [] if readonly else sweep_stale(conn, paths.store)
     for replay_id in stale:
         echo(f"replay {replay_id} was stopped without finishing (its coordinator was killed); "
              "marked interrupted, its temporary checkouts removed.")  # fmt: skip

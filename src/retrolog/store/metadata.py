@@ -9,16 +9,19 @@ take turns instead of failing.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sqlite3
+import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from retrolog.errors import StoreError
 from retrolog.store.paths import STORE_DIRNAME, ProjectPaths
-from retrolog.store.schema import migrate
+from retrolog.store.schema import LATEST_VERSION, migrate
 
 BUSY_TIMEOUT_MS = 60_000
 
@@ -53,10 +56,13 @@ def connect(database: Path, *, readonly: bool = False) -> sqlite3.Connection:
     return conn
 
 
-def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
+def open_store(paths: ProjectPaths, *, create: bool, write: bool = True) -> sqlite3.Connection:
     """Open (and with ``create``, make) the project's store, migrated and crash-checked.
 
     Without ``create`` a missing store is a StoreError that says how to make one.
+    ``write=False`` (the read commands) opens a store this process cannot write (a
+    read-only mount, another user's directory) read-only instead of failing: see
+    :func:`open_readonly`.
     """
     if not paths.database.exists():
         if not create:
@@ -67,6 +73,8 @@ def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
                 path=str(paths.database),
             )
         _make_store_dir(paths)
+    elif not write and not store_writable(paths):
+        return open_readonly(paths)
     elif _stale_empty(paths.database):
         # SQLite would take an empty file for a new database: the loss would go unseen.
         raise StoreError(
@@ -86,6 +94,133 @@ def open_store(paths: ProjectPaths, *, create: bool) -> sqlite3.Connection:
             f"The retrolog store {paths.database} cannot be read: {exc}.", path=str(paths.database)
         ) from exc
     return conn
+
+
+class ReadOnlyConnection(sqlite3.Connection):
+    """A connection to a store this process cannot write; reads only.
+
+    ``copy`` is the private directory holding a copy of the database, when one was
+    needed to read it (removed on close).
+    """
+
+    copy: Path | None = None
+
+    def close(self) -> None:
+        super().close()
+        if self.copy is not None:
+            shutil.rmtree(self.copy, ignore_errors=True)
+            self.copy = None
+
+
+def is_readonly(conn: sqlite3.Connection) -> bool:
+    """Whether ``conn`` was opened by :func:`open_readonly`."""
+    return isinstance(conn, ReadOnlyConnection)
+
+
+def store_writable(paths: ProjectPaths) -> bool:
+    """Whether this process may write the store (its database and directory).
+
+    ``access(2)`` answers for the real user, and for root too on a read-only mount.
+    """
+    return os.access(paths.database, os.W_OK) and os.access(paths.store, os.W_OK)
+
+
+def open_readonly(paths: ProjectPaths) -> sqlite3.Connection:
+    """Open a store this process cannot write, for reading, without writing anything.
+
+    The store's database is in WAL mode; how SQLite can read it without writing
+    depends on what the last writer left:
+
+    - a ``-shm`` file (a run still recording, or killed): opened ``mode=ro``, which
+      reads the log through the existing shared memory and sees a live writer's
+      commits as usual;
+    - no ``-shm`` and no ``-wal``, or an empty one (every writer closed): everything
+      is in the database file, opened ``immutable`` (no locks, no ``-shm`` to create);
+    - a ``-wal`` without its ``-shm`` (copied without it): SQLite cannot read that log
+      in place, so the database and its log are copied to a private temporary
+      directory and read there; the copy is removed on close.
+
+    A schema older than this retrolog's cannot be upgraded here: that is an error
+    saying how to upgrade it.
+    """
+    database = paths.database
+    wal = database.with_name(database.name + "-wal")
+    shm = database.with_name(database.name + "-shm")
+    copy: Path | None = None
+    try:
+        if os.access(shm, os.R_OK):
+            conn = _connect_uri(database, "mode=ro")
+        elif not _nonempty(wal):
+            conn = _connect_uri(database, "mode=ro&immutable=1")
+        else:
+            copy = Path(tempfile.mkdtemp(prefix="retrolog-readonly-"))
+            shutil.copyfile(database, copy / database.name)
+            shutil.copyfile(wal, copy / wal.name)
+            conn = _connect_uri(copy / database.name, "")
+            conn.copy = copy
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA query_only = ON")
+        version = conn.execute("SELECT MAX(version) FROM migrations").fetchone()[0] or 0
+    except (sqlite3.Error, OSError) as exc:
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+        raise StoreError(
+            f"Cannot read the retrolog store {database}, which this process cannot write "
+            f"(a read-only file system or another user's files): {exc}. Check that its "
+            "files are readable, or copy the store directory somewhere writable and point "
+            "RETROLOG_STORE at the copy.",
+            path=str(database),
+        ) from exc
+    if version != LATEST_VERSION:
+        conn.close()
+        newer = version > LATEST_VERSION
+        raise StoreError(
+            f"The retrolog store {database} has schema version {version}, "
+            + (
+                f"newer than this retrolog understands ({LATEST_VERSION}); upgrade retrolog "
+                "(pip install -U retrolog) to read it."
+                if newer
+                else f"older than this retrolog's ({LATEST_VERSION}), and this process "
+                "cannot write it to upgrade it. Run any retrolog command once where the store "
+                "is writable (its owner, or a writable mount), or copy the store directory "
+                "somewhere writable and point RETROLOG_STORE at the copy."
+            ),
+            path=str(database),
+        )
+    return conn
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _connect_uri(database: Path, query: str) -> ReadOnlyConnection:
+    uri = "file:" + urllib.parse.quote(str(database.absolute())) + (f"?{query}" if query else "")
+    conn = sqlite3.connect(
+        uri,
+        uri=True,
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        isolation_level=None,
+        check_same_thread=False,
+        factory=ReadOnlyConnection,
+    )
+    assert isinstance(conn, ReadOnlyConnection)
+    return conn
+
+
+def read_only_error(paths: ProjectPaths, what: str) -> StoreError:
+    """The error for a command that must write a store this process can only read."""
+    return StoreError(
+        f"The retrolog store {paths.store} is read-only for this process (a read-only file "
+        f"system or another user's files), and {what} writes to it. The read commands (runs, "
+        "show, dataframe, query, lineage, replay --dry-run, gc --dry-run) work as they are; "
+        "to write, run it where the store is writable, or copy the store directory somewhere "
+        "writable and point RETROLOG_STORE at the copy.",
+        path=str(paths.store),
+    )
 
 
 EMPTY_STORE_GRACE_SECONDS = 10.0
