@@ -116,3 +116,28 @@ class InexactReplayError(RetrologError):
 
 class RetrologWarning(UserWarning):
     """Something the user should know about that does not stop the run (e.g. a skipped file)."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a disk or quota out of space.
+
+    An OSError with ENOSPC or EDQUOT, or SQLite's SQLITE_FULL, anywhere in its chain of
+    causes: a full disk is worth surviving, unlike other write failures.
+    """
+    import errno
+    import sqlite3
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(current, sqlite3.Error):
+            code = getattr(current, "sqlite_errorcode", None)  # Python 3.11+
+            if code is not None and code & 0xFF == 13:  # SQLITE_FULL
+                return True
+            if code is None and "database or disk is full" in str(current):
+                return True
+        current = current.__cause__ or current.__context__
+    return False

@@ -27,6 +27,7 @@ from typing import Any
 
 from retrolog._query.runs import resolve_run
 from retrolog.errors import UnknownNameError
+from retrolog.store.metadata import rollback
 from retrolog.versions.lineage import Definition, Reader, definitions
 
 
@@ -186,7 +187,7 @@ def _insert(conn: sqlite3.Connection, found: Mapping[str, Definition], run_id: s
             conn.execute("COMMIT")
     except BaseException:
         if own:
-            conn.execute("ROLLBACK")
+            rollback(conn)
         raise
 
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from retrolog.store.metadata import rollback
+
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -99,7 +101,7 @@ def backfill(
         )
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return conn.total_changes - before - deleted
 

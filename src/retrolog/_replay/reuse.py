@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from retrolog.errors import RetrologError
+from retrolog.store.metadata import rollback
 
 # Run columns that decide what a run computes. Host and timing do not; the CPU
 # model does, and is in numerics.
@@ -238,6 +239,6 @@ def copy_values(
         )
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        rollback(conn)
         raise
     return conn.total_changes - before - deleted

@@ -66,7 +66,7 @@ from retrolog.checkpoint._finish import AbandonedCheckpoint, Finishing, snapshot
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
 from retrolog.checkpoint.codec import DeltaHistory, Interrupted, encode
 from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, TensorMemo, snapshot
-from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError
+from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError, disk_full
 from retrolog.store.objects import ObjectStore
 
 
@@ -174,6 +174,7 @@ class BackgroundCheckpointer(Checkpointer):
         self._error: BaseException | None = None  # a writer's failure, converted
         self._error_reported = False
         self._warned = False
+        self.lost_to_full_disk = 0  # checkpoints a full disk kept from being written
         self._captured = 0
         self._written: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._urgent_writes = 0
@@ -627,7 +628,9 @@ class BackgroundCheckpointer(Checkpointer):
                 job.idle_since = None
                 job.idle_writing = False
             if job.state is _State.PENDING:
-                if failure is not None:
+                if failure is not None and disk_full(failure):
+                    self._lose_one(job, failure)
+                elif failure is not None:
                     self._lose_pending(_converted(failure, job, len(self._pending) - 1))
                 elif result is not None:
                     self._report(job, result, lane, finishing)
@@ -680,6 +683,27 @@ class BackgroundCheckpointer(Checkpointer):
             self._finished_at_close += 1
         elif lane is _Lane.URGENT:
             self._urgent_writes += 1
+
+    def _lose_one(self, job: _Job, exc: BaseException) -> None:
+        """A full disk: this checkpoint is lost, training and later checkpoints go on.
+
+        Its objects that were written are referenced by nothing (gc collects them); the
+        delta history still describes the last checkpoint written, so later ones stay
+        decodable. The run's summary counts it as lost to a failed write.
+        """
+        job.state = _State.LOST
+        self._pending.remove(job)
+        self._release(job)
+        self.lost_to_full_disk += 1
+        if self.lost_to_full_disk == 1:
+            print(
+                f"retrolog: a checkpoint of {self.label} (loop {job.loop_name!r}) was not "
+                f"written: the disk holding {self.store!r} is full ({exc}). Training goes on, "
+                "and each later checkpoint is tried as usual; `retrolog show` counts the lost "
+                "ones. Free space on that disk to keep them.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _lose_pending(self, error: BaseException) -> None:
         """Stop writing after a failure: everything queued is lost (called holding the lock)."""

@@ -14,6 +14,16 @@ the last interval of records, and the training thread never waits on SQLite.
 A value's loop context is always started (its LOOP_START queued) before the
 value is logged. The writer counts ``values`` before ``events``, so every
 batch holds the loop rows its values refer to.
+
+A full disk does not stop training. The batch that did not fit goes back to
+the front of the deques, one message on stderr says so, and the writer retries
+every ``FULL_RETRY`` seconds, holding up to ``HELD_LIMIT`` records of each kind
+in memory (newer ones beyond it are dropped, and counted). Once space is
+freed everything held is written and a second message says what, if anything,
+was dropped. If the disk is still full when the run ends, the writer tries
+for ``FULL_CLOSE_WAIT`` seconds and then reports what it could not write;
+SQLite rolls a failed transaction back whole, so what was written before
+stays intact.
 """
 
 from __future__ import annotations
@@ -22,17 +32,22 @@ import collections
 import enum
 import itertools
 import sqlite3
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from retrolog.errors import disk_full
 from retrolog.runtime.values import DeferredJSON
-from retrolog.store.metadata import connect
+from retrolog.store.metadata import connect, rollback
 
 FLUSH_INTERVAL = 0.2  # seconds; the crash-loss window is about this long
 _MAX_BATCH = 20_000
 _LATEST_SCAN = 256  # values looked at per drain to keep the progress bar's latest values
+FULL_RETRY = 1.0  # seconds between attempts while the store's disk is full
+FULL_CLOSE_WAIT = 3.0  # seconds the end of a run waits for space before giving up
+HELD_LIMIT = 1_000_000  # values (and, apart, other records) held in memory while full
 
 # Only float, int and str reach the values deque, so SQLite's typeof() names the type;
 # NULL there can only be a NaN float (SQLite stores NaN as NULL).
@@ -67,6 +82,9 @@ class Writer:
         self.latest: dict[str, Any] = {}  # last value per name, for the progress bar
         self.failure: BaseException | None = None
         self.lock_retries = 0
+        self.full_error: str | None = None  # set while the store's disk is full
+        self.dropped = 0  # records dropped while the disk was full (over HELD_LIMIT)
+        self.unwritten = (0, 0)  # (values, other records) a full disk kept from being written
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="retrolog-writer", daemon=True)
@@ -77,9 +95,15 @@ class Writer:
         self._thread.start()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything queued before this call is committed; False on timeout."""
+        """Wait until everything queued before this call is committed; False on timeout.
+
+        False at once while the store's disk is full: nothing can be committed then, and
+        the caller (often the training thread) must not wait for space.
+        """
         if not self._thread.is_alive():
             return not self.values and not self.events
+        if self.full_error is not None:
+            return False
         done = threading.Event()
         self.events.append((Event.FLUSH, done))
         self._wake.set()
@@ -97,20 +121,30 @@ class Writer:
     def _main(self) -> None:
         try:
             self._conn = connect(self.database)
+            stop_deadline: float | None = None
             while True:
-                self._wake.wait(self.interval)
+                if self.full_error is None:
+                    self._wake.wait(self.interval)
+                else:  # a full disk: retry now and then, whoever asks for a flush
+                    time.sleep(FULL_RETRY if stop_deadline is None else 0.2)
                 self._wake.clear()
                 stopping = self._stop
                 flushes = self._drain()
-                while len(self.values) >= _MAX_BATCH:  # a backlog: commit it batch by batch
+                # A backlog: commit it batch by batch.
+                while len(self.values) >= _MAX_BATCH and self.full_error is None:
                     flushes += self._drain()
                 if flushes or stopping:
                     # Everything queued before a FLUSH (or close) is ahead of it in the deques;
                     # the thread that asked is waiting, so emptying them terminates.
-                    while self.values or self.events:
+                    while (self.values or self.events) and self.full_error is None:
                         flushes += self._drain()
                 for done in flushes:
                     done.set()
+                if stopping and self.full_error is not None:
+                    stop_deadline = stop_deadline or time.monotonic() + FULL_CLOSE_WAIT
+                    if time.monotonic() < stop_deadline:
+                        continue
+                    self._give_up()
                 if stopping:
                     break
         except BaseException as exc:  # reported to the training thread by Run.check_writer
@@ -135,13 +169,66 @@ class Writer:
                 flushes = self._write(values, events)
                 break
             except sqlite3.OperationalError as exc:
+                if disk_full(exc):
+                    self._hold(values, events, exc)
+                    return []
                 # Another process holds the write lock past busy_timeout: keep the batch, retry.
                 if "locked" not in str(exc) and "busy" not in str(exc):
                     raise
                 self.lock_retries += 1
                 time.sleep(0.05)
+        if self.full_error is not None:
+            self.full_error = None
+            dropped = (
+                f"; {self.dropped} record(s) logged while it was full were dropped "
+                f"(over the {HELD_LIMIT:,} held in memory)"
+                if self.dropped
+                else "; nothing was lost"
+            )
+            run = self.run_id
+            _say(f"the store's disk has space again: run {run}'s records are written{dropped}.")
         self._note_latest(values)
         return flushes
+
+    def _hold(
+        self, values: list[tuple[Any, ...]], events: list[tuple[Any, ...]], exc: BaseException
+    ) -> None:
+        """Keep a batch that did not fit, ahead of what was queued since, within HELD_LIMIT."""
+        self.values.extendleft(reversed(values))
+        self.events.extendleft(reversed(events))
+        for queue in (self.values, self.events):
+            while len(queue) > HELD_LIMIT:
+                record = queue.pop()  # the newest: the held records stay a consistent prefix
+                if record and record[0] is Event.FLUSH:
+                    record[1].set()
+                else:
+                    self.dropped += 1
+        if self.full_error is None:
+            self.full_error = str(exc)
+            _say(
+                f"the disk holding the store {self.database} is full ({exc}). Training goes "
+                f"on: run {self.run_id}'s records are held in memory (up to {HELD_LIMIT:,} "
+                "values) and written as soon as space is freed. Free space on that disk, or "
+                "what is held is lost when the script ends."
+            )
+
+    def _give_up(self) -> None:
+        """The run ends and the disk is still full: say what is not written, then stop."""
+        flushes = [r[1] for r in self.events if r[0] is Event.FLUSH]
+        self.unwritten = (len(self.values), len(self.events) - len(flushes))
+        n_values, n_other = self.unwritten
+        _say(
+            f"run {self.run_id} ended with {n_values} value(s) and {n_other} other record(s) "
+            f"not written: the disk holding {self.database} is still full ({self.full_error})"
+            + (f", and {self.dropped} more were dropped while it was" if self.dropped else "")
+            + ". What was written before it filled is intact; the run will be listed as "
+            "crashed, since its end could not be recorded either. Free space on that disk "
+            "before the next run."
+        )
+        self.values.clear()
+        self.events.clear()
+        for done in flushes:
+            done.set()
 
     def _write(
         self, values: list[tuple[Any, ...]], events: list[tuple[Any, ...]]
@@ -236,7 +323,7 @@ class Writer:
                 conn.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?", (*params, run_id))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            rollback(conn)
             raise
         return flushes
 
@@ -255,6 +342,11 @@ class Writer:
             record = self.events.popleft()
             if record[0] is Event.FLUSH:
                 record[1].set()
+
+
+def _say(message: str) -> None:
+    # From the writer thread, straight to stderr: a warning raised here would reach no one.
+    print(f"retrolog: {message}", file=sys.stderr, flush=True)
 
 
 def _sql_literal(text: str) -> str:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
-from retrolog.store.metadata import read_snapshot
+from retrolog.store.metadata import read_snapshot, rollback
 from retrolog.store.objects import LocalObjectStore, check_key
 
 GRACE_SECONDS = 3600.0
@@ -331,7 +331,7 @@ def collect_garbage(
                 deleted += max(cursor.rowcount, 0)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            rollback(conn)
             raise
         now = time.time() if now is None else now
         with read_snapshot(conn):

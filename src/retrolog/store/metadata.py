@@ -239,6 +239,16 @@ def _stale_empty(database: Path) -> bool:
     return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_STORE_GRACE_SECONDS
 
 
+def rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if SQLite has not already (it has after a full disk).
+
+    A bare ROLLBACK then fails with "cannot rollback - no transaction is active", which
+    would hide the error that caused it.
+    """
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
 @contextmanager
 def read_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
     """Run the reads inside the block against one snapshot of the store.

@@ -238,7 +238,8 @@ def migrate(conn: sqlite3.Connection) -> int:
             )
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite has rolled back already after a full disk
+                conn.execute("ROLLBACK")
             raise
     return LATEST_VERSION
 
