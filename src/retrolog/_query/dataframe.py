@@ -46,7 +46,7 @@ import pandas as pd
 
 from retrolog._query.sql import execute_read
 from retrolog.errors import QueryError, UnknownNameError
-from retrolog.store.metadata import read_snapshot
+from retrolog.store.metadata import read_snapshot, storable_text
 
 META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 """The run columns every wide view starts with."""
@@ -148,6 +148,7 @@ def dataframe(
         raise QueryError('definitions="current" needs today\'s script to compare with.')
     # A lone string is one name, not a sequence of one-letter names.
     requested = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+    requested = [storable_text(n) if isinstance(n, str) else n for n in requested]
     if where is not None and not where.strip():
         where = None
     if not requested:

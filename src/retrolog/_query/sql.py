@@ -297,8 +297,9 @@ def execute_read(
                 rows.extend(batch)
             if limits.interrupted:  # Ctrl-C while Python, not SQLite, was fetching
                 raise KeyboardInterrupt
-        # Python < 3.12 reports a second statement as sqlite3.Warning, not an Error.
-        except (sqlite3.Error, sqlite3.Warning, MemoryError) as exc:
+        # Python < 3.12 reports a second statement as sqlite3.Warning, not an Error;
+        # ValueError: text SQLite cannot take (a NUL, a lone surrogate UTF-8 cannot hold).
+        except (sqlite3.Error, sqlite3.Warning, MemoryError, ValueError) as exc:
             rows.clear()
             if limits.interrupted:
                 raise KeyboardInterrupt from exc
@@ -381,4 +382,9 @@ def _sqlite_column(values: Sequence[Any]) -> pd.Series:
 
 def _complaint(exc: BaseException) -> str:
     """sqlite's message, without its final period (it is quoted inside a sentence)."""
+    if isinstance(exc, UnicodeEncodeError):
+        return (
+            f"it holds {exc.object[exc.start : exc.end]!r}, which is not text SQLite can read "
+            f"(at character {exc.start})"
+        )
     return str(exc).rstrip(".") or type(exc).__name__

@@ -38,8 +38,12 @@ class DeferredJSON:
     def __init__(self, array: Any) -> None:
         self.array = array
 
-    def encode(self) -> str:
-        return json.dumps(_finite(self.array.tolist()))
+    def encode(self) -> tuple[str, str]:
+        """The (stored value, value_type): JSON, or a note if the array has no JSON form."""
+        try:
+            return json.dumps(_finite(self.array.tolist())), "json"
+        except Exception as exc:  # on the writer thread: a failure here would stop recording
+            return f"<not stored: an array of {self.array.dtype} with no JSON form ({exc})>", "text"
 
 
 class Typed:
@@ -94,9 +98,22 @@ def normalize(value: Any, *, name: str = "", defer: bool = False) -> Any:
             return _too_large(value, len(value), MAX_CONTAINER_ITEMS, "items", name)
         try:
             return Typed(json.dumps(_finite(value)), "json")
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):  # not JSON, a cycle, nested too deep
             pass
-    return Typed(str(value), "text")
+    return Typed(printable(value), "text")
+
+
+def printable(value: Any) -> str:
+    """``str(value)``, or a note naming its type when its ``str`` and ``repr`` fail.
+
+    rl.log must not raise in the user's training loop over how a value prints.
+    """
+    for show in (str, repr):
+        try:
+            return show(value)
+        except Exception:  # a user's __str__ may raise anything; RecursionError too
+            continue
+    return f"<unprintable {type(value).__module__}.{type(value).__qualname__}>"
 
 
 def _array_copy(value: Any) -> Any:
@@ -173,7 +190,7 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
+        return {k if isinstance(k, str) else printable(k): _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     if type(obj) not in PLAIN_TYPES:
@@ -201,4 +218,4 @@ def storage_form(value: Any) -> tuple[Any, str]:
         return None, "none"
     if t is Typed:
         return value.value, value.kind
-    return str(value), "text"
+    return printable(value), "text"

@@ -40,7 +40,7 @@ from typing import Any
 
 from retrolog.errors import disk_full
 from retrolog.runtime.values import DeferredJSON
-from retrolog.store.metadata import connect, rollback
+from retrolog.store.metadata import connect, rollback, storable_text
 
 FLUSH_INTERVAL = 0.2  # seconds; the crash-loss window is about this long
 _MAX_BATCH = 20_000
@@ -164,10 +164,18 @@ class Writer:
         # islice over popleft: the batch is taken without running Python code per value.
         values = list(itertools.islice(iter(self.values.popleft, None), n_values))
         events = list(itertools.islice(iter(self.events.popleft, None), n_events))
+        cleaned = False
         while True:
             try:
                 flushes = self._write(values, events)
                 break
+            except (OverflowError, UnicodeEncodeError):
+                # An int beyond SQLite's 64 bits or text UTF-8 cannot hold (a lone surrogate),
+                # queued as is by log()'s hot path: store those as text, once per batch.
+                if cleaned:
+                    raise
+                values, events = _storable(values, events)
+                cleaned = True
             except sqlite3.OperationalError as exc:
                 if disk_full(exc):
                     self._hold(values, events, exc)
@@ -246,7 +254,7 @@ class Writer:
             head = record[0]
             if head is Event.LOG:
                 if type(record[3]) is DeferredJSON:  # an array copied at log time
-                    record = (*record[:3], record[3].encode(), *record[4:])
+                    record = (*record[:3], *record[3].encode(), *record[5:])
                 logs.append((run_id, *record[1:]))
                 self.latest[record[2]] = record[3]
             elif head is Event.LOOP_START:
@@ -342,6 +350,37 @@ class Writer:
             record = self.events.popleft()
             if record[0] is Event.FLUSH:
                 record[1].set()
+
+
+def _storable(
+    values: list[tuple[Any, ...]], events: list[tuple[Any, ...]]
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The batch with what SQLite refuses made storable (the rest is unchanged).
+
+    A value's int beyond 64 bits becomes its decimal text (value type "text", as
+    ``storage_form`` gives it off the hot path); text that is not valid UTF-8 is kept
+    with the offending code points escaped (``\\ud800``), in names and values alike.
+    """
+    kept: list[tuple[Any, ...]] = []
+    moved: list[tuple[Any, ...]] = []
+    for ctx, name, value in values:
+        name = storable_text(name)
+        if type(value) is int and not -(2**63) <= value < 2**63:
+            moved.append((Event.LOG, ctx, name, str(value), "text"))
+        else:
+            kept.append((ctx, name, storable_text(value) if type(value) is str else value))
+    cleaned_events = [
+        tuple(
+            storable_text(field)
+            if type(field) is str
+            else {k: storable_text(v) if type(v) is str else v for k, v in field.items()}
+            if type(field) is dict
+            else field
+            for field in record
+        )
+        for record in events
+    ]
+    return kept, cleaned_events + moved
 
 
 def _say(message: str) -> None:
