@@ -45,6 +45,9 @@ PROBE = SCRIPT.replace(
 )
 
 
+WORKERS = f"{tempfile.gettempdir()}/retrolog-"  # in a checkout's path: a replay worker
+
+
 def _processes_with(text: str) -> list[int]:
     """Pids of replay workers (a train.py in a checkout) whose command line has ``text``."""
     found = []
@@ -134,3 +137,15 @@ def test_sigterm_of_the_coordinator_stops_and_cleans_up_like_ctrl_c(project: Pro
     assert not _processes_with(f"{tempfile.gettempdir()}/retrolog-")
     assert not _checkouts(marker)
     assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
+
+
+def test_a_run_whose_worker_was_killed_is_replayed_again_in_full(project: Project) -> None:
+    """One segment's worker killed, the other finished: the run is partial, not done."""
+    proc, _ = _start_replay(project)
+    assert _gone(lambda: len(_processes_with(WORKERS)) == 2, 30.0), "expected two segments"
+    os.kill(_processes_with(WORKERS)[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err
+    assert read_db(project.root, "SELECT status FROM replay_runs") == [("partial",)], err
+    # Half the contexts have values: the next replay must fill in the rest.
+    _replays_again_exactly(project)

@@ -606,13 +606,22 @@ def _matching(conn: sqlite3.Connection, where: str) -> set[str]:
 
 
 def _complete_runs(conn: sqlite3.Connection, runs: Sequence[str], names: Sequence[str]) -> set[str]:
+    """Runs that have every one of ``names`` in full: recorded, or backfilled by a replay
+    that replayed the whole run.
+
+    Values a partial replay backfilled (a worker of one segment failed or was killed,
+    the others finished) do not count: the run is replayed again, and the values it
+    already has are kept (backfill is idempotent), the missing segments filled in.
+    """
     marks_n = ", ".join("?" for _ in names)
     marks_r = ", ".join("?" for _ in runs)
     return {
         r[0]
         for r in conn.execute(
-            f"SELECT run_id FROM logs WHERE name IN ({marks_n}) AND run_id IN ({marks_r})"
-            " GROUP BY run_id HAVING COUNT(DISTINCT name) = ?",
+            f"SELECT l.run_id FROM logs l WHERE l.name IN ({marks_n}) AND l.run_id IN ({marks_r})"
+            " AND NOT EXISTS (SELECT 1 FROM replay_runs rr WHERE l.origin = 'backfilled'"
+            " AND rr.replay_id = l.replay_id AND rr.run_id = l.run_id AND rr.status = 'partial')"
+            " GROUP BY l.run_id HAVING COUNT(DISTINCT l.name) = ?",
             (*names, *runs, len(set(names))),
         )
     }
