@@ -63,11 +63,13 @@ def _processes_with(text: str) -> list[int]:
     return found
 
 
-def _start_replay(project: Project) -> tuple[subprocess.Popen[str], str]:
+def _start_replay(
+    project: Project, script: str = SCRIPT, probe: str = PROBE
+) -> tuple[subprocess.Popen[str], str]:
     """Start a replay and return once its worker is training; (process, checkout marker)."""
-    project.write("train.py", SCRIPT)
+    project.write("train.py", script)
     project.run("train.py")
-    project.write("train.py", PROBE)
+    project.write("train.py", probe)
     proc = project.start_cli("replay", "w1", "--yes")
     marker = f"{tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
     workers = f"{tempfile.gettempdir()}/retrolog-"  # however a checkout is named
@@ -141,7 +143,8 @@ def test_sigterm_of_the_coordinator_stops_and_cleans_up_like_ctrl_c(project: Pro
 
 def test_a_run_whose_worker_was_killed_is_replayed_again_in_full(project: Project) -> None:
     """One segment's worker killed, the other finished: the run is partial, not done."""
-    proc, _ = _start_replay(project)
+    quick = SCRIPT.replace("time.sleep(0.5)", "time.sleep(0.2)")
+    proc, _ = _start_replay(project, quick, PROBE.replace("time.sleep(0.5)", "time.sleep(0.2)"))
     assert _gone(lambda: len(_processes_with(WORKERS)) == 2, 30.0), "expected two segments"
     os.kill(_processes_with(WORKERS)[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
