@@ -365,6 +365,11 @@ def _detach_in_child() -> None:
     if _active is not None:
         _active.values = collections.deque(maxlen=0)
         _active.events = collections.deque(maxlen=0)
+        writer = getattr(_active, "writer", None)
+        if writer is not None:  # loops started in the child append to these
+            writer.loop_starts = collections.deque(maxlen=0)
+            writer.loop_ends = collections.deque(maxlen=0)
+            writer.iterations = collections.deque(maxlen=0)
 
 
 def _at_exit() -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from retrolog.errors import StoreError, disk_full
 from retrolog.runtime import writer as writer_module
-from retrolog.runtime.writer import Event, Writer
+from retrolog.runtime.writer import Event, Writer, _Batch
 
 from conftest import Project
 
@@ -172,13 +172,14 @@ def test_held_records_over_the_limit_drop_the_newest(
     monkeypatch.setattr(writer_module, "HELD_LIMIT", 5)
     writer = Writer(Path("unused.db"), "run-1")  # never started: _hold is called directly
     writer.values.extend((1, "x", i) for i in range(8))
-    batch = [writer.values.popleft() for _ in range(3)]  # the batch that did not fit
+    batch = _Batch([writer.values.popleft() for _ in range(3)], [], [], [], [])  # did not fit
     flushed = threading.Event()
-    writer.events.extend([(Event.LOOP_END, 1, 0.0)] * 6 + [(Event.FLUSH, flushed)])
-    writer._hold(batch, [], sqlite3.OperationalError("database or disk is full"))
+    writer.events.extend([(Event.PROFILE, "p", None, 0.0, None)] * 6 + [(Event.FLUSH, flushed)])
+    full = sqlite3.OperationalError("database or disk is full")
+    writer._hold(batch, full)
     # The oldest stay, in order, a consistent prefix; a dropped flush request is answered.
     assert [v[2] for v in writer.values] == [0, 1, 2, 3, 4]
     assert len(writer.events) == 5 and flushed.is_set()
     assert writer.dropped == 3 + 1
-    writer._hold([], [], sqlite3.OperationalError("database or disk is full"))
+    writer._hold(_Batch([], [], [], [], []), full)
     assert capsys.readouterr().err.count("retrolog: the disk holding the store") == 1

@@ -221,3 +221,19 @@ def test_a_run_that_logged_everything_ends_finished(run: Run) -> None:
     finally:
         conn.close()
     assert json.dumps(run.writer.latest, default=str)  # the progress bar's view is printable
+
+
+def test_loop_names_and_items_sqlite_refuses_are_kept(run: Run) -> None:
+    items = [2**70, "\udfff", 1.5]
+    assert list(rl.loop("odd\ud800", items)) == items
+    assert run.writer.flush(timeout=30) and run.writer.failure is None
+    conn = sqlite3.connect(run.paths.database)
+    try:
+        rows = conn.execute(
+            "SELECT name, value FROM loops WHERE run_id = ? AND name LIKE 'odd%'"
+            " ORDER BY iteration",
+            (run.run_id,),
+        ).fetchall()
+    finally:
+        conn.close()
+    assert rows == [("odd\\ud800", str(2**70)), ("odd\\ud800", "\\udfff"), ("odd\\ud800", 1.5)]

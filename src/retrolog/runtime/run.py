@@ -256,7 +256,6 @@ class Run:
         outer = stack[-1] if stack else None
         role, first_nested = loop_role(stack, self.scope)
         frame = _Frame(name, depth, role)
-        append = self.events.append
         clock = time.perf_counter
         t0 = self._t0
         bar = (
@@ -280,12 +279,15 @@ class Run:
             self._training_starts()
         stack.append(frame)
         iteration = 0
-        # Locals: enum member access costs hundreds of ns on 3.11, and this runs per step.
-        loop_start, loop_end, profile = Event.LOOP_START, Event.LOOP_END, Event.PROFILE
+        # Locals, and tuples in the column order of the writer's statements: this runs per
+        # step, and the writer then runs no Python per iteration either (writer.py).
+        writer = self.writer
+        start_append = writer.loop_starts.append
+        end_append = writer.loop_ends.append
+        iteration_append = writer.iterations.append
         plain = PLAIN_TYPES
         top_level = depth == 0
         is_outer = role is Role.OUTER
-        writer = self.writer
         try:
             for item in iterable:
                 ctx = self._next_ctx
@@ -294,18 +296,18 @@ class Run:
                 busy_iter = self._writer_busy() if is_outer else 0.0
                 # Only plain items are kept as the loop value; a batch tensor is not.
                 value = item if type(item) in plain else None
-                append((loop_start, ctx, parent_ctx, name, iteration, value, depth, t_iter - t0))
+                start_append((ctx, parent_ctx, name, iteration, value, depth, t_iter - t0))
                 frame.ctx = ctx
                 frame.block_seen = False
                 self.ctx = ctx
                 yield item
                 t_end = clock()
                 self.ctx = parent_ctx
-                append((loop_end, ctx, t_end - t0))
+                end_append((t_end - t0, ctx))
                 if top_level:
                     seconds = t_end - t_iter
                     block = frame.block_seconds if frame.block_seen else seconds
-                    append((profile, "iteration", ctx, seconds, block))
+                    iteration_append((ctx, seconds, block))
                 if is_outer and not frame.block_seen:
                     self._block_ended(
                         ctx,

@@ -9,11 +9,16 @@ the last interval of records, and the training thread never waits on SQLite.
   hot path of ``log()``. The writer hands these tuples to ``executemany``
   as they are, so no Python code runs per value on this thread either (it
   would hold the GIL the training thread needs); SQLite derives value_type.
+- ``loop_starts``, ``loop_ends``, ``iterations``: one tuple each per loop
+  iteration, in the column order of their statements, for the same reason: a
+  tight ``loop`` must not make this thread run Python per iteration (see
+  :data:`_INSERT_STARTS`).
 - ``events``: ``(Event.X, ...)`` for everything else, see :class:`Event`.
 
-A value's loop context is always started (its LOOP_START queued) before the
-value is logged. The writer counts ``values`` before ``events``, so every
-batch holds the loop rows its values refer to.
+A value's loop context is always started (its start queued) before the
+value is logged, and an iteration's end after its start. The writer counts
+``values``, ``loop_ends`` and ``events`` before ``loop_starts``, so every batch
+holds the loop rows its values and ends refer to; it inserts the starts first.
 
 A full disk does not stop training. The batch that did not fit goes back to
 the front of the deques, one message on stderr says so, and the writer retries
@@ -49,6 +54,18 @@ FULL_RETRY = 1.0  # seconds between attempts while the store's disk is full
 FULL_CLOSE_WAIT = 3.0  # seconds the end of a run waits for space before giving up
 HELD_LIMIT = 1_000_000  # values (and, apart, other records) held in memory while full
 
+# loop_starts: (ctx_id, parent_ctx, name, iteration, value, depth, t_start)
+_INSERT_STARTS = (
+    "INSERT OR REPLACE INTO loops(run_id, ctx_id, parent_ctx, name, iteration, value, depth,"
+    " t_start) VALUES ({run}, ?, ?, ?, ?, ?, ?, ?)"
+)
+_UPDATE_ENDS = "UPDATE loops SET t_end = ? WHERE run_id = {run} AND ctx_id = ?"  # (t_end, ctx)
+# iterations: (ctx_id, seconds, block_seconds) of the top-level loop, for replay's cost model
+_INSERT_ITERATIONS = (
+    "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
+    " VALUES ({run}, 'iteration', ?, ?, ?)"
+)
+
 # Only float, int and str reach the values deque, so SQLite's typeof() names the type;
 # NULL there can only be a NaN float (SQLite stores NaN as NULL).
 _INSERT_VALUES = (
@@ -62,8 +79,6 @@ class Event(enum.Enum):
     """Records other than hot-path values that the runtime sends to the writer."""
 
     LOG = 0  # (ev, ctx_id, name, stored value, value_type): values of other types
-    LOOP_START = 1  # (ev, ctx_id, parent_ctx, name, iteration, value, depth, t_start)
-    LOOP_END = 2  # (ev, ctx_id, t_end)
     CHECKPOINT = 3  # (ev, CheckpointRecord)
     PROFILE = 4  # (ev, phase, ctx_id, seconds, block_seconds)
     RUN_UPDATE = 5  # (ev, {column: value or zero-argument callable})
@@ -78,6 +93,9 @@ class Writer:
         self.run_id = run_id
         self.interval = interval
         self.values: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.loop_starts: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.loop_ends: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.iterations: collections.deque[tuple[Any, ...]] = collections.deque()
         self.events: collections.deque[tuple[Any, ...]] = collections.deque()
         self.latest: dict[str, Any] = {}  # last value per name, for the progress bar
         self.failure: BaseException | None = None
@@ -89,7 +107,18 @@ class Writer:
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="retrolog-writer", daemon=True)
         self._conn: sqlite3.Connection | None = None
-        self._insert_values = _INSERT_VALUES.format(run=_sql_literal(run_id))
+        run = _sql_literal(run_id)
+        self._insert_values = _INSERT_VALUES.format(run=run)
+        self._insert_starts = _INSERT_STARTS.format(run=run)
+        self._update_ends = _UPDATE_ENDS.format(run=run)
+        self._insert_iterations = _INSERT_ITERATIONS.format(run=run)
+
+    def _queues(self) -> tuple[collections.deque[tuple[Any, ...]], ...]:
+        """The deques in the order a batch takes them (loop starts last, see the module)."""
+        return (self.values, self.loop_ends, self.iterations, self.events, self.loop_starts)
+
+    def _pending(self) -> bool:
+        return any(self._queues())
 
     def start(self) -> None:
         self._thread.start()
@@ -101,7 +130,7 @@ class Writer:
         the caller (often the training thread) must not wait for space.
         """
         if not self._thread.is_alive():
-            return not self.values and not self.events
+            return not self._pending()
         if self.full_error is not None:
             return False
         done = threading.Event()
@@ -136,7 +165,7 @@ class Writer:
                 if flushes or stopping:
                     # Everything queued before a FLUSH (or close) is ahead of it in the deques;
                     # the thread that asked is waiting, so emptying them terminates.
-                    while (self.values or self.events) and self.full_error is None:
+                    while self._pending() and self.full_error is None:
                         flushes += self._drain()
                 for done in flushes:
                     done.set()
@@ -157,28 +186,32 @@ class Writer:
     def _drain(self) -> list[threading.Event]:
         # At most _MAX_BATCH values per transaction: when logging outpaces SQLite, the backlog
         # is committed piece by piece (each piece is durable) instead of in one long write.
-        n_values = min(len(self.values), _MAX_BATCH)
-        n_events = len(self.events)
-        if not n_values and not n_events:
+        # Counted in _queues() order: values, ends and events before the starts they need.
+        counts = [min(len(q), _MAX_BATCH) if q is self.values else len(q) for q in self._queues()]
+        if not any(counts):
             return []
-        # islice over popleft: the batch is taken without running Python code per value.
-        values = list(itertools.islice(iter(self.values.popleft, None), n_values))
-        events = list(itertools.islice(iter(self.events.popleft, None), n_events))
+        # islice over popleft: the batch is taken without running Python code per record.
+        batch = _Batch(
+            *(
+                list(itertools.islice(iter(q.popleft, None), n))
+                for q, n in zip(self._queues(), counts, strict=True)
+            )
+        )
         cleaned = False
         while True:
             try:
-                flushes = self._write(values, events)
+                flushes = self._write(batch)
                 break
             except (OverflowError, UnicodeEncodeError):
                 # An int beyond SQLite's 64 bits or text UTF-8 cannot hold (a lone surrogate),
                 # queued as is by log()'s hot path: store those as text, once per batch.
                 if cleaned:
                     raise
-                values, events = _storable(values, events)
+                batch = _storable(batch)
                 cleaned = True
             except sqlite3.OperationalError as exc:
                 if disk_full(exc):
-                    self._hold(values, events, exc)
+                    self._hold(batch, exc)
                     return []
                 # Another process holds the write lock past busy_timeout: keep the batch, retry.
                 if "locked" not in str(exc) and "busy" not in str(exc):
@@ -195,16 +228,14 @@ class Writer:
             )
             run = self.run_id
             _say(f"the store's disk has space again: run {run}'s records are written{dropped}.")
-        self._note_latest(values)
+        self._note_latest(batch.values)
         return flushes
 
-    def _hold(
-        self, values: list[tuple[Any, ...]], events: list[tuple[Any, ...]], exc: BaseException
-    ) -> None:
+    def _hold(self, batch: _Batch, exc: BaseException) -> None:
         """Keep a batch that did not fit, ahead of what was queued since, within HELD_LIMIT."""
-        self.values.extendleft(reversed(values))
-        self.events.extendleft(reversed(events))
-        for queue in (self.values, self.events):
+        for queue, records in zip(self._queues(), batch.lists(), strict=True):
+            queue.extendleft(reversed(records))
+        for queue in self._queues():
             while len(queue) > HELD_LIMIT:
                 record = queue.pop()  # the newest: the held records stay a consistent prefix
                 if record and record[0] is Event.FLUSH:
@@ -223,7 +254,8 @@ class Writer:
     def _give_up(self) -> None:
         """The run ends and the disk is still full: say what is not written, then stop."""
         flushes = [r[1] for r in self.events if r[0] is Event.FLUSH]
-        self.unwritten = (len(self.values), len(self.events) - len(flushes))
+        other = sum(len(q) for q in self._queues()) - len(self.values) - len(flushes)
+        self.unwritten = (len(self.values), other)
         n_values, n_other = self.unwritten
         _say(
             f"run {self.run_id} ended with {n_values} value(s) and {n_other} other record(s) "
@@ -233,41 +265,25 @@ class Writer:
             "crashed, since its end could not be recorded either. Free space on that disk "
             "before the next run."
         )
-        self.values.clear()
-        self.events.clear()
+        for queue in self._queues():
+            queue.clear()
         for done in flushes:
             done.set()
 
-    def _write(
-        self, values: list[tuple[Any, ...]], events: list[tuple[Any, ...]]
-    ) -> list[threading.Event]:
+    def _write(self, batch: _Batch) -> list[threading.Event]:
         run_id = self.run_id
         logs: list[tuple[Any, ...]] = []
-        starts: list[list[Any]] = []
-        ends: list[tuple[Any, ...]] = []
         checkpoints: list[tuple[Any, ...]] = []
         profile: list[tuple[Any, ...]] = []
         updates: list[dict[str, Any]] = []
         flushes: list[threading.Event] = []
-        open_rows: dict[int, list[Any]] = {}
-        for record in events:
+        for record in batch.events:
             head = record[0]
             if head is Event.LOG:
                 if type(record[3]) is DeferredJSON:  # an array copied at log time
                     record = (*record[:3], *record[3].encode(), *record[5:])
                 logs.append((run_id, *record[1:]))
                 self.latest[record[2]] = record[3]
-            elif head is Event.LOOP_START:
-                row = [run_id, *record[1:], None]
-                starts.append(row)
-                open_rows[record[1]] = row
-            elif head is Event.LOOP_END:
-                # Most iterations start and end within one batch: one INSERT, no UPDATE.
-                started = open_rows.pop(record[1], None)
-                if started is not None:
-                    started[-1] = record[2]
-                else:
-                    ends.append((record[2], run_id, record[1]))
             elif head is Event.CHECKPOINT:
                 c = record[1]
                 checkpoints.append(
@@ -295,16 +311,15 @@ class Writer:
         assert conn is not None
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if starts:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO loops(run_id, ctx_id, parent_ctx, name, iteration,"
-                    " value, depth, t_start, t_end) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    starts,
-                )
-            if ends:
-                conn.executemany("UPDATE loops SET t_end = ? WHERE run_id = ? AND ctx_id = ?", ends)
-            if values:
-                conn.executemany(self._insert_values, values)
+            # The starts first: this batch's ends and values may be in the loops they start.
+            if batch.starts:
+                conn.executemany(self._insert_starts, batch.starts)
+            if batch.ends:
+                conn.executemany(self._update_ends, batch.ends)
+            if batch.iterations:
+                conn.executemany(self._insert_iterations, batch.iterations)
+            if batch.values:
+                conn.executemany(self._insert_values, batch.values)
             if logs:
                 conn.executemany(
                     "INSERT INTO logs(run_id, ctx_id, name, value, value_type)"
@@ -345,42 +360,68 @@ class Writer:
 
     def _release_waiters(self) -> None:
         # After a failure nobody will commit what is queued; unblock flush() callers.
-        self.values.clear()
+        for queue in self._queues():
+            if queue is not self.events:
+                queue.clear()
         while self.events:
             record = self.events.popleft()
             if record[0] is Event.FLUSH:
                 record[1].set()
 
 
-def _storable(
-    values: list[tuple[Any, ...]], events: list[tuple[Any, ...]]
-) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+class _Batch:
+    """What one transaction writes, taken from the writer's deques (see ``_queues``)."""
+
+    __slots__ = ("ends", "events", "iterations", "starts", "values")
+
+    def __init__(
+        self,
+        values: list[tuple[Any, ...]],
+        ends: list[tuple[Any, ...]],
+        iterations: list[tuple[Any, ...]],
+        events: list[tuple[Any, ...]],
+        starts: list[tuple[Any, ...]],
+    ) -> None:
+        self.values = values
+        self.ends = ends
+        self.iterations = iterations
+        self.events = events
+        self.starts = starts
+
+    def lists(self) -> tuple[list[tuple[Any, ...]], ...]:
+        """In ``Writer._queues`` order."""
+        return (self.values, self.ends, self.iterations, self.events, self.starts)
+
+
+def _storable(batch: _Batch) -> _Batch:
     """The batch with what SQLite refuses made storable (the rest is unchanged).
 
     A value's int beyond 64 bits becomes its decimal text (value type "text", as
-    ``storage_form`` gives it off the hot path); text that is not valid UTF-8 is kept
-    with the offending code points escaped (``\\ud800``), in names and values alike.
+    ``storage_form`` gives it off the hot path), a loop item's too; text that is not
+    valid UTF-8 is kept with the offending code points escaped (``\\ud800``), in names
+    and values alike.
     """
     kept: list[tuple[Any, ...]] = []
     moved: list[tuple[Any, ...]] = []
-    for ctx, name, value in values:
+    for ctx, name, value in batch.values:
         name = storable_text(name)
         if type(value) is int and not -(2**63) <= value < 2**63:
             moved.append((Event.LOG, ctx, name, str(value), "text"))
         else:
             kept.append((ctx, name, storable_text(value) if type(value) is str else value))
-    cleaned_events = [
-        tuple(
-            storable_text(field)
-            if type(field) is str
-            else {k: storable_text(v) if type(v) is str else v for k, v in field.items()}
-            if type(field) is dict
-            else field
-            for field in record
-        )
-        for record in events
-    ]
-    return kept, cleaned_events + moved
+    events = [tuple(_storable_field(field) for field in record) for record in batch.events]
+    starts = [tuple(_storable_field(field) for field in record) for record in batch.starts]
+    return _Batch(kept, batch.ends, batch.iterations, events + moved, starts)
+
+
+def _storable_field(field: Any) -> Any:
+    if type(field) is str:
+        return storable_text(field)
+    if type(field) is int and not -(2**63) <= field < 2**63:
+        return str(field)
+    if type(field) is dict:
+        return {k: storable_text(v) if type(v) is str else v for k, v in field.items()}
+    return field
 
 
 def _say(message: str) -> None:
