@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -199,3 +200,22 @@ def read_db(root: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple
 
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+# A replay worker runs the script from a temporary checkout whose path starts so.
+REPLAY_WORKERS = f"{tempfile.gettempdir()}/retrolog-"
+
+
+def replay_workers(text: str = REPLAY_WORKERS) -> list[int]:
+    """Pids of running replay workers (a train.py) whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and "train.py" in cmdline:
+            found.append(int(entry.name))
+    return found

@@ -198,7 +198,7 @@ def _bounded(call: object) -> object:
 
 
 FUZZ = settings(
-    max_examples=250,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

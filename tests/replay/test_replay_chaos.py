@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, logged_values, read_db
+from conftest import Project, logged_values, read_db, replay_workers
 
 pytestmark = pytest.mark.slow
 
@@ -55,24 +55,6 @@ PROBE = SCRIPT.replace(
     "            time.sleep(0.1)\n",
     '            time.sleep(0.1)\n            rl.log("w1", float(state["w"][1]))\n',
 )
-
-WORKERS = f"{tempfile.gettempdir()}/retrolog-"  # in a checkout's path: a replay worker
-
-
-def _replay_processes() -> list[int]:
-    """Pids of replay workers (train.py run from a retrolog checkout)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if WORKERS in cmdline and "train.py" in cmdline:
-            found.append(int(entry.name))
-    return found
-
 
 STATUS = ("status", "--porcelain=v2", "--untracked-files=all", "--ignored", "--", ".")
 STATUS += (":(exclude).retrolog",)  # retrolog's store is retrolog's
@@ -110,14 +92,14 @@ def _chaos_round(
     proc = project.start_cli("replay", "w1", "--yes")
     coordinators.append(proc.pid)
     # Until a worker trains, or the replay ends first (nothing left to do after earlier rounds).
-    _wait_for(lambda: _replay_processes() or proc.poll() is not None, 60)
+    _wait_for(lambda: replay_workers() or proc.poll() is not None, 60)
     what = f"seed {seed}, round {n}"
-    if not _replay_processes():
+    if not replay_workers():
         _, err = proc.communicate(timeout=60)
         return f"{what}: no worker started (rc {proc.returncode}): {err[-300:]}"
     time.sleep(rng.uniform(0.0, 2.0))
     sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
-    workers = _replay_processes()
+    workers = replay_workers()
     target = "coordinator" if not workers or rng.random() < 0.5 else "worker"
     pid = proc.pid if target == "coordinator" else rng.choice(workers)
     what += f": {sig.name} to the {target}"
@@ -127,7 +109,7 @@ def _chaos_round(
         what += " (already gone)"
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, f"{what}\n{err}"
-    assert _wait_for(lambda: not _replay_processes(), 5.0), f"{what}: a worker outlived it"
+    assert _wait_for(lambda: not replay_workers(), 5.0), f"{what}: a worker outlived it"
     return what
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, read_db, replay_workers
 
 pytestmark = pytest.mark.slow
 
@@ -45,24 +45,6 @@ PROBE = SCRIPT.replace(
 )
 
 
-WORKERS = f"{tempfile.gettempdir()}/retrolog-"  # in a checkout's path: a replay worker
-
-
-def _processes_with(text: str) -> list[int]:
-    """Pids of replay workers (a train.py in a checkout) whose command line has ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmdline and "train.py" in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 def _start_replay(
     project: Project, script: str = SCRIPT, probe: str = PROBE
 ) -> tuple[subprocess.Popen[str], str]:
@@ -72,11 +54,10 @@ def _start_replay(
     project.write("train.py", probe)
     proc = project.start_cli("replay", "w1", "--yes")
     marker = f"{tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
-    workers = f"{tempfile.gettempdir()}/retrolog-"  # however a checkout is named
     deadline = time.monotonic() + 60
-    while not _processes_with(workers) and time.monotonic() < deadline:
+    while not replay_workers() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _processes_with(workers), "the worker did not start"
+    assert replay_workers(), "the worker did not start"
     time.sleep(1.0)  # training, inside the step loop
     return proc, marker
 
@@ -117,9 +98,8 @@ def test_sigkill_of_the_coordinator_kills_its_worker_and_gc_sweeps_the_rest(
     proc, marker = _start_replay(project)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
-    workers = f"{tempfile.gettempdir()}/retrolog-"
     # The worker has seconds of training left: gone this soon, it was killed.
-    assert _gone(lambda: not _processes_with(workers), 3.0), "the worker outlived its coordinator"
+    assert _gone(lambda: not replay_workers(), 3.0), "the worker outlived its coordinator"
     assert _checkouts(marker), "nothing to sweep: the test no longer tests the sweep"
     assert read_db(project.root, "SELECT status FROM replays") == [("running",)]
 
@@ -136,7 +116,7 @@ def test_sigterm_of_the_coordinator_stops_and_cleans_up_like_ctrl_c(project: Pro
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "Traceback" not in err
-    assert not _processes_with(f"{tempfile.gettempdir()}/retrolog-")
+    assert not replay_workers()
     assert not _checkouts(marker)
     assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
 
@@ -145,8 +125,8 @@ def test_a_run_whose_worker_was_killed_is_replayed_again_in_full(project: Projec
     """One segment's worker killed, the other finished: the run is partial, not done."""
     quick = SCRIPT.replace("time.sleep(0.5)", "time.sleep(0.2)")
     proc, _ = _start_replay(project, quick, PROBE.replace("time.sleep(0.5)", "time.sleep(0.2)"))
-    assert _gone(lambda: len(_processes_with(WORKERS)) == 2, 30.0), "expected two segments"
-    os.kill(_processes_with(WORKERS)[0], signal.SIGKILL)
+    assert _gone(lambda: len(replay_workers()) == 2, 30.0), "expected two segments"
+    os.kill(replay_workers()[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err
     assert read_db(project.root, "SELECT status FROM replay_runs") == [("partial",)], err
