@@ -90,6 +90,7 @@ _READABLE_SETTINGS = frozenset(
 )
 # Python's sqlite3 only names SQLITE_RECURSIVE when built against SQLite >= 3.8.3.
 _SQLITE_RECURSIVE = getattr(sqlite3, "SQLITE_RECURSIVE", 33)
+_SQLITE_LIMIT_LENGTH = getattr(sqlite3, "SQLITE_LIMIT_LENGTH", 0)  # Python 3.11+ names it
 _SCHEMA_TABLES = frozenset({"sqlite_master", "sqlite_temp_master"})
 # REINDEX writes but never calls the authorizer, so it is refused by its first word.
 _UNAUTHORIZED_WRITE = re.compile(r"^(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*REINDEX\b", re.I | re.S)
@@ -265,6 +266,27 @@ def _within_limits(conn: sqlite3.Connection, limits: _Limits) -> Iterator[None]:
             signal.signal(signal.SIGINT, previous_sigint)
 
 
+@contextmanager
+def _value_cap(conn: sqlite3.Connection, memory_mb: float) -> Iterator[None]:
+    """No single value over a quarter of the memory budget (256 MB by default).
+
+    A function such as ``randomblob(900000000)`` builds its value in one step of
+    SQLite's virtual machine, which the progress handler cannot interrupt: capping
+    SQLite's value length makes it fail at once instead. Stored values are far
+    smaller (a logged array is at most 100,000 elements of JSON).
+    """
+    setlimit = getattr(conn, "setlimit", None)  # Python 3.11+
+    if not memory_mb or setlimit is None:
+        yield
+        return
+    cap = max(int(memory_mb * (1 << 20) / 4), 1 << 20)
+    previous = setlimit(_SQLITE_LIMIT_LENGTH, cap)
+    try:
+        yield
+    finally:
+        setlimit(_SQLITE_LIMIT_LENGTH, previous)
+
+
 def execute_read(
     conn: sqlite3.Connection,
     sql: str,
@@ -290,7 +312,7 @@ def execute_read(
     memory_mb = _setting(MEMORY_ENV, DEFAULT_MEMORY_MB)
     limits = _Limits(seconds, memory_mb)
     rows: list[tuple[Any, ...]] = []
-    with _within_limits(conn, limits), read_only(conn) as refusal:
+    with _within_limits(conn, limits), _value_cap(conn, memory_mb), read_only(conn) as refusal:
         try:
             cursor = conn.execute(sql)
             while batch := cursor.fetchmany(_FETCH_ROWS):
@@ -310,7 +332,9 @@ def execute_read(
                     f"LIMIT), or give it more time: {TIMEOUT_ENV}=600 (0 for no limit).",
                     sql=subject,
                 ) from exc
-            if limits.too_big or isinstance(exc, MemoryError):
+            # "string or blob too big": one value over _value_cap, made in a single step
+            # (randomblob) that the progress handler cannot interrupt.
+            if limits.too_big or isinstance(exc, MemoryError) or "too big" in str(exc):
                 raise QueryError(
                     f"{_what(subject)} needs more than its memory budget of {memory_mb:g} MB "
                     "and was stopped; nothing was changed. Narrow it (a condition on run_id or "
