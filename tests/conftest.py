@@ -207,15 +207,22 @@ REPLAY_WORKERS = f"{tempfile.gettempdir()}/retrolog-"
 
 
 def replay_workers(text: str = REPLAY_WORKERS) -> list[int]:
-    """Pids of running replay workers (a train.py) whose command line holds ``text``."""
+    """Pids of running replay workers (a train.py) whose command line or directory holds ``text``.
+
+    A worker started as a new interpreter has the script on its command line; one
+    forked by a fork server has the server's command line, and its checkout as cwd.
+    """
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(entry / "cwd")
         except OSError:
             continue
-        if text in cmdline and "train.py" in cmdline:
+        if (text in cmdline and "train.py" in cmdline) or (
+            "_zygote.py" in cmdline and cwd.startswith(text)
+        ):
             found.append(int(entry.name))
     return found

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from retrolog.runtime.modules import decode as decode_modules
+
 from conftest import Project, logged_values, read_db
 
 pytestmark = pytest.mark.slow
@@ -169,6 +171,15 @@ def test_default_replay_keeps_the_recorded_threads_and_is_bit_exact(project: Pro
     cores = len(os.sched_getaffinity(0))
     assert f"on {max(1, cores // threads)} worker(s)" in out.stderr
     assert [o["threads"] for o in _worker_outputs(project)] == [threads] * len(runs)
+    # Workers were forked from one server that had imported what the runs had (torch
+    # and the optimizer's lazy imports), not started as new interpreters.
+    assert "workers of 2 of 2 run(s) start from a fork server that imports torch" in out.stderr
+    assert "2 worker(s) forked from 1 fork server(s)" in out.stderr
+    (digest,) = {d for (d,) in read_db(project.root, "SELECT modules FROM runs")}
+    ((blob,),) = read_db(project.root, "SELECT names FROM module_sets WHERE digest = ?", (digest,))
+    modules = decode_modules(blob)
+    assert modules is not None and {"torch", "torch.optim", "torch._dynamo"} <= set(modules)
+    assert not [m for m in modules if m.startswith("retrolog") or m in ("train", "__main__")]
     out = _cli(project, "replay", "grad_norm", "--yes")
     assert out.returncode == 0, out.stderr
     assert "differs" not in out.stderr

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._replay.checkout import make_checkout, remove_checkout, sweep_checkouts
+from retrolog._replay.forkserver import ForkedProcess, Launcher, StartPlan
 from retrolog.runtime.numerics import worker_environment
 from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 from retrolog.store.metadata import process_alive, process_start_marker
@@ -47,13 +48,14 @@ class Job:
     estimate_seconds: float
     log_path: Path
     numerics: dict[str, Any] | None = None  # the run's recorded numerical environment
+    start: StartPlan | None = None  # forked from a server that imported modules, or new
     # filled in while it runs
     seconds: float = 0.0
     returncode: int | None = None
     output: dict[str, Any] | None = None
     error: str | None = None
     checkout: Path | None = None
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    process: subprocess.Popen[bytes] | ForkedProcess | None = field(default=None, repr=False)
     started: float = 0.0
 
 
@@ -98,12 +100,15 @@ def run_jobs(
     workers: int,
     python: str = sys.executable,
     on_done: Callable[[Job], None] | None = None,
+    launcher: Launcher | None = None,
 ) -> None:
     """Run ``jobs`` (already ordered longest first), at most ``workers`` at a time.
 
     Each worker gets its run's recorded numerical environment variables
     (runtime/numerics.py), whatever this shell sets; its torch threads and flags
-    travel in the spec and are applied in the worker.
+    travel in the spec and are applied in the worker. With a ``launcher``, jobs
+    whose ``start`` plan says so are forked from its fork servers
+    (_replay/forkserver.py); the others start as new interpreters.
     """
     pending = list(jobs)
     running: list[Job] = []
@@ -117,7 +122,7 @@ def run_jobs(
                 device = free_devices.pop(0) if free_devices else None
                 if device is not None:
                     device_of[job.key] = device
-                _start(job, root=root, store=store, python=python, device=device)
+                _start(job, root=root, store=store, python=python, device=device, launcher=launcher)
                 running.append(job)
             _wait_any(running)
             for job in list(running):
@@ -146,28 +151,57 @@ def _wait_any(running: Sequence[Job], timeout: float = 0.5) -> None:
 
     A worker's duration is measured to when this notices its exit, so a fixed
     polling interval would add half of it to every segment on average: wait on the
-    processes' pidfds where Linux has them, poll every 10 ms elsewhere.
+    processes' pidfds where Linux has them (on their fork server's socket for
+    forked workers, which is told of their exit), poll every 10 ms elsewhere.
     """
     if not running:
         return
-    fds: list[int] = []
+    owned: list[int] = []
+    shared: set[int] = set()
     try:
         for job in running:
-            assert job.process is not None
-            fds.append(os.pidfd_open(job.process.pid))
+            process = job.process
+            assert process is not None
+            if isinstance(process, ForkedProcess):
+                fd = process.wait_fd()
+                if fd is None:  # its server is gone: poll() knows already
+                    return
+                shared.add(fd)
+            else:
+                owned.append(os.pidfd_open(process.pid))
     except (AttributeError, OSError):  # not Linux >= 5.3, or the process is already reaped
-        for fd in fds:
+        for fd in owned:
             os.close(fd)
         time.sleep(0.01)
         return
     try:
-        select.select(fds, [], [], timeout)
+        select.select([*owned, *shared], [], [], timeout)
     finally:
-        for fd in fds:
+        for fd in owned:
             os.close(fd)
 
 
-def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None) -> None:
+def worker_env(job: Job) -> dict[str, str]:
+    """A worker's environment: this one without retrolog's variables, with the run's numerics.
+
+    What a job adds to it (its spec, its GPU) is set per worker; a fork server
+    starts with exactly this, so the modules it imports see what a new worker's would.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env = worker_environment(env, job.numerics)
+    env.update({"RETROLOG_PROGRESS": "0", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _start(
+    job: Job,
+    *,
+    root: Path,
+    store: Path,
+    python: str,
+    device: int | None,
+    launcher: Launcher | None = None,
+) -> None:
     job.checkout = make_checkout(
         root=root,
         store=store,
@@ -183,32 +217,44 @@ def _start(job: Job, *, root: Path, store: Path, python: str, device: int | None
     job.spec.checkout = str(job.checkout)
     job.spec.project = str(root)
     job.spec.save(spec_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
-    env = worker_environment(env, job.numerics)
-    env.update({SPEC_ENV: str(spec_path), "RETROLOG_PROGRESS": "0", "PYTHONUNBUFFERED": "1"})
+    server_env = worker_env(job)
+    env = {**server_env, SPEC_ENV: str(spec_path)}
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
     cwd = job.checkout / job.cwd
     if not cwd.is_dir():
         cwd = job.checkout
+    argv = [str(job.checkout / job.filename), *job.argv[1:]]
+    if launcher is not None and job.start is not None and job.start.forked:
+        job.log_path.write_bytes(b"")
+        # The fork server's own imports (once, before its first worker) are not the job's:
+        # the plan counts them apart.
+        forked = launcher.launch(
+            argv=argv, cwd=cwd, env=env, log_path=job.log_path, server_env=server_env,
+            warm=job.start.warm,
+        )  # fmt: skip
+        if forked is not None:
+            job.started = time.perf_counter()
+            job.process = forked
+            return
     log = job.log_path.open("wb")
     try:
         job.started = time.perf_counter()
         job.process = subprocess.Popen(
-            [python, str(job.checkout / job.filename), *job.argv[1:]],
+            [python, *argv],
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the coordinator, which stops workers itself
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
     finally:
         log.close()
 
 
-def _die_with(parent: int) -> Callable[[], None] | None:
+def die_with(parent: int) -> Callable[[], None] | None:
     """For preexec_fn: the worker is killed when its coordinator dies, however it dies.
 
     Linux's parent-death signal; a coordinator killed with SIGKILL (the OOM killer, a

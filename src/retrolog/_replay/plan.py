@@ -148,6 +148,9 @@ class WorkerCosts:
     # recorded one; None: each run keeps its recorded count (the default: exact).
     threads: int | None = None
     cores: int | None = None  # cores the workers share; None: no oversubscription model
+    # Per run forked from a fork server: the seconds of imports its workers do not repeat
+    # (_replay/forkserver.py); the server pays them once, before the first worker.
+    preimported: Mapping[str, float] = field(default_factory=dict)
 
     def scales(self, profile: RunProfile, workers: int) -> tuple[float, float]:
         """How much slower than recorded a worker runs: (any work, the loop's compute).
@@ -244,7 +247,8 @@ def _costs(
     prefix = profile.prefix_seconds
     if imports is not None and profile.imports_seconds is not None:
         prefix += imports - profile.imports_seconds
-    startup = slower * max(prefix - profile.setup_seconds, 0.0)
+    saved = worker.preimported.get(profile.run_id, 0.0)
+    startup = slower * max(prefix - profile.setup_seconds - saved, FORK_SECONDS if saved else 0.0)
     exit_ = worker.exit_seconds
     return _Costs(
         startup=startup,
@@ -258,6 +262,11 @@ def _costs(
         skip_prefix=tuple(_prefix_sums(skip)),
         exit=exit_,
     )
+
+
+# A worker forked from a fork server starts in about this long (fork, then the script's
+# own code up to its first loop is in the profile).
+FORK_SECONDS = 0.02
 
 
 def _restore_seconds(profile: RunProfile, i: int, seconds_per_byte: float | None) -> float | None:
@@ -318,6 +327,8 @@ def plan_replay(
         runs.append(draft.finish(k, workers))
     segments = [segment for run in runs for segment in run.segments]
     makespan, schedule = _pack(segments, workers)
+    if worker is not None and worker.preimported:
+        makespan += max(worker.preimported.values())  # the fork server imports first
     plan_notes = [*notes, *import_notes]
     if any(_uses_restores(run) for run in runs):
         if restore_seconds_per_byte is not None:

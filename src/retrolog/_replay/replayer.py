@@ -9,6 +9,7 @@ plan ──run_jobs──> worker processes ──outputs──> backfill + defe
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import sqlite3
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,14 @@ from retrolog._replay.execute import (
     claim,
     cpu_cores,
     default_workers,
+    die_with,
     log_tail,
     run_jobs,
     sweep_stale,
     terminate_as_interrupt,
+    worker_env,
 )
+from retrolog._replay.forkserver import Launcher, StartPlan, describe, start_plan
 from retrolog._replay.plan import (
     ReplayPlan,
     RunPlan,
@@ -48,6 +52,7 @@ from retrolog._replay.reuse import copy_values, find_sources
 from retrolog._replay.statements import Position, locate_statements, names_read
 from retrolog.errors import RetrologError, UsageError
 from retrolog.runtime import numerics
+from retrolog.runtime.modules import decode as decode_modules
 from retrolog.runtime.replay import WorkerSpec
 from retrolog.store.metadata import is_readonly, read_only_error
 from retrolog.store.paths import ProjectPaths
@@ -239,11 +244,16 @@ def replay(
     to_run = [r for r in placeable if r not in ready and r not in after]
 
     plan: ReplayPlan | None = None
+    starts: dict[str, StartPlan] = {}
     if to_run:
         profiles = load_profiles(conn, to_run)
         per_byte = _restore_seconds_per_byte(paths, profiles)
         workers = workers or default_workers(max((p.threads or 1 for p in profiles), default=1))
-        plan = _plan(level, profiles, workers, per_byte, notes, needs_suffix, source or "", threads)
+        starts = _start_plans(conn, paths, runs, propagations, to_run)
+        plan = _plan(
+            level, profiles, workers, per_byte, notes, needs_suffix, source or "", threads,
+            starts,
+        )  # fmt: skip
         for run_plan in plan.runs:
             run_id = run_plan.run_id
             outcomes[run_id] = RunOutcome(
@@ -273,6 +283,7 @@ def replay(
             conn, paths, plan, runs, propagations, outcomes, names,
             replay_id=replay_id, filename=filename, where=where, force=force,
             echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
+            starts=starts,
         )  # fmt: skip
     _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
     actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
@@ -467,20 +478,82 @@ def _plan(
     run_suffix: bool,
     source: str,
     threads: int | None,
+    starts: Mapping[str, StartPlan] | None = None,
 ) -> ReplayPlan:
-    """The plan, for workers that keep each run's recorded thread count (or ``threads``)."""
+    """The plan, for workers that keep each run's recorded thread count (or ``threads``).
+
+    starts: how each run's workers start; a forked worker skips the imports its fork
+    server made once (the server's measured time, else the recorded imports).
+    """
     cores = cpu_cores()
+    starts = starts or {}
+    preimported = {
+        p.run_id: _preimport_seconds(starts[p.run_id], p)
+        for p in profiles
+        if p.run_id in starts and starts[p.run_id].forked
+    }
     worker = WorkerCosts(
         exit_seconds=EXIT_SECONDS,
         teardown_seconds=teardown_seconds(source),
         threads=threads,
         cores=cores,
+        preimported=preimported,
     )
+    start = describe([starts[p.run_id] for p in profiles if p.run_id in starts])
     return plan_replay(
         level, profiles, workers, restore_seconds_per_byte=per_byte,
-        notes=(*notes, *_thread_notes(profiles, workers, threads, cores)),
+        notes=(*notes, *_thread_notes(profiles, workers, threads, cores), *([start] * bool(start))),
         run_suffix=run_suffix, worker=worker,
     )  # fmt: skip
+
+
+def _preimport_seconds(start: StartPlan, profile: Any) -> float:
+    """What a forked worker of this run does not repeat: its fork server's imports.
+
+    Measured by an earlier replay's server for the same modules when there was one;
+    otherwise the run's recorded start before its first retrolog call (interpreter
+    and imports: less than the server imports, so the estimate errs long).
+    """
+    if start.warm_seconds is not None:
+        return start.warm_seconds
+    return float(profile.imports_seconds or 0.0)
+
+
+def _start_plans(
+    conn: sqlite3.Connection,
+    paths: ProjectPaths,
+    runs: Mapping[str, Mapping[str, Any]],
+    propagations: Mapping[str, Propagation],
+    run_ids: Sequence[str],
+) -> dict[str, StartPlan]:
+    """How each run's workers start (_replay/forkserver.py), from what the run imported."""
+    found: dict[str, StartPlan] = {}
+    for run_id in run_ids:
+        row = runs[run_id]
+        recorded, warm_seconds = _recorded_modules(conn, row.get("modules"))
+        script_dir = (paths.root / row["filename"]).parent
+        start = start_plan(
+            propagations[run_id].source, recorded, root=paths.root, script_dir=script_dir
+        )
+        if start.forked:
+            start = replace(start, digest=row.get("modules"), warm_seconds=warm_seconds)
+        found[run_id] = start
+    return found
+
+
+def _recorded_modules(
+    conn: sqlite3.Connection, digest: str | None
+) -> tuple[list[str] | None, float | None]:
+    """The module set a run recorded (None: none recorded), and its measured import time."""
+    if not digest:
+        return None, None
+    row = conn.execute(
+        "SELECT names, warm_seconds FROM module_sets WHERE digest = ?", (digest,)
+    ).fetchone()
+    if row is None:
+        return None, None
+    seconds = row[1] if isinstance(row[1], float) and row[1] >= 0 else None
+    return decode_modules(row[0]), seconds
 
 
 def _thread_notes(
@@ -697,6 +770,7 @@ def _execute(
     threads: int | None,
     verify: bool,
     lineage: _RunLineage,
+    starts: Mapping[str, StartPlan],
 ) -> None:
     from retrolog._query.lineage import keep
 
@@ -720,6 +794,12 @@ def _execute(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
         threads, verify,
     )  # fmt: skip
+    # Fork servers start importing now, while the first checkouts are made.
+    launcher = Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
+    for job in jobs:
+        job.start = starts.get(job.run_id)
+        if job.start is not None and job.start.forked:
+            launcher.prepare(worker_env(job), job.start.warm)
     bar = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
@@ -733,18 +813,41 @@ def _execute(
     status = "finished"
     try:
         with terminate_as_interrupt():
-            run_jobs(jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done)
+            run_jobs(
+                jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done,
+                launcher=launcher,
+            )  # fmt: skip
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
+        launcher.close()
         if bar is not None:
             bar.close()
+        for line in [*launcher.notes, launcher.summary()]:
+            if line:
+                echo(line)
+        _keep_warm_seconds(conn, launcher, jobs)
         _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
         conn.execute(
             "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
             (time.time(), status, replay_id),
         )
+
+
+def _keep_warm_seconds(conn: sqlite3.Connection, launcher: Launcher, jobs: Sequence[Job]) -> None:
+    """What each fork server's imports took, for the next plan of runs with those modules."""
+    for server in launcher.servers.values():
+        if server.ready is None:
+            continue
+        digests = {
+            j.start.digest for j in jobs if j.start is not None and j.start.warm == server.warm
+        }
+        if len(digests) == 1 and None not in digests:
+            conn.execute(
+                "UPDATE module_sets SET warm_seconds = ? WHERE digest = ?",
+                (float(server.ready.get("ready", 0.0)), digests.pop()),
+            )
 
 
 def _keep_propagated(

@@ -354,6 +354,9 @@ class Run:
         params = cli_args.click_params()
         if params:
             self.set_parsed_args(params)
+        # What a replay's fork server imports before forking workers (runtime/modules.py):
+        # the items are listed by the writer thread, not here.
+        self.events.append((Event.MODULES, list(sys.modules.items()), self.paths.root))
         torch = sys.modules.get("torch")
         if torch is None:
             return

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog.errors import disk_full
+from retrolog.runtime import modules
 from retrolog.runtime.values import DeferredJSON
 from retrolog.store.metadata import connect, rollback, storable_text
 
@@ -83,6 +84,7 @@ class Event(enum.Enum):
     PROFILE = 4  # (ev, phase, ctx_id, seconds, block_seconds)
     RUN_UPDATE = 5  # (ev, {column: value or zero-argument callable})
     FLUSH = 6  # (ev, threading.Event set once everything queued before it is committed)
+    MODULES = 7  # (ev, sys.modules items, project root): the run's installed modules
 
 
 class Writer:
@@ -277,6 +279,7 @@ class Writer:
         profile: list[tuple[Any, ...]] = []
         updates: list[dict[str, Any]] = []
         flushes: list[threading.Event] = []
+        module_sets: list[tuple[str, bytes]] = []
         for record in batch.events:
             head = record[0]
             if head is Event.LOG:
@@ -307,6 +310,9 @@ class Writer:
                 updates.append(record[1])
             elif head is Event.FLUSH:
                 flushes.append(record[1])
+            elif head is Event.MODULES:
+                # Listed here, off the training thread (runtime/modules.py).
+                module_sets.append(modules.encode(modules.installed(record[1], record[2])))
         conn = self._conn
         assert conn is not None
         conn.execute("BEGIN IMMEDIATE")
@@ -344,6 +350,11 @@ class Writer:
                 # A callable value is evaluated here, off the training thread.
                 params = [v() if callable(v) else v for v in columns.values()]
                 conn.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?", (*params, run_id))
+            for digest, blob in module_sets:
+                conn.execute(
+                    "INSERT OR IGNORE INTO module_sets(digest, names) VALUES (?, ?)", (digest, blob)
+                )
+                conn.execute("UPDATE runs SET modules = ? WHERE run_id = ?", (digest, run_id))
             conn.execute("COMMIT")
         except BaseException:
             rollback(conn)

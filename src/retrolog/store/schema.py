@@ -205,6 +205,21 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        7,
+        "replay start-up: the installed modules a run had imported when training started",
+        """
+        ALTER TABLE runs ADD COLUMN modules TEXT;
+        CREATE TABLE module_sets (
+            digest       TEXT PRIMARY KEY,
+            names        BLOB NOT NULL,
+            warm_seconds REAL
+        ) WITHOUT ROWID
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,250 @@
+"""The fork server's own program: imports a script's heavy modules once, then forks workers.
+
+This file runs as a module of its own in a process started by
+_replay/forkserver.py (``python -c BOOT <this file> <fd>``), never as part of
+the retrolog package: a worker must import retrolog itself, after it knows
+its spec, so nothing here imports retrolog, and only the standard library is
+used before the modules to pre-import are.
+
+Protocol, one JSON object per line on the socket ``fd``:
+
+- coordinator -> server: ``{"warm": [names]}`` once, then ``{"run": {...}}``
+  per worker: argv (argv[0] the script), cwd, env, log (a file for stdout and
+  stderr), key;
+- server -> coordinator: ``{"ready": seconds, "imported": n, "failed": [...]}``
+  or ``{"unsafe": reason}`` (then it exits), ``{"started": pid, "key": k}`` per
+  worker, ``{"exited": pid, "returncode": rc}`` (negative: killed by that
+  signal, as subprocess reports it).
+
+A forked worker becomes what ``python script argv...`` would have been: its
+own session, stdin from /dev/null, stdout and stderr to its log, the job's cwd,
+environment, argv and ``sys.path[0]``, a fresh ``__main__``, numpy's and
+torch's default generators reseeded from the OS as a new interpreter's are
+(Python's ``random`` reseeds itself after a fork), and it dies with the
+server, which dies with the coordinator.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import ctypes
+import importlib
+import importlib.machinery
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def serve(fd: int) -> dict[str, Any]:
+    """Serve until the coordinator hangs up; returns (in a forked child) the job to run."""
+    sock = socket.socket(fileno=fd)
+    lines = _Lines(sock)
+    first = json.loads(lines.next(block=True) or b"{}")
+    started = time.perf_counter()
+    failed = _warm(first.get("warm") or [])
+    reason = _unsafe()
+    if reason:
+        _send(sock, {"unsafe": reason})
+        os._exit(0)
+    _send(
+        sock,
+        {
+            "ready": time.perf_counter() - started,
+            "imported": len(first.get("warm") or []) - len(failed),
+            "failed": failed[:20],
+        },
+    )
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    server_pid = os.getpid()
+    while True:
+        _reap(sock)
+        line = lines.next(block=False)
+        if line is None:
+            ready, _, _ = select.select([sock.fileno(), wake_r], [], [], 1.0)
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+            if sock.fileno() in ready:
+                lines.fill()
+            continue
+        if not line:  # the coordinator is done (or gone): workers die with this process
+            os._exit(0)
+        job = json.loads(line)["run"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # 3.12's multi-threaded fork warning: see _unsafe
+            pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(wake_r)
+            os.close(wake_w)
+            sock.close()
+            _become(job, server_pid)
+            return job
+        _send(sock, {"started": pid, "key": job.get("key")})
+
+
+class _Lines:
+    """Lines from a socket: ``next`` gives a complete line, b"" at EOF, None for "not yet"."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self.eof = False
+
+    def fill(self) -> None:
+        data = self.sock.recv(1 << 16)
+        if data:
+            self.buffer += data
+        else:
+            self.eof = True
+
+    def next(self, *, block: bool) -> bytes | None:
+        while True:
+            line, newline, rest = self.buffer.partition(b"\n")
+            if newline:
+                self.buffer = rest
+                return line
+            if self.eof:
+                return b""
+            if not block:
+                return None
+            self.fill()
+
+
+def _warm(names: list[str]) -> list[str]:
+    """Import ``names`` in order; the ones that failed (the worker imports what it needs)."""
+    failed = []
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # any failure only means "not pre-imported"
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            failed.append(f"{name}: {type(exc).__name__}")
+    return failed
+
+
+def _unsafe() -> str | None:
+    """Why forking this process now would not give a worker a clean start (None: it would)."""
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        return f"importing the script's modules started Python threads ({names})"
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is not None and cuda.is_initialized():
+            return "importing the script's modules initialised CUDA"
+    except Exception:  # a torch without is_initialized: nothing was set up
+        pass
+    extra = _native_threads() - 1
+    if extra > 0 and not (_openblas_loaded() and extra <= (os.cpu_count() or 1)):
+        return f"importing the script's modules started {extra} native thread(s)"
+    return None
+
+
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _openblas_loaded() -> bool:
+    """OpenBLAS's pool (numpy's) stops its threads before a fork (its pthread_atfork handler)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("openblas" in line.lower() for line in maps)
+    except OSError:
+        return False
+
+
+def _become(job: dict[str, Any], server_pid: int) -> None:
+    """In the forked child: set the process up as ``python script argv...`` would be."""
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server_pid:  # the server died before the line above
+        os._exit(1)
+    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    os.chdir(job["cwd"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    script = job["argv"][0]
+    sys.argv = list(job["argv"])
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # Generators a new interpreter seeds from the OS at import, reseeded so: unseeded
+    # randomness differs between workers as between processes. (Python's random module
+    # reseeds itself after a fork; CUDA's generators are made later, in the worker.)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        generator.seed()
+
+
+def run_script(path: str) -> None:
+    """Run ``path`` as ``__main__``, in the real ``__main__`` module (pickling finds it)."""
+    import __main__
+
+    namespace = __main__.__dict__
+    namespace.clear()
+    namespace.update(
+        __name__="__main__",
+        __doc__=None,
+        __package__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+        __spec__=None,
+        __annotations__={},
+        __builtins__=builtins,
+        __file__=path,
+        __cached__=None,
+    )
+    sys.modules.pop("_retrolog_zygote", None)
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec", dont_inherit=True)
+    exec(code, namespace)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        _send(sock, {"exited": pid, "returncode": code})
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+def main(fd: int) -> None:
+    job = serve(fd)
+    run_script(job["argv"][0])

@@ -1,0 +1,247 @@
+"""Fork servers: a forked worker is the process ``python script argv...`` would have been.
+
+The server is the real one (_replay/_zygote.py in its own process, with numpy and
+torch imported); each test compares what a forked worker sees with what a new
+interpreter running the same script sees.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from retrolog._replay.execute import die_with
+from retrolog._replay.forkserver import ForkServer, Launcher, describe, start_plan
+
+PROBE = """\
+import json, os, pickle, random, sys, threading
+
+import numpy as np
+import torch
+
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+
+already = sorted(m for m in ("numpy", "torch", "retrolog") if m in sys.modules)
+print(json.dumps({
+    "argv": sys.argv,
+    "cwd": os.getcwd(),
+    "path0": sys.path[0],
+    "name": __name__,
+    "file": __file__,
+    "spec": __spec__ is None,
+    "package": __package__,
+    "main_is_module": sys.modules["__main__"].__dict__ is globals(),
+    "pickled": pickle.loads(pickle.dumps(Point(3))).x,
+    "env": os.environ.get("PROBE_VALUE"),
+    "secret": os.environ.get("PROBE_ONLY_IN_SERVER"),
+    "session_leader": os.getsid(0) == os.getpid(),
+    "stdin": sys.stdin.read(),
+    "threads": threading.active_count(),
+    "torch_seed": torch.initial_seed(),
+    "torch_rand": torch.rand(3).tolist(),
+    "random": random.random(),
+    "numpy": float(np.random.random()),
+    "torch_threads": torch.get_num_threads(),
+    "retrolog_loaded": "retrolog" in sys.modules,
+}))
+sys.stdout.flush()
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+"""
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ForkServer]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env["PROBE_ONLY_IN_SERVER"] = "server"
+    forks = ForkServer(
+        python=sys.executable, env=env, warm=["numpy", "torch", "torch.optim"],
+        log_path=tmp_path / "server.log", preexec=die_with(os.getpid()),
+    )  # fmt: skip
+    yield forks
+    forks.close()
+
+
+def _script(tmp_path: Path, text: str = PROBE) -> Path:
+    folder = tmp_path / "checkout" / "sub"
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "probe.py"
+    script.write_text(text)
+    return script
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env.update(extra)
+    return env
+
+
+def _fresh(script: Path, *args: str, **extra: str) -> tuple[int, str]:
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], cwd=script.parent.parent, env=_env(**extra),
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+        start_new_session=True,  # as replay starts a new-interpreter worker
+    )  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _forked(
+    server: ForkServer, script: Path, *args: str, log: Path, **extra: str
+) -> tuple[int, str]:
+    log.write_bytes(b"")
+    process = server.launch(
+        argv=[str(script), *args], cwd=script.parent.parent, env=_env(**extra), log_path=log
+    )
+    assert process is not None, server.unsafe
+    code = process.wait(timeout=120)
+    return code, log.read_text()
+
+
+def test_a_forked_worker_sees_what_a_new_interpreter_sees(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    script = _script(tmp_path)
+    code, out = _fresh(script, "--lr", "0.1", PROBE_VALUE="job")
+    assert code == 0, out
+    fresh = json.loads(out)
+    first = second = None
+    for i in range(2):
+        code, out = _forked(
+            server, script, "--lr", "0.1", log=tmp_path / f"w{i}.log", PROBE_VALUE="job"
+        )
+        assert code == 0, out
+        if i == 0:
+            first = json.loads(out)
+        else:
+            second = json.loads(out)
+    assert first is not None and second is not None
+    assert server.ready is not None and server.ready["imported"] >= 3
+    same = (
+        "argv", "cwd", "path0", "name", "file", "spec", "package", "main_is_module",
+        "pickled", "env", "secret", "session_leader", "stdin", "threads", "torch_threads",
+        "retrolog_loaded",
+    )  # fmt: skip
+    assert {k: first[k] for k in same} == {k: fresh[k] for k in same}
+    assert first["secret"] is None  # the job's environment, not the server's
+    assert fresh["argv"] == [str(script), "--lr", "0.1"]
+    assert fresh["path0"] == str(script.parent)
+    # Unseeded generators differ between workers, as between new interpreters.
+    for key in ("random", "numpy", "torch_seed", "torch_rand"):
+        assert first[key] != second[key], key
+
+
+def test_exit_codes_errors_and_signals_are_reported_as_for_a_process(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    script = _script(tmp_path)
+    code, _ = _forked(server, script, log=tmp_path / "a.log", PROBE_EXIT="3")
+    assert code == 3
+    failing = _script(tmp_path, "import torch\nraise ValueError('bad batch')\n")
+    code, out = _forked(server, failing, log=tmp_path / "b.log")
+    assert code == 1
+    assert "ValueError: bad batch" in out and "Traceback" in out
+    killed = _script(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    code, _ = _forked(server, killed, log=tmp_path / "c.log")
+    assert code == -signal.SIGKILL
+
+
+def test_a_worker_dies_with_its_server(server: ForkServer, tmp_path: Path) -> None:
+    sleeper = _script(tmp_path, "import time\ntime.sleep(120)\n")
+    (tmp_path / "s.log").write_bytes(b"")
+    process = server.launch(
+        argv=[str(sleeper)], cwd=sleeper.parent, env=_env(), log_path=tmp_path / "s.log"
+    )
+    assert process is not None
+    os.kill(server.process.pid, signal.SIGKILL)
+    assert process.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{process.pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # reaped by init once its parent is gone
+    state = Path(f"/proc/{process.pid}/stat")
+    assert not state.exists() or state.read_text().split()[2] == "Z"
+
+
+def test_imports_that_start_a_thread_make_workers_start_as_new_interpreters(
+    tmp_path: Path,
+) -> None:
+    library = tmp_path / "site"
+    library.mkdir()
+    (library / "busylib.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True, name='poller').start()\n"
+    )
+    launcher = Launcher(python=sys.executable, logs_dir=tmp_path)
+    script = _script(tmp_path, "import busylib\nprint('ran')\n")
+    env = _env(PYTHONPATH=str(library))
+    try:
+        process = launcher.launch(
+            argv=[str(script)], cwd=script.parent, env=env, log_path=tmp_path / "w.log",
+            server_env=env, warm=["busylib"],
+        )  # fmt: skip
+    finally:
+        launcher.close()
+    assert process is None
+    assert launcher.fresh == 1 and launcher.forked == 0
+    assert any("started Python threads (poller)" in note for note in launcher.notes)
+
+
+def test_the_plan_says_why_a_script_is_not_forked(tmp_path: Path) -> None:
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "models.py").write_text("")
+    recorded = ["numpy", "numpy.linalg", "torch", "torch._dynamo", "tqdm", "models"]
+
+    def plan(source: str, modules: list[str] | None = recorded) -> object:
+        return start_plan(source, modules, root=root, script_dir=root)
+
+    forked = plan("import torch\nimport models\nfrom numpy import linalg\n")
+    assert forked.warm == ("numpy", "numpy.linalg", "torch", "torch._dynamo")
+    assert forked.packages == ("torch", "numpy")  # never the project's own models.py
+    assert plan("import torch\n", None).warm == ("torch",)  # recorded before modules were kept
+    for source, reason in [
+        ("import os\nos.environ['OMP_NUM_THREADS'] = '1'\nimport torch\n", "os.environ (line 2)"),
+        ("import os\nos.environ.setdefault('X', '1')\nimport torch\n", "os.environ (line 2)"),
+        ("import sys\nsys.path.insert(0, '../lib')\nimport torch\n", "sys.path (line 2)"),
+        ("import json\nimport models\n", "imports no installed package"),
+        ("def f(:\n", "does not parse"),
+    ]:
+        result = plan(source)
+        assert not result.forked and reason in result.reason, (source, result)
+    assert "none of the script's packages" in plan("import torch\n", ["numpy"]).reason
+    text = describe([forked, plan("import json\n")])
+    assert "workers of 1 of 2 run(s) start from a fork server that imports numpy, torch" in text
+    assert "1 run(s) start as new interpreters (the script imports no installed" in text
+
+
+def test_forkserver_off_by_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RETROLOG_FORKSERVER", "0")
+    result = start_plan("import torch\n", ["torch"], root=tmp_path, script_dir=tmp_path)
+    assert not result.forked and result.reason == "RETROLOG_FORKSERVER=0"
+
+
+def test_the_server_program_imports_nothing_of_retrolog() -> None:
+    source = (Path(__file__).parents[2] / "src/retrolog/_replay/_zygote.py").read_text()
+    tree = ast.parse(source)
+    imported = {
+        alias.name.partition(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {
+        (node.module or "").partition(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert imported <= set(sys.stdlib_module_names) | {"__future__", "__main__"}
