@@ -154,8 +154,27 @@ class ReplayRun:
         # queued after it is one a crashed run may never have got to.
         self._loop_mark: tuple[int, int] | None = None
         self._store: Any = None
+        self._prefetch: Any = None
         self.writer = None
         self._torch_ran: dict[str, Any] | None = None  # torch's state when training started
+        if "torch" in sys.modules:  # the checkpoints' tensors can be made off this thread now
+            self._start_prefetch()
+
+    def _start_prefetch(self) -> None:
+        """Read and decode the checkpoints this segment restores, ahead, in their order."""
+        if self._prefetch is not None:
+            return
+        from retrolog.checkpoint.prefetch import Prefetcher
+        from retrolog.store.objects import LocalObjectStore
+
+        spec = self.spec
+        if spec.restore_end:
+            order = [spec.end_checkpoint]
+        else:
+            order = [spec.block_checkpoints.get(str(i)) for i in sorted(spec.restore)]
+        self._store = LocalObjectStore(Path(spec.store) / "objects")
+        self._prefetch = Prefetcher(self._store, [m for m in order if m])
+        self._prefetch.start()
 
     # -- the public calls ------------------------------------------------------------
 
@@ -189,6 +208,8 @@ class ReplayRun:
         role, _ = loop_role(stack, scope)
         if depth == 0 and self._loop_mark is None:
             self._loop_mark = (len(self.values), len(self.events))
+        if depth == 0 and self._prefetch is None:
+            self._start_prefetch()
         if depth == 0 and self._torch_ran is None:
             self.set_parsed_args(cli_args.click_params())
             torch = sys.modules.get("torch")
@@ -268,16 +289,14 @@ class ReplayRun:
         An object that is missing or corrupt is found while decoding, before any live
         object changes, so the caller can execute the code instead, from the same state.
         """
-        from retrolog.checkpoint.capture import restore_checkpoint
+        from retrolog.checkpoint.state import restore
         from retrolog.errors import StoreError
-        from retrolog.store.objects import LocalObjectStore
 
         if manifest is None or scope is None:
             raise RuntimeError(
                 "retrolog replay: the plan asked to restore a checkpoint this run does not have"
             )
-        if self._store is None:
-            self._store = LocalObjectStore(Path(self.spec.store) / "objects")
+        self._start_prefetch()
         started = time.perf_counter()
         try:
             values, not_captured = frames.load(self._frame_locals.get(key))
@@ -292,7 +311,9 @@ class ReplayRun:
             )
             return False
         try:
-            restore_checkpoint(scope.objects, self._store, manifest)
+            # Decoded ahead by the prefetcher (checkpoint/prefetch.py) while the code before
+            # this point ran; what is left here is putting it into the live objects.
+            restore(scope.objects, self._prefetch.take(manifest))
         except StoreError as exc:
             self._fallbacks.append([manifest, f"it cannot be read: {exc}"])
             print(
@@ -368,6 +389,7 @@ class ReplayRun:
             "restored": self._restored,
             "fallbacks": self._fallbacks,
             "restore_seconds": self._restore_seconds,
+            "prefetch": self._prefetch.figures() if self._prefetch is not None else None,
             "seconds": time.perf_counter() - self._started,
             "last_checkpoint": self._last_checkpoint,
             "threads": _torch_threads(),

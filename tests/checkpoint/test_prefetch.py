@@ -1,0 +1,151 @@
+"""The replay worker's prefetcher: checkpoints decoded ahead, in order, on another thread."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrolog.checkpoint.codec import decode, encode
+from retrolog.checkpoint.prefetch import Prefetcher
+from retrolog.checkpoint.state import Snapshot
+from retrolog.errors import StoreError
+from retrolog.store.objects import LocalObjectStore
+
+
+class _Recording(LocalObjectStore):
+    """A real store that notes which thread read each object, and can be slow."""
+
+    def __init__(self, root: Path, delay: float = 0.0) -> None:
+        super().__init__(root, durable=False)
+        self.delay = delay
+        self.threads: set[str] = set()
+
+    def get(self, key: str) -> bytes:
+        self.threads.add(threading.current_thread().name)
+        if self.delay:
+            time.sleep(self.delay)
+        return super().get(key)
+
+
+def _checkpoints(store: LocalObjectStore, n: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [
+        encode(Snapshot(objects={"w": rng.standard_normal(1000), "i": i}, rng={}), store)[0]
+        for i in range(n)
+    ]
+
+
+def _same(a: Snapshot, b: Snapshot) -> bool:
+    return a.objects["i"] == b.objects["i"] and np.array_equal(a.objects["w"], b.objects["w"])
+
+
+def test_checkpoints_are_decoded_off_the_worker_thread_and_equal_a_direct_decode(
+    tmp_path: Path,
+) -> None:
+    store = _Recording(tmp_path / "objects")
+    keys = _checkpoints(store, 5)
+    reference = [decode(k, store) for k in keys]
+    store.threads.clear()
+    prefetch = Prefetcher(store, keys)
+    prefetch.start()
+    for key, expected in zip(keys, reference, strict=True):
+        time.sleep(0.02)  # the code between two restores
+        assert _same(prefetch.take(key), expected)
+    assert store.threads == {"retrolog-prefetch"}
+    assert prefetch.decode_seconds > 0
+
+
+def test_the_wait_is_shorter_than_the_decode_when_code_runs_between_restores(
+    tmp_path: Path,
+) -> None:
+    store = _Recording(tmp_path / "objects", delay=0.05)
+    keys = _checkpoints(store, 4)
+    prefetch = Prefetcher(store, keys)
+    prefetch.start()
+    for key in keys:
+        time.sleep(0.3)  # longer than a decode: each one is ready when it is taken
+        prefetch.take(key)
+    assert prefetch.wait_seconds < 0.1 < prefetch.decode_seconds
+
+
+def test_an_unreadable_checkpoint_raises_on_take_and_the_rest_still_come(
+    tmp_path: Path,
+) -> None:
+    store = LocalObjectStore(tmp_path / "objects", durable=False)
+    keys = _checkpoints(store, 4)
+    reference = [decode(k, store) for k in keys]
+    path = store.path(keys[1])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    prefetch = Prefetcher(store, keys)
+    prefetch.start()
+    assert _same(prefetch.take(keys[0]), reference[0])
+    with pytest.raises(StoreError):
+        prefetch.take(keys[1])
+    with pytest.raises(StoreError):  # asked again (the worker tries once more): same answer
+        prefetch.take(keys[1])
+    assert _same(prefetch.take(keys[2]), reference[2])
+    assert _same(prefetch.take(keys[3]), reference[3])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_order_of_takes_gets_the_right_checkpoint_and_never_hangs(
+    tmp_path: Path, seed: int
+) -> None:
+    """Skips, repeats, a checkpoint that was not announced, racing the thread's end."""
+    chooser = random.Random(seed)
+    store = LocalObjectStore(tmp_path / "objects", durable=False)
+    keys = _checkpoints(store, 6)
+    reference = dict(zip(keys, (decode(k, store) for k in keys), strict=True))
+    announced = keys[:5]  # keys[5] is restored without having been announced
+    prefetch = Prefetcher(store, announced, ahead=chooser.choice([1, 2]))
+    prefetch.start()
+    position = 0
+    takes = []
+    while position < len(keys):
+        takes.append(keys[position])
+        if chooser.random() < 0.2:
+            takes.append(keys[position])  # restored again
+        position += chooser.choice([1, 1, 2])  # sometimes a block is executed instead
+    done = threading.Event()
+    results: list[bool] = []
+
+    def worker() -> None:
+        for key in takes:
+            if chooser.random() < 0.5:
+                time.sleep(chooser.random() * 0.01)
+            results.append(_same(prefetch.take(key), reference[key]))
+        done.set()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    assert done.wait(30), f"take() hung on {takes}"
+    assert results == [True] * len(takes)
+
+
+def test_taking_a_later_checkpoint_first_does_not_wait_for_one_that_is_never_decoded(
+    tmp_path: Path,
+) -> None:
+    """The worker executed block 0 instead of restoring it, and asks for block 1 first."""
+    store = LocalObjectStore(tmp_path / "objects", durable=False)
+    keys = _checkpoints(store, 2)  # block 1 is the last: nothing wakes the worker later
+    reference = decode(keys[1], store)
+    prefetch = Prefetcher(store, keys, ahead=1)
+    prefetch.start()
+    time.sleep(0.2)  # block 0 is decoded; the thread waits to be allowed to go on
+    done = threading.Event()
+    found: list[Snapshot] = []
+
+    def worker() -> None:
+        found.append(prefetch.take(keys[1]))
+        done.set()
+
+    threading.Thread(target=worker, daemon=True).start()
+    assert done.wait(10), "take() waited for a checkpoint the thread skipped"
+    assert _same(found[0], reference)
