@@ -347,6 +347,16 @@ def retrolog_rep(
                 replays[f"{probe}-{workers}"] = replay_once(
                     python, project, env, logs, name, workers, runs, reference[name]
                 )
+        # The same outer-loop replay with every worker a new interpreter: the fork
+        # server's share, side by side (docs/replay.md, "How workers start").
+        shutil.rmtree(project / ".retrolog")
+        shutil.copytree(recorded_store, project / ".retrolog")
+        replays["outer-1-fresh"] = replay_once(
+            python, project, {**env, "RETROLOG_FORKSERVER": "0"}, logs, workload.OUTER_NAME, 1,
+            runs, reference[workload.OUTER_NAME], label="-fresh",
+        )  # fmt: skip
+        if not replays["outer-1"]["forked"] or replays["outer-1-fresh"]["forked"]:
+            raise BenchError("the fork server was not used as configured (see the replay logs)")
         if git_state(project, env) != git_before:
             raise BenchError("replay changed the project's HEAD or working tree")
         reference_digest = {
@@ -444,9 +454,10 @@ def replay_once(
     workers: int,
     runs: list[str],
     reference: list[Values],
+    label: str = "",
 ) -> dict[str, Any]:
     """One ``retrolog replay NAME --yes --workers N`` on a fresh copy of the recorded store."""
-    log = logs / f"replay-{name}-{workers}.log"
+    log = logs / f"replay-{name}-{workers}{label}.log"
     cmd = [str(python), "-m", "retrolog", "replay", name, "--yes", "--workers", str(workers)]
     timing = timed(cmd, project, env, log)
     seconds = timing.seconds
@@ -504,6 +515,8 @@ def replay_once(
         )
     execution = ended - started
     return {
+        "forked": "forked from" in output,
+        "restores": restore_figures(segments_dir),
         "seconds": seconds,
         "cpu_seconds": timing.cpu_seconds,
         "load_average_after": os.getloadavg()[0],
@@ -516,6 +529,60 @@ def replay_once(
         "segments": sum(r["segments"] for r in run_figures),
         "runs": run_figures,
         "values": merge_counts(counts),
+    }
+
+
+def restore_figures(segments_dir: Path) -> dict[str, Any]:
+    """What restoring cost the workers' critical path, against torch.load of the same state.
+
+    From the workers' outputs: restores, ``restore_seconds`` (on the worker's thread:
+    waiting for the prefetched checkpoint, then putting it into the live objects) and
+    the prefetcher's decode time (on its thread). Then each restored checkpoint is
+    decoded here, its state saved with torch.save and loaded back with torch.load
+    (warm page cache, one thread, best of 3): the time a hand-written resume would
+    spend reading the same state.
+    """
+    import torch
+
+    from retrolog.checkpoint.codec import decode
+    from retrolog.checkpoint.state import thaw
+    from retrolog.store.objects import LocalObjectStore
+
+    torch.set_num_threads(1)
+    store = LocalObjectStore(segments_dir.parent.parent / "objects")
+    restored = critical = decoded = waited = 0.0
+    manifests: list[str] = []
+    for out_path in segments_dir.glob("*.out.json"):
+        out = json.loads(out_path.read_text())
+        spec = json.loads(out_path.with_name(out_path.name.replace(".out", ".spec")).read_text())
+        restored += out["restored"]
+        critical += out["restore_seconds"]
+        prefetch = out.get("prefetch") or {}
+        decoded += prefetch.get("decode_seconds", 0.0)
+        waited += prefetch.get("wait_seconds", 0.0)
+        manifests += [spec["block_checkpoints"][str(i)] for i in spec["restore"]]
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state.pt"
+        for manifest in manifests:
+            torch.save(thaw(decode(manifest, store).objects), path)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                torch.load(path, weights_only=True)
+                times.append(time.perf_counter() - t0)
+            loads.append(min(times))
+    per_restore = critical / restored if restored else None
+    torch_load = statistics.median(loads) if loads else None
+    return {
+        "restored": int(restored),
+        "critical_path_seconds_per_restore": per_restore,
+        "decode_seconds_per_restore": decoded / restored if restored else None,
+        "wait_seconds_per_restore": waited / restored if restored else None,
+        "torch_load_seconds": torch_load,
+        "critical_path_over_torch_load": (
+            per_restore / torch_load if per_restore is not None and torch_load else None
+        ),
     }
 
 
@@ -720,6 +787,27 @@ def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
             [a / b / IDEAL_PARALLEL_SPEEDUP for a, b in zip(one, two, strict=True)]
         )
         out[probe] = block
+    fresh = [r["replays"]["outer-1-fresh"] for r in reps]
+    forked = [r["replays"]["outer-1"] for r in reps]
+    out["outer_fresh_interpreters"] = {
+        "what": "the outer-loop replay with 1 worker and RETROLOG_FORKSERVER=0 (every worker "
+        "a new interpreter), in the same repetition",
+        "replay_seconds": summary([x["seconds"] for x in fresh]),
+        "worker_seconds": summary([x["worker_seconds"] for x in fresh]),
+        "speedup_vs_retrain": summary(
+            [t / x["seconds"] for t, x in zip(retrain, fresh, strict=True)]
+        ),
+        "fork_server_speedup": summary(
+            [a["seconds"] / b["seconds"] for a, b in zip(fresh, forked, strict=True)]
+        ),
+    }
+    out["restores"] = {
+        key: summary([x["restores"][key] for x in forked if x["restores"][key] is not None])
+        for key in (
+            "critical_path_seconds_per_restore", "decode_seconds_per_restore",
+            "wait_seconds_per_restore", "torch_load_seconds", "critical_path_over_torch_load",
+        )
+    }  # fmt: skip
     return out
 
 
@@ -950,6 +1038,22 @@ def print_report(result: dict[str, Any]) -> None:
         f"(a) outer-loop probe, 1 worker: {outer['median']:.1f}x faster than retraining "
         f"[{outer['min']:.1f}..{outer['max']:.1f}]; 2 workers: "
         f"{result['outer']['workers_2']['speedup_vs_retrain']['median']:.1f}x"
+    )
+    fresh = result["outer_fresh_interpreters"]
+    print(
+        f"    with every worker a new interpreter (RETROLOG_FORKSERVER=0): "
+        f"{cell(fresh['replay_seconds'], '.1f', 's')}, "
+        f"{fresh['speedup_vs_retrain']['median']:.1f}x vs retrain; the fork server makes the "
+        f"replay {cell(fresh['fork_server_speedup'], '.2f', 'x')} faster"
+    )
+    r = result["restores"]
+    print(
+        "    restore on the worker's critical path "
+        f"{cell(r['critical_path_seconds_per_restore'], '.4f', 's')} per checkpoint (decoded "
+        f"ahead in {r['decode_seconds_per_restore']['median']:.4f}s, waited "
+        f"{r['wait_seconds_per_restore']['median']:.4f}s); torch.load of the same state "
+        f"{cell(r['torch_load_seconds'], '.4f', 's')}; ratio "
+        f"{cell(r['critical_path_over_torch_load'], '.2f')}"
     )
     one = result["outer"]["workers_1"]
     runs = len(w["runs"])
