@@ -2,11 +2,11 @@
 
 A worker knows from its spec which checkpoints it will restore, in order. One
 background thread reads and decodes them (object files, decompression, delta
-bases, tensors), at most ``ahead`` beyond the one the worker last took, so a
-restore on the worker's critical path is mostly copying decoded state into the
-live objects. The first one is decoded while the script's own start (data,
-model) runs; each later one while the code between two restores (an
-evaluation, a scheduler step) runs.
+bases, tensors, and the copy the live objects will own), at most ``ahead``
+beyond the one the worker last took, so a restore on the worker's critical path
+is handing decoded state to the live objects (``load_state_dict``). The first
+one is decoded while the script's own start (data, model) runs; each later one
+while the code between two restores (an evaluation, a scheduler step) runs.
 
 Errors are the restore's: a missing or corrupt object raises StoreError from
 :meth:`Prefetcher.take`, and the worker executes that block instead, as it
@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from retrolog.checkpoint.state import Snapshot
+from retrolog.checkpoint.state import Snapshot, thaw
 from retrolog.store.objects import ObjectStore
 
 
@@ -77,14 +77,20 @@ class Prefetcher:
         started = time.perf_counter()
         try:
             with self._decoding:
-                return load_checkpoint(self._store, manifest), None
+                snapshot = load_checkpoint(self._store, manifest)
+            # The copy the live objects will own, made here too: the worker's thread only
+            # hands it over (restore(..., thawed=True)).
+            return Snapshot(objects=thaw(snapshot.objects), rng=snapshot.rng), None
         except Exception as exc:  # raised again by take(), on the worker's thread
             return None, exc
         finally:
             self.decode_seconds += time.perf_counter() - started
 
     def take(self, manifest: str) -> Snapshot:
-        """The decoded checkpoint (waiting for it if need be); raises what decoding raised."""
+        """The decoded checkpoint, its objects a thawed copy for ``restore(..., thawed=True)``.
+
+        Waits for it if need be; raises what decoding raised.
+        """
         index = self._index.get(manifest)
         if index is None or self._thread is None:
             snapshot, error = self._decode(manifest)

@@ -466,8 +466,13 @@ def snapshot(objects: Mapping[str, object], buffers: SnapshotBuffers | None = No
     return Snapshot(objects=captured, rng=capture_rng())
 
 
-def restore(objects: Mapping[str, object], snap: Snapshot) -> None:
-    """Put ``snap`` back into the live ``objects`` in place, and the RNG states."""
+def restore(objects: Mapping[str, object], snap: Snapshot, *, thawed: bool = False) -> None:
+    """Put ``snap`` back into the live ``objects`` in place, and the RNG states.
+
+    thawed: ``snap.objects`` is already a copy made with :func:`thaw` that nothing else
+        holds (a replay worker's prefetcher makes it off the worker's thread), so it is
+        handed to the objects as it is instead of copied again.
+    """
     validate_targets(objects)
     missing = [n for n in snap.objects if n not in objects]
     extra = [n for n in objects if n not in snap.objects]
@@ -484,7 +489,7 @@ def restore(objects: Mapping[str, object], snap: Snapshot) -> None:
             name=(missing + extra)[0],
         )
     for name, obj in objects.items():
-        _restore_one(name, obj, snap.objects[name])
+        _restore_one(name, obj, snap.objects[name], thawed)
     restore_rng(snap.rng)
 
 
@@ -508,11 +513,16 @@ def _describe(value: Any) -> str:
     return f"a {_type_name(value)}"
 
 
-def _restore_one(name: str, obj: Any, saved: Any) -> None:
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def _restore_one(name: str, obj: Any, saved: Any, thawed: bool = False) -> None:
     kind = _kind(obj)
+    own = _as_is if thawed else thaw
     if kind == "state_dict":
         try:
-            obj.load_state_dict(thaw(saved))
+            obj.load_state_dict(own(saved))
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
             raise CheckpointTargetError(
                 f"Cannot restore {name!r} ({_type_name(obj)}): its load_state_dict() "
@@ -539,11 +549,11 @@ def _restore_one(name: str, obj: Any, saved: Any) -> None:
         if not isinstance(saved, dict):
             raise _mismatch(name, "a dict", _describe(saved))
         obj.clear()
-        obj.update(thaw(saved))
+        obj.update(own(saved))
     elif kind == "list":
         if not isinstance(saved, list):
             raise _mismatch(name, "a list", _describe(saved))
-        obj[:] = thaw(saved)
+        obj[:] = own(saved)
     elif kind == "random":
         try:
             obj.setstate(saved)
@@ -552,6 +562,6 @@ def _restore_one(name: str, obj: Any, saved: Any) -> None:
     elif kind == "np_generator":
         bit_generator = obj.bit_generator if isinstance(obj, np.random.Generator) else obj
         try:
-            bit_generator.state = thaw(saved)
+            bit_generator.state = own(saved)
         except (TypeError, ValueError, KeyError) as exc:
             raise _mismatch(name, f"a {_type_name(bit_generator)}", _describe(saved)) from exc

@@ -313,7 +313,7 @@ class ReplayRun:
         try:
             # Decoded ahead by the prefetcher (checkpoint/prefetch.py) while the code before
             # this point ran; what is left here is putting it into the live objects.
-            restore(scope.objects, self._prefetch.take(manifest))
+            restore(scope.objects, self._prefetch.take(manifest), thawed=True)
         except StoreError as exc:
             self._fallbacks.append([manifest, f"it cannot be read: {exc}"])
             print(
