@@ -1,0 +1,239 @@
+"""Where a recorded run's extra time goes: per-thread CPU accounting of bench_record's cnn.
+
+    .venv/bin/python bench/record_breakdown.py      # ~6 min on 2 cores -> bench/results/
+    .venv/bin/python bench/record_breakdown.py --workload saturated --reps 5
+
+bench_record.py measures that recording costs the cnn workload a few percent of
+wall time; this says which thread pays it and how. Each repetition runs the
+workload (bench/_record_workload.py, torch on every core as users run it) three
+times in fresh git projects, in an order that rotates between repetitions:
+plain, plain again (the A/A floor) and recorded with retrolog's defaults. Inside
+each process, over the timed span (first recording call to ``commit()``
+returning):
+
+- the training (main) thread's CPU time, ``time.thread_time()``, and its wall
+  time minus that: the time it was off the CPU, waiting (for the GIL, for
+  torch's intra-op threads, or runnable but not scheduled);
+- every other thread's CPU time from ``/proc/self/task/<tid>/stat`` (10 ms
+  ticks), named by Python's ``threading`` where the thread is a Python thread
+  (``retrolog-writer``, ``retrolog-checkpoint-writer``, ...) and ``native``
+  otherwise (torch's OpenMP pool), read at the span's start, just before
+  ``commit()`` (retrolog's threads still run then) and at its end.
+
+Figures are medians over repetitions of recorded minus plain, with min and max,
+next to the same difference between the two plain runs (A/A). The extra wall
+time splits exactly into the training thread's extra CPU (work retrolog's calls
+do on it: loops, logs, snapshots) and its extra off-CPU time (what the other
+threads' work makes it wait for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import _record_workload as workload  # noqa: E402
+from bench_log import GIT_ENV, BenchError, conditions, git, source_fingerprint, tail  # noqa: E402
+
+RESULTS = BENCH_DIR / "results" / "record_breakdown.json"
+EPOCHS = {"cnn": 12, "saturated": 12, "stress": 24, "finetune": 16}
+VARIANTS = ("plain", "plain_again", "retrolog")
+
+# Put into the workload: per-thread CPU seconds, by thread name.
+PROBE = """
+def _thread_cpu():
+    import os as _os
+    import threading as _threading
+
+    names = {t.native_id: t.name for t in _threading.enumerate()}
+    tick = _os.sysconf("SC_CLK_TCK")
+    found = {}
+    for tid in _os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "native")
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return found
+"""
+
+
+def instrument(source: str) -> str:
+    """The workload with the probe read at the span's start, before commit and at its end."""
+    start = "t0, c0 = time.perf_counter(), time.process_time()\n"
+    if start not in source:
+        raise BenchError("the workload's span start moved; update record_breakdown.py")
+    source = source.replace(start, start + "m0 = time.thread_time()\n_at_start = _thread_cpu()\n")
+    lines = source.splitlines(keepends=True)
+    # The commit line: rl.commit() or pass, at the top level after the loop.
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].strip() in ("rl.commit()", "pass") and not lines[i].startswith(" "):
+            lines.insert(i, "_before_commit = _thread_cpu()\n")
+            break
+    else:
+        raise BenchError("no commit line found in the workload")
+    source = "".join(lines)
+    footer = 'print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "epochs": epochs}))\n'
+    if footer not in source:
+        raise BenchError("the workload's footer moved; update record_breakdown.py")
+    return source.replace(
+        footer,
+        "main_cpu = time.thread_time() - m0\n"
+        'print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "epochs": epochs,'
+        ' "main_cpu": main_cpu, "start": _at_start, "before_commit": _before_commit,'
+        ' "end": _thread_cpu()}))\n',
+    ).replace("import torch\n", PROBE + "\nimport torch\n", 1)
+
+
+def run_once(python: Path, name: str, variant: str, threads: int, epochs: int) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env.update(GIT_ENV, RETROLOG_PROGRESS="0", PYTHONHASHSEED="0")
+    work = Path(tempfile.mkdtemp(prefix="retrolog-bench-breakdown-"))
+    try:
+        project = work / "proj"
+        project.mkdir()
+        git(project, env, "init", "-q")
+        kind = "plain" if variant.startswith("plain") else "retrolog"
+        (project / "train.py").write_text(instrument(workload.source(name, kind)))
+        git(project, env, "add", "train.py")
+        git(project, env, "commit", "-q", "-m", "workload")
+        done = subprocess.run(
+            [str(python), "train.py", str(epochs), str(threads)], cwd=project, env=env,
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise BenchError(f"{name}/{variant} failed:\n{tail(done.stderr)}")
+        line = [ln for ln in done.stdout.splitlines() if ln.startswith('{"seconds"')][-1]
+        return account(json.loads(line))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def account(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per-thread CPU over the span; retrolog's threads as of just before commit()."""
+
+    def delta(at: dict[str, float], name: str) -> float:
+        return at.get(name, 0.0) - raw["start"].get(name, 0.0)
+
+    end, before = raw["end"], raw["before_commit"]
+    retrolog_threads = {
+        name: delta(before, name) for name in before if name.startswith("retrolog-")
+    }
+    return {
+        "wall": raw["seconds"],
+        "process_cpu": raw["cpu_seconds"],
+        "main_cpu": raw["main_cpu"],
+        "main_off_cpu": raw["seconds"] - raw["main_cpu"],
+        "native_cpu": delta(end, "native"),
+        "retrolog_threads_cpu": sum(retrolog_threads.values()),
+        "retrolog_threads": retrolog_threads,
+    }
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+KEYS = ("wall", "main_cpu", "main_off_cpu", "native_cpu", "retrolog_threads_cpu", "process_cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="cnn", choices=sorted(EPOCHS))
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    epochs = args.epochs or EPOCHS[args.workload]
+    python = Path(sys.executable)
+    started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
+    runs: list[dict[str, dict[str, Any]]] = []
+    try:
+        for rep in range(args.reps):
+            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
+            found = {v: run_once(python, args.workload, v, args.threads, epochs) for v in order}
+            runs.append(found)
+            r, p = found["retrolog"], found["plain"]
+            print(
+                f"rep {rep + 1}/{args.reps}: wall plain {p['wall']:.2f}s recorded "
+                f"{r['wall']:.2f}s; main cpu {p['main_cpu']:.2f} -> {r['main_cpu']:.2f}s",
+                file=sys.stderr,
+            )
+    except BenchError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    figures: dict[str, Any] = {}
+    for key in KEYS:
+        figures[key] = {
+            "plain_seconds": stats([r["plain"][key] for r in runs]),
+            "recorded_minus_plain_seconds": stats(
+                [r["retrolog"][key] - r["plain"][key] for r in runs]
+            ),
+            "recorded_minus_plain_pct_of_plain_wall": stats(
+                [(r["retrolog"][key] - r["plain"][key]) / r["plain"]["wall"] * 100 for r in runs]
+            ),
+            "aa_abs_pct_of_plain_wall": statistics.median(
+                abs(r["plain_again"][key] - r["plain"][key]) / r["plain"]["wall"] * 100
+                for r in runs
+            ),
+        }
+    per_thread: dict[str, list[float]] = {}
+    for r in runs:
+        for name, seconds in r["retrolog"]["retrolog_threads"].items():
+            per_thread.setdefault(name, []).append(seconds)
+    result = {
+        **conditions(
+            "record_breakdown",
+            started,
+            load_before,
+            os.getloadavg(),
+            args.reps,
+            metadata.version("retrolog"),
+            source,
+            source_fingerprint(),
+        ),
+        "workload": args.workload,
+        "epochs": epochs,
+        "torch_threads": args.threads,
+        "figures": figures,
+        "retrolog_threads_cpu_seconds": {k: stats(v) for k, v in per_thread.items()},
+        "runs": runs,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"\n{args.workload}, {args.reps} reps, torch on {args.threads} threads; seconds over "
+        "the span, recorded - plain: median [min..max] (% of plain wall), A/A |plain2 - plain|"
+    )
+    for key in KEYS:
+        f = figures[key]
+        d, pct = f["recorded_minus_plain_seconds"], f["recorded_minus_plain_pct_of_plain_wall"]
+        print(
+            f"  {key:22} plain {f['plain_seconds']['median']:7.2f}  "
+            f"{d['median']:+6.2f} [{d['min']:+.2f}..{d['max']:+.2f}]  "
+            f"({pct['median']:+5.1f}%)  A/A {f['aa_abs_pct_of_plain_wall']:.1f}%"
+        )
+    for name, s in result["retrolog_threads_cpu_seconds"].items():
+        print(f"  {name:28} CPU {s['median']:.2f}s [{s['min']:.2f}..{s['max']:.2f}]")
+    print(f"\nresults: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
