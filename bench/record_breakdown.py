@@ -14,6 +14,9 @@ returning):
 - the training (main) thread's CPU time, ``time.thread_time()``, and its wall
   time minus that: the time it was off the CPU, waiting (for the GIL, for
   torch's intra-op threads, or runnable but not scheduled);
+- the same two split at the first recording call's return (the run's start:
+  its code version, the store, the checkpointer; for the plain script, entering
+  ``nullcontext()``) and the rest of the span (training with retrolog's calls);
 - every other thread's CPU time from ``/proc/self/task/<tid>/stat`` (10 ms
   ticks), named by Python's ``threading`` where the thread is a Python thread
   (``retrolog-writer``, ``retrolog-checkpoint-writer``, ...) and ``native``
@@ -80,6 +83,14 @@ def instrument(source: str) -> str:
         raise BenchError("the workload's span start moved; update record_breakdown.py")
     source = source.replace(start, start + "m0 = time.thread_time()\n_at_start = _thread_cpu()\n")
     lines = source.splitlines(keepends=True)
+    # Just inside the checkpointing block: the first recording call (the run's start:
+    # code version, store, checkpointer) has returned.
+    for i, line in enumerate(lines):
+        if line.startswith("with ") and ("checkpointing(" in line or "nullcontext(" in line):
+            lines.insert(i + 1, "    _started = (time.perf_counter(), time.thread_time())\n")
+            break
+    else:
+        raise BenchError("no checkpointing block found in the workload")
     # The commit line: rl.commit() or pass, at the top level after the loop.
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].strip() in ("rl.commit()", "pass") and not lines[i].startswith(" "):
@@ -96,7 +107,8 @@ def instrument(source: str) -> str:
         "main_cpu = time.thread_time() - m0\n"
         'print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "epochs": epochs,'
         ' "main_cpu": main_cpu, "start": _at_start, "before_commit": _before_commit,'
-        ' "end": _thread_cpu()}))\n',
+        ' "end": _thread_cpu(), "run_start_wall": _started[0] - t0,'
+        ' "run_start_main_cpu": _started[1] - m0}))\n',
     ).replace("import torch\n", PROBE + "\nimport torch\n", 1)
 
 
@@ -136,6 +148,10 @@ def account(raw: dict[str, Any]) -> dict[str, Any]:
     }
     return {
         "wall": raw["seconds"],
+        "run_start_wall": raw["run_start_wall"],
+        "run_start_main_cpu": raw["run_start_main_cpu"],
+        "after_start_wall": raw["seconds"] - raw["run_start_wall"],
+        "after_start_main_cpu": raw["main_cpu"] - raw["run_start_main_cpu"],
         "process_cpu": raw["cpu_seconds"],
         "main_cpu": raw["main_cpu"],
         "main_off_cpu": raw["seconds"] - raw["main_cpu"],
@@ -149,7 +165,18 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-KEYS = ("wall", "main_cpu", "main_off_cpu", "native_cpu", "retrolog_threads_cpu", "process_cpu")
+KEYS = (
+    "wall",
+    "run_start_wall",
+    "run_start_main_cpu",
+    "after_start_wall",
+    "after_start_main_cpu",
+    "main_cpu",
+    "main_off_cpu",
+    "native_cpu",
+    "retrolog_threads_cpu",
+    "process_cpu",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,8 +187,13 @@ def worker_env(job: Job) -> dict[str, str]:
     What a job adds to it (its spec, its GPU) is set per worker; a fork server
     starts with exactly this, so the modules it imports see what a new worker's would.
     """
+    return run_worker_env(job.numerics)
+
+
+def run_worker_env(numerics: dict[str, Any] | None) -> dict[str, str]:
+    """:func:`worker_env` for a run with the recorded numerical environment ``numerics``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
-    env = worker_environment(env, job.numerics)
+    env = worker_environment(env, numerics)
     env.update({"RETROLOG_PROGRESS": "0", "PYTHONUNBUFFERED": "1"})
     return env
 

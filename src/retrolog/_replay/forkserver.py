@@ -362,6 +362,7 @@ class Launcher:
     notes: list[str] = field(default_factory=list)  # what did not go as planned
     forked: int = 0
     fresh: int = 0
+    used: bool = False  # a replay ran with it (its logs directory is the replay's)
 
     def prepare(self, env: Mapping[str, str], warm: Sequence[str]) -> ForkServer | None:
         """The server for workers with this environment and these modules (started once)."""
@@ -419,4 +420,5 @@ class Launcher:
 
     def close(self) -> None:
         for server in self.servers.values():
-            server.close()
+            if server.process.returncode is None:
+                server.close()

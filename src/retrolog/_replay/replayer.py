@@ -12,6 +12,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from retrolog._replay.execute import (
     die_with,
     log_tail,
     run_jobs,
+    run_worker_env,
     sweep_stale,
     terminate_as_interrupt,
     worker_env,
@@ -245,52 +247,68 @@ def replay(
 
     plan: ReplayPlan | None = None
     starts: dict[str, StartPlan] = {}
-    if to_run:
-        profiles = load_profiles(conn, to_run)
-        per_byte = _restore_seconds_per_byte(paths, profiles)
-        workers = workers or default_workers(max((p.threads or 1 for p in profiles), default=1))
-        starts = _start_plans(conn, paths, runs, propagations, to_run)
-        plan = _plan(
-            level, profiles, workers, per_byte, notes, needs_suffix, source or "", threads,
-            starts,
-        )  # fmt: skip
-        for run_plan in plan.runs:
-            run_id = run_plan.run_id
-            outcomes[run_id] = RunOutcome(
-                run_id,
-                "planned",
-                scan=run_plan.scan.name,
-                estimate_seconds=run_plan.estimate_seconds,
-                diff="" if verify else propagations[run_id].diff(old_sources[run_id], filename),
-                environment=_environment_differences(runs[run_id], run_plan, threads),
-            )
-    text = _plan_text(plan, outcomes, complete, names, filename, verify, lineage)
-    echo(text)
-    result_args = (replay_id, names, filename)
-    if dry_run:
-        for outcome in outcomes.values():
-            if outcome.diff:
-                echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
-        return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
-    if plan is None and not ready and not after:
-        return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
-    if confirm is not None and not confirm(text):
-        echo("Replay cancelled; nothing was run.")
-        return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
+    launcher: Launcher | None = None
+    try:
+        if to_run:
+            profiles = load_profiles(conn, to_run)
+            per_byte = _restore_seconds_per_byte(paths, profiles)
+            workers = workers or default_workers(max((p.threads or 1 for p in profiles), default=1))
+            starts = _start_plans(conn, paths, runs, propagations, to_run)
+            if not dry_run:
+                # The fork servers start now: what their imports take is in the estimate, and
+                # the workers need them anyway once the plan is confirmed.
+                logs_dir = paths.store / "replays" / replay_id
+                logs_dir.mkdir(parents=True, exist_ok=True)
+                launcher = Launcher(
+                    python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid())
+                )
+                starts = _start_servers(launcher, runs, starts, echo)
+            plan = _plan(
+                level, profiles, workers, per_byte, notes, needs_suffix, source or "", threads,
+                starts,
+            )  # fmt: skip
+            for run_plan in plan.runs:
+                run_id = run_plan.run_id
+                outcomes[run_id] = RunOutcome(
+                    run_id,
+                    "planned",
+                    scan=run_plan.scan.name,
+                    estimate_seconds=run_plan.estimate_seconds,
+                    diff="" if verify else propagations[run_id].diff(old_sources[run_id], filename),
+                    environment=_environment_differences(runs[run_id], run_plan, threads),
+                )
+        text = _plan_text(plan, outcomes, complete, names, filename, verify, lineage)
+        echo(text)
+        result_args = (replay_id, names, filename)
+        if dry_run:
+            for outcome in outcomes.values():
+                if outcome.diff:
+                    echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
+            return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
+        if plan is None and not ready and not after:
+            return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
+        if confirm is not None and not confirm(text):
+            echo("Replay cancelled; nothing was run.")
+            return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
 
-    if plan is not None:
-        _execute(
-            conn, paths, plan, runs, propagations, outcomes, names,
-            replay_id=replay_id, filename=filename, where=where, force=force,
-            echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
-            starts=starts,
-        )  # fmt: skip
-    _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
-    actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
-    if actual and plan is not None:
-        echo(format_estimate_vs_actual(plan, actual))
-    _report(outcomes, echo, verify)
-    return ReplayResult(*result_args, plan, outcomes, sorted(complete), True, verify)
+        if plan is not None:
+            _execute(
+                conn, paths, plan, runs, propagations, outcomes, names,
+                replay_id=replay_id, filename=filename, where=where, force=force,
+                echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
+                starts=starts, launcher=launcher,
+            )  # fmt: skip
+        _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
+        actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
+        if actual and plan is not None:
+            echo(format_estimate_vs_actual(plan, actual))
+        _report(outcomes, echo, verify)
+        return ReplayResult(*result_args, plan, outcomes, sorted(complete), True, verify)
+    finally:
+        if launcher is not None:
+            launcher.close()
+            if not launcher.used:  # cancelled or interrupted before any worker: no trace
+                shutil.rmtree(launcher.logs_dir, ignore_errors=True)
 
 
 def _copy_reused(
@@ -505,6 +523,36 @@ def _plan(
         notes=(*notes, *_thread_notes(profiles, workers, threads, cores), *([start] * bool(start))),
         run_suffix=run_suffix, worker=worker,
     )  # fmt: skip
+
+
+def _start_servers(
+    launcher: Launcher,
+    runs: Mapping[str, Mapping[str, Any]],
+    starts: Mapping[str, StartPlan],
+    echo: Echo,
+) -> dict[str, StartPlan]:
+    """Start the fork servers the plan needs and wait for their imports; their figures.
+
+    A server that cannot serve (its imports started a thread, it exited) makes its
+    runs' workers new interpreters, with the reason, before the plan is shown.
+    """
+    servers = {}
+    for run_id, start in starts.items():
+        if start.forked:
+            numerics = json.loads(runs[run_id].get("numerics") or "null")
+            servers[run_id] = launcher.prepare(run_worker_env(numerics), start.warm)
+    if not servers:
+        return dict(starts)
+    packages = sorted({p for s in starts.values() for p in s.packages})
+    echo(f"Preparing the replay's workers: importing {', '.join(packages)} once ...")
+    found = dict(starts)
+    for run_id, server in servers.items():
+        if server is None or not server.wait_ready() or server.ready is None:
+            why = (server.unsafe if server is not None else None) or "its fork server exited"
+            found[run_id] = StartPlan(reason=why)
+            continue
+        found[run_id] = replace(starts[run_id], warm_seconds=float(server.ready["ready"]))
+    return found
 
 
 def _preimport_seconds(start: StartPlan, profile: Any) -> float:
@@ -771,12 +819,15 @@ def _execute(
     verify: bool,
     lineage: _RunLineage,
     starts: Mapping[str, StartPlan],
+    launcher: Launcher | None,
 ) -> None:
     from retrolog._query.lineage import keep
 
     logs_dir = paths.store / "replays" / replay_id
     logs_dir.mkdir(parents=True, exist_ok=True)
     claim(logs_dir)
+    if launcher is not None:
+        launcher.used = True  # its logs are this replay's from here on
     code_objects = {
         run_id: None if verify else _store_code(Path(runs[run_id]["git_dir"]), prop.source)
         for run_id, prop in propagations.items()
@@ -794,8 +845,8 @@ def _execute(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
         threads, verify,
     )  # fmt: skip
-    # Fork servers start importing now, while the first checkouts are made.
-    launcher = Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
+    if launcher is None:
+        launcher = Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
     for job in jobs:
         job.start = starts.get(job.run_id)
         if job.start is not None and job.start.forked:
