@@ -558,9 +558,10 @@ def _start_servers(
 def _preimport_seconds(start: StartPlan, profile: Any) -> float:
     """What a forked worker of this run does not repeat: its fork server's imports.
 
-    Measured by an earlier replay's server for the same modules when there was one;
-    otherwise the run's recorded start before its first retrolog call (interpreter
-    and imports: less than the server imports, so the estimate errs long).
+    Measured by this replay's server before the plan is made; for a dry run (no
+    server), by the last replay's server for the same modules; failing both, the
+    run's recorded start before its first retrolog call (interpreter and imports:
+    less than the server imports, so the estimate errs long).
     """
     if start.warm_seconds is not None:
         return start.warm_seconds
