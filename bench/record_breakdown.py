@@ -14,9 +14,10 @@ returning):
 - the training (main) thread's CPU time, ``time.thread_time()``, and its wall
   time minus that: the time it was off the CPU, waiting (for the GIL, for
   torch's intra-op threads, or runnable but not scheduled);
-- the same two split at the first recording call's return (the run's start:
-  its code version, the store, the checkpointer; for the plain script, entering
-  ``nullcontext()``) and the rest of the span (training with retrolog's calls);
+- the same two split in three: up to the first recording call's return (the
+  run's start: its code version, the store, the checkpointer; for the plain
+  script, entering ``nullcontext()``), training (the loops with retrolog's
+  calls), and ``commit()`` (the end: the last records and checkpoints written);
 - every other thread's CPU time from ``/proc/self/task/<tid>/stat`` (10 ms
   ticks), named by Python's ``threading`` where the thread is a Python thread
   (``retrolog-writer``, ``retrolog-checkpoint-writer``, ...) and ``native``
@@ -94,7 +95,11 @@ def instrument(source: str) -> str:
     # The commit line: rl.commit() or pass, at the top level after the loop.
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].strip() in ("rl.commit()", "pass") and not lines[i].startswith(" "):
-            lines.insert(i, "_before_commit = _thread_cpu()\n")
+            lines.insert(
+                i,
+                "_before_commit = _thread_cpu()\n"
+                "_at_commit = (time.perf_counter(), time.thread_time())\n",
+            )
             break
     else:
         raise BenchError("no commit line found in the workload")
@@ -108,7 +113,9 @@ def instrument(source: str) -> str:
         'print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "epochs": epochs,'
         ' "main_cpu": main_cpu, "start": _at_start, "before_commit": _before_commit,'
         ' "end": _thread_cpu(), "run_start_wall": _started[0] - t0,'
-        ' "run_start_main_cpu": _started[1] - m0}))\n',
+        ' "run_start_main_cpu": _started[1] - m0,'
+        ' "commit_wall": t0 + seconds - _at_commit[0],'
+        ' "commit_main_cpu": m0 + main_cpu - _at_commit[1]}))\n',
     ).replace("import torch\n", PROBE + "\nimport torch\n", 1)
 
 
@@ -150,8 +157,11 @@ def account(raw: dict[str, Any]) -> dict[str, Any]:
         "wall": raw["seconds"],
         "run_start_wall": raw["run_start_wall"],
         "run_start_main_cpu": raw["run_start_main_cpu"],
-        "after_start_wall": raw["seconds"] - raw["run_start_wall"],
-        "after_start_main_cpu": raw["main_cpu"] - raw["run_start_main_cpu"],
+        "training_wall": raw["seconds"] - raw["run_start_wall"] - raw["commit_wall"],
+        "training_main_off_cpu": (raw["seconds"] - raw["run_start_wall"] - raw["commit_wall"])
+        - (raw["main_cpu"] - raw["run_start_main_cpu"] - raw["commit_main_cpu"]),
+        "commit_wall": raw["commit_wall"],
+        "commit_main_off_cpu": raw["commit_wall"] - raw["commit_main_cpu"],
         "process_cpu": raw["cpu_seconds"],
         "main_cpu": raw["main_cpu"],
         "main_off_cpu": raw["seconds"] - raw["main_cpu"],
@@ -169,8 +179,10 @@ KEYS = (
     "wall",
     "run_start_wall",
     "run_start_main_cpu",
-    "after_start_wall",
-    "after_start_main_cpu",
+    "training_wall",
+    "training_main_off_cpu",
+    "commit_wall",
+    "commit_main_off_cpu",
     "main_cpu",
     "main_off_cpu",
     "native_cpu",
