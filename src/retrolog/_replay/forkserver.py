@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog.runtime.modules import valid_name
+from retrolog.runtime.modules import STDLIB, valid_name
 
 FORKSERVER_ENV = "RETROLOG_FORKSERVER"  # "0": every worker starts as a new interpreter
 _ZYGOTE = Path(__file__).with_name("_zygote.py")
@@ -57,7 +57,6 @@ _BOOT = (
     "s.loader.exec_module(m)\n"
     "m.main(int(sys.argv[2]))\n"
 )
-_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(sys.builtin_module_names)
 
 
 # -- deciding, per job -------------------------------------------------------------------
@@ -105,7 +104,7 @@ def start_plan(
     packages = [
         name
         for name in script_packages(tree)
-        if name not in _STDLIB and name != "retrolog" and name not in local
+        if name not in STDLIB and name != "retrolog" and name not in local
     ]
     if not packages:
         return StartPlan(reason="the script imports no installed package to pre-import")

@@ -35,7 +35,8 @@ MAX_NAMES = 50_000
 MAX_BYTES = 4 << 20
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-_STDLIB: frozenset[str] = frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(
+# Top-level names of the standard library and the built-in modules.
+STDLIB: frozenset[str] = frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(
     sys.builtin_module_names
 )
 
@@ -63,7 +64,7 @@ def installed(items: Iterable[tuple[str, Any]], root: Path) -> list[str]:
     names: list[str] = []
     for name, module in items:
         top = name.partition(".")[0]
-        if top in _STDLIB or top == "retrolog" or not valid_name(name):
+        if top in STDLIB or top == "retrolog" or not valid_name(name):
             continue
         try:
             namespace = vars(module)
