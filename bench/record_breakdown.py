@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/record_breakdown.py      # ~6 min on 2 cores -> bench/results/
     .venv/bin/python bench/record_breakdown.py --workload saturated --reps 5
+    .venv/bin/python bench/record_breakdown.py --baseline-src /tmp/base/src   # vs another version
 
 bench_record.py measures that recording costs the cnn workload a few percent of
 wall time; this says which thread pays it and how. Each repetition runs the
@@ -24,6 +25,11 @@ returning):
   otherwise (torch's OpenMP pool), read at the span's start, just before
   ``commit()`` (retrolog's threads still run then) and at its end.
 
+With ``--baseline-src DIR`` each repetition also records with the retrolog package
+in DIR (another version, e.g. ``git archive COMMIT src | tar -x -C /tmp/base``), and
+the same figures are compared between the two versions per repetition, with how
+many checkpoints each run kept, how many its urgent lane wrote and their stored size.
+
 Figures are medians over repetitions of recorded minus plain, with min and max,
 next to the same difference between the two plain runs (A/A). The extra wall
 time splits exactly into the training thread's extra CPU (work retrolog's calls
@@ -37,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -119,9 +126,19 @@ def instrument(source: str) -> str:
     ).replace("import torch\n", PROBE + "\nimport torch\n", 1)
 
 
-def run_once(python: Path, name: str, variant: str, threads: int, epochs: int) -> dict[str, Any]:
+def run_once(
+    python: Path,
+    name: str,
+    variant: str,
+    threads: int,
+    epochs: int,
+    baseline_src: Path | None = None,
+) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
     env.update(GIT_ENV, RETROLOG_PROGRESS="0", PYTHONHASHSEED="0")
+    if variant == "baseline":
+        assert baseline_src is not None
+        env["PYTHONPATH"] = str(baseline_src.resolve())
     work = Path(tempfile.mkdtemp(prefix="retrolog-bench-breakdown-"))
     try:
         project = work / "proj"
@@ -138,9 +155,39 @@ def run_once(python: Path, name: str, variant: str, threads: int, epochs: int) -
         if done.returncode != 0:
             raise BenchError(f"{name}/{variant} failed:\n{tail(done.stderr)}")
         line = [ln for ln in done.stdout.splitlines() if ln.startswith('{"seconds"')][-1]
-        return account(json.loads(line))
+        found = account(json.loads(line))
+        if kind == "retrolog":
+            found.update(checkpoint_figures(project / ".retrolog" / "retrolog.db"))
+        return found
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def checkpoint_figures(db: Path) -> dict[str, Any]:
+    """What the recorded run's store says about its checkpoints: how many, by whom, bytes."""
+    conn = sqlite3.connect(db)
+    try:
+        ((policy_json,),) = conn.execute("SELECT checkpointing FROM runs")
+        ((blocks, stored),) = conn.execute(
+            "SELECT count(*) FILTER (WHERE kind = 'block'), coalesce(sum(nbytes), 0)"
+            " FROM checkpoints"
+        )
+    finally:
+        conn.close()
+    policy = json.loads(policy_json)
+    epoch = policy["blocks"]["epoch"]
+    if epoch["checkpoints"] != blocks or policy["abandoned"]:
+        raise BenchError(f"a chosen checkpoint was lost: {policy}")
+    # Per checkpoint, as the writer measured them (thread CPU time, not 10 ms ticks).
+    return {
+        "block_checkpoints": blocks,
+        "urgent_writes": policy["urgent_writes"],
+        "stored_mb": stored / 1e6,
+        "capture_ms": epoch["mean_capture_seconds"] * 1e3,
+        "writer_cpu_ms": epoch["mean_writer_cpu_seconds"] * 1e3,
+        "urgent_cpu_ms": epoch["mean_urgent_cpu_seconds"] * 1e3,
+        "urgent_wall_ms": epoch["mean_urgent_write_seconds"] * 1e3,
+    }
 
 
 def account(raw: dict[str, Any]) -> dict[str, Any]:
@@ -175,6 +222,17 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+CHECKPOINT_KEYS = (
+    "block_checkpoints",
+    "urgent_writes",
+    "stored_mb",
+    "capture_ms",
+    "writer_cpu_ms",
+    "urgent_cpu_ms",
+    "urgent_wall_ms",
+)
+
+
 KEYS = (
     "wall",
     "run_start_wall",
@@ -198,15 +256,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="also record with the retrolog package in this src directory (another version,"
+        " e.g. from `git archive COMMIT src`), on PYTHONPATH, and compare it per repetition",
+    )
     args = parser.parse_args(argv)
     epochs = args.epochs or EPOCHS[args.workload]
+    variants = VARIANTS
+    if args.baseline_src is not None:
+        if not (args.baseline_src / "retrolog" / "__init__.py").is_file():
+            parser.error(f"--baseline-src {args.baseline_src}: no retrolog package in it")
+        variants = (*VARIANTS, "baseline")
     python = Path(sys.executable)
     started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
     runs: list[dict[str, dict[str, Any]]] = []
     try:
         for rep in range(args.reps):
-            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
-            found = {v: run_once(python, args.workload, v, args.threads, epochs) for v in order}
+            shift = rep % len(variants)
+            order = variants[shift:] + variants[:shift]
+            found = {
+                v: run_once(python, args.workload, v, args.threads, epochs, args.baseline_src)
+                for v in order
+            }
             runs.append(found)
             r, p = found["retrolog"], found["plain"]
             print(
@@ -232,10 +305,30 @@ def main(argv: list[str] | None = None) -> int:
                 for r in runs
             ),
         }
+    compared: dict[str, Any] = {}
+    if args.baseline_src is not None:
+        for key in KEYS:
+            compared[key] = {
+                "baseline_seconds": stats([r["baseline"][key] for r in runs]),
+                "this_minus_baseline_seconds": stats(
+                    [r["retrolog"][key] - r["baseline"][key] for r in runs]
+                ),
+                "this_minus_baseline_pct_of_plain_wall": stats(
+                    [
+                        (r["retrolog"][key] - r["baseline"][key]) / r["plain"]["wall"] * 100
+                        for r in runs
+                    ]
+                ),
+            }
     per_thread: dict[str, list[float]] = {}
     for r in runs:
         for name, seconds in r["retrolog"]["retrolog_threads"].items():
             per_thread.setdefault(name, []).append(seconds)
+    checkpoints = {
+        v: {key: stats([r[v][key] for r in runs]) for key in CHECKPOINT_KEYS}
+        for v in variants
+        if v in ("retrolog", "baseline")
+    }
     result = {
         **conditions(
             "record_breakdown",
@@ -252,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": args.threads,
         "figures": figures,
         "retrolog_threads_cpu_seconds": {k: stats(v) for k, v in per_thread.items()},
+        "checkpoints": checkpoints,
+        "baseline_src": None if args.baseline_src is None else str(args.baseline_src),
+        "versus_baseline": compared,
         "runs": runs,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +366,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, s in result["retrolog_threads_cpu_seconds"].items():
         print(f"  {name:28} CPU {s['median']:.2f}s [{s['min']:.2f}..{s['max']:.2f}]")
+    for v, c in checkpoints.items():
+        print(
+            f"  {v}: block checkpoints {c['block_checkpoints']['median']:.0f}, urgent writes "
+            f"{c['urgent_writes']['median']:.0f}, stored {c['stored_mb']['median']:.1f} MB;"
+            f" per block checkpoint: capture {c['capture_ms']['median']:.1f} ms, writer CPU "
+            f"{c['writer_cpu_ms']['median']:.1f} ms, urgent lane CPU "
+            f"{c['urgent_cpu_ms']['median']:.1f} ms and wall {c['urgent_wall_ms']['median']:.1f}"
+            " ms (medians of the runs' means)"
+        )
+    if compared:
+        print(f"\nthis version - baseline ({args.baseline_src}), per repetition:")
+        for key in KEYS:
+            d = compared[key]["this_minus_baseline_seconds"]
+            pct = compared[key]["this_minus_baseline_pct_of_plain_wall"]
+            print(
+                f"  {key:22} {d['median']:+6.2f} [{d['min']:+.2f}..{d['max']:+.2f}]"
+                f"  ({pct['median']:+5.1f}%)"
+            )
     print(f"\nresults: {args.output}")
     return 0
 

@@ -133,14 +133,14 @@ def test_with_the_idle_lane_starved_the_rule_keeps_choosing_and_nothing_is_lost(
     # The rule kept choosing after its first checkpoint, as many as its invariant allows
     # at the costs it measured: (k + 1) * M < n * C * eps, M being the capture plus the
     # urgent lane's wall time on a write (it writes every one). How many that is depends
-    # on how fast this machine copies and writes 1.6 MB (on a busy 2-core VM a few ms
-    # up to 30 ms, against 0.2 s blocks), so the bound is read from the record; the
-    # means move during the run, hence one less.
+    # on how fast this machine copies and writes 1.6 MB (on a busy 2-core VM 8 to 30 ms,
+    # against 0.2 s blocks), so the bound is read from the record. Two less: the block
+    # ends before the first write finished are refused unpriced, and the means move.
     block = record["blocks"]["epoch"]
     cost = block["mean_capture_seconds"] + block["mean_urgent_write_seconds"]
     budget = block["executions"] * block["mean_block_seconds"] * record["overhead_tolerance"]
     affordable = min(block["executions"], int(budget / cost))
-    assert chosen >= max(min(2, affordable), affordable - 1), why
+    assert chosen >= max(min(2, affordable), affordable - 2), why
     assert record["urgent_writes"] + record["finished_at_exit"] == record["chosen"] + 1, why
     stored = read_db(
         project.root,
