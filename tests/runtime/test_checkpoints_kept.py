@@ -130,17 +130,18 @@ def test_with_the_idle_lane_starved_the_rule_keeps_choosing_and_nothing_is_lost(
     chosen = record["blocks"]["epoch"]["checkpoints"]
     assert chosen == kinds(project).count("block") == record["written"], why
     assert record["abandoned"] == 0, why
-    # The rule kept choosing after its first checkpoint, as many as its invariant allows
-    # at the costs it measured: (k + 1) * M < n * C * eps, M being the capture plus the
-    # urgent lane's wall time on a write (it writes every one). How many that is depends
-    # on how fast this machine copies and writes 1.6 MB (on a busy 2-core VM 8 to 30 ms,
-    # against 0.2 s blocks), so the bound is read from the record. Two less: the block
-    # ends before the first write finished are refused unpriced, and the means move.
+    # The rule kept choosing after its first checkpoint, as the costs it measured allow:
+    # (k + 1) * M < n * C * eps, M being the capture plus the urgent lane's wall time on a
+    # write (it writes every one). How many that allows depends on how fast this machine
+    # copies and writes 1.6 MB (on a busy 2-core VM 8 to 30 ms, against 0.2 s blocks), so
+    # it is read from the record. When a checkpoint costs about a block's share of eps,
+    # each decision is close and the running means decide it (8 of 12 afforded, say), so
+    # the test asks for half: a rule that stopped choosing would take 1.
     block = record["blocks"]["epoch"]
     cost = block["mean_capture_seconds"] + block["mean_urgent_write_seconds"]
     budget = block["executions"] * block["mean_block_seconds"] * record["overhead_tolerance"]
     affordable = min(block["executions"], int(budget / cost))
-    assert chosen >= max(min(2, affordable), affordable - 2), why
+    assert chosen >= max(min(2, affordable), affordable // 2), why
     assert record["urgent_writes"] + record["finished_at_exit"] == record["chosen"] + 1, why
     stored = read_db(
         project.root,
@@ -261,3 +262,48 @@ def test_ctrl_c_twice_at_exit_abandons_and_records_what_it_abandoned(project: Pr
         "loop": "epoch",
         "iteration": written,
     }
+
+
+# The idle lane spends its time inside torch with the GIL released (each tensor it views
+# as bytes first runs a 1500x1500 matmul), and training ends while it is there. A daemon
+# thread inside torch when the interpreter finalizes aborts the process ("terminate
+# called without an active exception", exit status -6): seen on CI's busy machine in
+# real recordings, and here every time without the exit gate.
+IN_TORCH_AT_EXIT = """\
+import threading
+import time
+import torch
+import retrolog as rl
+
+big = torch.randn(1500, 1500)
+contiguous = torch.Tensor.contiguous
+
+
+def slow(self, *args, **kwargs):
+    if threading.current_thread().name == "retrolog-checkpoint-writer":
+        torch.mm(big, big)
+    return contiguous(self, *args, **kwargs)
+
+
+torch.Tensor.contiguous = slow
+state = {f"t{i}": torch.randn(2048) for i in range(10)}
+with rl.checkpointing(state=state):
+    for epoch in rl.loop("epoch", range(2)):
+        for t in state.values():
+            t += 1.0
+        time.sleep(0.3)
+print("training done", flush=True)
+"""
+
+
+def test_a_run_ending_while_the_idle_lane_is_inside_torch_exits_cleanly(
+    project: Project,
+) -> None:
+    project.write("train.py", IN_TORCH_AT_EXIT)
+    done = project.run("train.py", check=False, RETROLOG_CHECKPOINTS="every")
+    assert done.returncode == 0, done.stderr
+    assert "terminate called" not in done.stderr, done.stderr
+    assert "training done" in done.stdout
+    record = checkpointing(project)
+    assert record["chosen"] == record["written"] == 2 and record["abandoned"] == 0, record
+    assert kinds(project) == ["block", "block", "end"]

@@ -62,12 +62,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from retrolog.checkpoint._arrays import _codec, all_cores, preload_codec
+from retrolog.checkpoint._exitgate import ExitGate
 from retrolog.checkpoint._finish import AbandonedCheckpoint, Finishing, snapshot_nbytes
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
 from retrolog.checkpoint.codec import DeltaHistory, Interrupted, encode
 from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, TensorMemo, snapshot
 from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError, disk_full
 from retrolog.store.objects import ObjectStore
+
+# How long close() waits for the idle lane to end once everything is written. It stops
+# at its next array; training is over, so it has the CPU, unless something else keeps
+# every core busy or its store hangs, and then the exit does not wait for it longer.
+IDLE_JOIN_SECONDS = 2.0
 
 
 class _Lane(enum.Enum):
@@ -164,6 +170,9 @@ class BackgroundCheckpointer(Checkpointer):
         # hold the GIL while the scheduler starves it, and training would wait for the GIL.
         preload_codec()
         self._cond = threading.Condition()
+        # The lanes' torch calls; closed by close(), so that the interpreter never
+        # finalizes with a lane inside torch (checkpoint/_exitgate.py).
+        self._gate = ExitGate()
         # Checkpoints not yet written, oldest first; both lanes write only the head.
         self._pending: deque[_Job] = deque()
         self._idle: threading.Thread | None = None
@@ -408,12 +417,21 @@ class BackgroundCheckpointer(Checkpointer):
             self._closing = True
             lanes = (self._idle, self._urgent)
             self._cond.notify_all()
-        if self._urgent is not None and threading.current_thread() not in lanes:
-            began = time.perf_counter()
-            try:
-                self._finish()
-            finally:
-                self._finish_seconds += time.perf_counter() - began
+        if threading.current_thread() not in lanes:
+            if self._urgent is not None:
+                began = time.perf_counter()
+                try:
+                    self._finish()
+                finally:
+                    self._finish_seconds += time.perf_counter() - began
+            # Everything is written (or abandoned): no lane needs torch again. A lane still
+            # inside a torch call (the idle lane, stopping at its next array) is waited for,
+            # and then, briefly, for the idle lane to end, so that the tensors it lets go
+            # of are not freed while the interpreter finalizes (checkpoint/_exitgate.py).
+            self._gate.close()
+            idle = self._idle
+            if idle is not None and idle.is_alive():
+                idle.join(timeout=IDLE_JOIN_SECONDS)
         with self._cond:
             if not self._closed:
                 self._closed = True
@@ -593,7 +611,13 @@ class BackgroundCheckpointer(Checkpointer):
         try:
             if lane is _Lane.IDLE:
                 # zstd with deltas: the smallest checkpoints, on cycles nobody wanted.
-                result = encode(snap, self.store, history=self.history, interrupt=interrupt)
+                result = encode(
+                    snap,
+                    self.store,
+                    history=self.history,
+                    interrupt=interrupt,
+                    section=self._gate.section,
+                )
             else:
                 # At training's priority each CPU second costs training about one, so the
                 # cheapest encode: lz4 and no deltas, a third less CPU than zstd for 9% more
@@ -606,6 +630,7 @@ class BackgroundCheckpointer(Checkpointer):
                     threads=all_cores() if finishing else 1,
                     interrupt=interrupt,
                     fast=True,
+                    section=self._gate.section,
                 )
         except Interrupted:
             pass  # the other lane, or close(), writes it

@@ -53,6 +53,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,7 @@ def encode(
     threads: int = 1,
     interrupt: Callable[[], bool] | None = None,
     fast: bool = False,
+    section: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> tuple[str, int]:
     """Write ``snap`` to ``store``.
 
@@ -119,6 +121,10 @@ def encode(
       same snapshot finds them stored.
     fast: favour time over size: lz4 instead of zstd and no deltas (what is
       left to write when training has ended and the user waits for the exit).
+    section: what every torch call of the encode runs inside; a thread other
+      than the main one passes its :meth:`ExitGate.section
+      <retrolog.checkpoint._exitgate.ExitGate.section>`, so that the
+      interpreter never finalizes while it is inside torch.
 
     Returns the manifest's key and the stored (compressed) size of the
     manifest and of the distinct objects it needs, delta bases included,
@@ -126,7 +132,7 @@ def encode(
     """
     started = time.perf_counter()
     arrays = ArrayWriter(store, history, threads=threads, interrupt=interrupt, fast=fast)
-    encoder = _Encoder(store, arrays)
+    encoder = _Encoder(store, arrays, section)
     try:
         # The top-level dict is built here so errors can name the object at fault.
         items = []
@@ -245,9 +251,15 @@ def _b64(data: bytes) -> str:
 class _Encoder:
     """Turns a snapshot tree into JSON-able nodes, writing blobs as it goes."""
 
-    def __init__(self, store: ObjectStore, arrays: ArrayWriter) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        arrays: ArrayWriter,
+        section: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> None:
         self.store = store
         self.arrays = arrays
+        self.section = section  # around torch calls: see encode()
         self.blobs: dict[str, int] = {}  # raw object key -> size, each counted once
         self.name: str | None = None  # the snapshot object being encoded, for errors
 
@@ -326,37 +338,39 @@ class _Encoder:
         """The node of tensor ``v``; ``known``: its key, when it is stored already."""
         torch = import_torch("Encoding a tensor")
         if v.layout == torch.sparse_coo and known is None:
-            v = v.coalesce()
+            with self.section():
+                v = v.coalesce()
+                indices, values = v._indices(), v._values()
             return {
                 "$": "sparse_coo",
                 "shape": list(v.shape),
-                "indices": self.tensor(v._indices(), f"{path} indices"),
-                "values": self.tensor(v._values(), f"{path} values"),
+                "indices": self.tensor(indices, f"{path} indices"),
+                "values": self.tensor(values, f"{path} values"),
             }
         if v.layout != torch.strided or v.is_quantized:
             return self.pickled(v, path)
-        dense = v.detach().resolve_conj().resolve_neg()
-        device = str(dense.device)
-        if dense.device.type != "cpu":
-            dense = dense.cpu()
-        dense = dense.contiguous()
-        if dense.numel() <= 1:
-            # contiguous() leaves the strides of an empty or one-element tensor as
-            # they were, which the byte view below refuses; a clone resets them.
-            dense = dense.clone(memory_format=torch.contiguous_format)
-        try:
-            flat = dense.reshape(-1).view(torch.uint8).numpy()  # the tensor's own memory
-        except (RuntimeError, TypeError):  # a dtype without a byte view
+        # The torch calls only: the bytes are hashed, compressed and written outside.
+        with self.section():
+            dense = v.detach().resolve_conj().resolve_neg()
+            device = str(dense.device)
+            if dense.device.type != "cpu":
+                dense = dense.cpu()
+            dense = dense.contiguous()
+            if dense.numel() <= 1:
+                # contiguous() leaves the strides of an empty or one-element tensor as
+                # they were, which the byte view below refuses; a clone resets them.
+                dense = dense.clone(memory_format=torch.contiguous_format)
+            try:
+                flat = dense.reshape(-1).view(torch.uint8).numpy()  # the tensor's own memory
+            except (RuntimeError, TypeError):  # a dtype without a byte view
+                flat = None
+            dtype = str(dense.dtype).removeprefix("torch.")
+            shape = list(dense.shape)
+            itemsize = dense.element_size()
+            is_float = dense.is_floating_point() and itemsize in (2, 4, 8)
+        if flat is None:
             return self.pickled(v, path)
-        dtype = str(dense.dtype).removeprefix("torch.")
-        node: dict[str, Any] = {
-            "$": "tensor",
-            "dtype": dtype,
-            "shape": list(dense.shape),
-            "device": device,
-        }
-        itemsize = dense.element_size()
-        is_float = dense.is_floating_point() and itemsize in (2, 4, 8)
+        node: dict[str, Any] = {"$": "tensor", "dtype": dtype, "shape": shape, "device": device}
         if known is not None:
             node["blob"] = self.arrays.put_stored(path, known, flat.nbytes)
             return node
@@ -394,7 +408,10 @@ class _Encoder:
                 name=self.name,
             )
         try:
-            data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+            with self.section():  # reducing a torch object calls into torch
+                data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+        except Interrupted:
+            raise
         except Exception as exc:  # pickle raises many types (PicklingError, TypeError, ...)
             raise CheckpointTargetError(
                 f"Cannot store {path} in a checkpoint: it is a {type(v).__module__}."

@@ -13,15 +13,23 @@ Errors are the restore's: a missing or corrupt object raises StoreError from
 would without prefetching. Only this thread decodes while it runs (the cache of
 decoded delta bases is not shared between threads), so a checkpoint that was
 not announced is decoded by ``take`` under the same lock.
+
+The thread's decodes call torch, so each runs inside an :class:`ExitGate`
+section, and :meth:`Prefetcher.close` (also registered to run at exit) waits
+for the one going on: a worker that runs its script to the end finalizes the
+interpreter, which must not happen while this thread is inside torch.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from retrolog.checkpoint._exitgate import ExitGate
 from retrolog.checkpoint.state import Snapshot, thaw
 from retrolog.store.objects import ObjectStore
 
@@ -44,10 +52,12 @@ class Prefetcher:
         self.decode_seconds = 0.0  # in the background thread
         self.wait_seconds = 0.0  # what take() waited for it
         self._thread: threading.Thread | None = None
+        self._gate = ExitGate()
 
     def start(self) -> None:
         if self._thread is None and self._order:
             self._thread = threading.Thread(target=self._run, name="retrolog-prefetch", daemon=True)
+            atexit.register(self.close)
             self._thread.start()
 
     def _run(self) -> None:
@@ -61,7 +71,7 @@ class Prefetcher:
                     if i < self._taken:  # the worker went past it (it executed that block)
                         self._finished = i
                         continue
-                result = self._decode(manifest)
+                result = self._decode(manifest, gated=True)
                 with self._changed:
                     self._done[manifest] = result
                     self._finished = i
@@ -71,16 +81,20 @@ class Prefetcher:
                 self._exited = True
                 self._changed.notify_all()
 
-    def _decode(self, manifest: str) -> tuple[Snapshot | None, BaseException | None]:
+    def _decode(
+        self, manifest: str, *, gated: bool = False
+    ) -> tuple[Snapshot | None, BaseException | None]:
+        """Decode ``manifest``; ``gated``: on the prefetch thread, inside the exit gate."""
         from retrolog.checkpoint.capture import load_checkpoint
 
         started = time.perf_counter()
         try:
-            with self._decoding:
-                snapshot = load_checkpoint(self._store, manifest)
-            # The copy the live objects will own, made here too: the worker's thread only
-            # hands it over (restore(..., thawed=True)).
-            return Snapshot(objects=thaw(snapshot.objects), rng=snapshot.rng), None
+            with self._gate.section() if gated else contextlib.nullcontext():
+                with self._decoding:
+                    snapshot = load_checkpoint(self._store, manifest)
+                # The copy the live objects will own, made here too: the worker's thread
+                # only hands it over (restore(..., thawed=True)).
+                return Snapshot(objects=thaw(snapshot.objects), rng=snapshot.rng), None
         except Exception as exc:  # raised again by take(), on the worker's thread
             return None, exc
         finally:
@@ -114,10 +128,14 @@ class Prefetcher:
         return snapshot
 
     def close(self) -> None:
+        """Stop decoding ahead; waits for a decode going on to leave torch (see the module)."""
         with self._changed:
             self._stop = True
             self._done.clear()
             self._changed.notify_all()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._gate.close()
+            atexit.unregister(self.close)
 
     def figures(self) -> dict[str, Any]:
         return {"decode_seconds": self.decode_seconds, "wait_seconds": self.wait_seconds}
