@@ -3,11 +3,10 @@
 For each of ``examples/mnist_cnn.py``, ``examples/word_lm.py`` and
 ``examples/dcgan.py``: an older version (a real kind of change: another
 optimizer, another default, a flag that did not exist) is committed and run,
-then the example as it is now is committed and run with a flag changed (both runs
-on half the default training data, through the script's own flag, to keep the suite
-short); today's
-edit adds one statement in the outer (epoch) loop and one in the inner (step)
-loop. Everything runs with default settings: torch's own thread count, the
+then the example as it is now is committed and run with a flag changed (both
+runs on half the default training data, through the script's own flag, to keep
+the suite short); today's edit adds one statement in the outer (epoch) loop and
+one in the inner (step) loop. Everything runs with default settings: torch's own thread count, the
 adaptive checkpoint policy, the default number of replay workers. Each
 backfilled value must equal, bit for bit, what a fresh run of the run's
 version with both statements propagated into it logs (``retrolog propagate``;
