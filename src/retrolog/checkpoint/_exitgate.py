@@ -65,10 +65,6 @@ class ExitGate:
                 if not self._inside:
                     self._cond.notify_all()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self, timeout: float = CLOSE_TIMEOUT) -> bool:
         """Let no thread in again, and wait for those inside; whether they all left in time.
 
