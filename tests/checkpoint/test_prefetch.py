@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -149,3 +151,50 @@ def test_taking_a_later_checkpoint_first_does_not_wait_for_one_that_is_never_dec
     threading.Thread(target=worker, daemon=True).start()
     assert done.wait(10), "take() waited for a checkpoint the thread skipped"
     assert _same(found[0], reference)
+
+
+# The prefetch thread spends its time inside torch (a matmul before each decoded
+# checkpoint is copied), and the worker's script ends meanwhile. Without the exit gate the
+# interpreter finalizes with the thread inside torch, and the process aborts ("terminate
+# called without an active exception", status -6).
+IN_TORCH_AT_EXIT = """\
+import sys
+import time
+import torch
+from retrolog.checkpoint import prefetch
+from retrolog.checkpoint.codec import encode
+from retrolog.checkpoint.state import Snapshot
+from retrolog.store.objects import LocalObjectStore
+
+store = LocalObjectStore(sys.argv[1], durable=False)
+snaps = [Snapshot(objects={"w": torch.randn(1000) + i}, rng={}) for i in range(10)]
+keys = [encode(snap, store)[0] for snap in snaps]
+big = torch.randn(1500, 1500)
+thaw = prefetch.thaw
+
+
+def slow(value):
+    torch.mm(big, big)
+    return thaw(value)
+
+
+prefetch.thaw = slow
+ahead = prefetch.Prefetcher(store, keys, ahead=10)
+ahead.start()
+time.sleep(0.3)
+print("done", flush=True)
+"""
+
+
+def test_a_worker_ending_while_the_prefetcher_is_inside_torch_exits_cleanly(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(IN_TORCH_AT_EXIT)
+    for _ in range(2):  # without the gate, each aborts
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "objects")],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr
+        assert done.stdout == "done\n"

@@ -33,6 +33,9 @@ from retrolog.checkpoint._exitgate import ExitGate
 from retrolog.checkpoint.state import Snapshot, thaw
 from retrolog.store.objects import ObjectStore
 
+# How long close() waits for the thread to end once no decode is going on.
+JOIN_SECONDS = 2.0
+
 
 class Prefetcher:
     """Decodes ``manifests`` in order in a daemon thread, ``ahead`` beyond the last taken."""
@@ -135,6 +138,7 @@ class Prefetcher:
             self._changed.notify_all()
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._gate.close()
+            self._thread.join(timeout=JOIN_SECONDS)  # it stops before its next decode
             atexit.unregister(self.close)
 
     def figures(self) -> dict[str, Any]:
