@@ -222,6 +222,17 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def difference(
+    runs: list[dict[str, dict[str, Any]]], key: str, this: str, other: str, prefix: str
+) -> dict[str, Any]:
+    """``this`` minus ``other`` per repetition, in seconds and in % of the plain run's wall."""
+    diffs = [(r[this][key] - r[other][key], r["plain"]["wall"]) for r in runs]
+    return {
+        f"{prefix}seconds": stats([d for d, _ in diffs]),
+        f"{prefix}pct_of_plain_wall": stats([d / wall * 100 for d, wall in diffs]),
+    }
+
+
 CHECKPOINT_KEYS = (
     "block_checkpoints",
     "urgent_writes",
@@ -294,12 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in KEYS:
         figures[key] = {
             "plain_seconds": stats([r["plain"][key] for r in runs]),
-            "recorded_minus_plain_seconds": stats(
-                [r["retrolog"][key] - r["plain"][key] for r in runs]
-            ),
-            "recorded_minus_plain_pct_of_plain_wall": stats(
-                [(r["retrolog"][key] - r["plain"][key]) / r["plain"]["wall"] * 100 for r in runs]
-            ),
+            **difference(runs, key, "retrolog", "plain", "recorded_minus_plain_"),
             "aa_abs_pct_of_plain_wall": statistics.median(
                 abs(r["plain_again"][key] - r["plain"][key]) / r["plain"]["wall"] * 100
                 for r in runs
@@ -310,15 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in KEYS:
             compared[key] = {
                 "baseline_seconds": stats([r["baseline"][key] for r in runs]),
-                "this_minus_baseline_seconds": stats(
-                    [r["retrolog"][key] - r["baseline"][key] for r in runs]
-                ),
-                "this_minus_baseline_pct_of_plain_wall": stats(
-                    [
-                        (r["retrolog"][key] - r["baseline"][key]) / r["plain"]["wall"] * 100
-                        for r in runs
-                    ]
-                ),
+                **difference(runs, key, "retrolog", "baseline", "this_minus_baseline_"),
             }
     per_thread: dict[str, list[float]] = {}
     for r in runs:
