@@ -267,8 +267,8 @@ def test_ctrl_c_twice_at_exit_abandons_and_records_what_it_abandoned(project: Pr
 # The idle lane spends its time inside torch with the GIL released (each tensor it views
 # as bytes first runs a 1500x1500 matmul), and training ends while it is there. A daemon
 # thread inside torch when the interpreter finalizes aborts the process ("terminate
-# called without an active exception", exit status -6): seen on CI's busy machine in
-# real recordings, and here every time without the exit gate.
+# called without an active exception", exit status -6): seen in real recordings of the
+# suite run two at a time, and here in 3 of 3 runs without the exit gate.
 IN_TORCH_AT_EXIT = """\
 import threading
 import time
