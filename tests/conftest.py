@@ -221,7 +221,7 @@ def replay_workers(text: str = REPLAY_WORKERS) -> list[int]:
             cwd = os.readlink(entry / "cwd")
         except OSError:
             continue
-        if (text in cmdline and "train.py" in cmdline) or (
+        if ("train.py" in cmdline and (text in cmdline or cwd.startswith(text))) or (
             "_zygote.py" in cmdline and cwd.startswith(text)
         ):
             found.append(int(entry.name))

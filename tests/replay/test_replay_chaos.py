@@ -91,15 +91,17 @@ def _chaos_round(
 ) -> str:
     proc = project.start_cli("replay", "w1", "--yes")
     coordinators.append(proc.pid)
+    # This coordinator's workers only: the machine may run other replays meanwhile.
+    mine = f"{tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
     # Until a worker trains, or the replay ends first (nothing left to do after earlier rounds).
-    _wait_for(lambda: replay_workers() or proc.poll() is not None, 60)
+    _wait_for(lambda: replay_workers(mine) or proc.poll() is not None, 60)
     what = f"seed {seed}, round {n}"
-    if not replay_workers():
+    if not replay_workers(mine):
         _, err = proc.communicate(timeout=60)
         return f"{what}: no worker started (rc {proc.returncode}): {err[-300:]}"
     time.sleep(rng.uniform(0.0, 2.0))
     sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
-    workers = replay_workers()
+    workers = replay_workers(mine)
     target = "coordinator" if not workers or rng.random() < 0.5 else "worker"
     pid = proc.pid if target == "coordinator" else rng.choice(workers)
     what += f": {sig.name} to the {target}"
@@ -109,7 +111,7 @@ def _chaos_round(
         what += " (already gone)"
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, f"{what}\n{err}"
-    assert _wait_for(lambda: not replay_workers(), 5.0), f"{what}: a worker outlived it"
+    assert _wait_for(lambda: not replay_workers(mine), 5.0), f"{what}: a worker outlived it"
     return what
 
 

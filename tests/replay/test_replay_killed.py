@@ -54,10 +54,12 @@ def _start_replay(
     project.write("train.py", probe)
     proc = project.start_cli("replay", "w1", "--yes")
     marker = f"{tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
+    # This coordinator's workers only (their checkouts carry its pid): the machine may
+    # run other replays meanwhile, which must be neither waited for nor killed.
     deadline = time.monotonic() + 60
-    while not replay_workers() and time.monotonic() < deadline:
+    while not replay_workers(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert replay_workers(), "the worker did not start"
+    assert replay_workers(marker), "the worker did not start"
     time.sleep(1.0)  # training, inside the step loop
     return proc, marker
 
@@ -99,7 +101,7 @@ def test_sigkill_of_the_coordinator_kills_its_worker_and_gc_sweeps_the_rest(
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     # The worker has seconds of training left: gone this soon, it was killed.
-    assert _gone(lambda: not replay_workers(), 3.0), "the worker outlived its coordinator"
+    assert _gone(lambda: not replay_workers(marker), 3.0), "the worker outlived its coordinator"
     assert _checkouts(marker), "nothing to sweep: the test no longer tests the sweep"
     assert read_db(project.root, "SELECT status FROM replays") == [("running",)]
 
@@ -116,7 +118,7 @@ def test_sigterm_of_the_coordinator_stops_and_cleans_up_like_ctrl_c(project: Pro
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "Traceback" not in err
-    assert not replay_workers()
+    assert not replay_workers(marker)
     assert not _checkouts(marker)
     assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
 
@@ -124,9 +126,11 @@ def test_sigterm_of_the_coordinator_stops_and_cleans_up_like_ctrl_c(project: Pro
 def test_a_run_whose_worker_was_killed_is_replayed_again_in_full(project: Project) -> None:
     """One segment's worker killed, the other finished: the run is partial, not done."""
     quick = SCRIPT.replace("time.sleep(0.5)", "time.sleep(0.2)")
-    proc, _ = _start_replay(project, quick, PROBE.replace("time.sleep(0.5)", "time.sleep(0.2)"))
-    assert _gone(lambda: len(replay_workers()) == 2, 30.0), "expected two segments"
-    os.kill(replay_workers()[0], signal.SIGKILL)
+    proc, marker = _start_replay(
+        project, quick, PROBE.replace("time.sleep(0.5)", "time.sleep(0.2)")
+    )
+    assert _gone(lambda: len(replay_workers(marker)) == 2, 30.0), "expected two segments"
+    os.kill(replay_workers(marker)[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err
     assert read_db(project.root, "SELECT status FROM replay_runs") == [("partial",)], err
