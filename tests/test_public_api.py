@@ -15,8 +15,9 @@ from retrolog import errors
 # The design's five recording calls and three reading ones.
 DESIGN_CALLS = {"arg", "log", "loop", "checkpointing", "commit", "dataframe", "query", "replay"}
 # Added since: rl.configure (checkpoint settings), rl.restore (load a past checkpoint into
-# live objects, the model-registry use) and rl.lineage (how a value came to be).
-ADDITIONS = {"configure", "restore", "lineage"}
+# live objects, the model-registry use), rl.lineage (how a value came to be) and
+# rl.Project (one project's store: what the CLI, the API and the UI go through).
+ADDITIONS = {"configure", "restore", "lineage", "Project"}
 
 
 def test_all_is_the_api_the_design_lists_and_the_additions() -> None:

@@ -15,9 +15,11 @@ from retrolog._api import (
     query,
     replay,
 )
+from retrolog._project import Project
 from retrolog._restore import restore
 
 __all__ = [
+    "Project",
     "arg",
     "checkpointing",
     "commit",

@@ -29,6 +29,7 @@ from retrolog.runtime.values import FAST_TYPES
 if TYPE_CHECKING:
     import pandas as pd
 
+    from retrolog._project import Project
     from retrolog.runtime.run import Run
 
 T = TypeVar("T")
@@ -205,21 +206,12 @@ def dataframe(*names: str, where: str | None = None, definitions: str = "any") -
     columns (e.g. epoch, step) and the requested names; run-level values such
     as arguments are repeated on each row of their run.
     """
-    from retrolog._query.dataframe import dataframe as build
-    from retrolog._query.lineage import today_keys
-    from retrolog.store.paths import locate
-
-    with _reader() as conn:
-        today = today_keys(locate().root) if definitions == "current" else None
-        return build(conn, list(names), where, definitions=definitions, today=today)
+    return _project().dataframe(*names, where=where, definitions=definitions)
 
 
 def query(sql: str) -> pd.DataFrame:
     """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
-    from retrolog._query.sql import query as run_query
-
-    with _reader() as conn:
-        return run_query(conn, sql)
+    return _project().query(sql)
 
 
 def lineage(run: str, name: str, at: dict[str, int] | None = None) -> dict[str, Any]:
@@ -233,10 +225,7 @@ def lineage(run: str, name: str, at: dict[str, int] | None = None) -> dict[str, 
     origin, definition key, replay, propagated code object, the checkpoint it
     started from and its inexact mark.
     """
-    from retrolog._query.lineage import explain
-
-    with _reader() as conn:
-        return explain(conn, run, name, at)
+    return _project().lineage(run, name, at)
 
 
 def replay(
@@ -273,34 +262,31 @@ def replay(
     """
     import pandas as pd
 
-    from retrolog._query.dataframe import dataframe as build
-    from retrolog._replay.replayer import replay as run_replay
     from retrolog.errors import InexactReplayError, UnknownNameError
-    from retrolog.store.paths import locate
 
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
-    with _reader() as conn:
-        result = run_replay(
-            conn, locate(), wanted, where, script=script, workers=workers, threads=threads,
-            dry_run=dry_run, force=force, reuse=reuse, progress=False,
-        )  # fmt: skip
-        if result.inexact and not allow_inexact:
-            raise InexactReplayError(
-                f"Replay of {len(result.inexact)} run(s) was not exact "
-                f"({', '.join(result.inexact)}): recorded values came out different, so the "
-                f"values of {', '.join(wanted)} backfilled from them are stored marked inexact "
-                "(the report above gives the likely cause). Pass allow_inexact=True to get "
-                "the dataframe anyway.",
-                run_ids=result.inexact,
-            )
-        runs = sorted(set(result.outcomes) | set(result.skipped))
-        if dry_run or not runs:
-            return pd.DataFrame()
-        quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in runs)
-        try:
-            return build(conn, wanted, f"run_id IN ({quoted})")
-        except UnknownNameError:  # no run produced a value
-            return pd.DataFrame()
+    project = _project()
+    result = project.replay(
+        wanted, where, script=script, workers=workers, threads=threads, dry_run=dry_run,
+        force=force, reuse=reuse, progress=False,
+    )  # fmt: skip
+    if result.inexact and not allow_inexact:
+        raise InexactReplayError(
+            f"Replay of {len(result.inexact)} run(s) was not exact "
+            f"({', '.join(result.inexact)}): recorded values came out different, so the "
+            f"values of {', '.join(wanted)} backfilled from them are stored marked inexact "
+            "(the report above gives the likely cause). Pass allow_inexact=True to get "
+            "the dataframe anyway.",
+            run_ids=result.inexact,
+        )
+    runs = sorted(set(result.outcomes) | set(result.skipped))
+    if dry_run or not runs:
+        return pd.DataFrame()
+    quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in runs)
+    try:
+        return project.dataframe(*wanted, where=f"run_id IN ({quoted})")
+    except UnknownNameError:  # no run produced a value
+        return pd.DataFrame()
 
 
 # -- run lifecycle -----------------------------------------------------------------------
@@ -327,18 +313,14 @@ def _begin() -> Run:
     return _active
 
 
-@contextlib.contextmanager
-def _reader() -> Iterator[Any]:
-    from retrolog.store.metadata import open_store
-    from retrolog.store.paths import locate
+def _project() -> Project:
+    """The current directory's project, after this process's own run's records are written
+    (a script reading its own run sees what it logged)."""
+    from retrolog._project import Project
 
     if _active is not None and _active.owned_by_this_process():
-        _active.writer.flush(timeout=30)  # a script reading its own run sees what it logged
-    conn = open_store(locate(), create=False, write=False)
-    try:
-        yield conn
-    finally:
-        conn.close()
+        _active.writer.flush(timeout=30)
+    return Project()
 
 
 def _install_hooks() -> None:

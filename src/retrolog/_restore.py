@@ -68,13 +68,12 @@ def restore(
 
     Returns a :class:`RestoredCheckpoint` saying which checkpoint was restored.
     """
-    from retrolog._api import _reader
+    from retrolog._api import _project
     from retrolog._query.runs import resolve_run
     from retrolog.checkpoint.capture import load_checkpoint
     from retrolog.checkpoint.state import Snapshot
     from retrolog.checkpoint.state import restore as restore_state
     from retrolog.store.objects import LocalObjectStore
-    from retrolog.store.paths import locate
 
     if type(rng) is not bool:
         raise UsageError(
@@ -85,7 +84,8 @@ def restore(
     ref, row = _run_reference(run)
     if at is not None:
         at = _position(at)
-    with _reader() as conn:
+    project = _project()
+    with project.reader() as conn:
         try:
             run_id = resolve_run(conn, ref)
             rows = _checkpoint_rows(conn, run_id)
@@ -104,7 +104,7 @@ def restore(
             f"restore() needs the live objects to load the {where} into, passed by the names the "
             "run's checkpointing(...) used, e.g. rl.restore(run, model=net, optimizer=opt)."
         )
-    store = LocalObjectStore(locate().objects)
+    store = LocalObjectStore(project.paths.objects)
     try:
         snap = load_checkpoint(store, chosen.manifest)
     except CorruptObjectError as exc:

@@ -126,10 +126,7 @@ def runs_command(limit: int | None, as_json: bool, as_csv: bool) -> None:
     Example:
       retrolog runs --limit 5
     """
-    from retrolog._query.runs import list_runs
-
-    with _store() as conn:
-        _emit(list_runs(conn, limit), as_json, as_csv)
+    _emit(_project().runs(limit), as_json, as_csv)
 
 
 @cli.command("show")
@@ -145,10 +142,7 @@ def show_command(run: str, as_json: bool) -> None:
     Example:
       retrolog show 20261122-1635
     """
-    from retrolog._query.runs import run_details
-
-    with _store() as conn:
-        details = run_details(conn, run)
+    details = _project().run(run)
     if as_json:
         click.echo(json.dumps(details, indent=2, default=str))
         return
@@ -179,11 +173,7 @@ def lineage_command(run: str, name: str, at: tuple[str, ...], as_json: bool) -> 
     Example:
       retrolog lineage 20261122-1635 w_norm --at epoch=3
     """
-    from retrolog._query.lineage import explain
-
-    where = parse_at(at)
-    with _store() as conn:
-        found = explain(conn, run, name, where)
+    found = _project().lineage(run, name, parse_at(at))
     if as_json:
         click.echo(json.dumps(found, indent=2, default=str))
         return
@@ -275,15 +265,8 @@ def dataframe_command(
       retrolog dataframe lr acc --where "lr > 0.005"
       retrolog dataframe acc w_norm --definitions current
     """
-    from retrolog._query.dataframe import dataframe
-    from retrolog._query.lineage import today_keys
-    from retrolog.store.paths import locate
-
     split = [n for name in names for n in name.split(",") if n]
-    with _store() as conn:
-        today = today_keys(locate().root) if definitions == "current" else None
-        frame = dataframe(conn, split, where, definitions=definitions, today=today)
-        _emit(frame, as_json, as_csv)
+    _emit(_project().dataframe(*split, where=where, definitions=definitions), as_json, as_csv)
 
 
 @cli.command("query")
@@ -301,10 +284,7 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     Example:
       retrolog query "SELECT name, COUNT(*) FROM logs GROUP BY name"
     """
-    from retrolog._query.sql import query
-
-    with _store() as conn:
-        _emit(query(conn, sql), as_json, as_csv)
+    _emit(_project().query(sql), as_json, as_csv)
 
 
 @cli.command("replay")
@@ -369,9 +349,6 @@ def replay_command(
       retrolog replay w_norm,grad_norm --yes
       retrolog replay --verify "lr > 0.005"
     """
-    from retrolog._replay.replayer import replay
-    from retrolog.store.paths import locate
-
     if verify:
         if names is not None and where is not None:
             raise click.UsageError(
@@ -392,12 +369,11 @@ def replay_command(
             raise click.UsageError("Not asking on a non-interactive input: pass --yes to replay.")
         return click.confirm("Replay these runs?", default=True, err=True)
 
-    with _store() as conn:
-        result = replay(
-            conn, locate(), names.split(",") if names else [], where, script=script,
-            workers=workers, threads=threads, dry_run=dry_run, force=force, verify=verify,
-            reuse=not no_reuse, confirm=confirm,
-        )  # fmt: skip
+    result = _project().replay(
+        names.split(",") if names else [], where, script=script, workers=workers,
+        threads=threads, dry_run=dry_run, force=force, verify=verify, reuse=not no_reuse,
+        confirm=confirm,
+    )  # fmt: skip
     failed = [o for o in result.outcomes.values() if o.status in ("failed", "partial")]
     if failed or (result.inexact and not allow_inexact):
         sys.exit(1)
@@ -515,7 +491,6 @@ def gc_command(
     """
     from retrolog.store.gc import collect_garbage, format_report, plan_gc, select_runs
     from retrolog.store.objects import LocalObjectStore
-    from retrolog.store.paths import locate
 
     def emit(report: Any, *, table: bool = True) -> None:
         if as_json:
@@ -529,17 +504,18 @@ def gc_command(
                 err=True,
             )
 
-    with _store() as conn:
+    project = _project()
+    with project.reader() as conn:
         from retrolog._replay.execute import sweep_stale
         from retrolog.store.metadata import is_readonly, read_only_error
 
         readonly = is_readonly(conn)
         if readonly and not dry_run:
-            raise read_only_error(locate(), "gc")
+            raise read_only_error(project.paths, "gc")
         if not readonly:
             # A replay whose coordinator was killed no longer holds runs back.
-            sweep_stale(conn, locate().store)
-        store = LocalObjectStore(locate().objects)
+            sweep_stale(conn, project.paths.store)
+        store = LocalObjectStore(project.paths.objects)
         chosen = select_runs(conn, runs, where)
         if chosen == []:
             click.echo(f"No run matches {where!r}: no checkpoint is dropped.", err=True)
@@ -565,18 +541,40 @@ def gc_command(
     emit(done, table=not asked)
 
 
-class _store:
-    """The project's store for reading, opened from the current directory."""
+@cli.command("ui")
+@click.option(
+    "--port", type=click.IntRange(min=0, max=65535), help="Port (default 7431, or a free one)."
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on. Anything but loopback lets other machines in: every request "
+    "then needs the printed token.",
+)
+@click.option("--no-browser", is_flag=True, help="Print the address; do not open a browser.")
+@_handle_errors
+def ui_command(port: int | None, host: str, no_browser: bool) -> None:
+    """Open the dashboard: runs, charts, code diffs, and replays with their estimate.
 
-    def __enter__(self) -> Any:
-        from retrolog.store.metadata import open_store
-        from retrolog.store.paths import locate
+    Serves the project's store on a local web server until Ctrl-C. Anything that
+    runs code (a replay) needs the token in the printed address.
 
-        self.conn = open_store(locate(), create=False, write=False)
-        return self.conn
+    \b
+    Example:
+      retrolog ui
+      retrolog ui --port 8080 --no-browser
+    """
+    from retrolog.ui import serve
 
-    def __exit__(self, *exc: object) -> None:
-        self.conn.close()
+    serve(_project(), host=host, port=port, open_browser=not no_browser)
+
+
+def _project() -> Any:
+    """The project of the current directory: what every command reads and replays through."""
+    from retrolog._project import Project
+
+    return Project()
 
 
 def _format_details(d: dict[str, Any]) -> str:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 import time
 from typing import Any
 
 import pandas as pd
 
+from retrolog._query.sql import execute_read
 from retrolog.errors import RunNotFoundError
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def list_runs(conn: sqlite3.Connection, limit: int | None = None) -> pd.DataFrame:
@@ -241,7 +245,134 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+def arguments(parsed_json: str | None, args_json: str | None) -> dict[str, Any]:
+    """A run's arguments: its parsed command-line values, then its rl.arg values (which win
+    on a clash), from the runs table's ``parsed_args`` and ``args`` columns."""
+    return {**json.loads(parsed_json or "{}"), **json.loads(args_json or "{}")}
+
+
 def _format_args(parsed_json: str | None, args_json: str | None) -> str:
-    """The run's parsed command-line values, then its rl.arg values (which win on a clash)."""
-    args = {**json.loads(parsed_json or "{}"), **json.loads(args_json or "{}")}
+    args = arguments(parsed_json, args_json)
     return " ".join(f"{k}={v}" for k, v in args.items())
+
+
+def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
+    """Runs with at least one row of the dataframe view satisfying ``where``.
+
+    ``where`` is the predicate `retrolog dataframe`, `replay`, `gc` and the UI take.
+    """
+    from retrolog._query.dataframe import dataframe, logged_names
+
+    logged = set(logged_names(conn))
+    referenced = [n for n in dict.fromkeys(_IDENTIFIER.findall(where)) if n in logged]
+    if referenced:
+        frame = dataframe(conn, referenced, where)
+        return set(frame["run_id"])
+
+    def malformed(complaint: str) -> str:
+        return (
+            f"The predicate {where!r} cannot be used to choose runs (SQLite says "
+            f"{complaint!r}). It may use projid, run_id, tstamp, filename and the names "
+            "logged in this store."
+        )
+
+    def writes(action: str, complaint: str) -> str:
+        return f"The predicate {where!r} tries to {action}; a predicate only reads."
+
+    _, rows = execute_read(
+        conn,
+        f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) WHERE {where}",
+        subject=where, malformed=malformed, writes=writes,
+    )  # fmt: skip
+    return {r[0] for r in rows}
+
+
+def checkpoint_list(conn: sqlite3.Connection, ref: str) -> list[dict[str, Any]]:
+    """A run's checkpoints in the order written: kind (block or end), the loop and its
+    iteration, stored bytes, capture and write seconds."""
+    run_id = resolve_run(conn, ref)
+    rows = conn.execute(
+        "SELECT c.kind, c.loop_name, lp.iteration, c.nbytes, c.capture_seconds,"
+        " c.write_seconds, c.created_at FROM checkpoints c"
+        " LEFT JOIN loops lp ON lp.run_id = c.run_id AND lp.ctx_id = c.ctx_id"
+        " WHERE c.run_id = ? ORDER BY c.checkpoint_id",
+        (run_id,),
+    ).fetchall()
+    keys = ("kind", "loop", "iteration", "nbytes", "capture_seconds", "write_seconds", "created_at")
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def _version(conn: sqlite3.Connection, run_id: str) -> tuple[str, str, bool, str, str]:
+    """(git_dir, commit, dirty, tree, filename) of a run's code version."""
+    row = conn.execute(
+        "SELECT git_dir, code_commit, dirty, code_tree, filename FROM runs WHERE run_id = ?",
+        (run_id,),
+    ).fetchone()
+    if row is None or not row[0] or not row[1]:
+        raise RunNotFoundError(
+            f"Run {run_id} has no code version (it was recorded before code versions were "
+            "kept, or its capture failed).",
+            run_id=run_id,
+        )
+    return row[0], row[1], bool(row[2]), row[3], row[4]
+
+
+def run_code(conn: sqlite3.Connection, ref: str, path: str | None = None) -> dict[str, Any]:
+    """The code a run executed: its version's files, and the text of ``path`` (default: the
+    run's script) as it was, uncommitted edits included."""
+    from pathlib import Path
+
+    from retrolog.versions.git import list_files, read_file
+
+    run_id = resolve_run(conn, ref)
+    git_dir, commit, dirty, tree, filename = _version(conn, run_id)
+    files = list_files(Path(git_dir), commit)
+    shown = path or filename
+    text = read_file(Path(git_dir), commit, shown).decode(errors="replace")
+    return {"run_id": run_id, "commit": commit, "tree": tree, "dirty": dirty, "files": files,
+            "path": shown, "text": text}  # fmt: skip
+
+
+def compare_runs(conn: sqlite3.Connection, refs: list[str]) -> dict[str, Any]:
+    """Two or more runs side by side, oldest first: the arguments that differ (and those that
+    do not), and the code diff from the oldest run's version to each other's."""
+    from pathlib import Path
+
+    from retrolog.errors import UsageError
+    from retrolog.versions.git import diff_versions
+
+    chosen = set(resolve_run(conn, r) for r in refs)
+    if len(chosen) < 2:
+        raise UsageError("Compare needs at least two different runs.")
+    # Oldest first, so that each diff reads forward in time.
+    order = conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")
+    run_ids = [r for (r,) in order if r in chosen]
+    args = {}
+    for run_id in run_ids:
+        parsed, given = conn.execute(
+            "SELECT parsed_args, args FROM runs WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        args[run_id] = arguments(parsed, given)
+    names = list(dict.fromkeys(k for a in args.values() for k in a))
+
+    def distinct(name: str) -> int:
+        return len({json.dumps(args[r].get(name), sort_keys=True) for r in run_ids})
+
+    differ = {n: [args[r].get(n) for r in run_ids] for n in names if distinct(n) > 1}
+    same = {n: args[run_ids[0]].get(n) for n in names if n not in differ}
+    base = _version(conn, run_ids[0])
+    diffs = []
+    for run_id in run_ids[1:]:
+        other = _version(conn, run_id)
+        if other[3] == base[3]:
+            text = ""  # the same tree: the same code
+        elif other[0] != base[0]:
+            raise UsageError(
+                f"Runs {run_ids[0]} and {run_id} keep their code in different git directories "
+                f"({base[0]}, {other[0]}); compare runs of one project."
+            )
+        else:
+            text = diff_versions(Path(base[0]), base[1], other[1])
+        diffs.append({"from": run_ids[0], "to": run_id, "same_code": other[3] == base[3],
+                      "diff": text})  # fmt: skip
+    return {"runs": run_ids, "args_differ": differ, "args_same": same, "diffs": diffs}

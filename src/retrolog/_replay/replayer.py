@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from retrolog._query.sql import execute_read
+from retrolog._query.runs import matching_runs
 from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
 from retrolog._replay.execute import (
     Job,
@@ -682,9 +682,6 @@ def _read_newest(paths: ProjectPaths, filename: str) -> str:
         ) from exc
 
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
 def _candidates(conn: sqlite3.Connection, filename: str, where: str | None) -> list[str]:
     rows = [
         r[0]
@@ -696,35 +693,8 @@ def _candidates(conn: sqlite3.Connection, filename: str, where: str | None) -> l
     ]
     if not where or not rows:
         return rows
-    return [r for r in rows if r in _matching(conn, where)]
-
-
-def _matching(conn: sqlite3.Connection, where: str) -> set[str]:
-    """Runs with at least one row of the dataframe view satisfying ``where``."""
-    from retrolog._query.dataframe import dataframe, logged_names
-
-    logged = set(logged_names(conn))
-    referenced = [n for n in dict.fromkeys(_IDENTIFIER.findall(where)) if n in logged]
-    if referenced:
-        frame = dataframe(conn, referenced, where)
-        return set(frame["run_id"])
-
-    def malformed(complaint: str) -> str:
-        return (
-            f"The predicate {where!r} cannot be used to choose runs (SQLite says "
-            f"{complaint!r}). It may use projid, run_id, tstamp, filename and the names "
-            "logged in this store."
-        )
-
-    def writes(action: str, complaint: str) -> str:
-        return f"The predicate {where!r} tries to {action}; a predicate only reads."
-
-    _, rows = execute_read(
-        conn,
-        f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) WHERE {where}",
-        subject=where, malformed=malformed, writes=writes,
-    )  # fmt: skip
-    return {r[0] for r in rows}
+    matching = matching_runs(conn, where)
+    return [r for r in rows if r in matching]
 
 
 def _complete_runs(conn: sqlite3.Connection, runs: Sequence[str], names: Sequence[str]) -> set[str]:

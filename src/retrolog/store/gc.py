@@ -249,9 +249,9 @@ def select_runs(
         return None
     chosen = [resolve_run(conn, ref) for ref in refs]
     if where:
-        from retrolog._replay.replayer import _matching
+        from retrolog._query.runs import matching_runs
 
-        matching = _matching(conn, where)
+        matching = matching_runs(conn, where)
         order = [r for (r,) in conn.execute("SELECT run_id FROM runs ORDER BY started_at")]
         matched = [r for r in order if r in matching]
         chosen = [r for r in chosen if r in matching] if refs else matched

@@ -255,6 +255,42 @@ def read_file(git_dir: Path, commit: str, relpath: str) -> bytes:
     )
 
 
+def list_files(git_dir: Path, commit: str) -> list[str]:
+    """The paths (relative to the project root) of every file in ``commit``, sorted."""
+    git_dir = Path(git_dir).resolve()
+    doing = f"list the files of code version {commit}"
+    _check_revision(commit, git_dir, doing)
+    _check_git_dir(git_dir, doing)
+    out = run_git(
+        ["ls-tree", "-r", "-z", "--name-only", commit],
+        cwd=git_dir,
+        env=git_env(git_dir=git_dir, isolate=True),
+        subject=git_dir,
+        doing=doing,
+    )
+    return sorted(p.decode(errors="surrogateescape") for p in out.split(b"\0") if p)
+
+
+def diff_versions(git_dir: Path, old: str, new: str, paths: Sequence[str] = ()) -> str:
+    """The unified diff from code version ``old`` to ``new`` (limited to ``paths`` if given).
+
+    Each version is the exact tree a run executed, uncommitted edits included.
+    """
+    git_dir = Path(git_dir).resolve()
+    doing = f"compare code versions {old} and {new}"
+    for commit in (old, new):
+        _check_revision(commit, git_dir, doing)
+    _check_git_dir(git_dir, doing)
+    out = run_git(
+        ["diff", "--no-color", "--no-ext-diff", "--no-textconv", old, new, "--", *paths],
+        cwd=git_dir,
+        env=git_env(git_dir=git_dir, isolate=True),
+        subject=git_dir,
+        doing=doing,
+    )
+    return out.decode(errors="replace")
+
+
 def list_runs_refs(git_dir: Path) -> dict[str, str]:
     """Every ref under ``refs/retrolog/`` in ``git_dir``, mapped to its commit.
 

@@ -1,0 +1,243 @@
+"""``retrolog.Project``: one project's store, as the CLI, the Python API and the UI use it.
+
+Every reading and replaying entry point goes through this object, so the
+`retrolog` command, `rl.dataframe(...)` and the dashboard cannot drift apart:
+they call the same methods with the same arguments and get the same errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from retrolog.store.paths import ProjectPaths, locate
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from retrolog._query.series import Group, Series
+    from retrolog._replay.replayer import ReplayResult
+
+
+class Project:
+    """The runs recorded for one project, and what can be asked of them.
+
+    path: any directory inside the project (default: the current directory). The
+        project is the git work tree holding it, or the directory itself outside
+        git; its store is ``<root>/.retrolog`` unless RETROLOG_STORE names another.
+
+    Example::
+
+        project = retrolog.Project()
+        project.runs()                      # one row per run
+        project.dataframe("lr", "acc")      # the wide view
+        project.replay("w_norm", dry_run=True)
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.paths: ProjectPaths = locate(Path(path) if path is not None else None)
+
+    def __repr__(self) -> str:
+        return f"Project({str(self.paths.root)!r})"
+
+    @property
+    def root(self) -> Path:
+        """The project's root directory."""
+        return self.paths.root
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[sqlite3.Connection]:
+        """A read-only connection to the store (a clear StoreError when there is none)."""
+        from retrolog.store.metadata import open_store
+
+        conn = open_store(self.paths, create=False, write=False)
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    # -- reading ---------------------------------------------------------------------
+
+    def runs(self, limit: int | None = None) -> pd.DataFrame:
+        """One row per run, oldest first (the newest ``limit`` with it): run_id, tstamp,
+        filename, status, duration, args."""
+        from retrolog._query.runs import list_runs
+
+        with self.reader() as conn:
+            return list_runs(conn, limit)
+
+    def run(self, ref: str) -> dict[str, Any]:
+        """Everything known about one run (an id or a unique prefix of one): metadata,
+        code version, arguments, names, loops, checkpoints, backfills, timing profile."""
+        from retrolog._query.runs import run_details
+
+        with self.reader() as conn:
+            return run_details(conn, ref)
+
+    def names(self) -> list[str]:
+        """Every name logged in the store (recorded or backfilled), sorted."""
+        from retrolog._query.dataframe import logged_names
+
+        with self.reader() as conn:
+            return logged_names(conn)
+
+    def matching(self, where: str) -> list[str]:
+        """The ids of the runs ``where`` (a dataframe predicate) chooses, oldest first."""
+        from retrolog._query.runs import matching_runs
+
+        with self.reader() as conn:
+            chosen = matching_runs(conn, where)
+            order = conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")
+            return [r for (r,) in order if r in chosen]
+
+    def dataframe(
+        self, *names: str, where: str | None = None, definitions: str = "any"
+    ) -> pd.DataFrame:
+        """The wide view: one row per run and loop context, one column per name
+        (see ``retrolog.dataframe``)."""
+        from retrolog._query.dataframe import dataframe
+        from retrolog._query.lineage import today_keys
+
+        with self.reader() as conn:
+            today = today_keys(self.paths.root) if definitions == "current" else None
+            return dataframe(conn, list(names), where, definitions=definitions, today=today)
+
+    def query(self, sql: str) -> pd.DataFrame:
+        """Read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
+        from retrolog._query.sql import query
+
+        with self.reader() as conn:
+            return query(conn, sql)
+
+    def lineage(self, run: str, name: str, at: dict[str, int] | None = None) -> dict[str, Any]:
+        """How a run's values of ``name`` came to be (see ``retrolog.lineage``)."""
+        from retrolog._query.lineage import explain
+
+        with self.reader() as conn:
+            return explain(conn, run, name, at)
+
+    def checkpoints(self, run: str) -> list[dict[str, Any]]:
+        """A run's checkpoints: kind, loop and iteration, size, capture and write time."""
+        from retrolog._query.runs import checkpoint_list
+
+        with self.reader() as conn:
+            return checkpoint_list(conn, run)
+
+    def code(self, run: str, path: str | None = None) -> dict[str, Any]:
+        """The code a run executed: its version's file list and the text of ``path``
+        (default: its script), uncommitted edits included."""
+        from retrolog._query.runs import run_code
+
+        with self.reader() as conn:
+            return run_code(conn, run, path)
+
+    def compare(self, runs: Sequence[str]) -> dict[str, Any]:
+        """Two or more runs: the arguments that differ and the code diff from the first
+        run's version to each other's."""
+        from retrolog._query.runs import compare_runs
+
+        with self.reader() as conn:
+            return compare_runs(conn, list(runs))
+
+    def table(
+        self,
+        *,
+        where: str | None = None,
+        columns: Sequence[str] = (),
+        sort: str = "started_at",
+        descending: bool = True,
+        offset: int = 0,
+        limit: int | None = 100,
+    ) -> dict[str, Any]:
+        """A page of the runs table: fixed fields plus ``columns`` such as ``acc``
+        (its last value), ``loss:min`` or ``acc:max``; see _query/table.py."""
+        from retrolog._query.table import Column, runs_table
+
+        picked = [Column.parse(c) for c in columns]
+        with self.reader() as conn:
+            return runs_table(
+                conn, where=where, columns=picked, sort=sort, descending=descending,
+                offset=offset, limit=limit,
+            )  # fmt: skip
+
+    def series(
+        self,
+        name: str,
+        runs: Sequence[str],
+        *,
+        x: str = "step",
+        lo: float | None = None,
+        hi: float | None = None,
+        width: int | None = None,
+    ) -> list[Series]:
+        """``name``'s values in each of ``runs`` (ids or unique prefixes), against ``x``
+        ("step" or "time"), cut to [lo, hi] and downsampled to ``width`` pixel columns
+        keeping each column's first, last, min and max (see _query/series.py)."""
+        from retrolog._query.runs import resolve_run
+        from retrolog._query.series import series
+
+        with self.reader() as conn:
+            run_ids = [resolve_run(conn, r) for r in runs]
+            return series(conn, name, run_ids, x=x, lo=lo, hi=hi, width=width)
+
+    def groups(
+        self,
+        name: str,
+        runs: Sequence[str],
+        by: str,
+        *,
+        x: str = "step",
+        lo: float | None = None,
+        hi: float | None = None,
+        width: int = 800,
+    ) -> list[Group]:
+        """``name`` over ``runs`` grouped by the value of argument ``by``: per group and
+        pixel column, the mean of its runs' values and their min and max (a band)."""
+        from retrolog._query.runs import resolve_run
+        from retrolog._query.series import group_series, series
+        from retrolog._query.table import argument_values
+
+        with self.reader() as conn:
+            run_ids = [resolve_run(conn, r) for r in runs]
+            found = series(conn, name, run_ids, x=x, lo=lo, hi=hi)
+            keys = argument_values(conn, run_ids, by)
+        return group_series(found, keys, width, lo, hi)
+
+    # -- replaying -------------------------------------------------------------------
+
+    def replay(
+        self,
+        names: str | Sequence[str],
+        where: str | None = None,
+        *,
+        script: str | None = None,
+        workers: int | None = None,
+        threads: int | None = None,
+        dry_run: bool = False,
+        force: bool = False,
+        verify: bool = False,
+        reuse: bool = True,
+        confirm: Callable[[str], bool] | None = None,
+        echo: Callable[[str], None] | None = None,
+        progress: bool = True,
+    ) -> ReplayResult:
+        """Replay past runs to backfill ``names`` (see ``retrolog replay --help``).
+
+        confirm: called with the plan's text before anything runs; False stops.
+        echo: where the plan and the report go (default: stderr).
+        Returns the replay's result: per run its outcome, the runs found inexact.
+        """
+        from retrolog._replay.replayer import replay
+
+        wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        extra: dict[str, Any] = {} if echo is None else {"echo": echo}
+        with self.reader() as conn:
+            return replay(
+                conn, self.paths, [n for n in wanted if n], where, script=script,
+                workers=workers, threads=threads, dry_run=dry_run, force=force,
+                verify=verify, reuse=reuse, confirm=confirm, progress=progress, **extra,
+            )  # fmt: skip
