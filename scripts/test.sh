@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_browser.sh
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
 .venv/bin/mypy

@@ -1,0 +1,407 @@
+"""The dashboard's HTTP server: a JSON API over ``retrolog.Project`` and the page itself.
+
+Every endpoint is a call on the one ``Project`` the CLI and the Python API use
+(docs/ui.md lists them). Replays run as a child ``retrolog replay`` process,
+so the plan a user confirms is the text `retrolog replay --dry-run` prints,
+and a replay's workers and signal handling are the command's own.
+
+Security (docs/ui.md, "Who can reach it"): the Host header must name this
+server (no DNS rebinding); a request that changes state or runs code must
+carry the per-launch token and, from a browser, come from this origin; bound
+to anything but loopback, every API request needs the token.
+"""
+
+from __future__ import annotations
+
+import csv
+import hmac
+import io
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from retrolog._project import Project
+from retrolog.errors import RetrologError
+
+STATIC = Path(__file__).parent / "static"
+TOKEN_HEADER = "X-Retrolog-Token"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_WIDTH = 8192  # pixels: a series never sends more than 4 points per pixel of this
+
+
+@dataclass
+class Settings:
+    """What one launch of the server knows about itself."""
+
+    host: str
+    port: int
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in LOOPBACK
+
+    def allowed_hosts(self) -> set[str]:
+        """Host header values naming this server (with and without the port)."""
+        names = {"127.0.0.1", "localhost", "[::1]"}
+        if not self.loopback:
+            names.add(f"[{self.host}]" if ":" in self.host else self.host)
+        return {n for name in names for n in (name, f"{name}:{self.port}")}
+
+    def origins(self) -> set[str]:
+        return {f"http://{h}" for h in self.allowed_hosts()}
+
+
+class ReplayJob:
+    """One ``retrolog replay`` child process and what it printed so far."""
+
+    def __init__(self, job_id: str, argv: list[str], cwd: Path) -> None:
+        self.job_id = job_id
+        self.argv = argv
+        self.started_at = time.time()
+        self.lines: deque[str] = deque(maxlen=2000)
+        self.returncode: int | None = None
+        self._proc = subprocess.Popen(
+            argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, name="retrolog-ui-replay", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        pending = b""
+        while chunk := os.read(self._proc.stdout.fileno(), 65536):
+            pending += chunk
+            # A progress bar rewrites its line with \r: keep its newest state only.
+            *done, pending = pending.replace(b"\r\n", b"\n").split(b"\n")
+            for raw in done:
+                self.lines.append(raw.decode(errors="replace").rsplit("\r", 1)[-1])
+        if pending:
+            self.lines.append(pending.decode(errors="replace").rsplit("\r", 1)[-1])
+        self.returncode = self._proc.wait()
+
+    def cancel(self) -> None:
+        """Ctrl-C for the replay: it stops its workers and records what was backfilled."""
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGINT)
+
+    def wait(self, timeout: float) -> int | None:
+        self._reader.join(timeout)
+        return self.returncode
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.job_id,
+            "argv": self.argv[3:],
+            "started_at": self.started_at,
+            "running": self.returncode is None,
+            "returncode": self.returncode,
+            "output": list(self.lines),
+        }
+
+
+def create_app(project: Project, settings: Settings) -> Starlette:
+    """The dashboard for ``project``, as an ASGI application."""
+    jobs: dict[str, ReplayJob] = {}
+    lock = threading.Lock()
+
+    def error(message: str, status: int = 400) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status)
+
+    def api(
+        handler: Callable[[Request], Any], *, changes: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            refused = _refusal(request, settings, changes=changes)
+            if refused is not None:
+                return error(refused, 403)
+            if request.method == "POST":
+                try:
+                    request.state.body = await request.json()
+                except ValueError:
+                    return error("The request's body must be a JSON object.")
+            try:
+                result = await run_in_threadpool(handler, request)
+            except RetrologError as exc:
+                return error(str(exc))
+            except ValueError as exc:
+                return error(f"Bad request: {exc}")
+            if isinstance(result, Response):
+                return result
+            return JSONResponse(_json_ready(result))
+
+        return endpoint
+
+    def project_info(request: Request) -> dict[str, Any]:
+        with project.reader() as conn:
+            scripts = [
+                {"filename": f, "runs": n}
+                for f, n in conn.execute(
+                    "SELECT filename, COUNT(*) FROM runs GROUP BY filename ORDER BY MAX(started_at)"
+                    " DESC"
+                )
+            ]
+        return {"root": str(project.root), "store": str(project.paths.store), "scripts": scripts}
+
+    def names(request: Request) -> list[str]:
+        return project.names()
+
+    def runs(request: Request) -> Any:
+        q = request.query_params
+        table = project.table(
+            where=q.get("where") or None,
+            columns=_split(q.get("columns")),
+            sort=q.get("sort") or "started_at",
+            descending=q.get("desc", "1") != "0",
+            offset=int(q.get("offset") or 0),
+            limit=None if q.get("format") == "csv" else int(q.get("limit") or 100),
+        )
+        if q.get("format") == "csv":
+            return _csv_response(table, "runs.csv")
+        return table
+
+    def run(request: Request) -> dict[str, Any]:
+        return project.run(request.path_params["run_id"])
+
+    def checkpoints(request: Request) -> list[dict[str, Any]]:
+        return project.checkpoints(request.path_params["run_id"])
+
+    def code(request: Request) -> dict[str, Any]:
+        return project.code(request.path_params["run_id"], request.query_params.get("path"))
+
+    def compare(request: Request) -> dict[str, Any]:
+        return project.compare(_split(request.query_params.get("runs")))
+
+    def groups(request: Request) -> list[dict[str, Any]]:
+        q = request.query_params
+        name, by = q.get("name"), q.get("by")
+        if not name or not by:
+            raise ValueError("name= and by= are required: the logged name, the argument")
+        found = project.groups(
+            name, _split(q.get("runs")), by, x=q.get("x") or "step",
+            lo=_number(q.get("lo")), hi=_number(q.get("hi")),
+            width=min(MAX_WIDTH, int(q.get("width") or 800)),
+        )  # fmt: skip
+        return [g.to_json() for g in found]
+
+    def series(request: Request) -> list[dict[str, Any]]:
+        q = request.query_params
+        name = q.get("name")
+        if not name:
+            raise ValueError("name= is required: the logged name to draw")
+        width = q.get("width")
+        found = project.series(
+            name, _split(q.get("runs")), x=q.get("x") or "step",
+            lo=_number(q.get("lo")), hi=_number(q.get("hi")),
+            width=None if width is None else min(MAX_WIDTH, int(width)),
+        )  # fmt: skip
+        return [s.to_json() for s in found]
+
+    def dataframe(request: Request) -> Any:
+        q = request.query_params
+        frame = project.dataframe(*_split(q.get("names")), where=q.get("where") or None)
+        if q.get("format") == "csv":
+            return Response(
+                frame.to_csv(index=False),
+                media_type="text/csv",
+                headers={"Content-Disposition": 'attachment; filename="dataframe.csv"'},
+            )
+        return json.loads(frame.to_json(orient="split", index=False, default_handler=str))
+
+    def plan(request: Request) -> dict[str, Any]:
+        argv = [*_replay_argv(_body(request)), "--dry-run"]
+        done = subprocess.run(
+            [sys.executable, "-m", "retrolog", *argv], cwd=project.root, capture_output=True,
+            text=True, stdin=subprocess.DEVNULL, timeout=600, check=False,
+        )  # fmt: skip
+        return {"returncode": done.returncode, "output": done.stderr + done.stdout}
+
+    def start_replay(request: Request) -> dict[str, Any]:
+        argv = [sys.executable, "-m", "retrolog", *_replay_argv(_body(request)), "--yes"]
+        with lock:
+            if any(j.returncode is None for j in jobs.values()):
+                raise ValueError("a replay is already running; wait for it or cancel it")
+            job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+            jobs[job_id] = ReplayJob(job_id, argv, project.root)
+        return jobs[job_id].to_json()
+
+    def replays(request: Request) -> list[dict[str, Any]]:
+        return [job.to_json() for job in jobs.values()]
+
+    def replay_status(request: Request) -> dict[str, Any]:
+        job = jobs.get(request.path_params["job_id"])
+        if job is None:
+            raise ValueError("no such replay in this launch of the dashboard")
+        return job.to_json()
+
+    def cancel_replay(request: Request) -> dict[str, Any]:
+        job = jobs.get(request.path_params["job_id"])
+        if job is None:
+            raise ValueError("no such replay in this launch of the dashboard")
+        job.cancel()
+        return job.to_json()
+
+    async def index(request: Request) -> Response:
+        refused = _host_refusal(request, settings)
+        if refused is not None:
+            return error(refused, 403)
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+    routes = [
+        Route("/", index),
+        Route("/api/project", api(project_info)),
+        Route("/api/names", api(names)),
+        Route("/api/runs", api(runs)),
+        Route("/api/runs/{run_id}", api(run)),
+        Route("/api/runs/{run_id}/checkpoints", api(checkpoints)),
+        Route("/api/runs/{run_id}/code", api(code)),
+        Route("/api/compare", api(compare)),
+        Route("/api/groups", api(groups)),
+        Route("/api/series", api(series)),
+        Route("/api/dataframe", api(dataframe)),
+        Route("/api/replay/plan", api(plan, changes=True), methods=["POST"]),
+        Route("/api/replay", api(start_replay, changes=True), methods=["POST"]),
+        Route("/api/replays", api(replays)),
+        Route("/api/replay/{job_id}", api(replay_status)),
+        Route("/api/replay/{job_id}/cancel", api(cancel_replay, changes=True), methods=["POST"]),
+        Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
+    ]
+    app = Starlette(routes=routes)
+    app.state.jobs = jobs
+    return app
+
+
+def _host_refusal(request: Request, settings: Settings) -> str | None:
+    host = request.headers.get("host", "")
+    if host not in settings.allowed_hosts():
+        return (
+            f"This dashboard answers only to {settings.host}:{settings.port}, not to the host "
+            f"{host!r} (a page on another site is not allowed to reach it)."
+        )
+    return None
+
+
+def _refusal(request: Request, settings: Settings, *, changes: bool) -> str | None:
+    """Why ``request`` is refused, or None."""
+    refused = _host_refusal(request, settings)
+    if refused is not None:
+        return refused
+    if changes or not settings.loopback:
+        origin = request.headers.get("origin")
+        if origin is not None and origin not in settings.origins():
+            return f"Refused a request from another site ({origin})."
+        if request.headers.get("sec-fetch-site") not in (None, "same-origin", "none"):
+            return "Refused a request from another site."
+        given = request.headers.get(TOKEN_HEADER, "")
+        if not hmac.compare_digest(given.encode(), settings.token.encode()):
+            return (
+                f"This request needs the dashboard's token in the {TOKEN_HEADER} header; open "
+                "the dashboard from the address `retrolog ui` printed."
+            )
+    return None
+
+
+def _body(request: Request) -> dict[str, Any]:
+    body = getattr(request.state, "body", None)
+    if not isinstance(body, dict):
+        raise ValueError("the request needs a JSON object as its body")
+    return body
+
+
+def _replay_argv(body: dict[str, Any]) -> list[str]:
+    """``retrolog replay`` arguments for a request from the dashboard."""
+    names = body.get("names")
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",")]
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names) or not names:
+        raise ValueError('names must list the log names to replay, e.g. ["w_norm"]')
+    argv = ["replay", ",".join(names)]
+    where = body.get("where")
+    runs = body.get("runs")
+    if runs:
+        if not isinstance(runs, list) or not all(isinstance(r, str) for r in runs):
+            raise ValueError("runs must be a list of run ids")
+        quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in runs)
+        picked = f"run_id IN ({quoted})"
+        where = f"({where}) AND {picked}" if where else picked
+    if where:
+        if not isinstance(where, str):
+            raise ValueError("where must be a predicate, as `retrolog replay` takes")
+        argv.append(where)
+    script = body.get("script")
+    if script:
+        argv += ["--script", str(script)]
+    for flag in ("force", "no_reuse", "allow_inexact"):
+        if body.get(flag):
+            argv.append("--" + flag.replace("_", "-"))
+    workers = body.get("workers")
+    if workers:
+        argv += ["--workers", str(int(workers))]
+    return argv
+
+
+def _split(text: str | None) -> list[str]:
+    return [part for part in (text or "").split(",") if part]
+
+
+def _number(text: str | None) -> float | None:
+    if text is None or text == "":
+        return None
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+def _json_ready(value: Any) -> Any:
+    """NaN and infinities are not JSON: they become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, str | int | bool) or value is None:
+        return value
+    return str(value)
+
+
+def _csv_response(table: dict[str, Any], filename: str) -> Response:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    header: Sequence[str] = [*table["fields"], *table["columns"]]
+    writer.writerow(header)
+    for row in table["rows"]:
+        writer.writerow(
+            [
+                json.dumps(row.get(k), default=str) if isinstance(row.get(k), dict | list)
+                else row.get(k)
+                for k in header
+            ]
+        )  # fmt: skip
+    return Response(
+        out.getvalue(), media_type="text/csv",
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )  # fmt: skip

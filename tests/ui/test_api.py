@@ -1,0 +1,288 @@
+"""The dashboard's JSON API, every endpoint, against a store recorded by real runs.
+
+Most tests call the application in process (starlette's TestClient); the security
+tests and the replay go to a real ``retrolog ui`` server over TCP.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from retrolog import Project
+from retrolog.ui.server import TOKEN_HEADER, Settings, create_app
+
+from conftest import read_db
+
+
+@pytest.fixture
+def client(recorded: Any) -> Iterator[TestClient]:
+    settings = Settings(host="127.0.0.1", port=7431, token="t0ken")
+    app = create_app(Project(recorded.root), settings)
+    with TestClient(app, base_url="http://127.0.0.1:7431") as c:
+        yield c
+
+
+def stored(root: Any, name: str) -> dict[str, list[float]]:
+    """Each run's values of ``name`` in logging order, read with plain sqlite3."""
+    found: dict[str, list[float]] = {}
+    for run_id, value in read_db(
+        root, "SELECT run_id, value FROM logs WHERE name = ? ORDER BY run_id, ctx_id", (name,)
+    ):
+        found.setdefault(str(run_id), []).append(float(value))  # type: ignore[arg-type]
+    return found
+
+
+def test_project_and_names(client: TestClient, recorded: Any) -> None:
+    info = client.get("/api/project").json()
+    assert info["root"] == str(recorded.root)
+    assert info["scripts"] == [{"filename": "train.py", "runs": 3}]
+    assert client.get("/api/names").json() == ["acc", "loss", "lr"]
+
+
+def test_runs_table_columns_are_the_runs_last_min_and_max(
+    client: TestClient, recorded: Any
+) -> None:
+    table = client.get("/api/runs", params={"columns": "loss:max,loss:min,acc,lr"}).json()
+    assert table["total"] == 3
+    assert table["columns"] == ["loss:max", "loss:min", "acc:last", "lr:last"]
+    loss, acc = stored(recorded.root, "loss"), stored(recorded.root, "acc")
+    rows = {r["run_id"]: r for r in table["rows"]}
+    assert set(rows) == set(loss)
+    for run_id, row in rows.items():
+        assert row["loss:max"] == max(loss[run_id])  # the spike
+        assert row["loss:min"] == min(loss[run_id])
+        assert row["acc:last"] == acc[run_id][-1]
+        assert row["status"] == "finished"
+        assert row["args"]["lr"] == row["lr:last"]
+    # Newest first by default; two code versions.
+    assert [r["lr:last"] for r in table["rows"]] == [0.3, 0.2, 0.1]
+    assert len({r["code_version"] for r in table["rows"]}) == 2
+
+
+def test_runs_table_sorts_filters_and_pages(client: TestClient) -> None:
+    by_acc = client.get("/api/runs", params={"columns": "acc", "sort": "acc:last", "desc": "0"})
+    accs = [r["acc:last"] for r in by_acc.json()["rows"]]
+    assert accs == sorted(accs)
+    page = client.get("/api/runs", params={"limit": 2, "offset": 2, "sort": "started_at"}).json()
+    assert page["total"] == 3 and len(page["rows"]) == 1
+    chosen = client.get("/api/runs", params={"where": "lr > 0.15", "columns": "lr"}).json()
+    assert sorted(r["lr:last"] for r in chosen["rows"]) == [0.2, 0.3]
+    assert chosen["total"] == 2
+
+
+def test_a_bad_predicate_or_column_is_a_clear_error(client: TestClient) -> None:
+    bad = client.get("/api/runs", params={"where": "lr >>> 1"})
+    assert bad.status_code == 400
+    assert "lr >>> 1" in bad.json()["error"] and "Traceback" not in bad.text
+    unknown = client.get("/api/runs", params={"columns": "nope"})
+    assert unknown.status_code == 400 and "'nope'" in unknown.json()["error"]
+    sort = client.get("/api/runs", params={"sort": "acc:last"})
+    assert sort.status_code == 400 and "sorts by" in sort.json()["error"]
+
+
+def test_runs_table_exports_csv(client: TestClient) -> None:
+    response = client.get("/api/runs", params={"columns": "acc", "format": "csv", "limit": 1})
+    assert response.headers["content-type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(response.text)))
+    assert len(rows) == 3  # every matching run, not a page
+    assert json.loads(rows[0]["args"]) == {"lr": 0.3}
+    assert float(rows[0]["acc:last"]) > 0
+
+
+def test_one_run(client: TestClient) -> None:
+    run_id = client.get("/api/runs").json()["rows"][0]["run_id"]
+    details = client.get(f"/api/runs/{run_id}").json()
+    assert details["run_id"] == run_id
+    assert {lp["name"] for lp in details["loops"]} == {"epoch", "step"}
+    missing = client.get("/api/runs/nope")
+    assert missing.status_code == 400 and "No run has the id 'nope'" in missing.json()["error"]
+
+
+def test_series_keep_spikes_and_are_exact_at_full_zoom(client: TestClient, recorded: Any) -> None:
+    loss = stored(recorded.root, "loss")
+    runs = sorted(loss)
+    found = client.get(
+        "/api/series", params={"name": "loss", "runs": ",".join(runs), "width": 50}
+    ).json()
+    assert [s["run_id"] for s in found] == runs
+    for s in found:
+        values = loss[s["run_id"]]
+        assert s["total"] == len(values) == 1200 and s["loop"] == "step"
+        assert not s["exact"] and len(s["x"]) <= 200
+        assert max(s["y"]) == max(values)  # the one-step spike at x = 400 + 217
+        assert s["x"][s["y"].index(max(values))] == 617
+        for x, y in zip(s["x"], s["y"], strict=True):  # every point sent is a stored value
+            assert values[int(x)] == y
+        assert set(s["origin"]) == {0}
+    # Zoomed in to 60 steps: every value there, exactly.
+    zoom = client.get(
+        "/api/series",
+        params={"name": "loss", "runs": runs[0], "width": 50, "lo": 600, "hi": 659},
+    ).json()[0]
+    assert zoom["exact"] and zoom["in_range"] == 60
+    assert zoom["x"] == list(range(600, 660)) and zoom["y"] == loss[runs[0]][600:660]
+
+
+def test_series_against_time_and_bad_requests(client: TestClient, recorded: Any) -> None:
+    run_id = sorted(stored(recorded.root, "acc"))[0]
+    timed = client.get("/api/series", params={"name": "acc", "runs": run_id, "x": "time"}).json()
+    xs = timed[0]["x"]
+    assert len(xs) == 3 and xs == sorted(xs) and xs[0] > 0
+    assert (
+        client.get("/api/series", params={"name": "acc", "runs": run_id, "x": "bogus"}).status_code
+        == 400
+    )
+    assert "name= is required" in client.get("/api/series").json()["error"]
+    assert client.get("/api/series", params={"name": "nope", "runs": run_id}).status_code == 400
+
+
+def test_dataframe_json_and_csv(client: TestClient, recorded: Any) -> None:
+    frame = client.get("/api/dataframe", params={"names": "lr,acc", "where": "lr < 0.25"}).json()
+    assert {"run_id", "epoch", "lr", "acc"} <= set(frame["columns"])
+    assert len(frame["data"]) == 6  # two runs, three epochs
+    text = client.get("/api/dataframe", params={"names": "acc", "format": "csv"}).text
+    assert len(list(csv.DictReader(io.StringIO(text)))) == 9
+
+
+def test_a_runs_checkpoints_and_code(client: TestClient, recorded: Any) -> None:
+    newest, _, oldest = [r["run_id"] for r in client.get("/api/runs").json()["rows"]]
+    ckpts = client.get(f"/api/runs/{newest}/checkpoints").json()
+    blocks = [c for c in ckpts if c["kind"] == "block"]
+    assert [(c["loop"], c["iteration"]) for c in blocks] == [
+        ("epoch", 0),
+        ("epoch", 1),
+        ("epoch", 2),
+    ]
+    assert all(c["nbytes"] > 0 for c in ckpts)
+    old = client.get(f"/api/runs/{oldest}/code").json()
+    new = client.get(f"/api/runs/{newest}/code").json()
+    assert old["path"] == "train.py" and "train.py" in old["files"]
+    assert "DECAY = 0.001" in old["text"] and "DECAY = 0.002" in new["text"]
+    readme = client.get(f"/api/runs/{oldest}/code", params={"path": "README.md"}).json()
+    assert readme["text"] == "a project\n"
+    missing = client.get(f"/api/runs/{oldest}/code", params={"path": "nope.py"})
+    assert missing.status_code == 400 and "nope.py" in missing.json()["error"]
+
+
+def test_compare_shows_the_arguments_and_the_code_diff(client: TestClient) -> None:
+    newest, middle, oldest = [r["run_id"] for r in client.get("/api/runs").json()["rows"]]
+    found = client.get("/api/compare", params={"runs": f"{oldest},{middle},{newest}"}).json()
+    assert found["runs"] == [oldest, middle, newest]
+    assert found["args_differ"] == {"lr": [0.1, 0.2, 0.3]}
+    same, changed = found["diffs"]
+    assert same["same_code"] and same["diff"] == ""
+    assert not changed["same_code"]
+    assert "-DECAY = 0.001" in changed["diff"] and "+DECAY = 0.002" in changed["diff"]
+    one = client.get("/api/compare", params={"runs": oldest})
+    assert one.status_code == 400 and "two" in one.json()["error"]
+
+
+def test_groups_are_a_mean_in_a_min_max_band(client: TestClient, recorded: Any) -> None:
+    acc = stored(recorded.root, "acc")
+    runs = sorted(acc)
+    groups = client.get(
+        "/api/groups", params={"name": "acc", "runs": ",".join(runs), "by": "lr", "width": 3}
+    ).json()
+    assert [g["key"] for g in groups] == [0.1, 0.2, 0.3]  # one run each
+    for g in groups:
+        (run_id,) = g["run_ids"]
+        assert g["mean"] == g["low"] == g["high"] == acc[run_id] and g["count"] == [1, 1, 1]
+    # All three runs in one group (none has the argument): mean, min and max per column.
+    merged = client.get(
+        "/api/groups", params={"name": "acc", "runs": ",".join(runs), "by": "nope", "width": 3}
+    ).json()
+    (g,) = merged
+    columns = list(zip(*(acc[r] for r in runs), strict=True))
+    assert g["key"] is None and g["count"] == [3, 3, 3]
+    assert g["low"] == [min(c) for c in columns] and g["high"] == [max(c) for c in columns]
+    assert all(math.isclose(m, sum(c) / 3) for m, c in zip(g["mean"], columns, strict=True))
+
+
+def test_bound_beyond_loopback_every_request_needs_the_token(recorded: Any) -> None:
+    settings = Settings(host="0.0.0.0", port=7431, token="t0ken")
+    app = create_app(Project(recorded.root), settings)
+    with TestClient(app, base_url="http://0.0.0.0:7431") as c:
+        refused = c.get("/api/names")
+        assert refused.status_code == 403 and TOKEN_HEADER in refused.json()["error"]
+        assert c.get("/api/names", headers={TOKEN_HEADER: "t0ken"}).json() == ["acc", "loss", "lr"]
+
+
+# -- security, against a real server ---------------------------------------------------------
+
+
+def request(
+    url: str, *, method: str = "GET", headers: dict[str, str] | None = None, body: Any = None
+) -> tuple[int, dict[str, Any]]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_changes_need_the_token_and_this_origin_and_the_host_is_checked(dashboard: Any) -> None:
+    base, token = dashboard.base, dashboard.token
+    plan = {"names": ["acc"]}
+    status, body = request(f"{base}/api/replay/plan", method="POST", body=plan)
+    assert status == 403 and "token" in body["error"]
+    status, body = request(
+        f"{base}/api/replay", method="POST", body=plan,
+        headers={TOKEN_HEADER: token, "Origin": "http://evil.example"},
+    )  # fmt: skip
+    assert status == 403 and "another site" in body["error"]
+    status, body = request(f"{base}/api/names", headers={"Host": "evil.example:80"})
+    assert status == 403 and "answers only to" in body["error"]
+    status, body = request(
+        f"{base}/api/replay/plan", method="POST", body=plan,
+        headers={TOKEN_HEADER: token, "Origin": base},
+    )  # fmt: skip
+    assert status == 200 and body["returncode"] == 0, body
+    assert "already has acc" in body["output"]
+    # Reads need no token on loopback.
+    assert request(f"{base}/api/names")[0] == 200
+
+
+def test_a_replay_started_over_the_api_backfills_and_shows_its_output(
+    dashboard: Any, recorded: Any, log_w_sq_today: Any
+) -> None:
+    # Today's script logs a new name; the past runs are replayed to fill it in.
+    log_w_sq_today()
+    base, headers = dashboard.base, {TOKEN_HEADER: dashboard.token, "Origin": dashboard.base}
+    status, plan = request(
+        f"{base}/api/replay/plan", method="POST", body={"names": "w_sq"}, headers=headers
+    )
+    assert status == 200 and plan["returncode"] == 0, plan
+    assert "3 run" in plan["output"] or "runs" in plan["output"]
+    status, job = request(
+        f"{base}/api/replay", method="POST", body={"names": ["w_sq"]}, headers=headers
+    )
+    assert status == 200 and job["running"] in (True, False)
+    deadline = time.monotonic() + 240
+    while job["running"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = request(f"{base}/api/replay/{job['id']}")[1]
+    assert job["returncode"] == 0, job["output"]
+    runs = [r["run_id"] for r in request(f"{base}/api/runs")[1]["rows"]]
+    found = request(f"{base}/api/series?name=w_sq&runs={','.join(runs)}")[1]
+    assert {s["run_id"] for s in found} == set(runs)
+    acc = stored(recorded.root, "acc")
+    for s in found:
+        assert set(s["origin"]) == {1} and all(s["replay"])  # backfilled, by that replay
+        # w_sq is (1 - acc)^2 at each epoch.
+        assert all(
+            math.isclose(y, (1 - a) ** 2, rel_tol=1e-12)
+            for y, a in zip(s["y"], acc[s["run_id"]], strict=True)
+        )

@@ -1,0 +1,162 @@
+"""The dashboard in a real browser (Debian's chromium driven by Playwright), end to end:
+runs recorded across two code versions, found in the table, charted, replayed from the page,
+and a page on another site refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from conftest import read_db
+
+READY = "body[data-ready='1']"
+
+
+def values(root: Path, name: str) -> dict[str, list[float]]:
+    found: dict[str, list[float]] = {}
+    for run_id, value in read_db(
+        root, "SELECT run_id, value FROM logs WHERE name = ? ORDER BY run_id, ctx_id", (name,)
+    ):
+        found.setdefault(str(run_id), []).append(float(value))  # type: ignore[arg-type]
+    return found
+
+
+def drawn(page: Any) -> list[dict[str, Any]]:
+    """The series the chart holds, as the page received them (x, y, origin per run)."""
+    return page.evaluate(
+        "() => window.__retrolog.chart ? window.__retrolog.series.map(s => ({run_id: s.run_id,"
+        " x: s.x, y: s.y, origin: s.origin})) : []"
+    )
+
+
+def test_find_chart_and_replay_runs_from_the_browser(
+    page: Any, dashboard: Any, recorded: Any, log_w_sq_today: Any
+) -> None:
+    page.goto(dashboard.url)
+    page.wait_for_selector(READY)
+    assert "token" not in page.url  # dropped from the address bar and history
+    rows = page.locator("#runs tbody tr")
+    assert rows.count() == 3
+
+    # Filter with the CLI's predicate; a bad one is an inline error.
+    page.fill("#where", "lr >>> 1")
+    page.click("#filter button[type=submit]")
+    page.wait_for_selector("#where-error:not([hidden])")
+    assert "lr >>> 1" in page.inner_text("#where-error")
+    page.fill("#where", "lr > 0.15")
+    page.fill("#columns", "loss:max, acc")
+    page.click("#filter button[type=submit]")
+    page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 2")
+    assert "where=lr+%3E+0.15" in page.url  # the view's state is in the address
+    loss = values(recorded.root, "loss")
+    shown = page.locator("#runs tbody tr").evaluate_all(
+        "rows => rows.map(r => [r.dataset.run, r.lastElementChild.previousElementSibling.title])"
+    )
+    for run_id, loss_max in shown:
+        assert float(loss_max) == max(loss[run_id])
+
+    # Select both and chart loss: every drawn point is a stored value, the spike included.
+    # A narrow window: 1,200 values per run are more than 4 per pixel column.
+    page.set_viewport_size({"width": 300, "height": 900})
+    for box in page.locator("#runs tbody input[type=checkbox]").all():
+        box.check()
+    page.select_option("#chart-name", "loss")
+    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 2")
+    for series in drawn(page):
+        stored = loss[series["run_id"]]
+        assert max(series["y"]) == max(stored)
+        assert all(stored[int(x)] == y for x, y in zip(series["x"], series["y"], strict=True))
+        assert len(series["x"]) < len(stored)  # downsampled to the chart's width
+    # Hovering the spike shows its exact stored value.
+    spike_run = drawn(page)[0]["run_id"]
+    page.evaluate(
+        "() => { const u = window.__retrolog.chart;"
+        " u.setCursor({left: u.valToPos(617, 'x'), top: 10}); }"
+    )
+    assert f"{spike_run}: {max(loss[spike_run])!r}" in page.inner_text("#chart-tip")
+    # Compare the two: lr differs, and the code diff between their versions shows.
+    page.click("#compare-selected")
+    page.wait_for_selector("#compare-view:not([hidden])")
+    assert "lr" in page.inner_text("#compare-args")
+    diff = page.inner_text("#compare-diffs")
+    assert "-DECAY = 0.001" in diff and "+DECAY = 0.002" in diff
+    # A run's page: its arguments, checkpoints and the code it ran.
+    newest = page.locator("#runs tbody tr").first.get_attribute("data-run")
+    page.click(f"#runs tbody tr[data-run='{newest}'] a.run-link")
+    page.wait_for_function("document.getElementById('run-code').textContent.includes('DECAY')")
+    assert "DECAY = 0.002" in page.inner_text("#run-code")
+    assert "epoch 0" in page.inner_text("#run-details")  # which iterations have a checkpoint
+    # Reloading the address gives the same view.
+    page.reload()
+    page.wait_for_selector(READY)
+    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 2")
+
+    # Today's script logs a new name; replay the selected runs from the page.
+    log_w_sq_today()
+    page.fill("#replay-names", "w_sq")
+    page.click("#replay-plan")
+    page.wait_for_selector("#replay-start:not([disabled])", timeout=120_000)
+    plan = page.inner_text("#replay-output")
+    assert "w_sq" in plan
+    page.click("#replay-start")
+    page.wait_for_function(
+        "document.getElementById('status').textContent.startsWith('replay')", timeout=240_000
+    )
+    assert page.inner_text("#status") == "replay finished", page.inner_text("#replay-output")
+    page.select_option("#chart-name", "w_sq")
+    page.wait_for_function(
+        "window.__retrolog.series.length === 2"
+        " && window.__retrolog.series.every(s => s.x.length === 3)"
+    )
+    acc = values(recorded.root, "acc")
+    for series in drawn(page):
+        assert set(series["origin"]) == {1}  # backfilled
+        assert len(series["y"]) == 3 == len(acc[series["run_id"]])
+    # Drawn as backfilled: on the dashed series of each run, none on the solid one.
+    lines = page.evaluate(
+        "() => { const u = window.__retrolog.chart; return u.series.slice(1).map((s, i) =>"
+        " [s.label, !!s.dash, u.data[i + 1].filter(v => v !== null && v !== undefined).length]); }"
+    )
+    for label, dashed, points in lines:
+        if label.endswith(" backfilled"):
+            assert dashed and points == 3
+        elif not label.endswith(" inexact"):
+            assert not dashed and points == 0
+
+
+def test_a_page_on_another_site_cannot_start_a_replay(
+    page: Any, dashboard: Any, tmp_path: Path
+) -> None:
+    # A page the user happens to visit, on another origin, tries both kinds of POST.
+    (tmp_path / "evil.html").write_text(
+        "<script>\n"
+        f"const target = '{dashboard.base}/api/replay';\n"
+        "const body = JSON.stringify({names: ['acc'], force: true});\n"
+        "window.results = Promise.allSettled([\n"
+        "  fetch(target, {method: 'POST', mode: 'no-cors', body,"
+        " headers: {'Content-Type': 'text/plain'}}),\n"
+        "  fetch(target, {method: 'POST', body, headers: {'Content-Type': 'application/json',"
+        " 'X-Retrolog-Token': 'guess'}}),\n"
+        "]).then(r => r.map(x => x.status));\n"
+        "</script>\n"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split("port ")[1].split()[0]
+        page.goto(f"http://127.0.0.1:{port}/evil.html")
+        page.wait_for_function("window.results !== undefined")
+        outcomes = page.evaluate("window.results")
+        assert outcomes[1] == "rejected"  # the preflight is not answered
+    finally:
+        server.terminate()
+        server.communicate()
+    with urllib.request.urlopen(f"{dashboard.base}/api/replays", timeout=30) as response:
+        assert json.loads(response.read()) == []  # nothing was started
