@@ -59,3 +59,5 @@ echo "== grad_norm per run and epoch, from Python"
 python -c "import retrolog as rl; print(rl.dataframe('grad_norm').groupby(['run_id', 'epoch'])['grad_norm'].mean().unstack())"
 echo "== git status of the demo project: your files, HEAD and index as you left them"
 git status --short --branch
+echo "== look at these runs in your browser"
+echo "   cd $demo && $(command -v retrolog) ui"
