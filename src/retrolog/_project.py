@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,11 @@ from retrolog.store.paths import ProjectPaths, locate
 if TYPE_CHECKING:
     import pandas as pd
 
-    from retrolog._query.series import Group, Series
+    from retrolog._query.series import Group, Series, SeriesCache
     from retrolog._replay.replayer import ReplayResult
+
+
+_CACHE_LOCK = threading.Lock()
 
 
 class Project:
@@ -40,6 +44,7 @@ class Project:
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.paths: ProjectPaths = locate(Path(path) if path is not None else None)
+        self._series_cache: SeriesCache | None = None  # made at the first series asked for
 
     def __repr__(self) -> str:
         return f"Project({str(self.paths.root)!r})"
@@ -182,7 +187,8 @@ class Project:
 
         with self.reader() as conn:
             run_ids = [resolve_run(conn, r) for r in runs]
-            return series(conn, name, run_ids, x=x, lo=lo, hi=hi, width=width)
+            return series(conn, name, run_ids, x=x, lo=lo, hi=hi, width=width,
+                          cache=self._cache())  # fmt: skip
 
     def groups(
         self,
@@ -203,9 +209,24 @@ class Project:
 
         with self.reader() as conn:
             run_ids = [resolve_run(conn, r) for r in runs]
-            found = series(conn, name, run_ids, x=x, lo=lo, hi=hi)
+            found = series(conn, name, run_ids, x=x, lo=lo, hi=hi, cache=self._cache())
             keys = argument_values(conn, run_ids, by)
         return group_series(found, keys, width, lo, hi)
+
+    def _cache(self) -> SeriesCache:
+        """Whole series of ended runs, kept between calls (redrawing and zooming a chart)."""
+        from retrolog._query.series import SeriesCache
+        from retrolog.store.metadata import store_writable
+
+        with _CACHE_LOCK:
+            if self._series_cache is None:
+                # Kept on disk too, where the store can be written: .retrolog/cache/ is
+                # derived data, safe to delete at any time.
+                directory = self.paths.store / "cache" / "series"
+                self._series_cache = SeriesCache(
+                    directory=directory if store_writable(self.paths) else None
+                )
+            return self._series_cache
 
     # -- replaying -------------------------------------------------------------------
 

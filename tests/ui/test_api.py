@@ -81,6 +81,29 @@ def test_runs_table_sorts_filters_and_pages(client: TestClient) -> None:
     assert chosen["total"] == 2
 
 
+@pytest.mark.parametrize(
+    "where",
+    [
+        "lr > 0.15",
+        "lr = 0.1 OR lr >= 0.3",
+        "lr > 0.15 AND filename = 'train.py'",
+        "acc > 0.5 AND lr < 0.25",  # a name logged per epoch: the dataframe's way
+        "lr > 0.15 AND epoch = 2",  # a loop column: the dataframe's way
+        "run_id LIKE '2%' AND lr < 1",
+    ],
+)
+def test_runs_a_predicate_chooses_are_the_dataframes(recorded: Any, where: str) -> None:
+    """Run-level predicates are answered per run, without the dataframe: the same runs."""
+    from retrolog._query.dataframe import dataframe
+    from retrolog._query.runs import matching_runs
+
+    project = Project(recorded.root)
+    with project.reader() as conn:
+        names = [n for n in ("lr", "acc") if n in where]
+        expected = set(dataframe(conn, names, where)["run_id"])
+        assert matching_runs(conn, where) == expected
+
+
 def test_a_bad_predicate_or_column_is_a_clear_error(client: TestClient) -> None:
     bad = client.get("/api/runs", params={"where": "lr >>> 1"})
     assert bad.status_code == 400
@@ -216,6 +239,38 @@ def test_bound_beyond_loopback_every_request_needs_the_token(recorded: Any) -> N
         refused = c.get("/api/names")
         assert refused.status_code == 403 and TOKEN_HEADER in refused.json()["error"]
         assert c.get("/api/names", headers={TOKEN_HEADER: "t0ken"}).json() == ["acc", "loss", "lr"]
+
+
+def test_a_kept_series_is_not_served_after_a_replay_changed_it(
+    recorded: Any, log_w_sq_today: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(recorded.root)
+    project = Project(recorded.root)
+    log_w_sq_today()
+    project.replay("w_sq", progress=False)
+    runs = project.runs()["run_id"].tolist()
+    first = {s.run_id: s.to_json()["replay"] for s in project.series("w_sq", runs)}
+    assert project._cache().nbytes > 0  # kept: the runs have ended, no replay is running
+    project.replay("w_sq", force=True, progress=False)  # recomputes them: newer records count
+    again = {s.run_id: s.to_json()["replay"] for s in project.series("w_sq", runs)}
+    newest = read_db(recorded.root, "SELECT replay_id FROM replays ORDER BY started_at DESC")[0][0]
+    for run_id in runs:
+        assert set(first[run_id]) != {newest}
+        assert set(again[run_id]) == {newest}
+
+
+def test_series_are_kept_on_disk_and_a_damaged_file_is_read_again(recorded: Any) -> None:
+    runs = Project(recorded.root).runs()["run_id"].tolist()
+    first = [s.to_json() for s in Project(recorded.root).series("loss", runs, width=40)]
+    kept = sorted((recorded.root / ".retrolog" / "cache" / "series").glob("*/*.npz"))
+    assert len(kept) == 3
+    # A new process (a restarted dashboard) draws from the files, the same points.
+    reader = Project(recorded.root)
+    assert [s.to_json() for s in reader.series("loss", runs, width=40)] == first
+    assert reader._cache().nbytes > 0
+    for path in kept:  # damaged: truncated, or not an archive at all
+        path.write_bytes(path.read_bytes()[:100] if path == kept[0] else b"junk")
+    assert [s.to_json() for s in Project(recorded.root).series("loss", runs, width=40)] == first
 
 
 # -- security, against a real server ---------------------------------------------------------

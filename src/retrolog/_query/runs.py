@@ -7,6 +7,7 @@ import json
 import re
 import sqlite3
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
@@ -15,6 +16,7 @@ from retrolog._query.sql import execute_read
 from retrolog.errors import RunNotFoundError
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_STRING = re.compile(r"'(?:[^']|'')*'")
 
 
 def list_runs(conn: sqlite3.Connection, limit: int | None = None) -> pd.DataFrame:
@@ -264,8 +266,10 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
     from retrolog._query.dataframe import dataframe, logged_names
 
     logged = set(logged_names(conn))
-    referenced = [n for n in dict.fromkeys(_IDENTIFIER.findall(where)) if n in logged]
-    if referenced:
+    # Words inside string literals ('adam') are not names.
+    identifiers = list(dict.fromkeys(_IDENTIFIER.findall(_STRING.sub("''", where))))
+    referenced = [n for n in identifiers if n in logged]
+    if referenced and not _run_level_only(conn, identifiers, referenced):
         frame = dataframe(conn, referenced, where)
         return set(frame["run_id"])
 
@@ -279,12 +283,53 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
     def writes(action: str, complaint: str) -> str:
         return f"The predicate {where!r} tries to {action}; a predicate only reads."
 
+    # Run-level names (arguments, final metrics) are one value per run: a column each, the
+    # record that counts (the newest recorded one, else the newest backfilled one).
+    columns = "".join(
+        f", (SELECT l.value FROM logs l WHERE l.name = {_literal(n)} AND l.run_id = r.run_id"
+        " AND l.ctx_id IS NULL ORDER BY l.origin = 'recorded' DESC, l.log_id DESC LIMIT 1)"
+        f" AS {_quoted(n)}"
+        for n in referenced
+    )
     _, rows = execute_read(
         conn,
-        f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) WHERE {where}",
+        f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename{columns} FROM runs r)"
+        f" WHERE {where}",
         subject=where, malformed=malformed, writes=writes,
     )  # fmt: skip
     return {r[0] for r in rows}
+
+
+def _run_level_only(
+    conn: sqlite3.Connection, identifiers: Sequence[str], referenced: Sequence[str]
+) -> bool:
+    """Whether ``where`` can be answered per run: it names only the runs' own columns and
+    names logged at run level alone (no loop column, no name logged inside a loop).
+
+    Then there is no need to build the dataframe view (whose loop columns take a scan of
+    every loop row of the store)."""
+    own = {"projid", "run_id", "tstamp", "filename"}
+    keywords = {"and", "or", "not", "in", "is", "null", "like", "glob", "between", "case",
+                "when", "then", "else", "end", "true", "false", "escape", "collate", "nocase",
+                "abs", "lower", "upper", "length", "coalesce", "ifnull", "round", "substr",
+                "typeof", "min", "max", "cast", "as", "real", "integer", "text"}  # fmt: skip
+    unknown = [i for i in identifiers if i not in referenced and i not in own]
+    if any(i.lower() not in keywords for i in unknown):
+        return False  # a loop column (epoch, step), or something only SQLite can judge
+    return not any(
+        conn.execute(
+            "SELECT 1 FROM logs WHERE name = ? AND ctx_id IS NOT NULL LIMIT 1", (n,)
+        ).fetchone()
+        for n in referenced
+    )
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace('"', '""') + '"'
 
 
 def checkpoint_list(conn: sqlite3.Connection, ref: str) -> list[dict[str, Any]]:

@@ -11,11 +11,18 @@ docs/ui.md says how the dashboard uses it.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
+import os
 import sqlite3
+import threading
+import zipfile
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,7 +52,8 @@ class Series:
     x: np.ndarray
     y: np.ndarray  # NaN where a float NaN was logged
     origin: np.ndarray  # RECORDED, BACKFILLED or INEXACT per point
-    replay: list[str | None]  # per point: the replay that backfilled it (None: recorded)
+    replay_index: np.ndarray  # per point: its replay's index in replay_ids, -1 if recorded
+    replay_ids: list[str]
     exact: bool  # every value in the range is sent (no downsampling)
     code_commit: str | None = None  # the run's code version (backfills ran in it)
     replays: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -53,8 +61,9 @@ class Series:
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: NaN and infinities become null (JSON has neither); ``y_text`` keeps
         their names so a tooltip can still say which it was."""
-        y = [None if not math.isfinite(v) else v for v in self.y.tolist()]
-        special = {i: _special(v) for i, v in enumerate(self.y.tolist()) if not math.isfinite(v)}
+        values = self.y.tolist()
+        y = [v if math.isfinite(v) else None for v in values]
+        special = {i: _special(v) for i, v in enumerate(values) if not math.isfinite(v)}
         return {
             "run_id": self.run_id,
             "loop": self.loop,
@@ -65,10 +74,128 @@ class Series:
             "y": y,
             "y_text": special,
             "origin": self.origin.tolist(),
-            "replay": self.replay,
+            "replay": [self.replay_ids[i] if i >= 0 else None for i in self.replay_index.tolist()],
             "code_commit": self.code_commit,
             "replays": self.replays,
         }
+
+
+@dataclass
+class Columns:
+    """A run's whole series of one name in context order, as kept between requests: what
+    both x axes are made from. One value per context: the one the dataframe counts."""
+
+    ctx: np.ndarray  # int64 context ids, increasing
+    y: np.ndarray  # float64; NaN where a float NaN was logged
+    # float64 seconds since the run started, at the end of each iteration; read when first
+    # drawn against time (all NaN until then: ``timed`` says whether it was)
+    t: np.ndarray
+    origin: np.ndarray  # int8: RECORDED, BACKFILLED or INEXACT
+    replay_index: np.ndarray  # int32 index into replay_ids; -1 for recorded values
+    replay_ids: list[str]
+    loop: str | None
+    timed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.ctx, self.y, self.t, self.origin, self.replay_index))
+
+    def save(self, path: Path, key: tuple[str, str], stamp: str) -> None:
+        """To ``path`` (an .npz of plain arrays: loading it runs no code), atomically."""
+        meta = json.dumps({"key": list(key), "stamp": stamp, "replay_ids": self.replay_ids,
+                           "loop": self.loop, "timed": self.timed})  # fmt: skip
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, ctx=self.ctx, y=self.y, t=self.t, origin=self.origin,
+                     replay_index=self.replay_index, meta=np.array(meta))  # fmt: skip
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, key: tuple[str, str], stamp: str) -> Columns | None:
+        """What ``save`` wrote for ``key``, if it is there, readable and made at ``stamp``."""
+        try:
+            with open(path, "rb") as f:
+                data = np.load(f, allow_pickle=False)
+                if not isinstance(data, np.lib.npyio.NpzFile):
+                    return None
+                with data:
+                    meta = json.loads(str(data["meta"]))
+                    if meta.get("stamp") != stamp or meta.get("key") != list(key):
+                        return None
+                    found = cls(
+                        ctx=data["ctx"].astype(np.int64), y=data["y"].astype(np.float64),
+                        t=data["t"].astype(np.float64), origin=data["origin"].astype(np.int8),
+                        replay_index=data["replay_index"].astype(np.int32),
+                        replay_ids=[str(r) for r in meta["replay_ids"]], loop=meta["loop"],
+                        timed=bool(meta["timed"]),
+                    )  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError):
+            return None  # absent, partial or from another version: read the store again
+        arrays = (found.ctx, found.y, found.t, found.origin, found.replay_index)
+        if len({len(a) for a in arrays}) != 1 or any(a.ndim != 1 for a in arrays):
+            return None
+        if len(found.replay_index) and int(found.replay_index.max()) >= len(found.replay_ids):
+            return None
+        return found
+
+
+class SeriesCache:
+    """Whole series of runs that can no longer change, kept between requests: in memory up
+    to ``max_bytes`` (least recently used dropped first), and, when ``directory`` is given,
+    on disk, so a chart drawn once draws fast again, after a restart too.
+
+    A run's series changes while it runs and when a replay backfills it. So only series of
+    runs that have ended are kept, each stamped with its status and the replays that
+    touched it (their number and the newest end); a later replay of the run changes the
+    stamp. While a replay of the run is in progress nothing is kept or served.
+    """
+
+    def __init__(self, max_bytes: int = 256 * 2**20, directory: Path | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.directory = directory
+        self.nbytes = 0
+        self._kept: OrderedDict[tuple[str, str], tuple[str, Columns]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _path(self, key: tuple[str, str]) -> Path | None:
+        if self.directory is None:
+            return None
+        run_id, name = key
+        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:20]
+        return self.directory / _safe(run_id) / f"{digest}.npz"
+
+    def get(self, key: tuple[str, str], stamp: str) -> Columns | None:
+        with self._lock:
+            found = self._kept.get(key)
+            if found is not None and found[0] == stamp:
+                self._kept.move_to_end(key)
+                return found[1]
+        path = self._path(key)
+        loaded = Columns.load(path, key, stamp) if path is not None else None
+        if loaded is not None:
+            self._remember(key, stamp, loaded)
+        return loaded
+
+    def put(self, key: tuple[str, str], stamp: str, columns: Columns) -> None:
+        self._remember(key, stamp, columns)
+        path = self._path(key)
+        if path is not None:
+            with contextlib.suppress(OSError):  # a cache: a full disk only makes it slower
+                columns.save(path, key, stamp)
+
+    def _remember(self, key: tuple[str, str], stamp: str, columns: Columns) -> None:
+        with self._lock:
+            old = self._kept.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1].nbytes
+            if columns.nbytes > self.max_bytes:
+                return
+            self._kept[key] = (stamp, columns)
+            self.nbytes += columns.nbytes
+            while self.nbytes > self.max_bytes:
+                _, (_, dropped) = self._kept.popitem(last=False)
+                self.nbytes -= dropped.nbytes
 
 
 def series(
@@ -80,6 +207,7 @@ def series(
     lo: float | None = None,
     hi: float | None = None,
     width: int | None = None,
+    cache: SeriesCache | None = None,
 ) -> list[Series]:
     """``name``'s numeric values in each of ``run_ids`` (runs without any are left out).
 
@@ -88,6 +216,7 @@ def series(
     width: the chart's width in pixels; with it, a range holding more than
         4 * width values is downsampled to each pixel column's first, last, min and
         max. None sends every value.
+    cache: where whole series of ended runs are kept between calls (see SeriesCache).
     """
     if x not in X_AXES:
         raise UsageError(f"A series is drawn against one of {', '.join(X_AXES)}, not {x!r}.")
@@ -96,72 +225,126 @@ def series(
     if name not in set(logged_names(conn)):
         raise UnknownNameError(f"No run logged {name!r}; `retrolog show RUN` lists a run's names.")
     found = []
-    for run_id in dict.fromkeys(run_ids):
-        one = _run_series(conn, name, run_id, x)
-        if one is None:
-            continue
-        found.append(_window(one, lo, hi, width))
+    for run_id, status, code_commit, stamp, replaying in _stamps(conn, run_ids):
+        usable = cache is not None and status != "running" and not replaying
+        columns = cache.get((run_id, name), stamp) if cache is not None and usable else None
+        fresh = columns is None
+        if columns is None:
+            columns = read_columns(conn, name, run_id)
+            if columns is None:
+                continue
+        if x == "time" and not columns.timed:
+            columns.t, columns.timed = _times(conn, run_id, columns.ctx), True
+            fresh = True
+        if fresh and cache is not None and usable:
+            cache.put((run_id, name), stamp, columns)
+        if x == "step":
+            keep = slice(None)
+            xs = np.arange(len(columns.ctx), dtype=np.float64)
+        else:
+            keep = ~np.isnan(columns.t)  # contexts without a time: never in a written store
+            xs = columns.t[keep]
+        whole = Series(
+            run_id=run_id, loop=columns.loop, total=len(xs), in_range=len(xs), x=xs,
+            y=columns.y[keep], origin=columns.origin[keep],
+            replay_index=columns.replay_index[keep], replay_ids=columns.replay_ids,
+            exact=True, code_commit=code_commit,
+            replays=_replays(conn, run_id, set(columns.replay_ids)),
+        )  # fmt: skip
+        found.append(_window(whole, lo, hi, width))
     return found
 
 
-def _run_series(conn: sqlite3.Connection, name: str, run_id: str, x: str) -> Series | None:
-    # One value per context: the newest recorded record, else the newest backfilled one
-    # (a replay run again with --force supersedes the earlier one), as the dataframe has it.
+def _stamps(
+    conn: sqlite3.Connection, run_ids: Sequence[str]
+) -> list[tuple[str, str, str | None, str, bool]]:
+    """Per run that exists: (run_id, status, code commit, the cache stamp, whether a replay
+    of it is in progress)."""
+    found = []
+    for run_id in dict.fromkeys(run_ids):
+        row = conn.execute(
+            "SELECT r.status, r.code_commit, COUNT(p.replay_id), MAX(p.ended_at),"
+            " COALESCE(SUM(p.replay_id IS NOT NULL AND p.ended_at IS NULL), 0) FROM runs r"
+            " LEFT JOIN replay_runs rr ON rr.run_id = r.run_id"
+            " LEFT JOIN replays p ON p.replay_id = rr.replay_id"
+            " WHERE r.run_id = ? GROUP BY r.run_id",
+            (run_id,),
+        ).fetchone()
+        if row is None:
+            continue
+        status, commit, replays, newest, open_replays = row
+        found.append((run_id, status, commit, f"{status}:{replays}:{newest!r}", open_replays > 0))
+    return found
+
+
+def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | None:
+    """``name``'s whole series in ``run_id``, from the store (None: no numeric value)."""
     rows = conn.execute(
-        "SELECT l.ctx_id, l.value, l.value_type, l.origin, l.replay_id, l.inexact, l.log_id,"
-        " lp.name, COALESCE(lp.t_end, lp.t_start)"
-        " FROM logs l JOIN runs r ON r.run_id = l.run_id"
-        " LEFT JOIN loops lp ON lp.run_id = l.run_id AND lp.ctx_id = l.ctx_id"
-        " WHERE l.name = ? AND l.run_id = ? AND l.ctx_id IS NOT NULL"
-        " AND l.value_type IN ('float', 'int', 'bool')"
-        " ORDER BY l.ctx_id, (l.origin = 'recorded'), l.log_id",
+        "SELECT ctx_id, value, origin, inexact, replay_id, value_type FROM logs"
+        " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL ORDER BY ctx_id",
         (name, run_id),
     ).fetchall()
     if not rows:
         return None
-    kept: dict[int, tuple[Any, ...]] = {}
-    for row in rows:
-        kept[row[0]] = row  # ordered so that the last one per context is the one that counts
-    chosen = list(kept.values())
-    n = len(chosen)
-    y = np.fromiter(
-        (math.nan if r[1] is None else float(r[1]) for r in chosen), dtype=np.float64, count=n
-    )
-    origin = np.fromiter(
-        (
-            RECORDED if r[3] == "recorded" else INEXACT if r[5] is not None else BACKFILLED
-            for r in chosen
-        ),
-        dtype=np.int8,
-        count=n,
-    )
-    if x == "step":
-        xs = np.arange(n, dtype=np.float64)
+    ctx_ids, values, origins, _, _, types = zip(*rows, strict=True)
+    n = len(rows)
+    ctx = np.array(ctx_ids, dtype=np.int64)
+    numeric = np.array([t in NUMERIC_TYPES for t in types], dtype=bool)
+    recorded = np.array([o == "recorded" for o in origins], dtype=bool)
+    if numeric.all():
+        y = np.array(values, dtype=np.float64)  # None (a logged NaN) becomes NaN
     else:
-        xs = np.fromiter(
-            (math.nan if r[8] is None else float(r[8]) for r in chosen), dtype=np.float64, count=n
-        )
-        if np.isnan(xs).any():  # contexts without a time (never in a written store)
-            keep = ~np.isnan(xs)
-            xs, y, origin = xs[keep], y[keep], origin[keep]
-            chosen = [r for r, k in zip(chosen, keep, strict=True) if k]
-    loops = [r[7] for r in chosen if r[7] is not None]
-    loop = max(set(loops), key=loops.count) if loops else None
-    replay = [r[4] for r in chosen]
-    code = conn.execute("SELECT code_commit FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-    return Series(
-        run_id=run_id,
-        loop=loop,
-        total=len(chosen),
-        in_range=len(chosen),
-        x=xs,
-        y=y,
-        origin=origin,
-        replay=replay,
-        exact=True,
-        code_commit=code[0] if code else None,
-        replays=_replays(conn, run_id, {r for r in replay if r}),
+        y = np.array([v if ok else None for v, ok in zip(values, numeric, strict=True)],
+                     dtype=np.float64)  # fmt: skip
+    origin = np.where(recorded, RECORDED, BACKFILLED).astype(np.int8)
+    replay_ids: list[str] = []
+    replay_index = np.full(n, -1, dtype=np.int32)
+    if not recorded.all():
+        known: dict[str, int] = {}
+        for i in np.flatnonzero(~recorded).tolist():
+            _, _, _, inexact, replay_id, _ = rows[i]
+            if inexact is not None:
+                origin[i] = INEXACT
+            if replay_id is not None:
+                replay_index[i] = known.setdefault(replay_id, len(known))
+        replay_ids = list(known)
+    # Several records of one context: keep the one that counts. Rows come in log_id
+    # order within a context (the index's), so a stable sort by (context, recorded)
+    # puts it last.
+    if n > 1 and bool(np.any(ctx[1:] == ctx[:-1])):
+        order = np.lexsort((recorded, ctx))
+        last = np.r_[ctx[order][1:] != ctx[order][:-1], True]
+        keep = np.sort(order[last])
+        ctx, y, origin = ctx[keep], y[keep], origin[keep]
+        replay_index, numeric = replay_index[keep], numeric[keep]
+    if not numeric.all():  # a context whose value is text, JSON or None: not drawn
+        if not numeric.any():
+            return None
+        ctx, y, origin = ctx[numeric], y[numeric], origin[numeric]
+        replay_index = replay_index[numeric]
+    loops = dict(
+        conn.execute(
+            "SELECT name, COUNT(*) FROM loops WHERE run_id = ? AND ctx_id IN (?, ?, ?)"
+            " GROUP BY name",
+            (run_id, int(ctx[0]), int(ctx[len(ctx) // 2]), int(ctx[-1])),
+        ).fetchall()
     )
+    return Columns(
+        ctx=ctx, y=y, t=np.full(len(ctx), np.nan), origin=origin, replay_index=replay_index,
+        replay_ids=replay_ids, loop=max(loops, key=lambda k: loops[k]) if loops else None,
+    )  # fmt: skip
+
+
+def _times(conn: sqlite3.Connection, run_id: str, ctx: np.ndarray) -> np.ndarray:
+    """Seconds since the run started at the end of each context in ``ctx`` (NaN if none)."""
+    times = dict(
+        conn.execute(
+            "SELECT ctx_id, COALESCE(t_end, t_start) FROM loops WHERE run_id = ?"
+            " AND ctx_id BETWEEN ? AND ?",
+            (run_id, int(ctx[0]), int(ctx[-1])),
+        ).fetchall()
+    )
+    return np.array([times.get(c) for c in ctx.tolist()], dtype=np.float64)
 
 
 def _replays(conn: sqlite3.Connection, run_id: str, replay_ids: set[str]) -> dict[str, Any]:
@@ -195,7 +378,8 @@ def _window(s: Series, lo: float | None, hi: float | None, width: int | None) ->
         x=s.x[index],
         y=s.y[index],
         origin=s.origin[index],
-        replay=[s.replay[i] for i in index.tolist()],
+        replay_index=s.replay_index[index],
+        replay_ids=s.replay_ids,
         exact=exact,
         code_commit=s.code_commit,
         replays=s.replays,
@@ -220,11 +404,21 @@ def downsample(x: np.ndarray, y: np.ndarray, width: int) -> np.ndarray:
         bucket = np.minimum(((x - x[0]) / span * width).astype(np.int64), width - 1)
     starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
     ends = np.r_[starts[1:], n] - 1
-    low_key = np.where(np.isnan(y), np.inf, y)
-    high_key = np.where(np.isnan(y), -np.inf, y)
-    lowest = np.lexsort((low_key, bucket))[starts]  # first per bucket: its minimum
-    highest = np.lexsort((-high_key, bucket))[starts]  # first per bucket: its maximum
-    return np.unique(np.concatenate([starts, ends, lowest, highest]))
+    column = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+    chosen = [starts, ends]
+    for key, reduce in ((np.where(np.isnan(y), np.inf, y), np.minimum),
+                        (np.where(np.isnan(y), -np.inf, y), np.maximum)):  # fmt: skip
+        extreme = reduce.reduceat(key, starts)
+        hits = np.flatnonzero(key == extreme[column])
+        # The first hit in each column (every column has one: its extreme is a value of it).
+        first = np.r_[True, column[hits][1:] != column[hits][:-1]]
+        chosen.append(hits[first])
+    return np.unique(np.concatenate(chosen))
+
+
+def _safe(run_id: str) -> str:
+    """A run id as a directory name (ids are ours, but a store is data: no path tricks)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id) or "_"
 
 
 def _special(value: float) -> str:
