@@ -139,6 +139,8 @@ def test_series_keep_spikes_and_are_exact_at_full_zoom(client: TestClient, recor
         "/api/series", params={"name": "loss", "runs": ",".join(runs), "width": 50}
     ).json()
     assert [s["run_id"] for s in found] == runs
+    # Bucketed on one grid of pixel columns, so the runs' points line up.
+    assert all(s["grid"] == [0.0, 1199.0, 50] for s in found)
     for s in found:
         values = loss[s["run_id"]]
         assert s["total"] == len(values) == 1200 and s["loop"] == "step"

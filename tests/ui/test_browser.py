@@ -73,9 +73,10 @@ def test_find_chart_and_replay_runs_from_the_browser(
         assert len(series["x"]) < len(stored)  # downsampled to the chart's width
     # Hovering the spike shows its exact stored value.
     spike_run = drawn(page)[0]["run_id"]
-    page.evaluate(
-        "() => { const u = window.__retrolog.chart;"
-        " u.setCursor({left: u.valToPos(617, 'x'), top: 10}); }"
+    page.evaluate(  # the mouse on the spike, where it is drawn
+        "() => { const u = window.__retrolog.chart, s = window.__retrolog.series[0];"
+        " const j = s.x.indexOf(617);"
+        " u.setCursor({left: u.valToPos(s.shown_x[j], 'x'), top: 10}); }"
     )
     assert f"{spike_run}: {max(loss[spike_run])!r}" in page.inner_text("#chart-tip")
     # Compare the two: lr differs, and the code diff between their versions shows.

@@ -57,6 +57,8 @@ class Series:
     exact: bool  # every value in the range is sent (no downsampling)
     code_commit: str | None = None  # the run's code version (backfills ran in it)
     replays: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # When downsampled: (first, last, width), the pixel columns every run was bucketed on.
+    grid: tuple[float, float, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: NaN and infinities become null (JSON has neither); ``y_text`` keeps
@@ -74,7 +76,11 @@ class Series:
             "y": y,
             "y_text": special,
             "origin": self.origin.tolist(),
-            "replay": [self.replay_ids[i] if i >= 0 else None for i in self.replay_index.tolist()],
+            # Per point, or null when every point is recorded.
+            "replay": [self.replay_ids[i] if i >= 0 else None for i in self.replay_index.tolist()]
+            if self.replay_ids
+            else None,
+            "grid": self.grid,
             "code_commit": self.code_commit,
             "replays": self.replays,
         }
@@ -251,8 +257,13 @@ def series(
             exact=True, code_commit=code_commit,
             replays=_replays(conn, run_id, set(columns.replay_ids)),
         )  # fmt: skip
-        found.append(_window(whole, lo, hi, width))
-    return found
+        found.append(whole)
+    # One grid of pixel columns for every run, so that their points line up.
+    starts = [float(w.x[0]) for w in found if len(w.x)]
+    stops = [float(w.x[-1]) for w in found if len(w.x)]
+    first = lo if lo is not None else min(starts, default=0.0)
+    last = hi if hi is not None else max(stops, default=0.0)
+    return [_window(w, lo, hi, width, (first, last)) for w in found]
 
 
 def _stamps(
@@ -362,13 +373,18 @@ def _replays(conn: sqlite3.Connection, run_id: str, replay_ids: set[str]) -> dic
     return found
 
 
-def _window(s: Series, lo: float | None, hi: float | None, width: int | None) -> Series:
-    """``s`` cut to [lo, hi] and, when that holds more than 4 values per pixel, bucketed."""
+def _window(
+    s: Series, lo: float | None, hi: float | None, width: int | None, extent: tuple[float, float]
+) -> Series:
+    """``s`` cut to [lo, hi] and, when that holds more than 4 values per pixel, bucketed on
+    ``width`` columns spanning ``extent`` (the same for every run of a chart)."""
     start = 0 if lo is None else int(np.searchsorted(s.x, lo, side="left"))
     stop = len(s.x) if hi is None else int(np.searchsorted(s.x, hi, side="right"))
     index = np.arange(start, stop)
+    grid = None
     if width is not None and len(index) > 4 * width:
-        index = downsample(s.x[start:stop], s.y[start:stop], width) + start
+        index = downsample(s.x[start:stop], s.y[start:stop], width, extent) + start
+        grid = (extent[0], extent[1], width)
     exact = len(index) == stop - start
     return Series(
         run_id=s.run_id,
@@ -383,25 +399,30 @@ def _window(s: Series, lo: float | None, hi: float | None, width: int | None) ->
         exact=exact,
         code_commit=s.code_commit,
         replays=s.replays,
+        grid=grid,
     )
 
 
-def downsample(x: np.ndarray, y: np.ndarray, width: int) -> np.ndarray:
+def downsample(
+    x: np.ndarray, y: np.ndarray, width: int, extent: tuple[float, float] | None = None
+) -> np.ndarray:
     """Indices of the points to draw of ``(x, y)`` (x sorted) on ``width`` pixel columns.
 
     Each column keeps its first and last point and its lowest and highest value (NaN
     values are kept where they are first or last, never chosen as a min or max), so
     the drawn line has the same envelope as the full series: M4 aggregation (Jugel
-    et al., VLDB 2014). Returns sorted, distinct indices.
+    et al., VLDB 2014). The columns split ``extent`` (default: x's own range) evenly.
+    Returns sorted, distinct indices.
     """
     n = len(x)
     if n == 0:
         return np.arange(0)
-    span = float(x[-1] - x[0])
+    first, last = extent if extent is not None else (float(x[0]), float(x[-1]))
+    span = last - first
     if span <= 0 or not math.isfinite(span):
         bucket = np.zeros(n, dtype=np.int64)
     else:
-        bucket = np.minimum(((x - x[0]) / span * width).astype(np.int64), width - 1)
+        bucket = np.clip(((x - first) / span * width).astype(np.int64), 0, width - 1)
     starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
     ends = np.r_[starts[1:], n] - 1
     column = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))

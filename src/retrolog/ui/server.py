@@ -192,7 +192,7 @@ def create_app(project: Project, settings: Settings) -> Starlette:
     def compare(request: Request) -> dict[str, Any]:
         return project.compare(_split(request.query_params.get("runs")))
 
-    def groups(request: Request) -> list[dict[str, Any]]:
+    def groups(request: Request) -> Response:
         q = request.query_params
         name, by = q.get("name"), q.get("by")
         if not name or not by:
@@ -202,9 +202,9 @@ def create_app(project: Project, settings: Settings) -> Starlette:
             lo=_number(q.get("lo")), hi=_number(q.get("hi")),
             width=min(MAX_WIDTH, int(q.get("width") or 800)),
         )  # fmt: skip
-        return [g.to_json() for g in found]
+        return JSONResponse([g.to_json() for g in found])  # JSON-ready already: no NaN
 
-    def series(request: Request) -> list[dict[str, Any]]:
+    def series(request: Request) -> Response:
         q = request.query_params
         name = q.get("name")
         if not name:
@@ -215,7 +215,7 @@ def create_app(project: Project, settings: Settings) -> Starlette:
             lo=_number(q.get("lo")), hi=_number(q.get("hi")),
             width=None if width is None else min(MAX_WIDTH, int(width)),
         )  # fmt: skip
-        return [s.to_json() for s in found]
+        return JSONResponse([s.to_json() for s in found])  # JSON-ready already: no NaN
 
     def dataframe(request: Request) -> Any:
         q = request.query_params

@@ -305,17 +305,22 @@ function drawChart(found, width) {
   found.forEach((s, i) => {
     const color = COLORS[i % COLORS.length];
     const pick = (test) => s.y.map((y, j) => (test(s.origin[j]) ? positive(y) : null));
-    tables.push([s.x,
-      smooth(pick((o) => o === ORIGIN.recorded), state.smooth),
-      smooth(pick((o) => o !== ORIGIN.recorded), state.smooth),
-      pick((o) => o === ORIGIN.inexact)]);
-    series.push(
-      { label: s.run_id, stroke: color, width: 1.5, spanGaps: true },
-      { label: s.run_id + " backfilled", stroke: color, width: 1.5, dash: [6, 4],
-        spanGaps: true, points: { show: true, size: 4, fill: color } },
-      { label: s.run_id + " inexact", stroke: "#d62728", paths: () => null,
-        points: { show: true, size: 7, fill: "#d62728" } },
-    );
+    // A downsampled run's points sit on the pixel columns every run shares, so the runs
+    // line up in one table instead of a union of all their x values.
+    s.shown_x = s.grid ? onGrid(s.x, s.grid) : s.x;
+    const table = [s.shown_x, smooth(pick((o) => o === ORIGIN.recorded), state.smooth)];
+    series.push({ label: s.run_id, stroke: color, width: 1.5, spanGaps: true });
+    if (s.origin.some((o) => o !== ORIGIN.recorded)) {
+      table.push(smooth(pick((o) => o !== ORIGIN.recorded), state.smooth));
+      series.push({ label: s.run_id + " backfilled", stroke: color, width: 1.5, dash: [6, 4],
+        spanGaps: true, points: { show: true, size: 4, fill: color } });
+    }
+    if (s.origin.some((o) => o === ORIGIN.inexact)) {
+      table.push(pick((o) => o === ORIGIN.inexact));
+      series.push({ label: s.run_id + " inexact", stroke: "#d62728", paths: () => null,
+        points: { show: true, size: 7, fill: "#d62728" } });
+    }
+    tables.push(table);
   });
   const data = uPlot.join(tables);
   const xRange = state.lo !== null || state.hi !== null
@@ -386,6 +391,23 @@ function zoomTo(u) {
   loadChart();
 }
 
+function onGrid(xs, [first, last, width]) {
+  // Each pixel column holds at most 4 of a run's points (its first, last, min and max):
+  // they are drawn at 4 fixed places in the column, in their order. The tooltip still
+  // shows each point's own x.
+  const step = (last - first) / width;
+  const out = new Array(xs.length);
+  let column = -1;
+  let rank = 0;
+  xs.forEach((x, j) => {
+    const c = Math.min(width - 1, Math.max(0, Math.floor((x - first) / step)));
+    rank = c === column ? rank + 1 : 0;
+    column = c;
+    out[j] = first + (c + (Math.min(rank, 3) + 0.5) / 4) * step;
+  });
+  return out;
+}
+
 function positive(y) {
   return state.log && y !== null && y <= 0 ? null : y;
 }
@@ -402,15 +424,16 @@ function showTip(idx) {
     return;
   }
   const x = view.chart.data[0][idx];
-  const lines = [`${state.x} ${x}`];
+  const lines = [];
   for (const s of view.series) {
-    const j = s.x.indexOf(x);
+    const j = (s.shown_x || s.x).indexOf(x);
     if (j < 0) continue;
+    if (!lines.length) lines.push(`${state.x} ${s.x[j]}`);
     const value = s.y[j] === null ? (s.y_text[j] || "null") : String(s.y[j]);
     let how = "recorded";
     if (s.origin[j] !== ORIGIN.recorded) {
       const code = (s.code_commit || "").slice(0, 10);
-      how = `backfilled by replay ${s.replay[j]} in code version ${code}`;
+      how = `backfilled by replay ${s.replay ? s.replay[j] : "?"} in code version ${code}`;
       if (s.origin[j] === ORIGIN.inexact) how += ", INEXACT (the replay's check found differences)";
     }
     lines.push(`${s.run_id}: ${value}  (${how})`);

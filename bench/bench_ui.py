@@ -1,0 +1,373 @@
+"""Benchmark: the dashboard (`retrolog ui`) on a store of 10,000 runs.
+
+Run from the repository root with the project's venv (retrolog[ui] and playwright installed,
+Debian's chromium at /usr/bin/chromium: `bash scripts/setup_browser.sh`):
+
+    python bench/bench_ui.py                  # about 5 minutes on a 2-core machine
+    python bench/bench_ui.py --reps 7
+
+The store is a real one (``connect`` + ``migrate`` on a temporary directory's
+``.retrolog/retrolog.db``), filled the way the runtime fills it, seeded:
+
+- 10,000 runs of ``train.py``, each with 4 arguments (``lr``, ``batch_size``,
+  ``seed``, ``optimizer``, recorded as parsed arguments and as run-level values)
+  and 10 epochs;
+- per epoch 15 names (``acc``, ``val_loss``, ``m1`` .. ``m13``);
+- ``loss`` at every step: 100,000 steps (10 epochs x 10,000) in 50 runs, 100
+  steps in the others.
+
+20 names, 8.0 million log records and 6.0 million loop rows. Then a real
+``retrolog ui --no-browser`` process serves it, and the benchmark measures:
+
+- the runs table's JSON (HTTP, median of ``--reps``): the first page as the page
+  opens it; with two picked columns (``acc``, ``loss:min``); sorted by a picked
+  column (``acc:max``, computed for every run); filtered by ``lr > 0.005``;
+- in Chromium (Playwright): from navigation to the table drawn (``ready``), first
+  contentful paint, and the longest main-thread task (``longtask`` entries), for
+  the runs page and for a chart of ``loss`` over the 50 long runs
+  (50 x 100,000 points; the view's state is in the address);
+- the chart's series JSON alone (HTTP, 50 runs x 100,000 points at 1,200 px): the
+  first time (read from the store), again (kept in the server's memory) and after a
+  restart (kept in .retrolog/cache), each with a fresh cache per repetition;
+- the server's resident memory after serving those requests, with the store at
+  1,000, 5,000 and 10,000 runs (the same seeded runs, a fresh server each).
+
+Targets (issue 15): table under 1 s, chart under 0.5 s, no browser task longer
+than 200 ms, server memory flat in the number of runs. Results:
+bench/results/ui.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench_log import conditions, spread  # the script's directory is on sys.path
+
+import retrolog
+from retrolog.store.metadata import connect
+from retrolog.store.schema import migrate
+
+RUNS, EPOCHS = 10_000, 10
+LONG_RUNS, LONG_STEPS, SHORT_STEPS = 50, 10_000, 10  # steps per epoch
+EPOCH_NAMES = ["acc", "val_loss"] + [f"m{i}" for i in range(1, 14)]
+CHROMIUM = os.environ.get("RETROLOG_CHROMIUM", "/usr/bin/chromium")
+TARGETS = {"table_seconds": 1.0, "chart_seconds": 0.5, "longest_task_ms": 200}
+
+
+def build_store(root: Path, runs: int, start: int = 0) -> None:
+    """Runs ``start`` .. ``runs - 1`` of the seeded shape, appended to root's store."""
+    store = root / ".retrolog"
+    store.mkdir(parents=True, exist_ok=True)
+    conn = connect(store / "retrolog.db")
+    migrate(conn)
+    conn.execute("PRAGMA synchronous = OFF")
+    conn.execute("BEGIN")
+    for r in range(start, runs):
+        rng = random.Random(r)
+        run_id = f"20260101-{r // 3600:02d}{(r // 60) % 60:02d}{r % 60:02d}-{r:06x}"
+        started = 1_780_000_000.0 + r * 600
+        args = {
+            "lr": rng.choice([0.001, 0.003, 0.01, 0.03]),
+            "batch_size": rng.choice([32, 64, 128]),
+            "seed": r,
+            "optimizer": rng.choice(["adam", "sgd"]),
+        }
+        conn.execute(
+            "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at, ended_at,"
+            " host, pid, python, argv, args, parsed_args, code_commit, code_tree, dirty)"
+            " VALUES (?, 'proj', ?, 'train.py', 'finished', ?, ?, 'host', 1, '3.11', '[]', '{}',"
+            " ?, ?, ?, 0)",
+            (
+                run_id,
+                time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
+                started,
+                started + 500,
+                json.dumps(args),
+                f"{r % 7:040x}",
+                f"{r % 7:040x}",
+            ),
+        )
+        logs: list[tuple[Any, ...]] = [
+            (run_id, None, name, value, type(value).__name__) for name, value in args.items()
+        ]
+        loops: list[tuple[Any, ...]] = []
+        steps = LONG_STEPS if r < LONG_RUNS else SHORT_STEPS
+        ctx = 0
+        t = 0.0
+        loss = 2.5
+        for epoch in range(EPOCHS):
+            epoch_ctx, ctx = ctx, ctx + 1
+            t_epoch = t
+            for step in range(steps):
+                step_ctx, ctx = ctx, ctx + 1
+                loops.append((run_id, step_ctx, epoch_ctx, "step", step, 1, t, t + 0.01))
+                t += 0.01
+                loss = max(0.01, loss * 0.99995 + rng.gauss(0, 0.01))
+                logs.append((run_id, step_ctx, "loss", loss, "float"))
+            loops.append((run_id, epoch_ctx, None, "epoch", epoch, 0, t_epoch, t))
+            for name in EPOCH_NAMES:
+                logs.append((run_id, epoch_ctx, name, rng.random(), "float"))
+        conn.executemany(
+            "INSERT INTO loops (run_id, ctx_id, parent_ctx, name, iteration, depth, t_start,"
+            " t_end) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            loops,
+        )
+        conn.executemany(
+            "INSERT INTO logs (run_id, ctx_id, name, value, value_type) VALUES (?, ?, ?, ?, ?)",
+            logs,
+        )
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+
+
+class Server:
+    """A ``retrolog ui --no-browser --port 0`` process in ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "retrolog", "ui", "--no-browser", "--port", "0"],
+            cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            found = re.search(r"(http://\S+)/\?token=(\S+)", line)
+            if found:
+                self.base, self.token = found.group(1), found.group(2)
+                return
+        raise RuntimeError(f"retrolog ui did not start: {self.process.wait()}")
+
+    def get(self, path: str, **params: Any) -> tuple[float, Any]:
+        url = f"{self.base}{path}?{urllib.parse.urlencode(params)}"
+        began = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=600) as response:
+            body = response.read()
+        return time.perf_counter() - began, json.loads(body)
+
+    def rss_mb(self) -> float:
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+
+
+TABLE_VIEWS: dict[str, dict[str, Any]] = {
+    "first page": {},
+    "two columns": {"columns": "acc,loss:min"},
+    "sorted by acc:max": {"columns": "acc:max", "sort": "acc:max"},
+    "where lr > 0.005": {"where": "lr > 0.005", "columns": "acc"},
+}
+
+LONGTASKS = """
+window.__longtasks = [];
+new PerformanceObserver((list) => {
+  for (const e of list.getEntries()) window.__longtasks.push(e.duration);
+}).observe({type: "longtask", buffered: true});
+"""
+
+
+def browser_view(page: Any, url: str, wait: str) -> dict[str, float]:
+    """Navigate to ``url`` and wait for ``wait``: seconds to ready, first paint, longest task."""
+    began = time.perf_counter()
+    page.goto(url)
+    page.wait_for_function(wait, timeout=600_000)
+    ready = time.perf_counter() - began
+    page.wait_for_timeout(300)  # let the last tasks be reported
+    timing = page.evaluate(
+        "() => ({fcp: (performance.getEntriesByName('first-contentful-paint')[0] || {}).startTime"
+        " || null, tasks: window.__longtasks})"
+    )
+    return {
+        "ready_seconds": ready,
+        "first_paint_seconds": (timing["fcp"] or 0) / 1000,
+        "longest_task_ms": max(timing["tasks"], default=0.0),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ui.json")
+    parser.add_argument("--keep", type=Path, help="build the store here and keep it")
+    args = parser.parse_args(argv)
+    if args.keep is not None and (args.keep / ".retrolog").exists():
+        parser.error(f"{args.keep} already holds a store; --keep takes a new directory")
+    root = args.keep or Path(tempfile.mkdtemp(prefix="retrolog-bench-ui-"))
+    try:
+        return run(args, root)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, root: Path) -> int:
+    from playwright.sync_api import sync_playwright
+
+    started, load_before = time.time(), os.getloadavg()
+    memory: dict[str, Any] = {}
+    built = 0
+    for size in (1_000, 5_000, RUNS):
+        t0 = time.perf_counter()
+        build_store(root, size, built)
+        built = size
+        print(f"store: {size} runs ({time.perf_counter() - t0:.0f} s to add)", file=sys.stderr)
+        server = Server(root)
+        try:
+            server.get("/api/runs")
+            server.get("/api/runs", columns="acc:max", sort="acc:max")
+            server.get("/api/runs", where="lr > 0.005", columns="acc")
+            memory[str(size)] = {"rss_mb_after_table": server.rss_mb()}
+        finally:
+            server.stop()
+    result = measure(root, args.reps, sync_playwright, memory)
+    load_after = os.getloadavg()
+    out = {
+        **conditions(
+            "ui", started, load_before, load_after, args.reps, retrolog.__version__, None, None
+        ),
+        "store": {
+            "runs": RUNS,
+            "names": 4 + 1 + len(EPOCH_NAMES),
+            "long_runs": LONG_RUNS,
+            "points_per_long_run": LONG_STEPS * EPOCHS,
+            "bytes": (root / ".retrolog" / "retrolog.db").stat().st_size,
+        },
+        "targets": TARGETS,
+        **result,
+        "server_memory_by_runs": memory,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    report(out)
+    return 0
+
+
+def chart_json(server: Server, runs: list[str]) -> float:
+    seconds, found = server.get("/api/series", name="loss", runs=",".join(runs), width=1200)
+    assert len(found) == LONG_RUNS and all(s["total"] == LONG_STEPS * EPOCHS for s in found)
+    assert all(len(s["x"]) <= 4 * 1200 for s in found)
+    return seconds
+
+
+def measure(root: Path, reps: int, sync_playwright: Any, memory: dict[str, Any]) -> dict[str, Any]:
+    """Every figure but the memory by size, on the full store."""
+    cache = root / ".retrolog" / "cache"
+    chart: dict[str, list[float]] = {"first ever": [], "again": [], "after a restart": []}
+    for _ in range(reps):
+        # The first chart of these runs reads the store; the same chart again is served from
+        # memory; after a restart, from .retrolog/cache.
+        shutil.rmtree(cache, ignore_errors=True)
+        server = Server(root)
+        try:
+            long_runs = [r["run_id"] for r in server.get(
+                "/api/runs", sort="started_at", desc="0", limit=LONG_RUNS)[1]["rows"]]  # fmt: skip
+            chart["first ever"].append(chart_json(server, long_runs))
+            chart["again"].append(chart_json(server, long_runs))
+        finally:
+            server.stop()
+        server = Server(root)
+        try:
+            chart["after a restart"].append(chart_json(server, long_runs))
+        finally:
+            server.stop()
+    server = Server(root)
+    try:
+        figures = measure_server(server, reps, sync_playwright, long_runs)
+        memory[str(RUNS)]["rss_mb_after_charts"] = server.rss_mb()
+    finally:
+        server.stop()
+    figures["chart_json_seconds"] = {k: spread(v) for k, v in chart.items()}
+    return figures
+
+
+def measure_server(
+    server: Server, reps: int, sync_playwright: Any, long_runs: list[str]
+) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for label, params in TABLE_VIEWS.items():
+        times = []
+        for _ in range(reps):
+            seconds, body = server.get("/api/runs", **params)
+            times.append(seconds)
+        assert body["total"] > 0 and body["rows"], label
+        table[label] = spread(times)
+    _, found = server.get("/api/series", name="loss", runs=",".join(long_runs), width=1200)
+    sent = sum(len(s["x"]) for s in found)
+    views: dict[str, list[dict[str, float]]] = {"runs page": [], "chart of 50 runs": []}
+    chart_query = urllib.parse.urlencode({"runs": ",".join(long_runs), "name": "loss"})
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, chromium_sandbox=False,
+            args=["--no-sandbox", "--disable-dev-shm-usage"],
+        )  # fmt: skip
+        try:
+            for _ in range(reps):
+                for label, url, wait in (
+                    ("runs page", f"{server.base}/?token={server.token}",
+                     "document.body.dataset.ready === '1'"),
+                    ("chart of 50 runs", f"{server.base}/?{chart_query}&token={server.token}",
+                     "document.body.dataset.ready === '1' && window.__retrolog.chart !== null"
+                     f" && window.__retrolog.series.length === {LONG_RUNS}"),
+                ):  # fmt: skip
+                    context = browser.new_context(viewport={"width": 1280, "height": 900})
+                    context.add_init_script(LONGTASKS)
+                    page = context.new_page()
+                    views[label].append(browser_view(page, url, wait))
+                    context.close()
+        finally:
+            browser.close()
+    browser_figures = {
+        label: {key: spread([v[key] for v in samples]) for key in samples[0]}
+        for label, samples in views.items()
+    }
+    return {
+        "table_json_seconds": table,
+        "chart_points_sent": sent,
+        "chart_points_stored": LONG_RUNS * LONG_STEPS * EPOCHS,
+        "browser": browser_figures,
+    }
+
+
+def report(out: dict[str, Any]) -> None:
+    def fmt(s: dict[str, Any], scale: float = 1.0, unit: str = "s") -> str:
+        return (f"{s['median'] * scale:.3f} {unit} [{s['min'] * scale:.3f}.."
+                f"{s['max'] * scale:.3f}]")  # fmt: skip
+
+    print(f"store: {out['store']}")
+    for label, s in out["table_json_seconds"].items():
+        print(f"runs table JSON, {label:20s} {fmt(s)}")
+    for label, s in out["chart_json_seconds"].items():
+        print(f"chart JSON, 50 runs x 100,000 points, {label:16s} {fmt(s)}")
+    print(f"chart points sent: {out['chart_points_sent']} of {out['chart_points_stored']}")
+    for label, figures in out["browser"].items():
+        print(f"browser, {label}: ready {fmt(figures['ready_seconds'])}, first paint "
+              f"{fmt(figures['first_paint_seconds'])}, longest task "
+              f"{fmt(figures['longest_task_ms'], unit='ms')}")  # fmt: skip
+    for size, m in out["server_memory_by_runs"].items():
+        print(f"server RSS with {size} runs: {m}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
