@@ -148,6 +148,25 @@ class Project:
         with self.reader() as conn:
             return compare_runs(conn, list(runs))
 
+    def script_names(self, script: str) -> list[dict[str, Any]]:
+        """The names the working copy of ``script`` (a path relative to the project root,
+        as runs record it) logs today, in order, each with whether any run has it yet:
+        what a replay can fill in."""
+        from retrolog._query.dataframe import logged_names
+        from retrolog.errors import UsageError
+        from retrolog.versions.lineage import definitions
+
+        path = (self.paths.root / script).resolve()
+        if not path.is_relative_to(self.paths.root) or not path.is_file():
+            raise UsageError(f"{script} is not a file of the project {self.paths.root}.")
+        try:
+            found = definitions(path.read_text(), filename=script)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
+            raise UsageError(f"Cannot read the names {script} logs today: {exc}.") from exc
+        with self.reader() as conn:
+            known = set(logged_names(conn))
+        return [{"name": name, "new": name not in known} for name in found]
+
     def table(
         self,
         *,

@@ -123,6 +123,16 @@ def test_runs_table_exports_csv(client: TestClient) -> None:
     assert float(rows[0]["acc:last"]) > 0
 
 
+def test_names_todays_script_logs(client: TestClient, log_w_sq_today: Any) -> None:
+    before = client.get("/api/script", params={"script": "train.py"}).json()
+    assert before["names"] == [{"name": "loss", "new": False}, {"name": "acc", "new": False}]
+    log_w_sq_today()
+    after = client.get("/api/script", params={"script": "train.py"}).json()["names"]
+    assert {"name": "w_sq", "new": True} in after
+    outside = client.get("/api/script", params={"script": "../../etc/passwd"})
+    assert outside.status_code == 400 and "is not a file of the project" in outside.json()["error"]
+
+
 def test_one_run(client: TestClient) -> None:
     run_id = client.get("/api/runs").json()["rows"][0]["run_id"]
     details = client.get(f"/api/runs/{run_id}").json()

@@ -98,6 +98,8 @@ def test_find_chart_and_replay_runs_from_the_browser(
 
     # Today's script logs a new name; replay the selected runs from the page.
     log_w_sq_today()
+    page.focus("#replay-names")  # the page offers what today's script logs that no run has
+    page.wait_for_function("document.getElementById('replay-hint').textContent.includes('w_sq')")
     page.fill("#replay-names", "w_sq")
     page.click("#replay-plan")
     page.wait_for_selector("#replay-start:not([disabled])", timeout=120_000)

@@ -166,6 +166,12 @@ def create_app(project: Project, settings: Settings) -> Starlette:
     def names(request: Request) -> list[str]:
         return project.names()
 
+    def script(request: Request) -> dict[str, Any]:
+        filename = request.query_params.get("script")
+        if not filename:
+            raise ValueError("script= is required: a script as the runs table names it")
+        return {"script": filename, "names": project.script_names(filename)}
+
     def runs(request: Request) -> Any:
         q = request.query_params
         table = project.table(
@@ -271,6 +277,7 @@ def create_app(project: Project, settings: Settings) -> Starlette:
         Route("/", index),
         Route("/api/project", api(project_info)),
         Route("/api/names", api(names)),
+        Route("/api/script", api(script)),
         Route("/api/runs", api(runs)),
         Route("/api/runs/{run_id}", api(run)),
         Route("/api/runs/{run_id}/checkpoints", api(checkpoints)),

@@ -575,6 +575,26 @@ async function showCompare() {
 
 // -- replays -------------------------------------------------------------------------------
 
+async function loadScriptNames(project) {
+  // What today's script logs that no run has yet: what a replay can fill in.
+  const script = project.scripts.length ? project.scripts[0].filename : null;
+  if (!script) return;
+  try {
+    const found = await api("/api/script?script=" + encodeURIComponent(script));
+    $("script-names").replaceChildren(...found.names.map((n) => {
+      const option = document.createElement("option");
+      option.value = n.name;
+      return option;
+    }));
+    const fresh = found.names.filter((n) => n.new).map((n) => n.name);
+    $("replay-hint").textContent = fresh.length
+      ? `${script} logs today what no run has yet: ${fresh.join(", ")}`
+      : `every name ${script} logs today is in the store already`;
+  } catch (err) {
+    $("replay-hint").textContent = err.message;
+  }
+}
+
 function replayRequest() {
   const names = $("replay-names").value.split(",").map((n) => n.trim()).filter(Boolean);
   const body = { names };
@@ -623,6 +643,7 @@ async function followReplay() {
   }
   $("replay-cancel").hidden = true;
   await loadNames();
+  if (view.project) loadScriptNames(view.project);
   status(job.returncode === 0 ? "replay finished" : `replay ended with status ${job.returncode}`);
 }
 
@@ -663,6 +684,9 @@ function wire() {
   });
   $("chart-reset").addEventListener("click", () => { state.lo = state.hi = null; redraw(); });
   $("replay-plan").addEventListener("click", showPlan);
+  $("replay-names").addEventListener("focus", () => {
+    if (view.project) loadScriptNames(view.project); // the script may have been edited
+  });
   $("replay-start").addEventListener("click", startReplay);
   $("replay-cancel").addEventListener("click", () =>
     api(`/api/replay/${view.job.id}/cancel`, { method: "POST", body: "{}" }));
@@ -683,6 +707,8 @@ async function main() {
   try {
     const project = await api("/api/project");
     $("project").textContent = project.root;
+    view.project = project;
+    loadScriptNames(project);
   } catch (err) {
     status(err.message);
   }
