@@ -424,17 +424,19 @@ def downsample(
     else:
         bucket = np.clip(((x - first) / span * width).astype(np.int64), 0, width - 1)
     starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
-    ends = np.r_[starts[1:], n] - 1
-    column = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
-    chosen = [starts, ends]
-    for key, reduce in ((np.where(np.isnan(y), np.inf, y), np.minimum),
-                        (np.where(np.isnan(y), -np.inf, y), np.maximum)):  # fmt: skip
+    counts = np.diff(np.r_[starts, n])
+    nan = np.isnan(y)
+    has_nan = bool(nan.any())
+    chosen = [starts, starts + counts - 1]
+    for reduce, fill in ((np.minimum, np.inf), (np.maximum, -np.inf)):
+        key = np.where(nan, fill, y) if has_nan else y
         extreme = reduce.reduceat(key, starts)
-        hits = np.flatnonzero(key == extreme[column])
+        hits = np.flatnonzero(key == np.repeat(extreme, counts))
         # The first hit in each column (every column has one: its extreme is a value of it).
-        first = np.r_[True, column[hits][1:] != column[hits][:-1]]
-        chosen.append(hits[first])
-    return np.unique(np.concatenate(chosen))
+        chosen.append(hits[np.searchsorted(hits, starts)])
+    # Per column its (up to) four indices, in order; columns follow one another.
+    ordered = np.sort(np.stack(chosen), axis=0).T.ravel()
+    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]]
 
 
 def _safe(run_id: str) -> str:
