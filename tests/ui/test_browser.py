@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,47 @@ def test_a_page_on_another_site_cannot_start_a_replay(
         server.communicate()
     with urllib.request.urlopen(f"{dashboard.base}/api/replays", timeout=30) as response:
         assert json.loads(response.read()) == []  # nothing was started
+
+
+SLOW = """\
+import time
+
+import retrolog as rl
+
+for epoch in rl.loop("epoch", range(40)):
+    rl.log("acc", epoch / 40)
+    time.sleep(0.25)
+"""
+
+
+def test_a_running_run_updates_without_reloading(page: Any, dashboard: Any, recorded: Any) -> None:
+    recorded.write("slow.py", SLOW)
+    proc = subprocess.Popen(
+        [sys.executable, "slow.py"], cwd=recorded.root, env=recorded.env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not read_db(recorded.root, "SELECT 1 FROM runs WHERE status = 'running'"):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        page.goto(dashboard.url)
+        page.wait_for_selector(READY)
+        running = "#runs tbody td.running"
+        page.wait_for_selector(running, timeout=30_000)
+        run_id = page.locator(running).first.evaluate("td => td.parentElement.dataset.run")
+        page.locator(f"#runs tbody tr[data-run='{run_id}'] input[type=checkbox]").check()
+        page.select_option("#chart-name", "acc")
+        page.wait_for_function("window.__retrolog.series.length === 1")
+        first = page.evaluate("window.__retrolog.series[0].x.length")
+        # More values arrive, and the run ends, with no reload.
+        page.wait_for_function(
+            "window.__retrolog.series.length === 1"
+            f" && window.__retrolog.series[0].x.length > {first}",
+            timeout=30_000,
+        )
+        page.wait_for_selector(f"#runs tbody tr[data-run='{run_id}'] td.finished", timeout=60_000)
+        assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+    finally:
+        proc.kill()
+        proc.wait()
