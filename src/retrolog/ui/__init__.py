@@ -59,13 +59,22 @@ def serve(
         )
     echo(f"retrolog dashboard for {project.root}: {url}")
     echo("Press Ctrl-C to stop it.")
-    config = uvicorn.Config(
-        create_app(project, settings), log_level="warning", access_log=False, lifespan="off"
-    )
+    app = create_app(project, settings)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     if open_browser:
         threading.Timer(0.5, webbrowser.open, args=(url,)).start()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        # A replay started from the page stops with the dashboard, as on Ctrl-C: its
+        # workers are stopped and what it backfilled is kept.
+        for job in app.state.jobs.values():
+            if job.returncode is None:
+                echo(f"Stopping the replay started from the dashboard ({job.job_id}).")
+                job.cancel()
+                if job.wait(60) is None:
+                    echo(f"The replay {job.job_id} did not stop within 60 s; it goes on alone.")
 
 
 def _bind(host: str, port: int | None) -> socket.socket:

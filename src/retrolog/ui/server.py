@@ -107,6 +107,7 @@ class ReplayJob:
             os.killpg(self._proc.pid, signal.SIGINT)
 
     def wait(self, timeout: float) -> int | None:
+        """Its exit code, once it has exited and its output is read (None after ``timeout``)."""
         self._reader.join(timeout)
         return self.returncode
 
@@ -237,10 +238,14 @@ def create_app(project: Project, settings: Settings) -> Starlette:
 
     def plan(request: Request) -> dict[str, Any]:
         argv = [*_replay_argv(_body(request)), "--dry-run"]
-        done = subprocess.run(
-            [sys.executable, "-m", "retrolog", *argv], cwd=project.root, capture_output=True,
-            text=True, stdin=subprocess.DEVNULL, timeout=600, check=False,
-        )  # fmt: skip
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "retrolog", *argv], cwd=project.root,
+                capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
+                check=False,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            raise ValueError("planning the replay took more than 10 minutes; stopped") from exc
         return {"returncode": done.returncode, "output": done.stderr + done.stdout}
 
     def start_replay(request: Request) -> dict[str, Any]:
