@@ -553,7 +553,9 @@ async function showCompare() {
   }));
   const rows = Object.entries(found.args_differ).map(([name, values]) => {
     const tr = document.createElement("tr");
-    tr.append(...[name, ...values].map((v) => {
+    const label = document.createElement("td");
+    label.textContent = name;
+    tr.append(label, ...values.map((v) => {
       const td = document.createElement("td");
       td.textContent = v === null || v === undefined ? "-" : JSON.stringify(v);
       return td;
