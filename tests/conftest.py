@@ -226,3 +226,13 @@ def replay_workers(text: str = REPLAY_WORKERS) -> list[int]:
         ):
             found.append(int(entry.name))
     return found
+
+
+def values_by_run(root: Path, name: str) -> dict[str, list[float]]:
+    """Each run's values of ``name`` in logging order, read with plain sqlite3."""
+    found: dict[str, list[float]] = {}
+    for run_id, value in read_db(
+        root, "SELECT run_id, value FROM logs WHERE name = ? ORDER BY run_id, ctx_id", (name,)
+    ):
+        found.setdefault(str(run_id), []).append(float(value))  # type: ignore[arg-type]
+    return found

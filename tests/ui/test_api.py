@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from retrolog import Project
 from retrolog.ui.server import TOKEN_HEADER, Settings, create_app
 
-from conftest import read_db
+from conftest import read_db, values_by_run
 
 
 @pytest.fixture
@@ -31,16 +31,6 @@ def client(recorded: Any) -> Iterator[TestClient]:
     app = create_app(Project(recorded.root), settings)
     with TestClient(app, base_url="http://127.0.0.1:7431") as c:
         yield c
-
-
-def stored(root: Any, name: str) -> dict[str, list[float]]:
-    """Each run's values of ``name`` in logging order, read with plain sqlite3."""
-    found: dict[str, list[float]] = {}
-    for run_id, value in read_db(
-        root, "SELECT run_id, value FROM logs WHERE name = ? ORDER BY run_id, ctx_id", (name,)
-    ):
-        found.setdefault(str(run_id), []).append(float(value))  # type: ignore[arg-type]
-    return found
 
 
 def test_project_and_names(client: TestClient, recorded: Any) -> None:
@@ -56,7 +46,7 @@ def test_runs_table_columns_are_the_runs_last_min_and_max(
     table = client.get("/api/runs", params={"columns": "loss:max,loss:min,acc,lr"}).json()
     assert table["total"] == 3
     assert table["columns"] == ["loss:max", "loss:min", "acc:last", "lr:last"]
-    loss, acc = stored(recorded.root, "loss"), stored(recorded.root, "acc")
+    loss, acc = values_by_run(recorded.root, "loss"), values_by_run(recorded.root, "acc")
     rows = {r["run_id"]: r for r in table["rows"]}
     assert set(rows) == set(loss)
     for run_id, row in rows.items():
@@ -143,7 +133,7 @@ def test_one_run(client: TestClient) -> None:
 
 
 def test_series_keep_spikes_and_are_exact_at_full_zoom(client: TestClient, recorded: Any) -> None:
-    loss = stored(recorded.root, "loss")
+    loss = values_by_run(recorded.root, "loss")
     runs = sorted(loss)
     found = client.get(
         "/api/series", params={"name": "loss", "runs": ",".join(runs), "width": 50}
@@ -170,7 +160,7 @@ def test_series_keep_spikes_and_are_exact_at_full_zoom(client: TestClient, recor
 
 
 def test_series_against_time_and_bad_requests(client: TestClient, recorded: Any) -> None:
-    run_id = sorted(stored(recorded.root, "acc"))[0]
+    run_id = sorted(values_by_run(recorded.root, "acc"))[0]
     timed = client.get("/api/series", params={"name": "acc", "runs": run_id, "x": "time"}).json()
     xs = timed[0]["x"]
     assert len(xs) == 3 and xs == sorted(xs) and xs[0] > 0
@@ -224,7 +214,7 @@ def test_compare_shows_the_arguments_and_the_code_diff(client: TestClient) -> No
 
 
 def test_groups_are_a_mean_in_a_min_max_band(client: TestClient, recorded: Any) -> None:
-    acc = stored(recorded.root, "acc")
+    acc = values_by_run(recorded.root, "acc")
     runs = sorted(acc)
     groups = client.get(
         "/api/groups", params={"name": "acc", "runs": ",".join(runs), "by": "lr", "width": 3}
@@ -345,7 +335,7 @@ def test_a_replay_started_over_the_api_backfills_and_shows_its_output(
     runs = [r["run_id"] for r in request(f"{base}/api/runs")[1]["rows"]]
     found = request(f"{base}/api/series?name=w_sq&runs={','.join(runs)}")[1]
     assert {s["run_id"] for s in found} == set(runs)
-    acc = stored(recorded.root, "acc")
+    acc = values_by_run(recorded.root, "acc")
     for s in found:
         assert set(s["origin"]) == {1} and all(s["replay"])  # backfilled, by that replay
         # w_sq is (1 - acc)^2 at each epoch.

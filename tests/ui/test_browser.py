@@ -12,18 +12,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from conftest import read_db
+from conftest import read_db, values_by_run
 
 READY = "body[data-ready='1']"
-
-
-def values(root: Path, name: str) -> dict[str, list[float]]:
-    found: dict[str, list[float]] = {}
-    for run_id, value in read_db(
-        root, "SELECT run_id, value FROM logs WHERE name = ? ORDER BY run_id, ctx_id", (name,)
-    ):
-        found.setdefault(str(run_id), []).append(float(value))  # type: ignore[arg-type]
-    return found
 
 
 def drawn(page: Any) -> list[dict[str, Any]]:
@@ -53,7 +44,7 @@ def test_find_chart_and_replay_runs_from_the_browser(
     page.click("#filter button[type=submit]")
     page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 2")
     assert "where=lr+%3E+0.15" in page.url  # the view's state is in the address
-    loss = values(recorded.root, "loss")
+    loss = values_by_run(recorded.root, "loss")
     shown = page.locator("#runs tbody tr").evaluate_all(
         "rows => rows.map(r => [r.dataset.run, r.lastElementChild.previousElementSibling.title])"
     )
@@ -116,7 +107,7 @@ def test_find_chart_and_replay_runs_from_the_browser(
         "window.__retrolog.series.length === 2"
         " && window.__retrolog.series.every(s => s.x.length === 3)"
     )
-    acc = values(recorded.root, "acc")
+    acc = values_by_run(recorded.root, "acc")
     for series in drawn(page):
         assert set(series["origin"]) == {1}  # backfilled
         assert len(series["y"]) == 3 == len(acc[series["run_id"]])
