@@ -258,34 +258,25 @@ async function loadChart() {
   const width = Math.max(200, target.clientWidth || 800);
   const q = new URLSearchParams({ name: state.name, runs: state.selected.join(","), x: state.x,
     width: String(width) });
-  if (state.group) {
-    q.set("by", state.group);
-    if (state.lo !== null) q.set("lo", String(state.lo));
-    if (state.hi !== null) q.set("hi", String(state.hi));
-    let groups;
-    try {
-      groups = await api("/api/groups?" + q);
-    } catch (err) {
-      $("chart-info").textContent = err.message;
-      return;
-    }
-    view.series = [];
-    view.groups = groups;
-    drawGroups(groups, width);
-    $("chart-info").textContent = `${groups.length} group(s) by ${state.group}: `
-      + "the mean of each pixel column's values, in their min-max band";
-    return;
-  }
-  view.groups = null;
   if (state.lo !== null) q.set("lo", String(state.lo));
   if (state.hi !== null) q.set("hi", String(state.hi));
+  if (state.group) q.set("by", state.group);
   let found;
   try {
-    found = await api("/api/series?" + q);
+    found = await api((state.group ? "/api/groups?" : "/api/series?") + q);
   } catch (err) {
     $("chart-info").textContent = err.message;
     return;
   }
+  if (state.group) {
+    view.series = [];
+    view.groups = found;
+    drawGroups(found, width);
+    $("chart-info").textContent = `${found.length} group(s) by ${state.group}: `
+      + "the mean of each pixel column's values, in their min-max band";
+    return;
+  }
+  view.groups = null;
   view.series = found;
   drawChart(found, width);
   const sent = found.reduce((n, s) => n + s.x.length, 0);
