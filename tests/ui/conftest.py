@@ -117,11 +117,14 @@ def recorded(project: Any) -> Any:
     project.write("train.py", TRAIN.format(decay="0.001"))
     project.git("add", "train.py")
     project.git("commit", "--quiet", "-m", "train")
-    project.run("train.py", "--lr", "0.1")
-    project.run("train.py", "--lr", "0.2")
+    # As users record: the adaptive rule chooses the checkpoints (the suite's default is
+    # every block).
+    adaptive = {"RETROLOG_CHECKPOINTS": "adaptive"}
+    project.run("train.py", "--lr", "0.1", **adaptive)
+    project.run("train.py", "--lr", "0.2", **adaptive)
     project.write("train.py", TRAIN.format(decay="0.002"))
     project.git("commit", "--quiet", "-am", "faster decay")
-    project.run("train.py", "--lr", "0.3")
+    project.run("train.py", "--lr", "0.3", **adaptive)
     return project
 
 
