@@ -7,4 +7,6 @@ bash scripts/setup_browser.sh
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+# One pytest process per core (at most 4); a file's tests stay in one process, so its
+# module fixtures (recorded runs) are built once.
+.venv/bin/python -m pytest -n auto --maxprocesses 4 --dist loadfile "$@"
