@@ -22,13 +22,17 @@ The store is a real one (``connect`` + ``migrate`` on a temporary directory's
 - the runs table's JSON (HTTP, median of ``--reps``): the first page as the page
   opens it; with two picked columns (``acc``, ``loss:min``); sorted by a picked
   column (``acc:max``, computed for every run); filtered by ``lr > 0.005``;
-- in Chromium (Playwright): from navigation to the table drawn (``ready``), first
-  contentful paint, and the longest main-thread task (``longtask`` entries), for
-  the runs page and for a chart of ``loss`` over the 50 long runs
-  (50 x 100,000 points; the view's state is in the address);
-- the chart's series JSON alone (HTTP, 50 runs x 100,000 points at 1,200 px): the
-  first time (read from the store), again (kept in the server's memory) and after a
-  restart (kept in .retrolog/cache), each with a fresh cache per repetition;
+- in Chromium (Playwright): from navigation to the table drawn (``ready``; for the
+  chart, to its last line stroked), first contentful paint, and the longest
+  main-thread task (``longtask`` entries), for the runs page and for a chart of
+  ``loss`` over the 50 long runs (50 x 100,000 points; the view's state is in the
+  address);
+- the chart's series alone (HTTP, 50 runs x 100,000 points at 1,200 px), each with
+  a fresh cache per repetition: the first time with no indexer (read from the
+  store), again (kept in the server's memory; as JSON and in the page's binary
+  form), after a restart (kept in .retrolog/cache), and the first time on a
+  dashboard started as users start it, once its background indexer is done (and
+  how long the indexer took for the whole store);
 - the server's resident memory after serving those requests, with the store at
   1,000, 5,000 and 10,000 runs (the same seeded runs, a fresh server each).
 
@@ -136,12 +140,14 @@ def build_store(root: Path, runs: int, start: int = 0) -> None:
 
 
 class Server:
-    """A ``retrolog ui --no-browser --port 0`` process in ``root``."""
+    """A ``retrolog ui --no-browser --port 0`` process in ``root`` (``index``: with its
+    background indexer)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, index: bool = False) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+        flags = [] if index else ["--no-index"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "retrolog", "ui", "--no-browser", "--port", "0"],
+            [sys.executable, "-m", "retrolog", "ui", "--no-browser", "--port", "0", *flags],
             cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
@@ -158,7 +164,15 @@ class Server:
         began = time.perf_counter()
         with urllib.request.urlopen(url, timeout=600) as response:
             body = response.read()
-        return time.perf_counter() - began, json.loads(body)
+        seconds = time.perf_counter() - began
+        return seconds, body if params.get("format") == "binary" else json.loads(body)
+
+    def indexed(self) -> float:
+        """Seconds until the background indexer has read every long series."""
+        began = time.perf_counter()
+        while self.get("/api/project")[1]["indexer"].get("state") != "idle":
+            time.sleep(0.5)
+        return time.perf_counter() - began
 
     def rss_mb(self) -> float:
         status = Path(f"/proc/{self.process.pid}/status").read_text()
@@ -264,32 +278,54 @@ def run(args: argparse.Namespace, root: Path) -> int:
     return 0
 
 
-def chart_json(server: Server, runs: list[str]) -> float:
-    seconds, found = server.get("/api/series", name="loss", runs=",".join(runs), width=1200)
+def chart_json(server: Server, runs: list[str], binary: bool = False) -> float:
+    """Seconds for the series of a 1,200-pixel chart: the JSON API's form, or the page's."""
+    extra = {"format": "binary"} if binary else {}
+    seconds, found = server.get(
+        "/api/series", name="loss", runs=",".join(runs), width=1200, **extra
+    )
+    if binary:
+        header = json.loads(found[4 : 4 + int.from_bytes(found[:4], "little")])
+        assert [s["n"] for s in header] and all(s["n"] <= 4 * 1200 for s in header)
+        found = header
+    else:
+        assert all(len(s["x"]) <= 4 * 1200 for s in found)
     assert len(found) == LONG_RUNS and all(s["total"] == LONG_STEPS * EPOCHS for s in found)
-    assert all(len(s["x"]) <= 4 * 1200 for s in found)
     return seconds
 
 
 def measure(root: Path, reps: int, sync_playwright: Any, memory: dict[str, Any]) -> dict[str, Any]:
     """Every figure but the memory by size, on the full store."""
     cache = root / ".retrolog" / "cache"
-    chart: dict[str, list[float]] = {"first ever": [], "again": [], "after a restart": []}
+    chart: dict[str, list[float]] = {
+        "first ever, before indexing": [], "again": [], "again, the page's binary form": [],
+        "after a restart": [], "first, once the indexer is done": [],
+    }  # fmt: skip
+    indexing: list[float] = []
     for _ in range(reps):
-        # The first chart of these runs reads the store; the same chart again is served from
-        # memory; after a restart, from .retrolog/cache.
+        # The first chart of these runs reads the store (no indexer); the same chart again
+        # is served from memory; after a restart, from .retrolog/cache.
         shutil.rmtree(cache, ignore_errors=True)
         server = Server(root)
         try:
             long_runs = [r["run_id"] for r in server.get(
                 "/api/runs", sort="started_at", desc="0", limit=LONG_RUNS)[1]["rows"]]  # fmt: skip
-            chart["first ever"].append(chart_json(server, long_runs))
+            chart["first ever, before indexing"].append(chart_json(server, long_runs))
             chart["again"].append(chart_json(server, long_runs))
+            chart["again, the page's binary form"].append(chart_json(server, long_runs, True))
         finally:
             server.stop()
         server = Server(root)
         try:
             chart["after a restart"].append(chart_json(server, long_runs))
+        finally:
+            server.stop()
+        # As users run it: the dashboard's indexer reads long series ahead when it starts.
+        shutil.rmtree(cache, ignore_errors=True)
+        server = Server(root, index=True)
+        try:
+            indexing.append(server.indexed())
+            chart["first, once the indexer is done"].append(chart_json(server, long_runs))
         finally:
             server.stop()
     server = Server(root)
@@ -299,6 +335,7 @@ def measure(root: Path, reps: int, sync_playwright: Any, memory: dict[str, Any])
     finally:
         server.stop()
     figures["chart_json_seconds"] = {k: spread(v) for k, v in chart.items()}
+    figures["indexer_seconds"] = spread(indexing)
     return figures
 
 
@@ -329,7 +366,8 @@ def measure_server(
                      "document.body.dataset.ready === '1'"),
                     ("chart of 50 runs", f"{server.base}/?{chart_query}&token={server.token}",
                      "document.body.dataset.ready === '1' && window.__retrolog.chart !== null"
-                     f" && window.__retrolog.series.length === {LONG_RUNS}"),
+                     f" && window.__retrolog.series.length === {LONG_RUNS}"
+                     " && window.__retrolog.drawn === true"),  # every line stroked
                 ):  # fmt: skip
                     context = browser.new_context(viewport={"width": 1280, "height": 900})
                     context.add_init_script(LONGTASKS)
@@ -359,7 +397,8 @@ def report(out: dict[str, Any]) -> None:
     for label, s in out["table_json_seconds"].items():
         print(f"runs table JSON, {label:20s} {fmt(s)}")
     for label, s in out["chart_json_seconds"].items():
-        print(f"chart JSON, 50 runs x 100,000 points, {label:16s} {fmt(s)}")
+        print(f"chart series, 50 runs x 100,000 points, {label:32s} {fmt(s)}")
+    print(f"indexer, every long series of the store: {fmt(out['indexer_seconds'])}")
     print(f"chart points sent: {out['chart_points_sent']} of {out['chart_points_stored']}")
     for label, figures in out["browser"].items():
         print(f"browser, {label}: ready {fmt(figures['ready_seconds'])}, first paint "

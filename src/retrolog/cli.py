@@ -553,8 +553,14 @@ def gc_command(
     "then needs the printed token.",
 )
 @click.option("--no-browser", is_flag=True, help="Print the address; do not open a browser.")
+@click.option(
+    "--no-index",
+    is_flag=True,
+    help="Do not read long series ahead in the background (an idle-priority process that "
+    "makes first charts fast).",
+)
 @_handle_errors
-def ui_command(port: int | None, host: str, no_browser: bool) -> None:
+def ui_command(port: int | None, host: str, no_browser: bool, no_index: bool) -> None:
     """Open the dashboard: runs, charts, code diffs, and replays with their estimate.
 
     Serves the project's store on a local web server until Ctrl-C. Anything that
@@ -567,7 +573,7 @@ def ui_command(port: int | None, host: str, no_browser: bool) -> None:
     """
     from retrolog.ui import serve
 
-    serve(_project(), host=host, port=port, open_browser=not no_browser)
+    serve(_project(), host=host, port=port, open_browser=not no_browser, index=not no_index)
 
 
 def _project() -> Any:

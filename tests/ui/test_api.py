@@ -10,16 +10,21 @@ import csv
 import io
 import json
 import math
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
 from retrolog import Project
+from retrolog._query.series import Series, encode_series
 from retrolog.ui.server import TOKEN_HEADER, Settings, create_app
 
 from conftest import read_db, values_by_run
@@ -159,6 +164,54 @@ def test_series_keep_spikes_and_are_exact_at_full_zoom(client: TestClient, recor
     assert zoom["x"] == list(range(600, 660)) and zoom["y"] == loss[runs[0]][600:660]
 
 
+def decode_series(data: bytes) -> list[dict[str, Any]]:
+    """/api/series?format=binary, read as docs/ui.md describes it, in the JSON form's shape."""
+    size = int.from_bytes(data[:4], "little")
+    about = json.loads(data[4 : 4 + size])
+    n = sum(s["n"] for s in about)
+    at = 4 + size + (-(4 + size) % 8)
+    arrays = {}
+    for name, dtype, width in (("x", "<f8", 8), ("y", "<f8", 8), ("r", "<i4", 4), ("o", "u1", 1)):
+        arrays[name] = np.frombuffer(data, dtype=dtype, count=n, offset=at)
+        at += width * n
+    assert at == len(data)
+    found, first = [], 0
+    for s in about:
+        end = first + s.pop("n")
+        part = {k: v[first:end].tolist() for k, v in arrays.items()}
+        first = end
+        replay_ids = s.pop("replay_ids")
+        found.append({
+            **s, "x": part["x"], "y": [v if math.isfinite(v) else None for v in part["y"]],
+            "y_text": {str(i): ("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
+                       for i, v in enumerate(part["y"]) if not math.isfinite(v)},
+            "origin": part["o"],
+            "replay": [replay_ids[i] if i >= 0 else None for i in part["r"]]
+            if replay_ids else None,
+        })  # fmt: skip
+    return found
+
+
+def test_the_pages_binary_series_are_the_json_ones(client: TestClient, recorded: Any) -> None:
+    runs = ",".join(sorted(values_by_run(recorded.root, "loss")))
+    for params in ({"width": 50}, {"width": 50, "lo": 600, "hi": 659}, {"x": "time"}):
+        query = {"name": "loss", "runs": runs, **params}
+        as_json = client.get("/api/series", params=query).json()
+        binary = client.get("/api/series", params={**query, "format": "binary"})
+        assert binary.headers["content-type"] == "application/octet-stream"
+        assert decode_series(binary.content) == as_json
+    # NaN, infinities and backfilled points (from two replays) too.
+    made = Series(
+        run_id="r", loop="step", total=5, in_range=5, x=np.arange(5.0),
+        y=np.array([1.5, np.nan, np.inf, -np.inf, 2.0]), origin=np.array([0, 1, 2, 1, 0]),
+        replay_index=np.array([-1, 0, 1, 0, -1]), replay_ids=["p0", "p1"], exact=True,
+    )  # fmt: skip
+    assert decode_series(encode_series([made, made])) == json.loads(
+        json.dumps([made.to_json(), made.to_json()])
+    )
+    assert decode_series(encode_series([])) == []
+
+
 def test_series_against_time_and_bad_requests(client: TestClient, recorded: Any) -> None:
     run_id = sorted(values_by_run(recorded.root, "acc"))[0]
     timed = client.get("/api/series", params={"name": "acc", "runs": run_id, "x": "time"}).json()
@@ -268,15 +321,62 @@ def test_a_kept_series_is_not_served_after_a_replay_changed_it(
 def test_series_are_kept_on_disk_and_a_damaged_file_is_read_again(recorded: Any) -> None:
     runs = Project(recorded.root).runs()["run_id"].tolist()
     first = [s.to_json() for s in Project(recorded.root).series("loss", runs, width=40)]
-    kept = sorted((recorded.root / ".retrolog" / "cache" / "series").glob("*/*.npz"))
+    kept = sorted((recorded.root / ".retrolog" / "cache" / "series").glob("*/*.series"))
     assert len(kept) == 3
     # A new process (a restarted dashboard) draws from the files, the same points.
     reader = Project(recorded.root)
     assert [s.to_json() for s in reader.series("loss", runs, width=40)] == first
     assert reader._cache().nbytes > 0
-    for path in kept:  # damaged: truncated, or not an archive at all
-        path.write_bytes(path.read_bytes()[:100] if path == kept[0] else b"junk")
+    # Damaged: cut inside its header, not one of ours at all, cut one byte short.
+    damage = {kept[0]: lambda b: b[:30], kept[1]: lambda b: b"junk", kept[2]: lambda b: b[:-1]}
+    for path, damaged in damage.items():
+        path.write_bytes(damaged(path.read_bytes()))
     assert [s.to_json() for s in Project(recorded.root).series("loss", runs, width=40)] == first
+
+
+def test_the_indexer_reads_long_series_ahead_at_idle_priority(
+    recorded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from retrolog._query import series as series_module
+    from retrolog.ui.indexer import Indexer
+
+    project = Project(recorded.root)
+    runs = project.runs()["run_id"].tolist()
+    with project.reader() as conn:  # from the store, nothing kept
+        expected = {x: [s.to_json() for s in series_module.series(conn, "loss", runs, x=x)]
+                    for x in ("step", "time")}  # fmt: skip
+
+    def idle(indexer: Indexer) -> dict[str, Any]:
+        deadline = time.monotonic() + 120
+        while indexer.state.get("state") != "idle" and time.monotonic() < deadline:
+            assert indexer.state.get("state") != "failed", indexer.state
+            time.sleep(0.1)
+        return indexer.state
+
+    indexer = Indexer(recorded.root)
+    try:
+        # Only idle CPU time: it never competes with a training run.
+        assert os.sched_getscheduler(indexer.pid) == os.SCHED_IDLE
+        # loss (1,200 values per run) is read ahead; acc (3 per run) is not worth it.
+        assert idle(indexer) == {"state": "idle", "written": 3, "seconds": pytest.approx(1, abs=60)}
+    finally:
+        indexer.stop()
+    assert len(list((recorded.root / ".retrolog" / "cache" / "series").glob("*/*.series"))) == 3
+
+    def not_the_store(*args: Any) -> None:
+        raise AssertionError("read the store")
+
+    with monkeypatch.context() as m:  # both axes now come from the files alone
+        m.setattr(series_module, "read_columns", not_the_store)
+        m.setattr(series_module, "_times", not_the_store)
+        reader = Project(recorded.root)
+        for x in ("step", "time"):
+            assert [s.to_json() for s in reader.series("loss", runs, x=x)] == expected[x]
+    again = Indexer(recorded.root)  # a new dashboard: nothing left to read
+    try:
+        assert idle(again)["written"] == 0
+    finally:
+        again.stop()
 
 
 # -- security, against a real server ---------------------------------------------------------
@@ -347,3 +447,30 @@ def test_a_replay_started_over_the_api_backfills_and_shows_its_output(
             math.isclose(y, (1 - a) ** 2, rel_tol=1e-12)
             for y, a in zip(s["y"], acc[s["run_id"]], strict=True)
         )
+
+
+def test_the_dashboard_reports_its_indexer_and_stops_it_when_it_stops(dashboard: Any) -> None:
+    deadline = time.monotonic() + 120
+    state: dict[str, Any] = {}
+    while state.get("state") != "idle" and time.monotonic() < deadline:
+        status, body = request(f"{dashboard.base}/api/project")
+        assert status == 200
+        state = body["indexer"]
+        time.sleep(0.2)
+    assert state["state"] == "idle" and state["written"] == 3  # loss, in each of the 3 runs
+    children = [
+        p for p in Path("/proc").glob("[0-9]*")
+        if b"retrolog.ui.indexer" in _read(p / "cmdline") and str(dashboard.process.pid).encode()
+        == _read(p / "stat").split(b") ", 1)[-1].split()[1]
+    ]  # fmt: skip
+    assert len(children) == 1
+    dashboard.process.send_signal(signal.SIGINT)
+    dashboard.process.communicate(timeout=30)
+    assert not children[0].exists()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

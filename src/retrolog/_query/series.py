@@ -18,9 +18,8 @@ import math
 import os
 import sqlite3
 import threading
-import zipfile
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,12 @@ class Series:
     # When downsampled: (first, last, width), the pixel columns every run was bucketed on.
     grid: tuple[float, float, int] | None = None
 
+    def about(self) -> dict[str, Any]:
+        """Everything but the points."""
+        return {"run_id": self.run_id, "loop": self.loop, "total": self.total,
+                "in_range": self.in_range, "exact": self.exact, "grid": self.grid,
+                "code_commit": self.code_commit, "replays": self.replays}  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: NaN and infinities become null (JSON has neither); ``y_text`` keeps
         their names so a tooltip can still say which it was."""
@@ -67,11 +72,7 @@ class Series:
         y = [v if math.isfinite(v) else None for v in values]
         special = {i: _special(v) for i, v in enumerate(values) if not math.isfinite(v)}
         return {
-            "run_id": self.run_id,
-            "loop": self.loop,
-            "total": self.total,
-            "in_range": self.in_range,
-            "exact": self.exact,
+            **self.about(),
             "x": self.x.tolist(),
             "y": y,
             "y_text": special,
@@ -80,10 +81,27 @@ class Series:
             "replay": [self.replay_ids[i] if i >= 0 else None for i in self.replay_index.tolist()]
             if self.replay_ids
             else None,
-            "grid": self.grid,
-            "code_commit": self.code_commit,
-            "replays": self.replays,
         }
+
+
+def encode_series(found: Sequence[Series]) -> bytes:
+    """``found`` as the dashboard's page reads it: the points as raw arrays, which the
+    browser views in place, instead of JSON, which it would parse number by number.
+
+    Layout (little-endian): a uint32 header length; the header, UTF-8 JSON, a list with
+    each series' ``about()`` plus ``n`` (its points) and ``replay_ids``; zero bytes up to a
+    multiple of 8; then, for all series one after another, x as float64, y as float64 (NaN
+    and infinities as themselves), replay_index as int32 (-1: recorded) and origin as uint8.
+    """
+    header = json.dumps(
+        [{**s.about(), "n": len(s.x), "replay_ids": s.replay_ids} for s in found]
+    ).encode()
+    head = len(header).to_bytes(4, "little") + header
+    parts = [head, b"\0" * (-len(head) % 8)]
+    for name, dtype in (("x", "<f8"), ("y", "<f8"), ("replay_index", "<i4"), ("origin", "u1")):
+        arrays = [np.asarray(getattr(s, name), dtype=dtype) for s in found]
+        parts.append(np.concatenate(arrays).tobytes() if arrays else b"")
+    return b"".join(parts)
 
 
 @dataclass
@@ -107,43 +125,69 @@ class Columns:
         return sum(a.nbytes for a in (self.ctx, self.y, self.t, self.origin, self.replay_index))
 
     def save(self, path: Path, key: tuple[str, str], stamp: str) -> None:
-        """To ``path`` (an .npz of plain arrays: loading it runs no code), atomically."""
-        meta = json.dumps({"key": list(key), "stamp": stamp, "replay_ids": self.replay_ids,
-                           "loop": self.loop, "timed": self.timed})  # fmt: skip
+        """To ``path``, atomically: a JSON header, then the arrays' raw bytes (little-endian,
+        each at a multiple of 8). Loading it is one read and no copy, and runs no code."""
+        n = len(self.ctx)
+        meta = {"key": list(key), "stamp": stamp, "n": n, "loop": self.loop,
+                "replay_ids": self.replay_ids, "timed": self.timed}  # fmt: skip
+        header = json.dumps(meta).encode()
+        body = [_CACHE_MAGIC, len(header).to_bytes(8, "little"), header]
+        offset = len(_CACHE_MAGIC) + 8 + len(header)
+        for name, dtype in _CACHE_ARRAYS:
+            padding = -offset % 8
+            data = np.ascontiguousarray(getattr(self, name), dtype=dtype).tobytes()
+            body += [b"\0" * padding, data]
+            offset += padding + len(data)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            np.savez(f, ctx=self.ctx, y=self.y, t=self.t, origin=self.origin,
-                     replay_index=self.replay_index, meta=np.array(meta))  # fmt: skip
+            f.writelines(body)
         os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path, key: tuple[str, str], stamp: str) -> Columns | None:
-        """What ``save`` wrote for ``key``, if it is there, readable and made at ``stamp``."""
+        """What ``save`` wrote for ``key``, if it is there, whole and made at ``stamp``. The
+        arrays are read-only views of the file's bytes."""
         try:
-            with open(path, "rb") as f:
-                data = np.load(f, allow_pickle=False)
-                if not isinstance(data, np.lib.npyio.NpzFile):
-                    return None
-                with data:
-                    meta = json.loads(str(data["meta"]))
-                    if meta.get("stamp") != stamp or meta.get("key") != list(key):
-                        return None
-                    found = cls(
-                        ctx=data["ctx"].astype(np.int64), y=data["y"].astype(np.float64),
-                        t=data["t"].astype(np.float64), origin=data["origin"].astype(np.int8),
-                        replay_index=data["replay_index"].astype(np.int32),
-                        replay_ids=[str(r) for r in meta["replay_ids"]], loop=meta["loop"],
-                        timed=bool(meta["timed"]),
-                    )  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError):
-            return None  # absent, partial or from another version: read the store again
-        arrays = (found.ctx, found.y, found.t, found.origin, found.replay_index)
-        if len({len(a) for a in arrays}) != 1 or any(a.ndim != 1 for a in arrays):
+            data = path.read_bytes()
+            meta, offset = _cache_header(data, key, stamp)
+            if meta is None:
+                return None  # absent, from another version or stale: read the store again
+            n = int(meta["n"])
+            arrays = {}
+            for name, dtype in _CACHE_ARRAYS:
+                offset += -offset % 8
+                arrays[name] = np.frombuffer(data, dtype=dtype, count=n, offset=offset)
+                offset += arrays[name].nbytes
+            if offset != len(data):
+                return None  # cut short or padded: not what save wrote
+            found = cls(**arrays, replay_ids=[str(r) for r in meta["replay_ids"]],
+                        loop=meta["loop"], timed=bool(meta["timed"]))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        if len(found.replay_index) and int(found.replay_index.max()) >= len(found.replay_ids):
+        if n and int(found.replay_index.max()) >= len(found.replay_ids):
             return None
         return found
+
+
+def _cache_header(data: bytes, key: tuple[str, str], stamp: str) -> tuple[Any, int]:
+    """The header of a file ``Columns.save`` wrote, and where its arrays start; (None, 0)
+    when ``data`` does not start with one for ``key`` made at ``stamp``."""
+    if not data.startswith(_CACHE_MAGIC):
+        return None, 0
+    at = len(_CACHE_MAGIC)
+    size = int.from_bytes(data[at : at + 8], "little")
+    if len(data) < at + 8 + size:
+        return None, 0
+    meta = json.loads(data[at + 8 : at + 8 + size])
+    if not isinstance(meta, dict) or meta.get("stamp") != stamp or meta.get("key") != list(key):
+        return None, 0
+    return meta, at + 8 + size
+
+
+_CACHE_MAGIC = b"retrolog series 1\n"
+_CACHE_ARRAYS = (("ctx", "<i8"), ("y", "<f8"), ("t", "<f8"), ("replay_index", "<i4"),
+                 ("origin", "i1"))  # fmt: skip
 
 
 class SeriesCache:
@@ -169,7 +213,7 @@ class SeriesCache:
             return None
         run_id, name = key
         digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:20]
-        return self.directory / _safe(run_id) / f"{digest}.npz"
+        return self.directory / _safe(run_id) / f"{digest}.series"
 
     def get(self, key: tuple[str, str], stamp: str) -> Columns | None:
         with self._lock:
@@ -182,6 +226,20 @@ class SeriesCache:
         if loaded is not None:
             self._remember(key, stamp, loaded)
         return loaded
+
+    def kept(self, key: tuple[str, str], stamp: str) -> bool:
+        """Whether the disk holds ``key`` made at ``stamp`` (its header only is read)."""
+        path = self._path(key)
+        if path is None:
+            return False
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(_CACHE_MAGIC) + 8)
+                size = int.from_bytes(head[len(_CACHE_MAGIC) :], "little")
+                meta, _ = _cache_header(head + f.read(min(size, 2**20)), key, stamp)
+        except (OSError, ValueError):
+            return False
+        return meta is not None
 
     def put(self, key: tuple[str, str], stamp: str, columns: Columns) -> None:
         self._remember(key, stamp, columns)
@@ -264,6 +322,59 @@ def series(
     first = lo if lo is not None else min(starts, default=0.0)
     last = hi if hi is not None else max(stops, default=0.0)
     return [_window(w, lo, hi, width, (first, last)) for w in found]
+
+
+def index_series(
+    conn: sqlite3.Connection,
+    cache: SeriesCache,
+    *,
+    min_values: int = 1000,
+    skip: set[tuple[str, str, str]] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    progress: Callable[[int, int], None] = lambda done, todo: None,
+) -> int:
+    """Read ahead into ``cache``'s files every series of an ended run that holds at least
+    ``min_values`` values and is not there yet, with both x axes, newest runs first: what
+    the dashboard's background indexer does, so that a chart's first drawing does not wait
+    on the store (about 1.5-4 µs per value). Returns how many series it wrote.
+
+    skip: (run, name, stamp) found to hold no numeric value; added to, and not read again.
+    should_stop: asked between series; True ends the pass.
+    progress: called with (series done, series to do) after each one.
+    """
+    if cache.directory is None:
+        raise UsageError("Indexing series needs a cache directory (a store that can be written).")
+    skip = set() if skip is None else skip
+    names: dict[str, list[str]] = {}
+    for name, run_id in conn.execute(  # one scan of the covering index (name, run, context)
+        "SELECT name, run_id FROM logs WHERE ctx_id IS NOT NULL GROUP BY name, run_id"
+        " HAVING COUNT(*) >= ?",
+        (min_values,),
+    ):
+        names.setdefault(run_id, []).append(name)
+    newest_first = [r for (r,) in conn.execute("SELECT run_id FROM runs ORDER BY started_at DESC")]
+    todo = [
+        (run_id, name, stamp)
+        for run_id, status, _, stamp, replaying in _stamps(
+            conn, [r for r in newest_first if r in names]
+        )
+        if status != "running" and not replaying
+        for name in names[run_id]
+        if (run_id, name, stamp) not in skip and not cache.kept((run_id, name), stamp)
+    ]
+    written = 0
+    for done, (run_id, name, stamp) in enumerate(todo, 1):
+        if should_stop():
+            break
+        columns = read_columns(conn, name, run_id)
+        if columns is None:
+            skip.add((run_id, name, stamp))
+        else:
+            columns.t, columns.timed = _times(conn, run_id, columns.ctx), True
+            cache.put((run_id, name), stamp, columns)
+            written += 1
+        progress(done, len(todo))
+    return written
 
 
 def _stamps(
@@ -380,11 +491,12 @@ def _window(
     ``width`` columns spanning ``extent`` (the same for every run of a chart)."""
     start = 0 if lo is None else int(np.searchsorted(s.x, lo, side="left"))
     stop = len(s.x) if hi is None else int(np.searchsorted(s.x, hi, side="right"))
-    index = np.arange(start, stop)
     grid = None
-    if width is not None and len(index) > 4 * width:
+    if width is not None and stop - start > 4 * width:
         index = downsample(s.x[start:stop], s.y[start:stop], width, extent) + start
         grid = (extent[0], extent[1], width)
+    else:
+        index = np.arange(start, stop)
     exact = len(index) == stop - start
     return Series(
         run_id=s.run_id,
@@ -420,10 +532,14 @@ def downsample(
     first, last = extent if extent is not None else (float(x[0]), float(x[-1]))
     span = last - first
     if span <= 0 or not math.isfinite(span):
-        bucket = np.zeros(n, dtype=np.int64)
+        starts = np.zeros(1, dtype=np.int64)
     else:
-        bucket = np.clip(((x - first) / span * width).astype(np.int64), 0, width - 1)
-    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+        # A point's column is floor((x - first) / span * width), clipped to the chart. That
+        # is monotone in x, so column c starts at the first point whose scaled x is >= c: a
+        # binary search per column instead of a column number per point.
+        scaled = (x - first) / span * width
+        bounds = np.searchsorted(scaled, np.arange(1, width, dtype=np.float64), side="left")
+        starts = np.unique(np.r_[0, bounds[bounds < n]])
     counts = np.diff(np.r_[starts, n])
     nan = np.isnan(y)
     has_nan = bool(nan.any())

@@ -27,13 +27,17 @@ def serve(
     host: str = "127.0.0.1",
     port: int | None = None,
     open_browser: bool = True,
+    index: bool = True,
     echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
-    """Serve the dashboard for ``project`` until interrupted (Ctrl-C)."""
+    """Serve the dashboard for ``project`` until interrupted (Ctrl-C). With ``index``, long
+    series are read ahead into the series cache by an idle-priority child process
+    (retrolog.ui.indexer), where the store can be written."""
     try:
         import uvicorn
 
         from retrolog.ui import assets
+        from retrolog.ui.indexer import Indexer
         from retrolog.ui.server import Settings, create_app
     except ImportError as exc:
         raise UsageError(
@@ -59,7 +63,8 @@ def serve(
         )
     echo(f"retrolog dashboard for {project.root}: {url}")
     echo("Press Ctrl-C to stop it.")
-    app = create_app(project, settings)
+    indexer = Indexer(project.root) if index and project._cache().directory is not None else None
+    app = create_app(project, settings, indexer)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     if open_browser:
@@ -67,6 +72,8 @@ def serve(
     try:
         server.run(sockets=[sock])
     finally:
+        if indexer is not None:
+            indexer.stop()
         # A replay started from the page stops with the dashboard, as on Ctrl-C: its
         # workers are stopped and what it backfilled is kept.
         for job in app.state.jobs.values():

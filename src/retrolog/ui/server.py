@@ -40,7 +40,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from retrolog._project import Project
+from retrolog._query.series import encode_series
 from retrolog.errors import RetrologError
+from retrolog.ui.indexer import Indexer
 
 STATIC = Path(__file__).parent / "static"
 TOKEN_HEADER = "X-Retrolog-Token"
@@ -122,8 +124,9 @@ class ReplayJob:
         }
 
 
-def create_app(project: Project, settings: Settings) -> Starlette:
-    """The dashboard for ``project``, as an ASGI application."""
+def create_app(project: Project, settings: Settings, indexer: Indexer | None = None) -> Starlette:
+    """The dashboard for ``project``, as an ASGI application; ``indexer``: the background
+    indexer reading long series ahead, whose state /api/project reports."""
     jobs: dict[str, ReplayJob] = {}
     lock = threading.Lock()
 
@@ -163,7 +166,8 @@ def create_app(project: Project, settings: Settings) -> Starlette:
                     " DESC"
                 )
             ]
-        return {"root": str(project.root), "store": str(project.paths.store), "scripts": scripts}
+        return {"root": str(project.root), "store": str(project.paths.store), "scripts": scripts,
+                "indexer": None if indexer is None else indexer.state}  # fmt: skip
 
     def names(request: Request) -> list[str]:
         return project.names()
@@ -223,6 +227,8 @@ def create_app(project: Project, settings: Settings) -> Starlette:
             lo=_number(q.get("lo")), hi=_number(q.get("hi")),
             width=None if width is None else min(MAX_WIDTH, int(width)),
         )  # fmt: skip
+        if q.get("format") == "binary":  # the page's own form (encode_series)
+            return Response(encode_series(found), media_type="application/octet-stream")
         return _fast_json([s.to_json() for s in found])
 
     def dataframe(request: Request) -> Any:
