@@ -209,6 +209,59 @@ class Project:
             return series(conn, name, run_ids, x=x, lo=lo, hi=hi, width=width,
                           cache=self._cache())  # fmt: skip
 
+    def series_bytes(
+        self,
+        name: str,
+        runs: Sequence[str],
+        *,
+        x: str = "step",
+        lo: float | None = None,
+        hi: float | None = None,
+        width: int | None = None,
+    ) -> bytes:
+        """``series(...)`` in the dashboard page's binary form: a JSON header, then the
+        points as raw little-endian arrays (docs/ui.md, the API table)."""
+        from retrolog._query.series import encode_series
+
+        return encode_series(self.series(name, runs, x=x, lo=lo, hi=hi, width=width))
+
+    def index_series(
+        self,
+        *,
+        min_values: int = 1000,
+        skip: set[tuple[str, str, str]] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        progress: Callable[[int, int], None] = lambda done, todo: None,
+    ) -> int:
+        """Read every series of an ended run with at least ``min_values`` values into the
+        disk cache, ahead of its first chart (the dashboard's indexer; see
+        ``_query.series.index_series``). Returns how many it wrote; a store that cannot be
+        written has no disk cache, and this is a UsageError there."""
+        from retrolog._query.series import SeriesCache, index_series
+
+        # Nothing is kept in this process's memory: the charts are drawn by another one.
+        cache = SeriesCache(max_bytes=0, directory=self._cache().directory)
+        with self.reader() as conn:
+            return index_series(conn, cache, min_values=min_values, skip=skip,
+                                should_stop=should_stop, progress=progress)  # fmt: skip
+
+    def endings(self) -> tuple[Any, ...]:
+        """A value that changes whenever a run or a replay ends (what the indexer waits
+        for before it looks for new series)."""
+        with self.reader() as conn:
+            return tuple(
+                conn.execute(
+                    "SELECT (SELECT COUNT(*) FROM runs WHERE status != 'running'),"
+                    " (SELECT MAX(ended_at) FROM runs), (SELECT COUNT(*) FROM replays),"
+                    " (SELECT MAX(ended_at) FROM replays)"
+                ).fetchone()
+            )
+
+    @property
+    def indexable(self) -> bool:
+        """Whether series can be kept on disk (the store can be written)."""
+        return self._cache().directory is not None
+
     def groups(
         self,
         name: str,

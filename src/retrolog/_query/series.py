@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import math
+import mmap
 import os
 import sqlite3
 import threading
@@ -147,9 +148,13 @@ class Columns:
     @classmethod
     def load(cls, path: Path, key: tuple[str, str], stamp: str) -> Columns | None:
         """What ``save`` wrote for ``key``, if it is there, whole and made at ``stamp``. The
-        arrays are read-only views of the file's bytes."""
+        arrays are read-only views of the file, mapped: only the pages a chart touches are
+        read (drawn against steps, neither the contexts nor the times are). The file is
+        never changed in place (``save`` renames a new one over it), so a mapping stays
+        valid."""
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             meta, offset = _cache_header(data, key, stamp)
             if meta is None:
                 return None  # absent, from another version or stale: read the store again
@@ -170,10 +175,10 @@ class Columns:
         return found
 
 
-def _cache_header(data: bytes, key: tuple[str, str], stamp: str) -> tuple[Any, int]:
+def _cache_header(data: bytes | mmap.mmap, key: tuple[str, str], stamp: str) -> tuple[Any, int]:
     """The header of a file ``Columns.save`` wrote, and where its arrays start; (None, 0)
     when ``data`` does not start with one for ``key`` made at ``stamp``."""
-    if not data.startswith(_CACHE_MAGIC):
+    if data[: len(_CACHE_MAGIC)] != _CACHE_MAGIC:
         return None, 0
     at = len(_CACHE_MAGIC)
     size = int.from_bytes(data[at : at + 8], "little")

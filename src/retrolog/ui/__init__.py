@@ -63,7 +63,7 @@ def serve(
         )
     echo(f"retrolog dashboard for {project.root}: {url}")
     echo("Press Ctrl-C to stop it.")
-    indexer = Indexer(project.root) if index and project._cache().directory is not None else None
+    indexer = Indexer(project.root) if index and project.indexable else None
     app = create_app(project, settings, indexer)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._project import Project
-from retrolog._query.series import SeriesCache, index_series
 
 MIN_VALUES = 1000  # shorter series are read from the store in about 3 ms or less
 POLL_SECONDS = 2.0
@@ -51,26 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     def say(**state: Any) -> None:
         print(json.dumps(state), flush=True)
 
-    cache = SeriesCache(max_bytes=0, directory=project.paths.store / "cache" / "series")
     skip: set[tuple[str, str, str]] = set()
     seen: Any = None
     while not orphaned():
-        with project.reader() as conn:
-            # A run or a replay that ended since the last pass may have new series.
-            now = conn.execute(
-                "SELECT (SELECT COUNT(*) FROM runs WHERE status != 'running'),"
-                " (SELECT MAX(ended_at) FROM runs), (SELECT COUNT(*) FROM replays),"
-                " (SELECT MAX(ended_at) FROM replays)"
-            ).fetchone()
-            if now != seen:
-                say(state="indexing", done=0, todo=None)
-                began = time.monotonic()
-                written = index_series(
-                    conn, cache, min_values=args.min_values, skip=skip, should_stop=orphaned,
-                    progress=lambda done, todo: say(state="indexing", done=done, todo=todo),
-                )  # fmt: skip
-                seen = now
-                say(state="idle", written=written, seconds=round(time.monotonic() - began, 3))
+        now = project.endings()
+        if now != seen:
+            say(state="indexing", done=0, todo=None)
+            began = time.monotonic()
+            written = project.index_series(
+                min_values=args.min_values, skip=skip, should_stop=orphaned,
+                progress=lambda done, todo: say(state="indexing", done=done, todo=todo),
+            )  # fmt: skip
+            seen = now
+            say(state="idle", written=written, seconds=round(time.monotonic() - began, 3))
         stopping.wait(POLL_SECONDS)
     return 0
 

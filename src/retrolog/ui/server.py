@@ -40,7 +40,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from retrolog._project import Project
-from retrolog._query.series import encode_series
 from retrolog.errors import RetrologError
 from retrolog.ui.indexer import Indexer
 
@@ -222,14 +221,14 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         if not name:
             raise ValueError("name= is required: the logged name to draw")
         width = q.get("width")
-        found = project.series(
-            name, _split(q.get("runs")), x=q.get("x") or "step",
-            lo=_number(q.get("lo")), hi=_number(q.get("hi")),
-            width=None if width is None else min(MAX_WIDTH, int(width)),
-        )  # fmt: skip
-        if q.get("format") == "binary":  # the page's own form (encode_series)
-            return Response(encode_series(found), media_type="application/octet-stream")
-        return _fast_json([s.to_json() for s in found])
+        runs, x = _split(q.get("runs")), q.get("x") or "step"
+        lo, hi = _number(q.get("lo")), _number(q.get("hi"))
+        pixels = None if width is None else min(MAX_WIDTH, int(width))
+        if q.get("format") == "binary":  # the page's own form
+            found = project.series_bytes(name, runs, x=x, lo=lo, hi=hi, width=pixels)
+            return Response(found, media_type="application/octet-stream")
+        drawn = project.series(name, runs, x=x, lo=lo, hi=hi, width=pixels)
+        return _fast_json([s.to_json() for s in drawn])
 
     def dataframe(request: Request) -> Any:
         q = request.query_params
