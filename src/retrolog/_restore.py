@@ -232,7 +232,7 @@ def _iteration(row: _Row) -> int:
 
 
 def _listing(rows: Sequence[_Row]) -> str:
-    from retrolog.store.gc import CheckpointRef, format_positions
+    from retrolog._gc import CheckpointRef, format_positions
 
     refs = [
         CheckpointRef(i, "", r.ctx_id, r.kind, r.iteration, r.manifest, 0)

@@ -439,13 +439,13 @@ def _parse_with(parse: Callable[[str], Any]) -> Callable[..., Any]:
 
 
 def _policy(text: str) -> Any:
-    from retrolog.store.gc import RetentionPolicy
+    from retrolog._gc import RetentionPolicy
 
     return RetentionPolicy.parse(text)
 
 
 def _duration(text: str) -> float:
-    from retrolog.store.gc import parse_duration
+    from retrolog._gc import parse_duration
 
     return parse_duration(text)
 
@@ -489,7 +489,7 @@ def gc_command(
       retrolog gc --keep last:2 --dry-run
       retrolog gc --keep best:val_acc:max --where "lr > 0.005" --yes
     """
-    from retrolog.store.gc import collect_garbage, format_report, plan_gc, select_runs
+    from retrolog._gc import collect_garbage, format_report, plan_gc, select_runs
     from retrolog.store.objects import LocalObjectStore
 
     def emit(report: Any, *, table: bool = True) -> None:

@@ -15,22 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from retrolog._replay.plan import ScanLevel, load_profiles, plan_replay
-from retrolog.checkpoint.capture import load_checkpoint
-from retrolog.errors import UnknownNameError, UsageError
-from retrolog.store.gc import (
+from retrolog._gc import (
     GcReport,
     Keep,
     RetentionPolicy,
-    _remove_if_stale,
     collect_garbage,
     parse_duration,
     plan_gc,
     select_runs,
 )
+from retrolog._replay.plan import ScanLevel, load_profiles, plan_replay
+from retrolog.checkpoint.capture import load_checkpoint
+from retrolog.errors import UnknownNameError, UsageError
 from retrolog.store.metadata import open_store, process_start_marker
 from retrolog.store.objects import LocalObjectStore
 from retrolog.store.paths import locate
+from retrolog.store.sweep import remove_if_stale
 from training_scripts import NUMPY_TRAIN, record_torch_runs
 
 from conftest import Project, read_db
@@ -330,13 +330,13 @@ def test_delete_leaves_an_object_written_after_the_scan(tmp_path: Path) -> None:
     key = store.put(b"an object")
     cutoff = time.time() - 60
     # Freshened after gc decided it was garbage: the rename-aside check sees it.
-    assert not _remove_if_stale(store.path(key), cutoff)
+    assert not remove_if_stale(store.path(key), cutoff)
     assert store.get(key) == b"an object"
     past = time.time() - 3600
     os.utime(store.path(key), (past, past))
-    assert _remove_if_stale(store.path(key), cutoff)
+    assert remove_if_stale(store.path(key), cutoff)
     assert not store.has(key)
-    assert not _remove_if_stale(store.path(key), cutoff)  # already gone: nothing to do
+    assert not remove_if_stale(store.path(key), cutoff)  # already gone: nothing to do
     assert [p.name for p in (tmp_path / "objects").rglob("*") if p.is_file()] == []
 
 
@@ -574,7 +574,7 @@ def test_replay_after_gc_executes_the_dropped_blocks_exactly(project: Project) -
 
 
 def test_report_as_data_and_text(project: Project, conn: sqlite3.Connection) -> None:
-    from retrolog.store.gc import format_report
+    from retrolog._gc import format_report
 
     project.write("train.py", NUMPY_TRAIN)
     project.run("train.py")

@@ -245,7 +245,7 @@ class ObjectStore(abc.ABC):
 
         A writer that finds its object already stored calls this instead of
         writing it again, so garbage collection treats the object as just
-        written (store/gc.py). This default only checks that it is there.
+        written (store/sweep.py). This default only checks that it is there.
         """
         return self.has(key)
 
@@ -501,7 +501,7 @@ class LocalObjectStore(ObjectStore):
 def _freshen(path: Path) -> bool:
     """Mark an existing object as just written; False if it vanished meanwhile.
 
-    Garbage collection (store/gc.py) never deletes an object written after a
+    Garbage collection (_gc.py, store/sweep.py) never deletes an object written after a
     running run started, so a writer that finds its object already stored must
     count as writing it, as git freshens objects it would have written.
     """

@@ -38,19 +38,20 @@ from __future__ import annotations
 import enum
 import json
 import math
-import os
 import re
-import secrets
 import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from retrolog._query.dataframe import logged_names
+from retrolog._query.runs import matching_runs, resolve_run
+from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
 from retrolog.store.metadata import read_snapshot, rollback
-from retrolog.store.objects import LocalObjectStore, check_key
+from retrolog.store.objects import LocalObjectStore
+from retrolog.store.sweep import StoredFile, remove_if_stale, remove_temp, scan_objects
 
 GRACE_SECONDS = 3600.0
 """Objects written this recently are never collected (see :func:`plan_gc`)."""
@@ -148,15 +149,6 @@ class RunRetention:
 
 
 @dataclass(frozen=True)
-class StoredFile:
-    """An object or temp file in the objects directory."""
-
-    path: Path
-    size: int
-    mtime: float
-
-
-@dataclass(frozen=True)
 class UnreadableManifest:
     """A kept checkpoint's manifest that could not be read: no object is deleted."""
 
@@ -243,14 +235,10 @@ def select_runs(
     Returns None when neither is given (every run). ``where`` is a predicate over
     the dataframe view's columns, as in ``retrolog replay``.
     """
-    from retrolog._query.runs import resolve_run
-
     if not refs and not where:
         return None
     chosen = [resolve_run(conn, ref) for ref in refs]
     if where:
-        from retrolog._query.runs import matching_runs
-
         matching = matching_runs(conn, where)
         order = [r for (r,) in conn.execute("SELECT run_id FROM runs ORDER BY started_at")]
         matched = [r for r in order if r in matching]
@@ -352,8 +340,8 @@ def collect_garbage(
         checkpoints_deleted=deleted,
     )
     candidates = _find_garbage(store, done, kept_rows, now)
-    done.objects = [f for f in candidates if _remove_if_stale(f.path, cutoff)]
-    done.temp_files = [t for t in done.temp_files if _remove_temp(t.path, now - plan.grace_seconds)]
+    done.objects = [f for f in candidates if remove_if_stale(f.path, cutoff)]
+    done.temp_files = [t for t in done.temp_files if remove_temp(t.path, now - plan.grace_seconds)]
     skipped = len(candidates) - len(done.objects)
     if skipped:
         done.notes.append(f"{skipped} object(s) were written again during the collection: kept")
@@ -466,8 +454,6 @@ def _require_metric(conn: sqlite3.Connection, name: str) -> None:
     if conn.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone():
         return
     import difflib
-
-    from retrolog._query.dataframe import logged_names
 
     known = logged_names(conn)
     close = difflib.get_close_matches(name, known, n=1)
@@ -586,8 +572,6 @@ def live_objects(
 
     manifests: manifest key -> the checkpoints using it (for the report).
     """
-    from retrolog.checkpoint.codec import manifest_blobs
-
     live: set[str] = set()
     unreadable: list[UnreadableManifest] = []
     for manifest in sorted(manifests):
@@ -598,94 +582,6 @@ def live_objects(
             # Missing, damaged, or not JSON: what it references cannot be known.
             unreadable.append(UnreadableManifest(manifest, tuple(manifests[manifest]), str(exc)))
     return live, unreadable
-
-
-def scan_objects(store: LocalObjectStore) -> tuple[list[tuple[str, StoredFile]], list[StoredFile]]:
-    """Every object file (with its key) and every leftover temp file in ``store``.
-
-    A file counts as an object only if its name is a valid key whose path, by
-    the store's own layout, is where it was found; anything else is left alone.
-    """
-    objects: list[tuple[str, StoredFile]] = []
-    temps: list[StoredFile] = []
-    try:
-        top = list(os.scandir(store.root))
-    except FileNotFoundError:
-        return objects, temps
-    except OSError as exc:
-        raise StoreError(f"Cannot list the object store {store.root}: {exc}.") from exc
-    for entry in top:
-        if _is_temp(entry.name) and entry.is_file(follow_symlinks=False):
-            temps.append(_stored(entry))
-        elif entry.is_dir(follow_symlinks=False):
-            try:
-                inner = list(os.scandir(entry.path))
-            except OSError as exc:
-                raise StoreError(f"Cannot list {entry.path}: {exc}.") from exc
-            for item in inner:
-                if not item.is_file(follow_symlinks=False):
-                    continue
-                if _is_temp(item.name):
-                    temps.append(_stored(item))
-                    continue
-                key = entry.name + item.name
-                try:
-                    check_key(key)
-                except StoreError:
-                    continue
-                if store.path(key) == Path(item.path):
-                    objects.append((key, _stored(item)))
-    return objects, temps
-
-
-def _is_temp(name: str) -> bool:
-    return name.startswith(".") and name.endswith(".tmp")
-
-
-def _stored(entry: os.DirEntry[str]) -> StoredFile:
-    st = entry.stat(follow_symlinks=False)
-    return StoredFile(Path(entry.path), st.st_size, st.st_mtime)
-
-
-def _remove_if_stale(path: Path, cutoff: float) -> bool:
-    """Delete the object file at ``path`` unless it was written at or after ``cutoff``.
-
-    The file is renamed aside first and its time read from there: a writer
-    that freshened it before the rename is seen, and one that comes after
-    finds no file and writes the object again.
-    """
-    aside = path.with_name(f".{path.name[:16]}.gc.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise StoreError(f"Cannot delete object file {path}: {exc}.", path=str(path)) from exc
-    try:
-        if os.stat(aside).st_mtime >= cutoff:
-            os.replace(aside, path)  # in use again; a copy written meanwhile is identical
-            return False
-        os.unlink(aside)
-    except FileNotFoundError:
-        return False  # a gc running beside this one removed it as a stale temp file
-    except OSError as exc:
-        raise StoreError(
-            f"Cannot delete object file {path} (moved aside to {aside}): {exc}.", path=str(path)
-        ) from exc
-    return True
-
-
-def _remove_temp(path: Path, cutoff: float) -> bool:
-    """Delete a leftover temp file unless a writer touched it at or after ``cutoff``."""
-    try:
-        if os.stat(path).st_mtime >= cutoff:
-            return False
-        os.unlink(path)
-    except FileNotFoundError:
-        return False  # renamed into place or removed by its writer meanwhile
-    except OSError as exc:
-        raise StoreError(f"Cannot delete temp file {path}: {exc}.", path=str(path)) from exc
-    return True
 
 
 # -- formatting --------------------------------------------------------------------------
