@@ -21,7 +21,8 @@ The store is a real one (``connect`` + ``migrate`` on a temporary directory's
 
 - the runs table's JSON (HTTP, median of ``--reps``): the first page as the page
   opens it; with two picked columns (``acc``, ``loss:min``); sorted by a picked
-  column (``acc:max``, computed for every run); filtered by ``lr > 0.005``;
+  column (``acc:max``, computed for every run); filtered by ``lr > 0.005`` (an
+  argument) and by ``acc > 0.9`` (a name logged per epoch: the dataframe view);
 - in Chromium (Playwright): from navigation to the table drawn (``ready``; for the
   chart, to its last line stroked), first contentful paint, and the longest
   main-thread task (``longtask`` entries), for the runs page and for a chart of
@@ -192,6 +193,7 @@ TABLE_VIEWS: dict[str, dict[str, Any]] = {
     "two columns": {"columns": "acc,loss:min"},
     "sorted by acc:max": {"columns": "acc:max", "sort": "acc:max"},
     "where lr > 0.005": {"where": "lr > 0.005", "columns": "acc"},
+    "where acc > 0.9 (a per-epoch name)": {"where": "acc > 0.9", "columns": "acc"},
 }
 
 LONGTASKS = """

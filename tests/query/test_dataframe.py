@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pandas as pd
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from retrolog._query import dataframe as dataframe_module
 from retrolog._query.dataframe import dataframe, logged_names
 from retrolog.errors import QueryError, UnknownNameError
 from retrolog.store.metadata import connect
@@ -519,12 +521,17 @@ def test_view_matches_a_record_by_record_reference(case: tuple[Any, ...]) -> Non
             with pytest.raises(UnknownNameError):
                 dataframe(s.conn, names)
             return
-        frame = dataframe(s.conn, names)
+        # Both ways of finding the rows: walking every loop context, and from the values.
+        frames = []
+        for sparse in (False, True):
+            with mock.patch.object(dataframe_module, "_sparse", lambda *_, sparse=sparse: sparse):
+                frames.append(dataframe(s.conn, names))
         s.conn.close()
     dim_names, expected = reference(runs, loops, logs, names)
-    assert list(frame.columns) == ["projid", "run_id", "tstamp", "filename", *dim_names, *names]
-    got = [(r[1], *r[4:]) for r in records(frame)]
-    assert got == expected
+    for frame in frames:
+        assert list(frame.columns) == ["projid", "run_id", "tstamp", "filename", *dim_names, *names]
+        got = [(r[1], *r[4:]) for r in records(frame)]
+        assert got == expected
 
 
 def test_an_empty_view_keeps_the_requested_columns_and_their_dtypes(store: Store) -> None:

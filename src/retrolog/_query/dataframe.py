@@ -94,6 +94,9 @@ class _Dims:
 
     names: list[str]  # outermost first, then by first occurrence
     depth: int  # the deepest loop's depth (0 when loops are not nested)
+    # The shown names have values in few of the loop contexts: rows are found from their
+    # values rather than by walking every context (see _sparse).
+    sparse: bool = False
 
 
 def logged_names(conn: sqlite3.Connection) -> list[str]:
@@ -167,6 +170,7 @@ def dataframe(
         # predicate could drop one of the two, so then the names are checked first.
         check = where is not None
         columns = [_describe(conn, name, shown=True, check_repeats=check) for name in requested]
+        dims = dataclasses.replace(dims, sparse=_sparse(conn, columns))
         if where is not None:
             columns += _quoted_names(conn, where, columns, dims)
         query = _WideQuery(conn, columns, dims, where, requested)
@@ -364,6 +368,15 @@ def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
         cases = " ".join(f"WHEN {n} = {_literal(dim)} THEN {it}" for n, it in levels)
         select.append(f"CASE {cases} END AS {_ident(dim)}")
     joins = ["LEFT JOIN loops a0 ON h.looped AND a0.run_id = h.run_id"]
+    if dims.sparse:
+        # Only the contexts where a shown loop-level name has a value make rows
+        # (``has_value`` below): join just those, so a name logged per epoch does not walk
+        # every step of every run.
+        valued = ", ".join(_literal(c.name) for _, c in shown_in_loops)
+        joins[0] += (
+            f" AND a0.ctx_id IN (SELECT ctx_id FROM logs WHERE name IN ({valued})"
+            " AND run_id = h.run_id AND ctx_id IS NOT NULL)"
+        )
     for i, c in enumerate(columns):
         if c.in_loops:
             joins.append(
@@ -458,6 +471,28 @@ def _type_bit(vtype: str) -> str:
     """SQL for the bit of a value type (0 when the cell is empty)."""
     cases = " ".join(f"WHEN {_literal(t)} THEN {1 << b}" for b, t in enumerate(VALUE_TYPES))
     return f"(CASE {vtype} {cases} ELSE 0 END)"
+
+
+def _sparse(conn: sqlite3.Connection, columns: Sequence[_Name]) -> bool:
+    """Whether the shown loop-level names have values in under half of the loop contexts.
+
+    Then the view's rows are found from those values (an index lookup per value), else by
+    walking every context in order (a scan, faster when most contexts have a value): on
+    10,000 runs with 6 million loop rows, a per-epoch name took 9.9 s by the walk and 2.4 s
+    from its values; a per-step name in most contexts, 42 s and 50 s.
+    """
+    shown = [c.name for c in columns if c.shown and c.in_loops]
+    if not shown:
+        return False
+    marks = ", ".join("?" * len(shown))
+    (values,) = conn.execute(  # a count over the index (name, run, context)
+        f"SELECT COUNT(*) FROM logs WHERE name IN ({marks}) AND ctx_id IS NOT NULL", shown
+    ).fetchone()
+    (contexts,) = conn.execute(  # about the loop rows: a run's context ids count from 0
+        "SELECT COALESCE(SUM((SELECT MAX(ctx_id) + 1 FROM loops l WHERE l.run_id = r.run_id)),"
+        " 0) FROM runs r"
+    ).fetchone()
+    return bool(values * 2 < contexts)
 
 
 def _dimensions(conn: sqlite3.Connection) -> _Dims:
