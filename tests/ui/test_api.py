@@ -474,3 +474,42 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
+
+
+def test_stopping_the_dashboard_stops_the_replay_it_started(
+    dashboard: Any, recorded: Any, log_w_sq_today: Any
+) -> None:
+    log_w_sq_today()
+    headers = {TOKEN_HEADER: dashboard.token, "Origin": dashboard.base}
+    status, job = request(
+        f"{dashboard.base}/api/replay", method="POST", body={"names": ["w_sq"]}, headers=headers
+    )
+    assert status == 200, job
+    deadline = time.monotonic() + 120
+    while not read_db(recorded.root, "SELECT 1 FROM replays WHERE status = 'running'"):
+        assert time.monotonic() < deadline, "the replay never started"
+        job = request(f"{dashboard.base}/api/replay/{job['id']}")[1]
+        assert job["running"], f"the replay ended before the dashboard was stopped: {job}"
+        time.sleep(0.1)
+    replay = _descendants(dashboard.process.pid) - {dashboard.process.pid}
+    assert replay  # the replay's coordinator, and its workers once they start
+    dashboard.process.send_signal(signal.SIGINT)
+    _, err = dashboard.process.communicate(timeout=120)
+    assert "Stopping the replay started from the dashboard" in err
+    assert not [pid for pid in replay if Path(f"/proc/{pid}").exists()]
+    # It stopped as on Ctrl-C: recorded as interrupted, not left running.
+    assert read_db(recorded.root, "SELECT status FROM replays") == [("interrupted",)]
+
+
+def _descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _read(entry / "stat").rsplit(b") ", 1)[-1].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        found.add(todo[-1])
+        todo += [c for c in children.get(todo.pop(), []) if c not in found]
+    return found
