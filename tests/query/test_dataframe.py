@@ -384,6 +384,20 @@ def test_dimensions_follow_depth_then_first_occurrence(tmp_path: Path) -> None:
     ]
 
 
+def test_loop_names_kept_between_calls_follow_new_runs_and_running_ones(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    s.run("r", 1.0)
+    s.log("r", s.loop("r", "epoch", 0), "acc", 0.5, "float")
+    assert list(dataframe(s.conn, ["acc"]).columns)[4:] == ["epoch", "acc"]
+    s.run("s", 2.0)  # a run that ended since: its loop is a new column
+    s.log("s", s.loop("s", "phase", 0), "acc", 0.7, "float")
+    assert list(dataframe(s.conn, ["acc"]).columns)[4:] == ["epoch", "phase", "acc"]
+    s.conn.execute("UPDATE runs SET status = 'running' WHERE run_id = 's'")
+    for _ in range(2):  # while a run records, its new loops show at once
+        s.log("s", s.loop("s", "stage", 0), "acc", 0.9, "float")
+        assert list(dataframe(s.conn, ["acc"]).columns)[4:] == ["epoch", "phase", "stage", "acc"]
+
+
 def test_the_callers_transaction_is_left_alone(store: Store) -> None:
     store.conn.execute("BEGIN")
     dataframe(store.conn, ["acc"])
