@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrolog._query import dataframe as dataframe_module
-from retrolog._query.dataframe import dataframe, logged_names
+from retrolog._query.dataframe import dataframe, logged_names, matching_run_ids
 from retrolog.errors import QueryError, UnknownNameError
 from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
@@ -540,6 +540,10 @@ def test_view_matches_a_record_by_record_reference(case: tuple[Any, ...]) -> Non
         for sparse in (False, True):
             with mock.patch.object(dataframe_module, "_sparse", lambda *_, sparse=sparse: sparse):
                 frames.append(dataframe(s.conn, names))
+                # What a predicate chooses is the runs of the view's rows that pass it.
+                where = f"{names[0]} > 0 OR {names[-1]} IS NULL"
+                chosen = set(dataframe(s.conn, names, where)["run_id"])
+                assert matching_run_ids(s.conn, names, where) == chosen
         s.conn.close()
     dim_names, expected = reference(runs, loops, logs, names)
     for frame in frames:

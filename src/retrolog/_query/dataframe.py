@@ -257,10 +257,25 @@ class _WideQuery:
         A logged name the predicate uses without requesting it (sqlite reports
         "no such column") becomes a hidden column, and the query runs again.
         """
+        return _columns(*self._with_hidden(lambda: _rows_sql(
+            self.columns, self.dims, self.where, self.per_cell)))  # fmt: skip
+
+    def run_ids(self) -> set[str]:
+        """The runs that have a row of the view (which passes the predicate)."""
+        predicate = "" if self.where is None else f" WHERE (\n{self.where}\n)"
+        _, found = self._with_hidden(
+            lambda: (
+                _ctes(self.columns, self.dims) + f"\nSELECT DISTINCT run_id FROM wide{predicate}"
+            )
+        )
+        return {run_id for (run_id,) in found}
+
+    def _with_hidden(self, sql: Callable[[], str]) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """``sql()`` read; a logged name the predicate uses without requesting it becomes a
+        hidden column, and it is read again."""
         while True:
-            sql = _rows_sql(self.columns, self.dims, self.where, self.per_cell)
             try:
-                return _columns(*self._read(sql))
+                return self._read(sql())
             except QueryError as exc:
                 missing = _missing_column(exc)
                 if (
@@ -411,6 +426,24 @@ def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
         + f"\n  WHERE NOT h.looped{has_value}\n)"
     )
     return "WITH RECURSIVE\n" + ",\n".join([hop, looped, run_values, chosen, wide])
+
+
+def matching_run_ids(conn: sqlite3.Connection, names: Sequence[str], where: str) -> set[str]:
+    """The runs with at least one row of ``dataframe(conn, names, where)``, found without
+    building the frame: the same view and predicate, asked only for its distinct runs
+    (what ``--where`` chooses for replay, gc and the dashboard's table)."""
+    requested = [storable_text(n) for n in dict.fromkeys(names)]
+    if not requested:
+        raise QueryError("Choosing runs by a predicate needs a logged name in it.")
+    with read_snapshot(conn):
+        for name in requested:
+            _require_logged(conn, name)
+        dims = _dimensions(conn)
+        _check_collisions(requested, dims.names)
+        columns = [_describe(conn, name, shown=True, check_repeats=True) for name in requested]
+        dims = dataclasses.replace(dims, sparse=_sparse(conn, columns))
+        columns += _quoted_names(conn, where, columns, dims)
+        return _WideQuery(conn, columns, dims, where, requested).run_ids()
 
 
 def _rows_sql(

@@ -263,15 +263,14 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
 
     ``where`` is the predicate `retrolog dataframe`, `replay`, `gc` and the UI take.
     """
-    from retrolog._query.dataframe import dataframe, logged_names
+    from retrolog._query.dataframe import logged_names, matching_run_ids
 
     logged = set(logged_names(conn))
     # Words inside string literals ('adam') are not names.
     identifiers = list(dict.fromkeys(_IDENTIFIER.findall(_STRING.sub("''", where))))
     referenced = [n for n in identifiers if n in logged]
     if referenced and not _run_level_only(conn, identifiers, referenced):
-        frame = dataframe(conn, referenced, where)
-        return set(frame["run_id"])
+        return matching_run_ids(conn, referenced, where)
 
     def malformed(complaint: str) -> str:
         return (

@@ -107,8 +107,11 @@ def runs_table(
         values = _column_values(conn, by_column[sort], [r["run_id"] for r in rows])
         for r in rows:
             r[sort] = values.get(r["run_id"])
+    if sort == "args":
+        _decode_args(rows)
     rows = _sorted(rows, sort, descending)
     page = rows[offset : None if limit is None else offset + limit]
+    _decode_args(page)
     for column in columns:
         if column.key == sort:
             continue
@@ -147,10 +150,25 @@ def _base_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
                 "duration": max(0.0, (ended or now) - started),
                 "code_version": tree,
                 "dirty": None if dirty is None else bool(dirty),
-                "args": arguments(parsed, args),
+                "args": _Stored(parsed, args),  # decoded for the page only (_decode_args)
             }
         )
     return rows
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A run's arguments as the store holds them (JSON text), not yet decoded: decoding
+    10,000 runs' arguments took 0.2 s, where a page shows 100."""
+
+    parsed: str | None
+    args: str | None
+
+
+def _decode_args(rows: Iterable[dict[str, Any]]) -> None:
+    for r in rows:
+        if isinstance(r["args"], _Stored):
+            r["args"] = arguments(r["args"].parsed, r["args"].args)
 
 
 def _sorted(rows: list[dict[str, Any]], key: str, descending: bool) -> list[dict[str, Any]]:
