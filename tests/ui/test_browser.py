@@ -17,6 +17,22 @@ from conftest import read_db, values_by_run
 READY = "body[data-ready='1']"
 
 
+# Whether the chart's canvas holds pixels of each colour (anti-aliasing blends the edges of a
+# line, so its middle pixels are the ones to find).
+STROKED = """(colours) => {
+  const canvas = window.__retrolog.chart.ctx.canvas;
+  const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+  return colours.map((hex) => {
+    const [r, g, b] = [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
+    for (let i = 0; i < data.length; i += 4) {
+      if (Math.abs(data[i] - r) + Math.abs(data[i + 1] - g) + Math.abs(data[i + 2] - b) < 12
+          && data[i + 3] > 240) return true;
+    }
+    return false;
+  });
+}"""
+
+
 def drawn(page: Any) -> list[dict[str, Any]]:
     """The series the chart holds, as the page received them (x, y, origin per run)."""
     return page.evaluate(
@@ -58,6 +74,9 @@ def test_find_chart_and_replay_runs_from_the_browser(
         box.check()
     page.select_option("#chart-name", "loss")
     page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 2")
+    # The page strokes the lines itself, a few runs per frame: both runs' colours are on it.
+    page.wait_for_function("window.__retrolog.drawn === true")
+    assert page.evaluate(STROKED, ["#1f77b4", "#ff7f0e"]) == [True, True]
     for series in drawn(page):
         stored = loss[series["run_id"]]
         assert max(series["y"]) == max(stored)

@@ -464,6 +464,7 @@ function drawGroups(groups, width) {
       }],
     },
   }, uPlot.join(tables), $("chart"));
+  view.drawn = true; // a group is one line per pixel column: uPlot draws it at once
 }
 
 function zoomTo(u) {
