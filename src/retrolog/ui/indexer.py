@@ -4,7 +4,8 @@ The first chart of a name reads every value from SQLite, 1.5-4 µs each: 50 runs
 of 100,000 steps take 10-20 s. So while the dashboard is open, a child process
 (``python -m retrolog.ui.indexer ROOT``) reads every series of an ended run with
 at least 1,000 values into ``.retrolog/cache/series/``, newest runs first, and
-charts are then drawn from those files (docs/ui.md, "Series kept between requests").
+charts are then drawn from those files (docs/ui.md, "Kept between requests, and read
+ahead").
 
 It runs under the idle scheduling class (SCHED_IDLE): it gets the CPU only when
 nothing else on the machine wants it, so it never slows a training run. It reads
