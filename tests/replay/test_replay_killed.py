@@ -136,3 +136,22 @@ def test_a_run_whose_worker_was_killed_is_replayed_again_in_full(project: Projec
     assert read_db(project.root, "SELECT status FROM replay_runs") == [("partial",)], err
     # Half the contexts have values: the next replay must fill in the rest.
     _replays_again_exactly(project)
+
+
+def test_a_run_whose_replay_was_stopped_after_one_segment_is_replayed_again_in_full(
+    project: Project,
+) -> None:
+    """One segment finished, the other stopped by SIGTERM to the coordinator: the run is
+    partial, not done (found by the chaos test, seed 150841899: the next replay said every
+    run already had the name, with a third of its contexts empty)."""
+    uneven = "time.sleep(0.1 if epoch < 2 else 1.5)"  # the second segment runs far longer
+    proc, marker = _start_replay(
+        project, SCRIPT.replace("time.sleep(0.5)", uneven), PROBE.replace("time.sleep(0.5)", uneven)
+    )
+    assert _gone(lambda: len(replay_workers(marker)) == 2, 30.0), "expected two segments"
+    assert _gone(lambda: len(replay_workers(marker)) == 1, 60.0), "the first did not finish"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert read_db(project.root, "SELECT status FROM replay_runs") == [("partial",)], err
+    _replays_again_exactly(project)

@@ -1065,10 +1065,18 @@ def _collect(
             rows=rows, names=names, force=force or run_id in lineage.changed,
             inexact=outcome.inexact, lineage=lineage.would.get(run_id, {}),
         )  # fmt: skip
+        # A segment with neither output nor error was stopped (Ctrl-C, SIGTERM) before it
+        # finished: the run then has only some of its values, as when a worker fails.
+        unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
         if failed:
             outcome.status = "partial" if finished else "failed"
             job = failed[0]
             outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
+        elif unfinished:
+            outcome.status = "partial"
+            outcome.error = (
+                f"stopped before {len(unfinished)} of its {len(run_jobs_)} segments finished"
+            )
         else:
             outcome.status = "replayed"
         # What restoring cost, for recording's restore/materialize ratio (policy's c).
