@@ -127,7 +127,7 @@ class Columns:
 
     def save(self, path: Path, key: tuple[str, str], stamp: str) -> None:
         """To ``path``, atomically: a JSON header, then the arrays' raw bytes (little-endian,
-        each at a multiple of 8). Loading it is one read and no copy, and runs no code."""
+        each at a multiple of 8). Loading maps it, copies nothing and runs no code."""
         n = len(self.ctx)
         meta = {"key": list(key), "stamp": stamp, "n": n, "loop": self.loop,
                 "replay_ids": self.replay_ids, "timed": self.timed}  # fmt: skip
@@ -159,6 +159,8 @@ class Columns:
             if meta is None:
                 return None  # absent, from another version or stale: read the store again
             n = int(meta["n"])
+            if n < 0:
+                return None
             arrays = {}
             for name, dtype in _CACHE_ARRAYS:
                 offset += -offset % 8
