@@ -163,19 +163,11 @@ def dataframe(
         )
     # A training process may add runs and logs meanwhile: every statement reads one snapshot.
     with read_snapshot(conn):
-        for name in requested:
-            _require_logged(conn, name)
-        dims = _dimensions(conn)
-        _check_collisions(requested, dims.names)
         # A name logged twice in one context shows as two rows for that context. Without
         # a predicate they are found in the result (cheaper than asking first); a
         # predicate could drop one of the two, so then the names are checked first.
         check = where is not None
-        columns = [_describe(conn, name, shown=True, check_repeats=check) for name in requested]
-        dims = dataclasses.replace(dims, sparse=_sparse(conn, columns))
-        if where is not None:
-            columns += _quoted_names(conn, where, columns, dims)
-        query = _WideQuery(conn, columns, dims, where, requested)
+        query = _wide_query(conn, requested, where)
         rows = query.rows()
         if not check and _has_repeats(rows[_ROW_KEY]):
             query.columns = [
@@ -436,14 +428,22 @@ def matching_run_ids(conn: sqlite3.Connection, names: Sequence[str], where: str)
     if not requested:
         raise QueryError("Choosing runs by a predicate needs a logged name in it.")
     with read_snapshot(conn):
-        for name in requested:
-            _require_logged(conn, name)
-        dims = _dimensions(conn)
-        _check_collisions(requested, dims.names)
-        columns = [_describe(conn, name, shown=True, check_repeats=True) for name in requested]
-        dims = dataclasses.replace(dims, sparse=_sparse(conn, columns))
+        return _wide_query(conn, requested, where).run_ids()
+
+
+def _wide_query(conn: sqlite3.Connection, requested: list[Any], where: str | None) -> _WideQuery:
+    """The view of ``requested`` (checked: logged, not loop names) filtered by ``where``:
+    its columns, dimensions and the way its rows are found. Inside a read snapshot."""
+    for name in requested:
+        _require_logged(conn, name)
+    dims = _dimensions(conn)
+    _check_collisions(requested, dims.names)
+    check = where is not None  # see dataframe(): with a predicate, repeats are asked first
+    columns = [_describe(conn, name, shown=True, check_repeats=check) for name in requested]
+    dims = dataclasses.replace(dims, sparse=_sparse(conn, columns))
+    if where is not None:
         columns += _quoted_names(conn, where, columns, dims)
-        return _WideQuery(conn, columns, dims, where, requested).run_ids()
+    return _WideQuery(conn, columns, dims, where, requested)
 
 
 def _rows_sql(
