@@ -15,6 +15,7 @@ SOURCE = Path(retrolog.__file__).parent
 # package, and errors). The UI goes through Project alone, as the CLI and the API do.
 RANKS = {
     "errors": 0,
+    "_config": 0,
     "store": 1,
     "versions": 2,
     "checkpoint": 2,

@@ -54,6 +54,25 @@ class Project:
         """The project's root directory."""
         return self.paths.root
 
+    def config(self) -> list[dict[str, str]]:
+        """Every setting: its key, environment variable, value in effect and where it came from.
+
+        A value set nowhere shows its default. A password in a URL is masked;
+        the settings files and the environment are read, never written.
+        """
+        from retrolog._config import resolve
+
+        return [
+            {
+                "key": r.setting.key,
+                "env": r.setting.env,
+                "value": r.shown(),
+                "source": r.source,
+                "help": r.setting.help,
+            }
+            for r in resolve(self.paths.root, self.paths.store)
+        ]
+
     @contextlib.contextmanager
     def reader(self) -> Iterator[sqlite3.Connection]:
         """A read-only connection to the store (a clear StoreError when there is none)."""

@@ -576,6 +576,30 @@ def ui_command(port: int | None, host: str, no_browser: bool, no_index: bool) ->
     serve(_project(), host=host, port=port, open_browser=not no_browser, index=not no_index)
 
 
+@cli.command("config")
+@click.option("--json", "as_json", is_flag=True, help="Write JSON.")
+@_handle_errors
+def config_command(as_json: bool) -> None:
+    """Show every setting, its value and where it came from.
+
+    A setting comes from its environment variable, else from config.toml in the
+    store, else from [tool.retrolog] in the project's pyproject.toml, else its
+    default (docs/configuration.md). Passwords in URLs are shown as ***.
+
+    \b
+    Example:
+      retrolog config
+      RETROLOG_QUERY_TIMEOUT=30 retrolog config --json
+    """
+    settings = _project().config()
+    if as_json:
+        click.echo(json.dumps(settings, indent=2))
+        return
+    width = max(len(s["key"]) for s in settings)
+    for s in settings:
+        click.echo(terminal_safe(f"{s['key']:<{width}}  {s['value']}  ({s['source']})"))
+
+
 def _project() -> Any:
     """The project of the current directory: what every command reads and replays through."""
     from retrolog._project import Project

@@ -30,6 +30,7 @@ from typing import Any
 
 import pandas as pd
 
+from retrolog._config import lookup
 from retrolog.errors import QueryError
 
 DOCUMENTED_TABLES: dict[str, str] = {
@@ -185,7 +186,7 @@ _FETCH_ROWS = 4096
 
 
 def _setting(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
+    text = (lookup(name) or "").strip()
     if not text:
         return default
     try:

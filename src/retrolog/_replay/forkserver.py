@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retrolog._config import lookup
 from retrolog.runtime.modules import STDLIB, valid_name
 
 FORKSERVER_ENV = "RETROLOG_FORKSERVER"  # "0": every worker starts as a new interpreter
@@ -87,7 +88,7 @@ def start_plan(
         pre-imported). root, script_dir: the project and the script's directory,
         whose own modules are never pre-imported.
     """
-    if os.environ.get(FORKSERVER_ENV, "1").strip().lower() in {"0", "no", "false", "off"}:
+    if (lookup(FORKSERVER_ENV) or "1").strip().lower() in {"0", "no", "false", "off"}:
         return StartPlan(reason=f"{FORKSERVER_ENV}=0")
     if not sys.platform.startswith("linux"):
         return StartPlan(reason="fork servers are used on Linux only")

@@ -46,7 +46,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import pickle
 import struct
 import time
@@ -58,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from retrolog._config import lookup
 from retrolog.checkpoint._arrays import (
     DECODE_THREADS,
     ArrayWriter,
@@ -226,7 +226,7 @@ TRUST_PICKLES_ENV = "RETROLOG_TRUST_PICKLES"
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return (lookup(name) or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def pickles_allowed() -> bool:

@@ -31,11 +31,11 @@ The end state is always taken, waiting if it must.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from retrolog._config import lookup
 from retrolog.errors import UsageError
 
 Mode = Literal["adaptive", "every"]
@@ -150,11 +150,11 @@ def configure(**settings: Any) -> CheckpointSettings:
 
 
 def current(environ: Mapping[str, str] | None = None) -> CheckpointSettings:
-    """The settings in effect: configure() over the environment over the defaults."""
-    env = os.environ if environ is None else environ
+    """The settings in effect: configure() over the environment over the project's files
+    over the defaults (``environ``: instead of the environment and the files, for tests)."""
     values: dict[str, Any] = {}
     for name, var in ENV.items():
-        raw = env.get(var, "").strip()
+        raw = (lookup(var, environ) or "").strip()
         if raw:
             values[name] = _PARSERS[name](raw, f"The environment variable {var}")
     values.update(_configured)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from retrolog._config import lookup
 
 PROGRESS_ENV = "RETROLOG_PROGRESS"
 _POSTFIX_EVERY = 0.5  # seconds; set_postfix formats every value, so not on every iteration
@@ -15,7 +16,7 @@ _POSTFIX_NAMES = 6
 
 def enabled() -> bool:
     """Shown only on a terminal, unless RETROLOG_PROGRESS=0 turns it off."""
-    if os.environ.get(PROGRESS_ENV, "").strip().lower() in {"0", "false", "off", "no"}:
+    if (lookup(PROGRESS_ENV) or "").strip().lower() in {"0", "false", "off", "no"}:
         return False
     stream = sys.stderr
     return stream is not None and hasattr(stream, "isatty") and stream.isatty()

@@ -2,15 +2,17 @@
 
 The project root is the git work tree containing the current directory, or the
 current directory itself outside git. The store is ``<root>/.retrolog`` unless
-``RETROLOG_STORE`` names another directory.
+``RETROLOG_STORE``, or ``store`` in the root's pyproject.toml ``[tool.retrolog]``,
+names another directory (retrolog/_config.py).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from retrolog import _config
 
 STORE_ENV = "RETROLOG_STORE"
 STORE_DIRNAME = ".retrolog"
@@ -61,10 +63,14 @@ def git_toplevel(start: Path) -> Path | None:
 
 
 def locate(cwd: Path | None = None) -> ProjectPaths:
-    """Find the project root and store for ``cwd`` (default: the current directory)."""
+    """Find the project root and store for ``cwd`` (default: the current directory).
+
+    Also takes the project's settings files for the settings' readers
+    (:func:`retrolog._config.use`).
+    """
     here = (cwd or Path.cwd()).resolve()
     top = git_toplevel(here)
     root = top if top is not None else here
-    override = os.environ.get(STORE_ENV)
-    store = Path(override).expanduser().resolve() if override else root / STORE_DIRNAME
+    store = _config.project_store(root) or root / STORE_DIRNAME
+    _config.use(root, store)
     return ProjectPaths(root=root, store=store, in_git=top is not None)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
+from retrolog._config import lookup
 from retrolog.errors import RetrologWarning, UsageError, VersionError
 from retrolog.store.paths import ProjectPaths
 from retrolog.versions._gitcmd import DEFAULT_HINT, git_env, run_git
@@ -430,7 +431,7 @@ def _size_cap(max_file_bytes: int | None) -> int:
                 f"max_file_bytes must be a number of bytes >= 0, not {max_file_bytes!r}."
             )
         return max_file_bytes
-    raw = os.environ.get(MAX_FILE_BYTES_ENV, "").strip()
+    raw = (lookup(MAX_FILE_BYTES_ENV) or "").strip()
     if not raw:
         return DEFAULT_MAX_FILE_BYTES
     try:
