@@ -11,7 +11,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   # Pinned: on our machines this version is the CPU build on local disk; an unpinned `torch`
   # would download a multi-GB CUDA build.
   .venv/bin/python -m pip install --quiet "torch==${RETROLOG_TORCH_VERSION:-2.13.0}"
-  .venv/bin/python -m pip install --quiet -e ".[dev,torch,ui]"
+  .venv/bin/python -m pip install --quiet -e ".[dev,torch,ui,team]"
   touch "$stamp"
 fi
 # The dashboard's chart library, from the npm registry (checked against its pinned hash).
