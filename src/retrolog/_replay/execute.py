@@ -137,7 +137,15 @@ def run_jobs(
                     on_done(job)
     except BaseException:
         for job in running:
-            _kill(job)
+            assert job.process is not None
+            if job.process.poll() == 0:
+                # It finished before the interrupt was noticed: keep its values, so the run
+                # is recorded partial, not interrupted with its finished work thrown away.
+                _finish(job)
+                if job.output is None:
+                    job.error = None  # no output after all: stopped, as the others are
+            else:
+                _kill(job)
         raise
     finally:
         for job in jobs:
