@@ -11,11 +11,12 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from retrolog.checkpoint._arrays import DECODED
-from retrolog.store.objects import ObjectStore
+from retrolog.store.objects import ForwardingStore, frame
 
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "Test User",
@@ -25,17 +26,21 @@ GIT_IDENTITY = {
 }
 
 
-class WrappingStore(ObjectStore):
-    """A store that passes the four abstract methods to ``inner`` and implements nothing else.
+class WrappingStore(ForwardingStore):
+    """A store that passes put, get, has and delete to ``inner``'s and every write to put.
 
-    As a wrapper a user might write would; tests subclass it to delay or fail writes.
+    As a wrapper a user might write would; tests subclass it to delay or fail writes
+    (``put_framed`` goes through ``put``, so overriding ``put`` sees every write). The
+    other methods are the base class's, over ``inner``'s raw primitives.
     """
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
 
     def put(self, data: bytes) -> str:
         return self.inner.put(data)
+
+    def put_framed(self, key: str, *parts: Any) -> int:
+        data = frame(key, *parts)
+        self.put(data)
+        return len(data)
 
     def get(self, key: str) -> bytes:
         return self.inner.get(key)
