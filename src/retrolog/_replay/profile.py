@@ -329,9 +329,9 @@ def measure_restore_throughput(store_root: Path, manifest: str) -> float:
     """
     from retrolog.checkpoint._arrays import DECODED
     from retrolog.checkpoint.capture import load_checkpoint
-    from retrolog.store.objects import LocalObjectStore
+    from retrolog.store.backends import object_store_for
 
-    store = _CountingStore(LocalObjectStore(store_root / "objects"))
+    store = _CountingStore(object_store_for(store_root))
     modules = len(sys.modules)
     started = time.perf_counter()
     load_checkpoint(store, manifest)

@@ -165,14 +165,14 @@ class ReplayRun:
         if self._prefetch is not None:
             return
         from retrolog.checkpoint.prefetch import Prefetcher
-        from retrolog.store.objects import LocalObjectStore
+        from retrolog.store.backends import object_store_for
 
         spec = self.spec
         if spec.restore_end:
             order = [spec.end_checkpoint]
         else:
             order = [spec.block_checkpoints.get(str(i)) for i in sorted(spec.restore)]
-        self._store = LocalObjectStore(Path(spec.store) / "objects")
+        self._store = object_store_for(Path(spec.store))
         self._prefetch = Prefetcher(self._store, [m for m in order if m])
         self._prefetch.start()
 
