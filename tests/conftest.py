@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,11 +28,12 @@ GIT_IDENTITY = {
 
 
 class WrappingStore(ForwardingStore):
-    """A store that passes put, get, has and delete to ``inner``'s and every write to put.
+    """A store that passes put, get, has and delete to ``inner``'s, every write through put
+    and every read through get.
 
-    As a wrapper a user might write would; tests subclass it to delay or fail writes
-    (``put_framed`` goes through ``put``, so overriding ``put`` sees every write). The
-    other methods are the base class's, over ``inner``'s raw primitives.
+    As a wrapper a user might write would; tests subclass it to delay or fail writes, or
+    to count reads (``put_framed`` goes through ``put``; ``view`` and ``peek`` through
+    ``get``; ``touch`` only checks ``has``).
     """
 
     def put(self, data: bytes) -> str:
@@ -41,6 +43,17 @@ class WrappingStore(ForwardingStore):
         data = frame(key, *parts)
         self.put(data)
         return len(data)
+
+    @contextlib.contextmanager
+    def view(self, key: str) -> Iterator[memoryview]:
+        with memoryview(self.get(key)) as data:
+            yield data
+
+    def peek(self, key: str, size: int) -> bytes | None:
+        return self.get(key)[:size] if self.has(key) else None
+
+    def touch(self, key: str) -> bool:
+        return self.has(key)
 
     def get(self, key: str) -> bytes:
         return self.inner.get(key)
