@@ -56,6 +56,7 @@ from retrolog.errors import RetrologError, UsageError
 from retrolog.runtime import numerics
 from retrolog.runtime.modules import decode as decode_modules
 from retrolog.runtime.replay import WorkerSpec
+from retrolog.store.backends import objects_location
 from retrolog.store.metadata import is_readonly, read_only_error
 from retrolog.store.paths import ProjectPaths
 
@@ -934,6 +935,7 @@ def _jobs(
                 replay_id=replay_id,
                 run_id=run_plan.run_id,
                 store=str(paths.store),
+                objects=objects_location(paths.store),
                 names=list(names),
                 check_names=check_names,
                 args=args,

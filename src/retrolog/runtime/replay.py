@@ -73,6 +73,9 @@ class WorkerSpec:
     # into the project are made private to the checkout (runtime/isolation.py).
     checkout: str | None = None
     project: str | None = None
+    # Where the checkpoint objects are: the coordinator's RETROLOG_OBJECTS_URL, which the
+    # worker's environment (RETROLOG_ variables removed) does not carry; None: objects/.
+    objects: str | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -172,7 +175,7 @@ class ReplayRun:
             order = [spec.end_checkpoint]
         else:
             order = [spec.block_checkpoints.get(str(i)) for i in sorted(spec.restore)]
-        self._store = object_store_for(Path(spec.store))
+        self._store = object_store_for(Path(spec.store), spec.objects)
         self._prefetch = Prefetcher(self._store, [m for m in order if m])
         self._prefetch.start()
 

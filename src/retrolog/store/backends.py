@@ -3,7 +3,9 @@
 A directory path or a ``file://`` URL is a :class:`LocalObjectStore` (no fsspec needed,
 and the fastest writes: temp file, fsync, rename, mapped reads). Any other scheme
 (``memory://``, ``s3://bucket/prefix``, ``gs://``, a chained ``simplecache::s3://``) is an
-:class:`~retrolog.store.fsspec_objects.FsspecObjectStore`, which needs the ``team`` extra.
+:class:`~retrolog.store.fsspec_objects.FsspecObjectStore`, which needs the ``team`` extra;
+``local:///path`` is a local directory through fsspec. ``RETROLOG_OBJECTS_URL`` puts a
+project's objects at such a location instead of ``objects/`` in its store.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import os
 import re
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 from retrolog.errors import StoreError
 from retrolog.store.objects import LocalObjectStore, ObjectStore
+
+OBJECTS_URL_ENV = "RETROLOG_OBJECTS_URL"
 
 # A URL's protocol: letters first, then "://" or fsspec's chaining "::". A Windows
 # path's drive letter ("C:\\") is neither.
@@ -40,13 +43,27 @@ def open_object_store(location: str | os.PathLike[str], *, durable: bool = True)
     return FsspecObjectStore(location)
 
 
-def object_store_for(store: Path) -> ObjectStore:
+def objects_location(store: Path) -> str:
+    """Where the objects of the project store directory ``store`` live.
+
+    ``RETROLOG_OBJECTS_URL`` when set (a path or any URL :func:`open_object_store`
+    takes), else ``objects/`` inside the store.
+    """
+    return os.environ.get(OBJECTS_URL_ENV, "").strip() or str(store / "objects")
+
+
+def object_store_for(store: Path, location: str | None = None) -> ObjectStore:
     """The object store of the project store directory ``store`` (``ProjectPaths.store``).
 
     Every part of retrolog that reads or writes checkpoints gets its store here, so
     that the backend is chosen in one place.
+    location: where the objects are, when the caller was told (a replay worker gets
+        its coordinator's, since workers do not inherit ``RETROLOG_`` variables);
+        default :func:`objects_location`.
     """
-    return LocalObjectStore(store / "objects")
+    if location is None and not os.environ.get(OBJECTS_URL_ENV, "").strip():
+        return LocalObjectStore(store / "objects")
+    return open_object_store(location or objects_location(store))
 
 
 def _file_url_path(url: str) -> Path:
@@ -56,4 +73,6 @@ def _file_url_path(url: str) -> Path:
             f"{url} names a file on host {parts.netloc!r}; a file:// URL must name a path on "
             "this machine, as file:///shared/nfs/path (three slashes)."
         )
-    return Path(urllib.request.url2pathname(parts.path))
+    from urllib.request import url2pathname  # imports http.client and more: only here
+
+    return Path(url2pathname(parts.path))
