@@ -622,6 +622,7 @@ class LocalObjectStore(ObjectStore):
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.root = Path(root)
         self.location = str(self.root)
+        self._prefix = os.path.join(self.location, "")  # string joins: no Path per call
         self.durable = durable
         self._unsynced: set[Path] = set()  # directories renamed into since the last sync()
         self._unsynced_lock = threading.Lock()
@@ -647,14 +648,15 @@ class LocalObjectStore(ObjectStore):
                 raise
 
     def _location(self, name: str) -> str:
-        return str(self.root / name)
+        return self._prefix + name
 
     def _read(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        with open(self._prefix + name, "rb") as f:
+            return f.read()
 
     def _read_prefix(self, name: str, size: int) -> bytes | None:
         try:
-            with open(self.root / name, "rb") as f:
+            with open(self._prefix + name, "rb") as f:
                 return f.read(size)
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -667,7 +669,7 @@ class LocalObjectStore(ObjectStore):
         cannot change under the reader. Falls back to a read where files cannot
         be mapped (an empty file, a platform without mmap flags).
         """
-        with open(self.root / name, "rb") as f:
+        with open(self._prefix + name, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             mapped = (
                 mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
@@ -743,30 +745,30 @@ class LocalObjectStore(ObjectStore):
 
     def _size(self, name: str) -> int | None:
         try:
-            st = os.stat(self.root / name)
+            st = os.stat(self._prefix + name)
         except (FileNotFoundError, NotADirectoryError):
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def _mtime(self, name: str) -> float | None:
         try:
-            return os.stat(self.root / name).st_mtime
+            return os.stat(self._prefix + name).st_mtime
         except (FileNotFoundError, NotADirectoryError):
             return None
 
     def _freshen(self, name: str) -> bool:
-        return _freshen_file(self.root / name)
+        return _freshen_file(self._prefix + name)
 
     def _delete(self, name: str) -> bool:
         try:
-            os.unlink(self.root / name)
+            os.unlink(self._prefix + name)
         except (FileNotFoundError, NotADirectoryError):
             return False
         return True
 
     def _rename(self, name: str, new: str) -> bool:
         try:
-            os.replace(self.root / name, self.root / new)
+            os.replace(self._prefix + name, self._prefix + new)
         except FileNotFoundError:
             return False
         return True
@@ -790,7 +792,7 @@ def _listed(name: str, entry: os.DirEntry[str]) -> tuple[str, int, float]:
     return name, st.st_size, st.st_mtime
 
 
-def _freshen_file(path: Path) -> bool:
+def _freshen_file(path: str) -> bool:
     """Mark an existing object file as just written; False if it vanished meanwhile."""
     try:
         os.utime(path)
