@@ -94,7 +94,7 @@ class FsspecObjectStore(ObjectStore):
                 return
             tmp = self._path(self._temp_name(name))
             try:
-                self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+                self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
                 with self.fs.open(tmp, "wb") as f:
                     for part in parts:
                         f.write(part)
@@ -181,7 +181,7 @@ def _translated() -> Iterator[None]:
         yield
     except OSError:
         raise
-    except (ValueError, RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
+    except (ValueError, RuntimeError, NotImplementedError) as exc:
         raise OSError(f"{type(exc).__name__}: {exc}") from exc
 
 
