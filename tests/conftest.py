@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,11 +12,12 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from retrolog.checkpoint._arrays import DECODED
-from retrolog.store.objects import ObjectStore
+from retrolog.store.objects import ForwardingStore, frame
 
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "Test User",
@@ -25,17 +27,33 @@ GIT_IDENTITY = {
 }
 
 
-class WrappingStore(ObjectStore):
-    """A store that passes the four abstract methods to ``inner`` and implements nothing else.
+class WrappingStore(ForwardingStore):
+    """A store that passes put, get, has and delete to ``inner``'s, every write through put
+    and every read through get.
 
-    As a wrapper a user might write would; tests subclass it to delay or fail writes.
+    As a wrapper a user might write would; tests subclass it to delay or fail writes, or
+    to count reads (``put_framed`` goes through ``put``; ``view`` and ``peek`` through
+    ``get``; ``touch`` only checks ``has``).
     """
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
 
     def put(self, data: bytes) -> str:
         return self.inner.put(data)
+
+    def put_framed(self, key: str, *parts: Any) -> int:
+        data = frame(key, *parts)
+        self.put(data)
+        return len(data)
+
+    @contextlib.contextmanager
+    def view(self, key: str) -> Iterator[memoryview]:
+        with memoryview(self.get(key)) as data:
+            yield data
+
+    def peek(self, key: str, size: int) -> bytes | None:
+        return self.get(key)[:size] if self.has(key) else None
+
+    def touch(self, key: str) -> bool:
+        return self.has(key)
 
     def get(self, key: str) -> bytes:
         return self.inner.get(key)

@@ -23,10 +23,11 @@ Why this is safe beside runs that are recording (docs/store.md):
   can be in use before any row references them: no object file newer than the
   *cutoff* is deleted, the cutoff being the earlier of "now minus the grace
   period" and the start of the oldest running run;
-- ``LocalObjectStore.put`` freshens an object it finds already stored, so a
+- ``ObjectStore.put`` freshens an object it finds already stored, so a
   run that deduplicates against an old object makes it new again; the delete
-  renames the file aside and looks at its time once more, so a freshen that
-  races the scan wins;
+  (``ObjectStore.remove_if_stale``) looks at its time once more, after
+  renaming the file aside where the backend renames atomically, so a freshen
+  that races the scan wins;
 - rows of running runs, and of runs whose script is being replayed, are never
   dropped;
 - a kept checkpoint whose manifest cannot be read may reference anything, so
@@ -50,8 +51,7 @@ from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
 from retrolog.store.metadata import read_snapshot, rollback
-from retrolog.store.objects import LocalObjectStore
-from retrolog.store.sweep import StoredFile, remove_if_stale, remove_temp, scan_objects
+from retrolog.store.objects import ObjectStore, StoredFile
 
 GRACE_SECONDS = 3600.0
 """Objects written this recently are never collected (see :func:`plan_gc`)."""
@@ -251,7 +251,7 @@ def select_runs(
 
 def plan_gc(
     conn: sqlite3.Connection,
-    store: LocalObjectStore,
+    store: ObjectStore,
     policy: RetentionPolicy,
     runs: Sequence[str] | None = None,
     *,
@@ -297,7 +297,7 @@ def plan_gc(
 
 
 def collect_garbage(
-    conn: sqlite3.Connection, store: LocalObjectStore, plan: GcReport, *, now: float | None = None
+    conn: sqlite3.Connection, store: ObjectStore, plan: GcReport, *, now: float | None = None
 ) -> GcReport:
     """Delete what ``plan`` (from :func:`plan_gc`) drops, then the objects nothing references.
 
@@ -340,8 +340,9 @@ def collect_garbage(
         checkpoints_deleted=deleted,
     )
     candidates = _find_garbage(store, done, kept_rows, now)
-    done.objects = [f for f in candidates if remove_if_stale(f.path, cutoff)]
-    done.temp_files = [t for t in done.temp_files if remove_temp(t.path, now - plan.grace_seconds)]
+    done.objects = [f for f in candidates if f.key and store.remove_if_stale(f.key, cutoff)]
+    temp_cutoff = now - plan.grace_seconds
+    done.temp_files = [t for t in done.temp_files if store.remove_temp(t.name, temp_cutoff)]
     skipped = len(candidates) - len(done.objects)
     if skipped:
         done.notes.append(f"{skipped} object(s) were written again during the collection: kept")
@@ -537,7 +538,7 @@ def _cutoff(conn: sqlite3.Connection, now: float, grace_seconds: float) -> tuple
 
 
 def _find_garbage(
-    store: LocalObjectStore,
+    store: ObjectStore,
     report: GcReport,
     kept_rows: Sequence[tuple[int, str, str, str]],
     now: float,
@@ -548,10 +549,10 @@ def _find_garbage(
         users.setdefault(manifest, []).append(f"{run_id} at {position}")
     live, unreadable = live_objects(store, users)
     report.unreadable = unreadable
-    objects, temps = scan_objects(store)
+    objects, temps = store.scan()
     report.objects_total = len(objects)
-    report.bytes_total = sum(f.size for _, f in objects)
-    garbage = [f for key, f in objects if key not in live]
+    report.bytes_total = sum(f.size for f in objects)
+    garbage = [f for f in objects if f.key not in live]
     report.recent_unreferenced = sum(1 for f in garbage if f.mtime >= report.cutoff)
     garbage = [f for f in garbage if f.mtime < report.cutoff]
     if unreadable:
@@ -566,7 +567,7 @@ def _find_garbage(
 
 
 def live_objects(
-    store: LocalObjectStore, manifests: Mapping[str, Sequence[str]]
+    store: ObjectStore, manifests: Mapping[str, Sequence[str]]
 ) -> tuple[set[str], list[UnreadableManifest]]:
     """The keys the ``manifests`` reference (themselves included), and those that failed.
 

@@ -73,7 +73,7 @@ def restore(
     from retrolog.checkpoint.capture import load_checkpoint
     from retrolog.checkpoint.state import Snapshot
     from retrolog.checkpoint.state import restore as restore_state
-    from retrolog.store.objects import LocalObjectStore
+    from retrolog.store.backends import object_store_for
 
     if type(rng) is not bool:
         raise UsageError(
@@ -104,7 +104,7 @@ def restore(
             f"restore() needs the live objects to load the {where} into, passed by the names the "
             "run's checkpointing(...) used, e.g. rl.restore(run, model=net, optimizer=opt)."
         )
-    store = LocalObjectStore(project.paths.objects)
+    store = object_store_for(project.paths.store)
     try:
         snap = load_checkpoint(store, chosen.manifest)
     except CorruptObjectError as exc:

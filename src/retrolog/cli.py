@@ -490,7 +490,7 @@ def gc_command(
       retrolog gc --keep best:val_acc:max --where "lr > 0.005" --yes
     """
     from retrolog._gc import collect_garbage, format_report, plan_gc, select_runs
-    from retrolog.store.objects import LocalObjectStore
+    from retrolog.store.backends import object_store_for
 
     def emit(report: Any, *, table: bool = True) -> None:
         if as_json:
@@ -515,7 +515,7 @@ def gc_command(
         if not readonly:
             # A replay whose coordinator was killed no longer holds runs back.
             sweep_stale(conn, project.paths.store)
-        store = LocalObjectStore(project.paths.objects)
+        store = object_store_for(project.paths.store)
         chosen = select_runs(conn, runs, where)
         if chosen == []:
             click.echo(f"No run matches {where!r}: no checkpoint is dropped.", err=True)

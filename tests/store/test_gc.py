@@ -30,7 +30,6 @@ from retrolog.errors import UnknownNameError, UsageError
 from retrolog.store.metadata import open_store, process_start_marker
 from retrolog.store.objects import LocalObjectStore
 from retrolog.store.paths import locate
-from retrolog.store.sweep import remove_if_stale
 from training_scripts import NUMPY_TRAIN, record_torch_runs
 
 from conftest import Project, read_db
@@ -287,7 +286,7 @@ def test_running_runs_and_recent_objects_are_kept(
     (running,) = [r for r in plan.runs if r.run_id == "running-run"]
     assert not running.dropped and "still recording" in (running.note or "")
     done = collect_garbage(conn, store, plan)
-    assert store.path(stray) in [f.path for f in done.objects]
+    assert stray in [f.key for f in done.objects]
     for key in in_flight:
         assert store.has(key)
     assert not store.has(stray)
@@ -330,13 +329,13 @@ def test_delete_leaves_an_object_written_after_the_scan(tmp_path: Path) -> None:
     key = store.put(b"an object")
     cutoff = time.time() - 60
     # Freshened after gc decided it was garbage: the rename-aside check sees it.
-    assert not remove_if_stale(store.path(key), cutoff)
+    assert not store.remove_if_stale(key, cutoff)
     assert store.get(key) == b"an object"
     past = time.time() - 3600
     os.utime(store.path(key), (past, past))
-    assert remove_if_stale(store.path(key), cutoff)
+    assert store.remove_if_stale(key, cutoff)
     assert not store.has(key)
-    assert not remove_if_stale(store.path(key), cutoff)  # already gone: nothing to do
+    assert not store.remove_if_stale(key, cutoff)  # already gone: nothing to do
     assert [p.name for p in (tmp_path / "objects").rglob("*") if p.is_file()] == []
 
 
@@ -389,7 +388,7 @@ def test_temp_files_older_than_the_grace_period_are_removed(
         os.utime(path, (past, past))
     store = store_of(project)
     plan = plan_gc(conn, store, RetentionPolicy.parse("all"))
-    assert sorted(f.path for f in plan.temp_files) == sorted(old)
+    assert sorted(f.location for f in plan.temp_files) == sorted(map(str, old))
     assert plan.bytes_freed == 200 and not plan.objects and not plan.dropped
     done = collect_garbage(conn, store, plan)
     assert len(done.temp_files) == 2 and done.bytes_freed == 200

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from retrolog.errors import RunNotFoundError, StoreError
-from retrolog.store.objects import ObjectStore
+from retrolog.store.objects import ForwardingStore, ObjectStore
 
 __all__ = ["RunProfile", "load_profiles", "measure_restore_throughput"]
 
@@ -300,15 +300,12 @@ def _outer_loop_name(
 # -- restore throughput ------------------------------------------------------------------
 
 
-class _CountingStore(ObjectStore):
+class _CountingStore(ForwardingStore):
     """Delegates reads and counts the bytes of the distinct objects read."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.sizes: dict[str, int] = {}
-
-    def put(self, data: bytes) -> str:
-        return self.inner.put(data)
 
     def get(self, key: str) -> bytes:
         data = self.inner.get(key)
@@ -321,12 +318,6 @@ class _CountingStore(ObjectStore):
             self.sizes[key] = data.nbytes
             yield data
 
-    def has(self, key: str) -> bool:
-        return self.inner.has(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
 
 def measure_restore_throughput(store_root: Path, manifest: str) -> float:
     """Bytes per second at which a real checkpoint decodes, for the restore estimate.
@@ -338,9 +329,9 @@ def measure_restore_throughput(store_root: Path, manifest: str) -> float:
     """
     from retrolog.checkpoint._arrays import DECODED
     from retrolog.checkpoint.capture import load_checkpoint
-    from retrolog.store.objects import LocalObjectStore
+    from retrolog.store.backends import object_store_for
 
-    store = _CountingStore(LocalObjectStore(store_root / "objects"))
+    store = _CountingStore(object_store_for(store_root))
     modules = len(sys.modules)
     started = time.perf_counter()
     load_checkpoint(store, manifest)

@@ -56,6 +56,7 @@ from retrolog.errors import RetrologError, UsageError
 from retrolog.runtime import numerics
 from retrolog.runtime.modules import decode as decode_modules
 from retrolog.runtime.replay import WorkerSpec
+from retrolog.store.backends import objects_location
 from retrolog.store.metadata import is_readonly, read_only_error
 from retrolog.store.paths import ProjectPaths
 
@@ -237,9 +238,9 @@ def replay(
     ready: dict[str, str] = {}
     after: dict[str, str] = {}
     if reuse and not verify and not force:
-        from retrolog.store.objects import LocalObjectStore
+        from retrolog.store.backends import object_store_for
 
-        objects = LocalObjectStore(paths.objects)
+        objects = object_store_for(paths.store)
         ready, after = find_sources(conn, placeable, runs, names, lineage.would, objects.get)
     for run_id, source_run in {**ready, **after}.items():
         outcomes[run_id] = RunOutcome(run_id, "reused", reused_from=source_run)
@@ -750,13 +751,13 @@ def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> f
     tensors is not. Measured here without importing torch, which alone takes seconds.
     """
     from retrolog.checkpoint.codec import manifest_blobs
-    from retrolog.store.objects import LocalObjectStore
+    from retrolog.store.backends import object_store_for
 
     for profile in profiles:
         manifest = next(iter(profile.block_checkpoints.values()), None) or profile.end_checkpoint
         if manifest is None:
             continue
-        store = LocalObjectStore(paths.objects)
+        store = object_store_for(paths.store)
         try:
             started = time.perf_counter()
             total = len(store.get(manifest))
@@ -934,6 +935,7 @@ def _jobs(
                 replay_id=replay_id,
                 run_id=run_plan.run_id,
                 store=str(paths.store),
+                objects=objects_location(paths.store),
                 names=list(names),
                 check_names=check_names,
                 args=args,

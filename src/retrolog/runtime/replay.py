@@ -73,6 +73,9 @@ class WorkerSpec:
     # into the project are made private to the checkout (runtime/isolation.py).
     checkout: str | None = None
     project: str | None = None
+    # Where the checkpoint objects are: the coordinator's RETROLOG_OBJECTS_URL, which the
+    # worker's environment (RETROLOG_ variables removed) does not carry; None: objects/.
+    objects: str | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -165,14 +168,14 @@ class ReplayRun:
         if self._prefetch is not None:
             return
         from retrolog.checkpoint.prefetch import Prefetcher
-        from retrolog.store.objects import LocalObjectStore
+        from retrolog.store.backends import object_store_for
 
         spec = self.spec
         if spec.restore_end:
             order = [spec.end_checkpoint]
         else:
             order = [spec.block_checkpoints.get(str(i)) for i in sorted(spec.restore)]
-        self._store = LocalObjectStore(Path(spec.store) / "objects")
+        self._store = object_store_for(Path(spec.store), spec.objects)
         self._prefetch = Prefetcher(self._store, [m for m in order if m])
         self._prefetch.start()
 

@@ -454,7 +454,7 @@ class Run:
         from retrolog.checkpoint import settings
         from retrolog.checkpoint.background import BackgroundCheckpointer
         from retrolog.checkpoint.policy import AdaptivePolicy
-        from retrolog.store.objects import LocalObjectStore
+        from retrolog.store.backends import object_store_for
 
         config = settings.current()
         append = self.events.append
@@ -474,7 +474,7 @@ class Run:
             append((checkpoint_event, record))
 
         checkpointer = BackgroundCheckpointer(
-            LocalObjectStore(self.paths.objects),
+            object_store_for(self.paths.store),
             sink,
             max_in_flight=config.max_in_flight,
             label=f"run {self.run_id}",

@@ -3,13 +3,17 @@
 Checkpoints are written as one object per tensor or array plus a manifest, so
 identical content (frozen layers, a shared base model) is stored once. Every
 read is verified, so a damaged file is reported, never restored.
-:class:`ObjectStore` is the interface; :class:`LocalObjectStore` keeps
-objects in a directory::
+:class:`ObjectStore` is the interface, and holds every check; a backend only
+reads, writes, lists and deletes files laid out as::
 
     objects/
         3f/
             a9c1...   the object whose key is 3fa9c1...
         .tmp files    only while a write is in flight (name starts with '.')
+
+:class:`LocalObjectStore` keeps them in a local directory;
+``store/fsspec_objects.py`` at an fsspec URL, and ``store/backends.py`` chooses
+one from a location (docs/checkpoint-storage.md, "Backends").
 
 An object is one of two kinds, told apart by the length of its key
 (docs/checkpoint-storage.md has the byte layout):
@@ -36,9 +40,11 @@ import hashlib
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,15 +89,19 @@ def check_key(key: str) -> None:
     Keys become file names, so anything else (``..``, a slash) is refused
     before it reaches the file system.
     """
-    if not (
-        isinstance(key, str)
-        and len(key) in (RAW_KEY_LENGTH, FRAMED_KEY_LENGTH)
-        and _HEX.issuperset(key)
-    ):
+    if not _is_key(key):
         raise StoreError(
             f"{key!r} is not an object key; keys are 64 (the sha256 of a raw object) or 32 "
             "(a framed object) lowercase hex digits, as returned by put()."
         )
+
+
+def _is_key(key: object) -> bool:
+    return (
+        isinstance(key, str)
+        and len(key) in (RAW_KEY_LENGTH, FRAMED_KEY_LENGTH)
+        and _HEX.issuperset(key)
+    )
 
 
 def frame(key: str, *parts: bytes | bytearray | memoryview | Any) -> bytes:
@@ -176,27 +186,75 @@ def _frame_problem(key: str, data: bytes | bytearray | memoryview, *, whole: boo
     return None
 
 
+@dataclass(frozen=True)
+class StoredFile:
+    """An object, or a temp file a write left behind, as :meth:`ObjectStore.scan` lists it."""
+
+    name: str  # in the store's layout: "3f/a9c1..." (an object), "3f/.a9c1....tmp" (a temp file)
+    key: str | None  # the object's key; None for a temp file
+    size: int
+    mtime: float  # when it was written or last freshened, in seconds since the epoch
+    location: str  # its path or URL, for reports
+
+
+def is_temp(name: str) -> bool:
+    """Whether the file name ``name`` (no directory) is a temp file's: ``.*.tmp``."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _in_layout(folder: str) -> bool:
+    """Whether ``folder`` is the store's root ("") or one of its fan-out directories."""
+    return folder == "" or (len(folder) == 2 and _HEX.issuperset(folder))
+
+
 class ObjectStore(abc.ABC):
-    """Immutable objects addressed by a hash of their content (see the module docstring)."""
+    """Immutable objects addressed by a hash of their content (see the module docstring).
+
+    This class holds everything that makes a store trustworthy, so that every backend
+    gets it the same way: key checks, verification of every read, the decision whether
+    a put must write, and listing and deleting objects safely beside writers (what
+    ``retrolog gc`` needs). A backend implements the raw primitives at the end of the
+    class (the methods named ``_...``) on *names* in the store's layout (``3f/a9c1...``,
+    ``3f/.a9c1....tmp``), reports failures as OSError (FileNotFoundError for a missing
+    file) and never checks content: that is done here. docs/checkpoint-storage.md,
+    "Backends", says what each backend guarantees.
+    """
 
     # Whether the methods may be called from several threads at once. The checkpoint
     # writer then overlaps compressing one array with writing the previous one, at exit.
     concurrent_calls: bool = False
+    # Whether _rename moves a file atomically and keeps its modification time. Then
+    # remove_if_stale moves an object aside before it reads the time, so no freshen can
+    # slip in between the check and the deletion; otherwise it checks, then deletes.
+    renames_atomically: bool = False
+    # The store's root (a path or URL), for messages.
+    location: str = "(object store)"
 
-    @abc.abstractmethod
+    # -- objects -------------------------------------------------------------------------
+
     def put(self, data: bytes) -> str:
-        """Store ``data`` and return its key; storing content that is already there is a no-op."""
+        """Store ``data`` and return its key; storing content that is already there is a no-op.
+
+        The write is atomic: the object is visible under its key only once complete.
+        """
+        key = object_key(data)
+        name = self._name(key)
+        if not self._stored(key, name, len(data)):
+            self._write_object(name, [memoryview(data)])
+        return key
 
     def put_framed(self, key: str, *parts: bytes | bytearray | memoryview | Any) -> int:
         """Store the concatenated ``parts`` as framed object ``key``; its stored size.
 
-        What ``put(frame(key, *parts))`` stores. This default does exactly
-        that; stores that can write buffers one after another override it to
-        skip the copy that joins them (a checkpoint's arrays are hundreds of MB).
+        What ``put(frame(key, *parts))`` stores, written part after part without
+        first joining them into one ``bytes`` (a checkpoint's arrays are hundreds of MB).
         """
-        data = frame(key, *parts)
-        self.put(data)
-        return len(data)
+        views = framed(key, *parts)
+        size = sum(v.nbytes for v in views)
+        name = self._name(key)
+        if not self._stored(key, name, size):
+            self._write_object(name, views)
+        return size
 
     def sync(self) -> None:
         """Make every object put so far survive a power loss (call before relying on them).
@@ -207,47 +265,343 @@ class ObjectStore(abc.ABC):
         """
         return None
 
-    @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key`` (a frame, for a framed object), verified.
 
         Raises StoreError when there is no such object and CorruptObjectError
         when the stored content does not match ``key`` or its checksum.
         """
-
-    @abc.abstractmethod
-    def has(self, key: str) -> bool:
-        """Whether an object is stored under ``key`` (its content is not verified)."""
-
-    @abc.abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove the object stored under ``key``; a missing object is not an error."""
+        name = self._name(key)
+        try:
+            data = self._read(name)
+        except OSError as exc:
+            raise self._unreadable(key, name, exc) from exc
+        self._verify(key, name, data)
+        return data
 
     @contextlib.contextmanager
     def view(self, key: str) -> Iterator[memoryview]:
         """The verified content of object ``key`` as a buffer valid inside the ``with`` block.
 
-        For reading large objects without a copy; this default wraps :meth:`get`.
+        For reading large objects without a copy where the backend can (a local
+        store maps the file); errors as :meth:`get`.
         """
-        with memoryview(self.get(key)) as data:
+        name = self._name(key)
+        with contextlib.ExitStack() as stack:
+            try:
+                data = stack.enter_context(self._open_view(name))
+            except OSError as exc:
+                raise self._unreadable(key, name, exc) from exc
+            self._verify(key, name, data)
             yield data
 
     def peek(self, key: str, size: int) -> bytes | None:
         """Up to ``size`` leading bytes of object ``key``, unverified; None if it is not stored.
 
-        For reading a framed object's header cheaply (its stored size, its delta
-        base). This default reads the whole object; stores override it.
+        For reading a framed object's header cheaply (its stored size, its delta base).
         """
-        return self.get(key)[:size] if self.has(key) else None
+        name = self._name(key)
+        try:
+            return self._read_prefix(name, size)
+        except OSError as exc:
+            raise self._unreadable(key, name, exc) from exc
+
+    def has(self, key: str) -> bool:
+        """Whether an object is stored under ``key`` (its content is not verified)."""
+        name = self._name(key)
+        try:
+            return self._size(name) is not None
+        except OSError as exc:
+            raise self._unreadable(key, name, exc) from exc
 
     def touch(self, key: str) -> bool:
         """Record that object ``key`` is being reused, as a put of it would; False if missing.
 
         A writer that finds its object already stored calls this instead of
         writing it again, so garbage collection treats the object as just
-        written (store/sweep.py). This default only checks that it is there.
+        written (:meth:`remove_if_stale`).
         """
-        return self.has(key)
+        name = self._name(key)
+        try:
+            return self._freshen(name)
+        except OSError as exc:
+            raise self._unreadable(key, name, exc) from exc
+
+    def delete(self, key: str) -> None:
+        """Remove the object stored under ``key``; a missing object is not an error."""
+        name = self._name(key)
+        try:
+            self._delete(name)
+        except OSError as exc:
+            where = self._location(name)
+            raise StoreError(f"Cannot delete object file {where}: {exc}", path=where) from exc
+
+    # -- listing and safe deletion (garbage collection) ------------------------------------
+
+    def scan(self) -> tuple[list[StoredFile], list[StoredFile]]:
+        """Every object and every leftover temp file in the store.
+
+        A file counts as an object only if its name is a valid key at the place the
+        layout gives it; anything else (a README, a stray directory) is left out, so
+        nothing that lists it can delete it.
+        """
+        objects: list[StoredFile] = []
+        temps: list[StoredFile] = []
+        try:
+            entries = list(self._list())
+        except OSError as exc:
+            raise StoreError(f"Cannot list the object store {self.location}: {exc}.") from exc
+        for name, size, mtime in entries:
+            folder, _, leaf = name.rpartition("/")
+            if not _in_layout(folder):
+                continue
+            if is_temp(leaf):
+                temps.append(StoredFile(name, None, size, mtime, self._location(name)))
+            elif folder and _is_key(folder + leaf):
+                key = folder + leaf
+                objects.append(StoredFile(name, key, size, mtime, self._location(name)))
+        return objects, temps
+
+    def remove_if_stale(self, key: str, cutoff: float) -> bool:
+        """Delete object ``key`` unless it was written or freshened at or after ``cutoff``.
+
+        True if this call deleted it. Where the backend renames atomically the object
+        is moved aside first and its time read from there: a writer that freshened
+        it before the move is seen (and the object put back), and one that comes
+        after finds no object and writes it again. Elsewhere the time is read, then
+        the object deleted: a freshen in between is lost (docs/checkpoint-storage.md,
+        "Backends").
+        """
+        name = self._name(key)
+        where = self._location(name)
+        if not self.renames_atomically:
+            try:
+                mtime = self._mtime(name)
+                return mtime is not None and mtime < cutoff and self._delete(name)
+            except OSError as exc:
+                raise StoreError(f"Cannot delete object file {where}: {exc}.", path=where) from exc
+        aside = self._temp_name(name, "gc.")
+        try:
+            if not self._rename(name, aside):
+                return False
+        except OSError as exc:
+            raise StoreError(f"Cannot delete object file {where}: {exc}.", path=where) from exc
+        try:
+            mtime = self._mtime(aside)
+            if mtime is None:
+                return False  # a gc running beside this one removed it as a stale temp file
+            if mtime >= cutoff:
+                self._rename(aside, name)  # in use again; a copy written meanwhile is identical
+                return False
+            return self._delete(aside)
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot delete object file {where} (moved aside to "
+                f"{self._location(aside)}): {exc}.",
+                path=where,
+            ) from exc
+
+    def remove_temp(self, name: str, cutoff: float) -> bool:
+        """Delete temp file ``name`` (from :meth:`scan`) unless touched at or after ``cutoff``."""
+        folder, _, leaf = name.rpartition("/")
+        if not (_in_layout(folder) and is_temp(leaf)):
+            raise StoreError(f"{name!r} is not a temp file of the object store {self.location}.")
+        try:
+            mtime = self._mtime(name)
+            # Gone meanwhile: renamed into place or removed by its writer.
+            return mtime is not None and mtime < cutoff and self._delete(name)
+        except OSError as exc:
+            where = self._location(name)
+            raise StoreError(f"Cannot delete temp file {where}: {exc}.", path=where) from exc
+
+    # -- shared by the methods above -------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        """Object ``key``'s name in the layout, after checking that ``key`` is a key."""
+        check_key(key)
+        return f"{key[:2]}/{key[2:]}"
+
+    def _temp_name(self, name: str, tag: str = "") -> str:
+        """A fresh temp file name beside ``name``, unique to this process and call."""
+        folder, _, leaf = name.rpartition("/")
+        temp = f".{leaf[:16]}.{tag}{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        return f"{folder}/{temp}" if folder else temp
+
+    def _stored(self, key: str, name: str, size: int) -> bool:
+        """Whether object ``key`` (``size`` bytes) is in place; if so, freshened."""
+        try:
+            if is_framed_key(key):
+                # An intact frame under this key is the object, even if encoded
+                # differently (a delta vs a full copy): replacing it would change
+                # which other objects it depends on under a reader's feet.
+                header = self._read_prefix(name, FRAME_HEADER_SIZE)
+                if header is None or _frame_problem(key, header, whole=False) is not None:
+                    return False
+                length = _FRAME_TAIL.unpack_from(header, len(FRAME_MAGIC))[1]
+                keep = self._size(name) == FRAME_HEADER_SIZE + length
+            else:
+                # An object of the right size is the object: content addressing makes
+                # rewriting it pointless. One of the wrong size is a torn or damaged
+                # copy, which this write repairs.
+                keep = self._size(name) == size
+            return keep and self._freshen(name)
+        except OSError as exc:
+            raise self._unreadable(key, name, exc) from exc
+
+    def _write_object(self, name: str, parts: list[memoryview]) -> None:
+        try:
+            self._write(name, parts)
+        except OSError as exc:
+            where = self._location(name)
+            raise StoreError(
+                f"Cannot write object file {where}: {exc}. Check that the object store "
+                f"{self.location} is writable and not full.",
+                path=where,
+            ) from exc
+
+    def _unreadable(self, key: str, name: str, exc: OSError) -> StoreError:
+        where = self._location(name)
+        if isinstance(exc, FileNotFoundError):
+            return StoreError(
+                f"No object {key} in the object store {self.location} (expected at {where}). "
+                "It was deleted (garbage collection, a retention policy, or by hand) or the "
+                "store was copied incompletely; anything that references it cannot be loaded.",
+                path=where,
+            )
+        return StoreError(f"Cannot read object file {where}: {exc}", path=where)
+
+    def _verify(self, key: str, name: str, data: bytes | memoryview) -> None:
+        if is_framed_key(key):
+            problem = _frame_problem(key, data, whole=True)
+        else:
+            actual = hashlib.sha256(data).hexdigest()
+            problem = None if actual == key else f"its {len(data)} bytes hash to {actual}"
+        if problem is not None:
+            where = self._location(name)
+            raise CorruptObjectError(
+                f"Object {key} at {where} is corrupt: {problem}, so the file was damaged or "
+                "truncated after it was written. Delete the file; a checkpoint that "
+                "references it cannot be restored, so replay has to execute those blocks "
+                "again (or restore the file from a backup).",
+                path=where,
+                key=key,
+            )
+
+    # -- the backend's primitives ----------------------------------------------------------
+    # Names are relative to the store's root, "/"-separated. Failures are OSError.
+
+    @abc.abstractmethod
+    def _location(self, name: str) -> str:
+        """The path or URL of ``name``, for messages."""
+
+    @abc.abstractmethod
+    def _read(self, name: str) -> bytes:
+        """The whole content of ``name``; FileNotFoundError if there is none."""
+
+    @abc.abstractmethod
+    def _read_prefix(self, name: str, size: int) -> bytes | None:
+        """Up to ``size`` leading bytes of ``name``; None if there is none."""
+
+    @contextlib.contextmanager
+    def _open_view(self, name: str) -> Iterator[memoryview]:
+        """The content of ``name`` as a buffer valid inside the block (default: a read)."""
+        with memoryview(self._read(name)) as data:
+            yield data
+
+    @abc.abstractmethod
+    def _write(self, name: str, parts: list[memoryview]) -> None:
+        """Store ``parts``, concatenated, as ``name``, visible only once complete.
+
+        A reader sees no file or the whole file, never a part, even if the write
+        fails midway or another write of the same name races it (both write the
+        same bytes: content addressing). Replaces a file already there.
+        """
+
+    @abc.abstractmethod
+    def _size(self, name: str) -> int | None:
+        """The size of the file ``name``; None if there is none."""
+
+    @abc.abstractmethod
+    def _mtime(self, name: str) -> float | None:
+        """When ``name`` was written or last freshened, in seconds since the epoch; None if none."""
+
+    @abc.abstractmethod
+    def _freshen(self, name: str) -> bool:
+        """Set the time of the existing file ``name`` to now; False if there is none.
+
+        Garbage collection never deletes what was written or freshened after its
+        cutoff, so a writer that finds its object already stored freshens it
+        instead of writing it, as git does for objects it would have written.
+        """
+
+    @abc.abstractmethod
+    def _delete(self, name: str) -> bool:
+        """Remove ``name``; False if there was none."""
+
+    def _rename(self, name: str, new: str) -> bool:
+        """Move ``name`` to ``new`` (replacing it), keeping its time; False if ``name`` is missing.
+
+        Called only where :attr:`renames_atomically` is true.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not rename")
+
+    @abc.abstractmethod
+    def _list(self) -> Iterator[tuple[str, int, float]]:
+        """(name, size, mtime) of each file in the root and its fan-out directories.
+
+        Files deeper down need not be listed; a missing root lists nothing.
+        """
+
+
+class ForwardingStore(ObjectStore):
+    """Another store's objects, with this class's checks over ``inner``'s primitives.
+
+    The base for stores that watch or alter some calls (counting reads, delaying
+    writes) and pass everything else on.
+    """
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.location = inner.location
+        self.renames_atomically = inner.renames_atomically
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def _location(self, name: str) -> str:
+        return self.inner._location(name)
+
+    def _read(self, name: str) -> bytes:
+        return self.inner._read(name)
+
+    def _read_prefix(self, name: str, size: int) -> bytes | None:
+        return self.inner._read_prefix(name, size)
+
+    @contextlib.contextmanager
+    def _open_view(self, name: str) -> Iterator[memoryview]:
+        with self.inner._open_view(name) as data:
+            yield data
+
+    def _write(self, name: str, parts: list[memoryview]) -> None:
+        self.inner._write(name, parts)
+
+    def _size(self, name: str) -> int | None:
+        return self.inner._size(name)
+
+    def _mtime(self, name: str) -> float | None:
+        return self.inner._mtime(name)
+
+    def _freshen(self, name: str) -> bool:
+        return self.inner._freshen(name)
+
+    def _delete(self, name: str) -> bool:
+        return self.inner._delete(name)
+
+    def _rename(self, name: str, new: str) -> bool:
+        return self.inner._rename(name, new)
+
+    def _list(self) -> Iterator[tuple[str, int, float]]:
+        return self.inner._list()
 
 
 class LocalObjectStore(ObjectStore):
@@ -263,9 +617,12 @@ class LocalObjectStore(ObjectStore):
     """
 
     concurrent_calls = True  # each write goes to its own temp file; reads are of renamed files
+    renames_atomically = True  # rename(2) within one directory
 
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.root = Path(root)
+        self.location = str(self.root)
+        self._prefix = os.path.join(self.location, "")  # string joins: no Path per call
         self.durable = durable
         self._unsynced: set[Path] = set()  # directories renamed into since the last sync()
         self._unsynced_lock = threading.Lock()
@@ -278,59 +635,67 @@ class LocalObjectStore(ObjectStore):
         check_key(key)
         return self.root / key[:2] / key[2:]
 
-    def put(self, data: bytes) -> str:
-        """Store ``data`` atomically and return its key."""
-        key = object_key(data)
-        path = self.path(key)
-        if not self._stored(key, path, len(data)):
-            self._write_atomically(path, data)
-        return key
+    def sync(self) -> None:
+        """fsync the directories objects were renamed into since the last call."""
+        with self._unsynced_lock:
+            pending, self._unsynced = sorted(self._unsynced), set()
+        for i, directory in enumerate(pending):
+            try:
+                _fsync_directory(directory)
+            except StoreError:
+                with self._unsynced_lock:  # still to do, for the next call
+                    self._unsynced.update(pending[i:])
+                raise
 
-    def put_framed(self, key: str, *parts: bytes | bytearray | memoryview | Any) -> int:
-        """Store framed object ``key`` atomically, writing ``parts`` without joining them."""
-        views = framed(key, *parts)
-        size = sum(v.nbytes for v in views)
-        path = self.path(key)
-        if not self._stored(key, path, size):
-            self._write_atomically(path, views)
-        return size
+    def _location(self, name: str) -> str:
+        return self._prefix + name
 
-    def _stored(self, key: str, path: Path, size: int) -> bool:
-        """Whether object ``key`` (``size`` bytes) is in place at ``path``; if so, freshened."""
+    def _read(self, name: str) -> bytes:
+        with open(self._prefix + name, "rb") as f:
+            return f.read()
+
+    def _read_prefix(self, name: str, size: int) -> bytes | None:
         try:
-            if is_framed_key(key):
-                # An intact frame under this key is the object, even if encoded
-                # differently (a delta vs a full copy): replacing it would change
-                # which other objects it depends on under a reader's feet.
-                keep = self._has_intact_frame(key, path)
-            else:
-                # A file of the right size is the object: content addressing makes
-                # rewriting it pointless. A file of the wrong size is a torn or
-                # damaged copy, which this write repairs.
-                keep = path.stat().st_size == size
-            return keep and _freshen(path)
+            with open(self._prefix + name, "rb") as f:
+                return f.read(size)
         except (FileNotFoundError, NotADirectoryError):
-            return False  # not there yet; a store that cannot be created is reported by the write
-        except OSError as exc:
-            raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
+            return None
 
-    def _has_intact_frame(self, key: str, path: Path) -> bool:
-        """Whether ``path`` holds a frame for ``key`` whose header and size agree."""
-        header = self.peek(key, FRAME_HEADER_SIZE)
-        if header is None or _frame_problem(key, header, whole=False) is not None:
-            return False
-        length = _FRAME_TAIL.unpack_from(header, len(FRAME_MAGIC))[1]
-        return bool(path.stat().st_size == FRAME_HEADER_SIZE + length)
+    @contextlib.contextmanager
+    def _open_view(self, name: str) -> Iterator[memoryview]:
+        """The file read from the page cache without a copy (memory-mapped).
 
-    def _write_atomically(self, path: Path, data: bytes | list[memoryview]) -> None:
-        """Write ``data`` (one buffer, or a list of buffers written in order) as ``path``."""
+        Objects are immutable files replaced only by rename, so the mapping
+        cannot change under the reader. Falls back to a read where files cannot
+        be mapped (an empty file, a platform without mmap flags).
+        """
+        with open(self._prefix + name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = (
+                mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+                if size and _MAP_FLAGS is not None
+                else None
+            )
+        if mapped is None:
+            with memoryview(self._read(name)) as whole:
+                yield whole
+            return
+        try:
+            with memoryview(mapped) as whole:
+                yield whole
+        finally:
+            # A slice the caller kept holds the mapping until its last reference goes.
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+    def _write(self, name: str, parts: list[memoryview]) -> None:
         # The temp file sits in the destination directory so os.replace is a
         # same-filesystem rename, atomic on POSIX and Windows. Each writer has
         # its own random temp name, so concurrent puts of one key (several
         # processes of a grid search) race only on the rename, and both
         # renames install identical content.
-        parts = data if isinstance(data, list) else [data]
-        tmp = path.with_name(f".{path.name[:16]}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        path = self.root / name
+        tmp = self.root / self._temp_name(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
         try:
             self._make_directory(path.parent)
@@ -346,36 +711,20 @@ class LocalObjectStore(ObjectStore):
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        except OSError as exc:
+        except OSError:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             # On Windows a rename onto a file another process holds open
             # fails; the object is there all the same.
-            if _size_or_none(path) == sum(memoryview(p).nbytes for p in parts):
-                return
-            raise StoreError(
-                f"Cannot write object file {path}: {exc}. Check that the directory "
-                f"{self.root} is writable and its file system is not full.",
-                path=str(path),
-            ) from exc
+            if _size_or_none(path) != sum(memoryview(p).nbytes for p in parts):
+                raise
+            return
         if self.durable:
             # The rename is a change to the directory, made durable by sync(): once per
             # directory and checkpoint rather than per object, since on a busy disk each
             # directory fsync waits for a journal commit.
             with self._unsynced_lock:
                 self._unsynced.add(path.parent)
-
-    def sync(self) -> None:
-        """fsync the directories objects were renamed into since the last call."""
-        with self._unsynced_lock:
-            pending, self._unsynced = sorted(self._unsynced), set()
-        for i, directory in enumerate(pending):
-            try:
-                _fsync_directory(directory)
-            except StoreError:
-                with self._unsynced_lock:  # still to do, for the next call
-                    self._unsynced.update(pending[i:])
-                raise
 
     def _make_directory(self, directory: Path) -> None:
         """Create ``directory`` (a fan-out directory of the root) if missing, durably."""
@@ -394,120 +743,60 @@ class LocalObjectStore(ObjectStore):
         if self.durable:
             _fsync_directory(self.root)
 
-    def get(self, key: str) -> bytes:
-        """The verified content of object ``key`` (the whole frame, for a framed object)."""
-        path = self.path(key)
+    def _size(self, name: str) -> int | None:
         try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise self._unreadable(key, path, exc) from exc
-        self._verify(key, path, data)
-        return data
-
-    @contextlib.contextmanager
-    def view(self, key: str) -> Iterator[memoryview]:
-        """Object ``key`` verified, read from the page cache without a copy (memory-mapped).
-
-        Objects are immutable files replaced only by rename, so the mapping
-        cannot change under the reader. Falls back to :meth:`get` where
-        files cannot be mapped (an empty file, a platform without mmap flags).
-        """
-        path = self.path(key)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mapped = (
-                    mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-                    if size and _MAP_FLAGS is not None
-                    else None
-                )
-        except OSError as exc:
-            raise self._unreadable(key, path, exc) from exc
-        if mapped is None:
-            data = self.get(key)
-            with memoryview(data) as whole:
-                yield whole
-            return
-        try:
-            with memoryview(mapped) as whole:
-                self._verify(key, path, whole)
-                yield whole
-        finally:
-            # A slice the caller kept holds the mapping until its last reference goes.
-            with contextlib.suppress(BufferError):
-                mapped.close()
-
-    def _unreadable(self, key: str, path: Path, exc: OSError) -> StoreError:
-        if isinstance(exc, FileNotFoundError):
-            return StoreError(
-                f"No object {key} in the object store {self.root} (expected at {path}). "
-                "It was deleted (garbage collection, a retention policy, or by hand) or the "
-                "store was copied incompletely; anything that references it cannot be loaded.",
-                path=str(path),
-            )
-        return StoreError(f"Cannot read object file {path}: {exc}", path=str(path))
-
-    def _verify(self, key: str, path: Path, data: bytes | memoryview) -> None:
-        if is_framed_key(key):
-            problem = _frame_problem(key, data, whole=True)
-        else:
-            actual = hashlib.sha256(data).hexdigest()
-            problem = None if actual == key else f"its {len(data)} bytes hash to {actual}"
-        if problem is not None:
-            raise CorruptObjectError(
-                f"Object {key} at {path} is corrupt: {problem}, so the file was damaged or "
-                "truncated after it was written. Delete the file; a checkpoint that "
-                "references it cannot be restored, so replay has to execute those blocks "
-                "again (or restore the file from a backup).",
-                path=str(path),
-                key=key,
-            )
-
-    def has(self, key: str) -> bool:
-        """Whether object ``key`` has a file in the store."""
-        path = self.path(key)
-        try:
-            return path.is_file()
-        except OSError as exc:
-            raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
-
-    def peek(self, key: str, size: int) -> bytes | None:
-        """Up to ``size`` leading bytes of object ``key``, unverified; None if it is missing."""
-        path = self.path(key)
-        try:
-            with open(path, "rb") as f:
-                return f.read(size)
+            st = os.stat(self._prefix + name)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except OSError as exc:
-            raise StoreError(f"Cannot read object file {path}: {exc}", path=str(path)) from exc
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def touch(self, key: str) -> bool:
-        """Mark object ``key`` as just written (see :func:`_freshen`); False if it is missing."""
-        path = self.path(key)
-        return path.is_file() and _freshen(path)
-
-    def delete(self, key: str) -> None:
-        """Remove object ``key`` if it is there."""
-        path = self.path(key)
+    def _mtime(self, name: str) -> float | None:
         try:
-            path.unlink()
+            return os.stat(self._prefix + name).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def _freshen(self, name: str) -> bool:
+        return _freshen_file(self._prefix + name)
+
+    def _delete(self, name: str) -> bool:
+        try:
+            os.unlink(self._prefix + name)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def _rename(self, name: str, new: str) -> bool:
+        try:
+            os.replace(self._prefix + name, self._prefix + new)
         except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise StoreError(f"Cannot delete object file {path}: {exc}", path=str(path)) from exc
+            return False
+        return True
+
+    def _list(self) -> Iterator[tuple[str, int, float]]:
+        try:
+            top = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return
+        for entry in top:
+            if entry.is_file(follow_symlinks=False):
+                yield _listed(entry.name, entry)
+            elif entry.is_dir(follow_symlinks=False) and _in_layout(entry.name):
+                for item in os.scandir(entry.path):
+                    if item.is_file(follow_symlinks=False):
+                        yield _listed(f"{entry.name}/{item.name}", item)
 
 
-def _freshen(path: Path) -> bool:
-    """Mark an existing object as just written; False if it vanished meanwhile.
+def _listed(name: str, entry: os.DirEntry[str]) -> tuple[str, int, float]:
+    st = entry.stat(follow_symlinks=False)
+    return name, st.st_size, st.st_mtime
 
-    Garbage collection (_gc.py, store/sweep.py) never deletes an object written after a
-    running run started, so a writer that finds its object already stored must
-    count as writing it, as git freshens objects it would have written.
-    """
+
+def _freshen_file(path: str) -> bool:
+    """Mark an existing object file as just written; False if it vanished meanwhile."""
     try:
         os.utime(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False  # collected between the stat and now: write it again
     except OSError:
         pass  # not ours to touch (a shared store): the grace period still covers it

@@ -1,0 +1,392 @@
+"""The object store contract: every backend passes the same tests.
+
+An ``ObjectStore`` keeps its checks in the base class and leaves raw reads, writes,
+listing and deletion to the backend; these tests hold each backend to what the checks
+and ``retrolog gc`` rely on (docs/checkpoint-storage.md, "Backends"). Damage is done
+through the backend's own raw layer (``_write``), so it is the same damage everywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retrolog.errors import CorruptObjectError, StoreError
+from retrolog.store.backends import open_object_store
+from retrolog.store.fsspec_objects import FsspecObjectStore
+from retrolog.store.objects import (
+    FRAME_HEADER_SIZE,
+    LocalObjectStore,
+    ObjectStore,
+    frame,
+    frame_payload,
+)
+
+FRAMED = "0123456789abcdef" * 2  # a framed object's key, chosen by its writer
+HOUR = 3600.0
+
+
+@dataclass
+class Backend:
+    """A store and what a test needs to do to it behind its back."""
+
+    store: ObjectStore
+    set_mtime: Callable[[str, float], None]  # a file's time, by its name in the layout
+    # Makes the next write fail midway, calling the function given first (to look then).
+    break_writes: Callable[[pytest.MonkeyPatch, Callable[[], None]], None]
+
+    def age(self, name: str, seconds: float = 2 * HOUR) -> None:
+        self.set_mtime(name, time.time() - seconds)
+
+    def mtime(self, key: str) -> float:
+        return next(f.mtime for f in self.store.scan()[0] if f.key == key)
+
+
+def _local(tmp_path: Path) -> Backend:
+    store = LocalObjectStore(tmp_path / "objects", durable=False)
+
+    def set_mtime(name: str, when: float) -> None:
+        os.utime(store.root / name, (when, when))
+
+    def break_writes(monkeypatch: pytest.MonkeyPatch, midway: Callable[[], None]) -> None:
+        real_write = os.write
+        calls: list[int] = []
+
+        def write(fd: int, data: Any) -> int:
+            if calls:
+                midway()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            calls.append(fd)
+            return real_write(fd, memoryview(data)[: max(1, len(data) // 2)])
+
+        monkeypatch.setattr(os, "write", write)
+
+    return Backend(store, set_mtime, break_writes)
+
+
+def _fsspec_file(tmp_path: Path) -> Backend:
+    root = tmp_path / "objects"
+    store = FsspecObjectStore(root.as_uri())
+
+    def set_mtime(name: str, when: float) -> None:
+        os.utime(root / name, (when, when))
+
+    return Backend(store, set_mtime, lambda mp, midway: _break_open(store, mp, midway))
+
+
+def _break_open(
+    store: FsspecObjectStore, monkeypatch: pytest.MonkeyPatch, midway: Callable[[], None]
+) -> None:
+    """Files the store opens for writing fail once half of their first write is written."""
+    real_open = store.fs.open
+
+    def open_(path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        f = real_open(path, mode, **kwargs)
+        if "w" in mode:
+            real_write = f.write
+
+            def write(data: Any) -> int:
+                real_write(memoryview(data)[: max(1, len(data) // 2)])
+                midway()
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            f.write = write
+        return f
+
+    monkeypatch.setattr(store.fs, "open", open_)
+
+
+def _fsspec_memory(tmp_path: Path) -> Backend:
+    store = FsspecObjectStore(f"memory://contract-{uuid.uuid4().hex}")
+
+    def set_mtime(name: str, when: float) -> None:
+        entry = store.fs.store[store._path(name)]
+        entry.modified = datetime.datetime.fromtimestamp(when, tz=datetime.timezone.utc)
+
+    def break_writes(monkeypatch: pytest.MonkeyPatch, midway: Callable[[], None]) -> None:
+        # An object store's upload is one request: what can fail midway is the request,
+        # and the object must not appear. A file opened for writing fails too, in case
+        # the store writes through one.
+        def pipe_file(path: str, value: bytes, **kwargs: Any) -> None:
+            midway()
+            raise OSError(errno.ECONNRESET, "Connection reset by peer")
+
+        monkeypatch.setattr(store.fs, "pipe_file", pipe_file)
+        _break_open(store, monkeypatch, midway)
+
+    return Backend(store, set_mtime, break_writes)
+
+
+BACKENDS = {"local": _local, "fsspec-file": _fsspec_file, "fsspec-memory": _fsspec_memory}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    made = BACKENDS[request.param](tmp_path)
+    yield made
+    store = made.store
+    if isinstance(store, FsspecObjectStore) and not store.local and store.fs.exists(store.root):
+        store.fs.rm(store.root, recursive=True)
+
+
+def name_of(key: str) -> str:
+    return f"{key[:2]}/{key[2:]}"
+
+
+def damage(store: ObjectStore, key: str, change: Callable[[bytearray], None]) -> None:
+    """Rewrite object ``key`` changed by ``change``, through the backend's raw layer."""
+    raw = bytearray(store._read(name_of(key)))
+    change(raw)
+    store._write(name_of(key), [memoryview(bytes(raw))])
+
+
+def read(store: ObjectStore, key: str, how: str) -> bytes:
+    if how == "get":
+        return store.get(key)
+    with store.view(key) as data:
+        return bytes(data)
+
+
+READS = pytest.mark.parametrize("how", ["get", "view"])
+
+
+# -- storing and reading ------------------------------------------------------------------
+
+
+def test_put_get_has_delete(backend: Backend) -> None:
+    store = backend.store
+    data = b"some tensor bytes" * 10
+    key = store.put(data)
+    assert key == hashlib.sha256(data).hexdigest()
+    assert store.has(key) and store.get(key) == data
+    store.delete(key)
+    assert not store.has(key)
+    store.delete(key)  # a missing object is not an error
+    assert store.get(store.put(b"")) == b""  # the empty object
+
+
+def test_framed_objects(backend: Backend) -> None:
+    store = backend.store
+    data = frame(FRAMED, b"head", b"er and payload")
+    assert store.put(data) == FRAMED
+    assert store.get(FRAMED) == data
+    assert bytes(frame_payload(store.get(FRAMED))) == b"header and payload"
+    other = "fedcba9876543210" * 2
+    parts = (b"head", memoryview(b"er and "), bytearray(b"payload" * 1000))
+    assert store.put_framed(other, *parts) == len(frame(other, *parts))
+    assert store.get(other) == frame(other, *parts)
+
+
+@READS
+def test_view_and_peek(backend: Backend, how: str) -> None:
+    store = backend.store
+    payload = os.urandom(1 << 16)
+    store.put_framed(FRAMED, payload)
+    assert frame_payload(read(store, FRAMED, how)) == payload
+    assert store.peek(FRAMED, FRAME_HEADER_SIZE) == store.get(FRAMED)[:FRAME_HEADER_SIZE]
+    assert store.peek("ab" * 16, 8) is None
+
+
+def test_missing_object_is_a_store_error(backend: Backend) -> None:
+    store = backend.store
+    key = "ab" * 32
+    for how in ("get", "view"):
+        with pytest.raises(StoreError, match=f"No object {key}") as info:
+            read(store, key, how)
+        assert not isinstance(info.value, CorruptObjectError)
+        assert info.value.path is not None and key[2:] in info.value.path
+    assert not store.has(key) and not store.touch(key)
+
+
+@pytest.mark.parametrize("key", ["", "../../etc/passwd", "AB" * 32, "ab" * 31, "zz" * 16])
+def test_malformed_keys_are_refused(backend: Backend, key: str) -> None:
+    store = backend.store
+    for call in (store.get, store.has, store.delete, store.touch):
+        with pytest.raises(StoreError, match="not an object key"):
+            call(key)
+
+
+def test_a_second_put_writes_nothing_and_freshens(backend: Backend) -> None:
+    store = backend.store
+    key = store.put(b"abc" * 100)
+    backend.age(name_of(key))
+    assert store.put(b"abc" * 100) == key
+    assert backend.mtime(key) > time.time() - 60  # gc sees the reused object as new
+    store.put(frame(FRAMED, b"first encoding"))
+    backend.age(name_of(FRAMED))
+    # The same key is the same content however it is encoded: the first stays.
+    store.put_framed(FRAMED, b"second, longer encoding")
+    assert bytes(frame_payload(store.get(FRAMED))) == b"first encoding"
+    assert backend.mtime(FRAMED) > time.time() - 60
+    objects, temps = store.scan()
+    assert sorted(f.key or "" for f in objects) == sorted([key, FRAMED]) and temps == []
+
+
+def test_touch_freshens_an_object(backend: Backend) -> None:
+    store = backend.store
+    key = store.put(b"reused" * 100)
+    backend.age(name_of(key))
+    assert backend.mtime(key) < time.time() - HOUR
+    assert store.touch(key)
+    assert backend.mtime(key) > time.time() - 60
+    assert store.get(key) == b"reused" * 100
+
+
+# -- damage -------------------------------------------------------------------------------
+
+
+@READS
+@pytest.mark.parametrize("kind", ["raw", "framed"])
+def test_a_flipped_byte_is_detected_on_read(backend: Backend, kind: str, how: str) -> None:
+    store = backend.store
+    key = store.put(bytes(range(256)) if kind == "raw" else frame(FRAMED, bytes(range(256))))
+
+    def flip(raw: bytearray) -> None:
+        raw[100] ^= 0x01
+
+    damage(store, key, flip)
+    with pytest.raises(CorruptObjectError, match="corrupt") as info:
+        read(store, key, how)
+    assert info.value.key == key and "Delete the file" in str(info.value)
+
+
+@READS
+@pytest.mark.parametrize("kind", ["raw", "framed"])
+def test_a_truncated_object_is_detected_and_a_put_repairs_it(
+    backend: Backend, kind: str, how: str
+) -> None:
+    store = backend.store
+    data = bytes(range(256)) * 4 if kind == "raw" else frame(FRAMED, bytes(range(256)) * 4)
+    key = store.put(data)
+
+    def truncate(raw: bytearray) -> None:
+        del raw[500:]
+
+    damage(store, key, truncate)
+    with pytest.raises(CorruptObjectError, match=r"promises 1024 payload bytes|hash to"):
+        read(store, key, how)
+    assert store.put(data) == key
+    assert read(store, key, how) == data
+
+
+@pytest.mark.parametrize("kind", ["raw", "framed"])
+def test_a_write_that_fails_midway_leaves_nothing_visible(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    store = backend.store
+    data = os.urandom(1 << 16)
+    key = hashlib.sha256(data).hexdigest() if kind == "raw" else FRAMED
+    seen: list[bool] = []
+    backend.break_writes(monkeypatch, lambda: seen.append(store.has(key)))
+    with pytest.raises(StoreError, match="Cannot write object file") as info:
+        if kind == "raw":
+            store.put(data)
+        else:
+            store.put_framed(FRAMED, data[:1000], data[1000:])
+    assert not isinstance(info.value, CorruptObjectError)
+    monkeypatch.undo()
+    assert seen == [False]  # not visible while the write was under way
+    assert not store.has(key)
+    with pytest.raises(StoreError, match="No object"):
+        store.get(key)
+    assert store.scan() == ([], [])  # no object, and no temp file left behind
+
+
+# -- listing and safe deletion (what gc uses) ---------------------------------------------
+
+
+def test_scan_lists_exactly_the_objects_with_their_sizes(backend: Backend) -> None:
+    store = backend.store
+    assert store.scan() == ([], [])  # an empty (or not yet created) store
+    sizes = {store.put(b"x" * n): n for n in (1, 10, 1000)}
+    sizes[FRAMED] = store.put_framed(FRAMED, b"payload")
+    # Files the layout does not name as objects are never listed as objects.
+    for stranger in ("README", "zz/not-a-key", "ab/cd", f"{FRAMED[:2]}/{FRAMED}"):
+        store._write(stranger, [memoryview(b"keep me")])
+    temp = f"{FRAMED[:2]}/.{FRAMED[2:18]}.123.abcdef.tmp"
+    store._write(temp, [memoryview(b"in flight")])
+    objects, temps = store.scan()
+    assert {f.key: f.size for f in objects} == sizes
+    assert all(f.name == name_of(f.key or "") for f in objects)
+    assert [(t.name, t.key, t.size) for t in temps] == [(temp, None, 9)]
+    assert temps[0].location.endswith(temp)
+
+
+def test_remove_if_stale_deletes_old_objects_only(backend: Backend) -> None:
+    store = backend.store
+    stale, touched, reput, fresh = (store.put(b"object %d" % i * 50) for i in range(4))
+    for key in (stale, touched, reput):
+        backend.age(name_of(key))
+    cutoff = time.time() - HOUR / 2
+    store.touch(touched)  # a writer reused it after gc chose it
+    store.put(b"object 2" * 50)  # a writer stored it again
+    assert store.remove_if_stale(stale, cutoff)
+    assert not store.has(stale)
+    assert not store.remove_if_stale(stale, cutoff)  # already gone
+    for key in (touched, reput, fresh):
+        assert not store.remove_if_stale(key, cutoff)
+        assert store.has(key) and store.get(key)
+    assert sorted(f.key or "" for f in store.scan()[0]) == sorted([touched, reput, fresh])
+    assert store.scan()[1] == []  # nothing left aside
+
+
+def test_remove_temp_deletes_old_temp_files_only(backend: Backend) -> None:
+    store = backend.store
+    old, fresh = "ab/.abcdef.1.00.tmp", ".stray.2.00.tmp"
+    for name in (old, fresh):
+        store._write(name, [memoryview(b"x" * 100)])
+    backend.age(old)
+    cutoff = time.time() - HOUR / 2
+    assert store.remove_temp(old, cutoff)
+    assert not store.remove_temp(fresh, cutoff)
+    assert not store.remove_temp(old, cutoff)  # already gone
+    assert [t.name for t in store.scan()[1]] == [fresh]
+    with pytest.raises(StoreError, match="not a temp file"):
+        store.remove_temp("ab/cdef", cutoff)
+
+
+# -- choosing a backend -------------------------------------------------------------------
+
+
+def test_a_location_chooses_the_backend(tmp_path: Path) -> None:
+    assert isinstance(open_object_store(str(tmp_path)), LocalObjectStore)
+    local = open_object_store(tmp_path.as_uri())
+    assert isinstance(local, LocalObjectStore) and local.root == tmp_path
+    memory = open_object_store(f"memory://choose-{uuid.uuid4().hex}")
+    assert isinstance(memory, FsspecObjectStore) and not memory.renames_atomically
+    with pytest.raises(StoreError, match="must name a path on this machine"):
+        open_object_store("file://otherhost/path")
+
+
+def test_a_scheme_without_its_package_says_what_to_install() -> None:
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("s3fs is installed here")
+    with pytest.raises(StoreError, match=r"s3://bucket/prefix needs a package.*pip install s3fs"):
+        open_object_store("s3://bucket/prefix")
+    with pytest.raises(StoreError, match="Protocol not known"):
+        open_object_store("nosuchprotocol://bucket")
+
+
+def test_importing_the_store_does_not_import_fsspec() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, retrolog, retrolog.store.backends, retrolog.store.fsspec_objects\n"
+        "assert 'fsspec' not in sys.modules, 'fsspec imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
