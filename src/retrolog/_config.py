@@ -64,6 +64,14 @@ SETTINGS: tuple[Setting, ...] = (
         "the directory of the store (a relative path in pyproject.toml is from the project root)",
     ),
     Setting(
+        "objects_url",
+        "RETROLOG_OBJECTS_URL",
+        "<store>/objects",
+        "where checkpoint objects live: a directory, file:///path, or an fsspec URL such as "
+        "s3://bucket/prefix (the team extra)",
+        secret=True,
+    ),
+    Setting(
         "overhead_tolerance",
         "RETROLOG_OVERHEAD_TOLERANCE",
         "0.0667 (1/15)",

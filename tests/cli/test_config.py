@@ -143,3 +143,11 @@ def test_passwords_in_urls_are_masked() -> None:
     )
     assert _config.mask("s3://bucket/prefix") == "s3://bucket/prefix"
     assert _config.mask("postgresql://ann@db/runs") == "postgresql://ann@db/runs"
+
+
+def test_config_never_prints_a_password(project: Project) -> None:
+    url = "simplecache::s3://ann:hunter2@bucket/runs"
+    out = project.cli("config", RETROLOG_OBJECTS_URL=url)
+    assert out.returncode == 0, out.stderr
+    assert "hunter2" not in out.stdout and "s3://ann:***@bucket/runs" in out.stdout
+    assert "hunter2" not in project.cli("config", "--json", RETROLOG_OBJECTS_URL=url).stdout

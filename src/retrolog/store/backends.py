@@ -15,6 +15,7 @@ import re
 import urllib.parse
 from pathlib import Path
 
+from retrolog._config import lookup
 from retrolog.errors import StoreError
 from retrolog.store.objects import LocalObjectStore, ObjectStore
 
@@ -46,10 +47,11 @@ def open_object_store(location: str | os.PathLike[str], *, durable: bool = True)
 def objects_location(store: Path) -> str:
     """Where the objects of the project store directory ``store`` live.
 
-    ``RETROLOG_OBJECTS_URL`` when set (a path or any URL :func:`open_object_store`
+    The ``objects_url`` setting (``RETROLOG_OBJECTS_URL``, or the project's settings
+    files: retrolog/_config.py) when set (a path or any URL :func:`open_object_store`
     takes), else ``objects/`` inside the store.
     """
-    return os.environ.get(OBJECTS_URL_ENV, "").strip() or str(store / "objects")
+    return (lookup(OBJECTS_URL_ENV) or "").strip() or str(store / "objects")
 
 
 def object_store_for(store: Path, location: str | None = None) -> ObjectStore:
@@ -61,7 +63,7 @@ def object_store_for(store: Path, location: str | None = None) -> ObjectStore:
         its coordinator's, since workers do not inherit ``RETROLOG_`` variables);
         default :func:`objects_location`.
     """
-    if location is None and not os.environ.get(OBJECTS_URL_ENV, "").strip():
+    if location is None and not (lookup(OBJECTS_URL_ENV) or "").strip():
         return LocalObjectStore(store / "objects")
     return open_object_store(location or objects_location(store))
 

@@ -46,6 +46,11 @@ class FsspecObjectStore(ObjectStore):
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         fsspec = import_fsspec(url)
+        # Other processes, on other machines, write and delete objects here. A listing
+        # cached by the file system (s3fs keeps them) would answer has() and the times
+        # gc reads from the past: a writer could skip an object gc has just deleted, or
+        # gc delete one a writer has just freshened. So every question goes to the store.
+        storage_options = {"use_listings_cache": False, **storage_options}
         try:
             fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except ImportError as exc:
