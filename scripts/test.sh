@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_browser.sh
+# The servers the team-backend tests use, on loopback; stopped however the run ends.
+bash scripts/services.sh start
+trap 'bash scripts/services.sh stop' EXIT
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
 .venv/bin/mypy

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,3 +255,52 @@ def values_by_run(root: Path, name: str) -> dict[str, list[float]]:
     ):
         found.setdefault(str(run_id), []).append(float(value))  # type: ignore[arg-type]
     return found
+
+
+# -- the S3-compatible server (scripts/services.sh) ---------------------------------------
+
+S3_BUCKET = "retrolog-tests"
+SERVICES_ENV = Path(__file__).resolve().parent.parent / ".services" / "env"
+S3_HINT = (
+    "The S3 tests need the S3-compatible server that `bash scripts/services.sh start` starts "
+    "(the README's test command does); or set RETROLOG_TEST_S3_ENDPOINT to an S3 endpoint."
+)
+
+
+def s3_endpoint() -> str:
+    """The test S3 server's endpoint: RETROLOG_TEST_S3_ENDPOINT, else .services/env's."""
+    endpoint = os.environ.get("RETROLOG_TEST_S3_ENDPOINT", "").strip()
+    if not endpoint and SERVICES_ENV.exists():
+        for line in SERVICES_ENV.read_text().splitlines():
+            name, _, value = line.partition("=")
+            if name == "RETROLOG_TEST_S3_ENDPOINT":
+                endpoint = value.strip()
+    if not endpoint:
+        pytest.fail(S3_HINT, pytrace=False)
+    return endpoint
+
+
+@pytest.fixture
+def s3_url(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh ``s3://`` prefix on the test server, with this process's AWS variables set
+    (and so its children's) as a user of an S3-compatible server sets them."""
+    endpoint = s3_endpoint()
+    for name, value in {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "retrolog-tests",
+        "AWS_SECRET_ACCESS_KEY": "retrolog-tests",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    try:
+        if not fs.exists(S3_BUCKET):
+            fs.call_s3("create_bucket", Bucket=S3_BUCKET)
+    except OSError as exc:
+        if "BucketAlready" not in str(exc):
+            pytest.fail(
+                f"cannot reach the S3 server at {endpoint}: {exc}\n{S3_HINT}", pytrace=False
+            )
+    return f"s3://{S3_BUCKET}/{uuid.uuid4().hex}"
