@@ -49,18 +49,9 @@ from typing import Any
 
 import xxhash
 from _record_workload import CNN_SETUP
-from bench_log import conditions, source_fingerprint
+from bench_log import Measured, spread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_floor.json"
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "samples": values,
-    }
 
 
 def percent(parts: list[float], wholes: list[float]) -> dict[str, Any]:
@@ -217,22 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    started = time.time()
-    source = source_fingerprint()
-    load_before = os.getloadavg()
-    result = measure(args.reps)
-    import retrolog
-
-    head = conditions(
-        "checkpoint_floor",
-        started,
-        load_before,
-        os.getloadavg(),
-        args.reps,
-        retrolog.__version__,
-        source,
-        source_fingerprint(),
-    )
+    with Measured("checkpoint_floor", args.reps) as measured:
+        result = measure(args.reps)
+    head = measured.head()
     s = result["seconds"]
     print(
         f"cnn state {result['state_bytes'] / 1e6:.2f} MB, torch on "

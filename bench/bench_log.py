@@ -240,6 +240,39 @@ def verify_store(project: Path, lib: str, shape: str, n: int) -> int:
     return int(count)
 
 
+class Measured:
+    """Times a benchmark's run for its results head: ``with Measured(name, reps) as m: ...``,
+    then ``m.head()`` is :func:`conditions` of what ran, including the load and whether the
+    measured source changed meanwhile."""
+
+    def __init__(self, name: str, reps: int) -> None:
+        self.name, self.reps = name, reps
+
+    def __enter__(self) -> Measured:
+        self.started = time.time()
+        self.source = source_fingerprint()
+        self.load_before = os.getloadavg()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.load_after = os.getloadavg()
+        self.source_after = source_fingerprint()
+
+    def head(self) -> dict[str, Any]:
+        import retrolog
+
+        return conditions(
+            self.name,
+            self.started,
+            self.load_before,
+            self.load_after,
+            self.reps,
+            retrolog.__version__,
+            self.source,
+            self.source_after,
+        )
+
+
 def source_fingerprint() -> dict[str, Any]:
     """Which retrolog code is measured: its directory, git commit and a hash of its files."""
     spec = importlib.util.find_spec("retrolog")  # finds the package without importing it

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,19 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from _record_workload import CNN_SETUP
-from bench_log import conditions, source_fingerprint
+from bench_log import Measured, spread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "objects.json"
 BUCKET = "bench-objects"
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "samples": values,
-    }
 
 
 def _answers(port: int) -> bool:
@@ -205,23 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    started = time.time()
-    source = source_fingerprint()
-    load_before = os.getloadavg()
-    with s3_server() as endpoint:
+    with Measured("objects", args.reps) as measured, s3_server() as endpoint:
         result = measure(args.reps, endpoint)
-    import retrolog
-
-    head = conditions(
-        "objects",
-        started,
-        load_before,
-        os.getloadavg(),
-        args.reps,
-        retrolog.__version__,
-        source,
-        source_fingerprint(),
-    )
+    head = measured.head()
     print(f"{args.reps} repetitions, median [min..max], MB/s of raw state bytes")
     for name, entry in result.items():
         print(f"  {name} ({entry['raw_mb']:.1f} MB)")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from retrolog.checkpoint._arrays import DECODED
-from retrolog.store.objects import ForwardingStore, frame
+from retrolog.store.objects import ForwardingStore, ObjectStore, frame
 
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "Test User",
@@ -64,6 +64,17 @@ class WrappingStore(ForwardingStore):
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
+
+
+def read(store: ObjectStore, key: str, how: str) -> bytes:
+    """Object ``key`` as ``get`` returns it, or as ``view`` shows it (mapped, for a local store)."""
+    if how == "get":
+        return store.get(key)
+    with store.view(key) as data:
+        return bytes(data)
+
+
+READS = pytest.mark.parametrize("how", ["get", "view"])
 
 
 @dataclass

@@ -32,6 +32,8 @@ from retrolog.store.objects import (
     frame_payload,
 )
 
+from conftest import READS, read
+
 FRAMED = "0123456789abcdef" * 2  # a framed object's key, chosen by its writer
 HOUR = 3600.0
 
@@ -113,18 +115,22 @@ def _fsspec_memory(tmp_path: Path) -> Backend:
         entry = store.fs.store[store._path(name)]
         entry.modified = datetime.datetime.fromtimestamp(when, tz=datetime.timezone.utc)
 
-    def break_writes(monkeypatch: pytest.MonkeyPatch, midway: Callable[[], None]) -> None:
-        # An object store's upload is one request: what can fail midway is the request,
-        # and the object must not appear. A file opened for writing fails too, in case
-        # the store writes through one.
-        def pipe_file(path: str, value: bytes, **kwargs: Any) -> None:
-            midway()
-            raise OSError(errno.ECONNRESET, "Connection reset by peer")
+    return Backend(store, set_mtime, lambda mp, midway: _break_upload(store, mp, midway))
 
-        monkeypatch.setattr(store.fs, "pipe_file", pipe_file)
-        _break_open(store, monkeypatch, midway)
 
-    return Backend(store, set_mtime, break_writes)
+def _break_upload(
+    store: FsspecObjectStore, monkeypatch: pytest.MonkeyPatch, midway: Callable[[], None]
+) -> None:
+    """An object store's upload is one request: what can fail midway is the request, and
+    the object must not appear. A file opened for writing fails too, in case the store
+    writes through one."""
+
+    def pipe_file(path: str, value: bytes, **kwargs: Any) -> None:
+        midway()
+        raise OSError(errno.ECONNRESET, "Connection reset by peer")
+
+    monkeypatch.setattr(store.fs, "pipe_file", pipe_file)
+    _break_open(store, monkeypatch, midway)
 
 
 class _AgedS3(FsspecObjectStore):
@@ -165,15 +171,7 @@ def _s3(url: str) -> Backend:
     def set_mtime(name: str, when: float) -> None:
         store.aged[name] = time.time() - when
 
-    def break_writes(monkeypatch: pytest.MonkeyPatch, midway: Callable[[], None]) -> None:
-        def pipe_file(path: str, value: bytes, **kwargs: Any) -> None:
-            midway()
-            raise OSError(errno.ECONNRESET, "Connection reset by peer")
-
-        monkeypatch.setattr(store.fs, "pipe_file", pipe_file)
-        _break_open(store, monkeypatch, midway)
-
-    return Backend(store, set_mtime, break_writes)
+    return Backend(store, set_mtime, lambda mp, midway: _break_upload(store, mp, midway))
 
 
 BACKENDS = {"local": _local, "fsspec-file": _fsspec_file, "fsspec-memory": _fsspec_memory}
@@ -200,16 +198,6 @@ def damage(store: ObjectStore, key: str, change: Callable[[bytearray], None]) ->
     raw = bytearray(store._read(name_of(key)))
     change(raw)
     store._write(name_of(key), [memoryview(bytes(raw))])
-
-
-def read(store: ObjectStore, key: str, how: str) -> bytes:
-    if how == "get":
-        return store.get(key)
-    with store.view(key) as data:
-        return bytes(data)
-
-
-READS = pytest.mark.parametrize("how", ["get", "view"])
 
 
 # -- storing and reading ------------------------------------------------------------------

@@ -23,22 +23,11 @@ from retrolog.store.objects import (
     object_key,
 )
 
-from conftest import WrappingStore
+from conftest import READS, WrappingStore, read
 
 
 def object_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
-
-
-def read(store: ObjectStore, key: str, how: str) -> bytes:
-    """Object ``key`` as ``get`` returns it, or as ``view`` shows it (mapped, for a local store)."""
-    if how == "get":
-        return store.get(key)
-    with store.view(key) as data:
-        return bytes(data)
-
-
-READS = pytest.mark.parametrize("how", ["get", "view"])
 
 
 def test_put_get_has_delete(tmp_path: Path) -> None:
