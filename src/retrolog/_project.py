@@ -265,16 +265,12 @@ class Project:
                                 should_stop=should_stop, progress=progress)  # fmt: skip
 
     def endings(self) -> tuple[Any, ...]:
-        """A value that changes whenever a run or a replay ends (what the indexer waits
-        for before it looks for new series)."""
+        """A value that changes whenever a run or a replay starts or ends (what the indexer
+        waits for before it looks for new series)."""
+        from retrolog.store.metadata import activity_stamp
+
         with self.reader() as conn:
-            return tuple(
-                conn.execute(
-                    "SELECT (SELECT COUNT(*) FROM runs WHERE status != 'running'),"
-                    " (SELECT MAX(ended_at) FROM runs), (SELECT COUNT(*) FROM replays),"
-                    " (SELECT MAX(ended_at) FROM replays)"
-                ).fetchone()
-            )
+            return activity_stamp(conn)
 
     @property
     def indexable(self) -> bool:

@@ -48,7 +48,7 @@ import pandas as pd
 
 from retrolog._query.sql import execute_read
 from retrolog.errors import QueryError, UnknownNameError
-from retrolog.store.metadata import read_snapshot, storable_text
+from retrolog.store.metadata import activity_stamp, read_snapshot, storable_text
 
 META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 """The run columns every wide view starts with."""
@@ -568,14 +568,7 @@ def _quiet_store_key(conn: sqlite3.Connection) -> tuple[Any, ...] | None:
         st = os.stat(path)
     except OSError:
         return None
-    runs = conn.execute(
-        "SELECT COUNT(*), COALESCE(SUM(status = 'running'), 0), MAX(started_at), MAX(ended_at)"
-        " FROM runs"
-    ).fetchone()
-    replays = conn.execute(
-        "SELECT COUNT(*), COALESCE(SUM(status = 'running'), 0), MAX(started_at), MAX(ended_at)"
-        " FROM replays"
-    ).fetchone()
+    runs, replays = activity_stamp(conn)
     if runs[1] or replays[1]:
         return None
     return (path, st.st_dev, st.st_ino, *runs, *replays)

@@ -249,6 +249,24 @@ def storable_text(text: str) -> str:
     return text
 
 
+def activity_stamp(conn: sqlite3.Connection) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    """The runs' and the replays' (count, how many running, last start, last end).
+
+    It changes whenever a run or a replay starts or ends, so a reader that keeps
+    something computed from the store (the dataframe's loop names, the dashboard's
+    indexer) compares stamps to know when to compute it again.
+    """
+    runs = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(status = 'running'), 0), MAX(started_at), MAX(ended_at)"
+        " FROM runs"
+    ).fetchone()
+    replays = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(status = 'running'), 0), MAX(started_at), MAX(ended_at)"
+        " FROM replays"
+    ).fetchone()
+    return tuple(runs), tuple(replays)
+
+
 def rollback(conn: sqlite3.Connection) -> None:
     """Roll back the open transaction, if SQLite has not already (it has after a full disk).
 
