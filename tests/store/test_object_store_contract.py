@@ -425,3 +425,27 @@ def test_importing_the_store_does_not_import_fsspec() -> None:
         "assert 'fsspec' not in sys.modules, 'fsspec imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_s3_freshens_an_object_without_moving_its_bytes(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reused object (a frozen layer, every checkpoint) is freshened by one server-side
+    copy, not downloaded and uploaded again."""
+    store = open_object_store(s3_url)
+    assert isinstance(store, FsspecObjectStore)
+    key = store.put(b"a frozen layer" * 1000)
+    before = next(f.mtime for f in store.scan()[0] if f.key == key)
+    time.sleep(1.1)  # S3 keeps times in whole seconds
+
+    def no_transfer(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the object's bytes were moved to freshen it")
+
+    monkeypatch.setattr(store.fs, "pipe_file", no_transfer)
+    monkeypatch.setattr(store.fs, "cat_file", no_transfer)
+    assert store.touch(key)
+    assert next(f.mtime for f in store.scan()[0] if f.key == key) > before
+    monkeypatch.undo()
+    assert store.get(key) == b"a frozen layer" * 1000
+    missing = "ab" * 32
+    assert not store.touch(missing)
