@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from _record_workload import CNN_SETUP
+from bench_checkpoint_floor import tensors
 from bench_log import Measured, spread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "objects.json"
@@ -171,23 +172,7 @@ def measure(reps: int, endpoint: str) -> dict[str, Any]:
 
 
 def _raw_bytes(snap: Any) -> int:
-    import torch
-
-    total = 0
-
-    def walk(value: Any) -> None:
-        nonlocal total
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-
-    walk(snap.objects)
-    return total
+    return sum(t.numel() * t.element_size() for t in tensors(snap.objects))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ clones must not decide them (``trust_pickles``: reading a pickle can run any
 code).
 
 :func:`use` is called when a project is located (``store.paths.locate``): it
-reads the two files once and keeps their values for :func:`lookup`, which the
+reads each of the two files once and keeps their values for :func:`lookup`, which the
 readers of the settings call instead of ``os.environ``. Nothing is written to
 the process's environment. ``retrolog config`` shows every setting, its value
 and where it came from, with any password in a URL masked: credentials are
@@ -241,31 +241,37 @@ def read_file(path: Path, table: str | None) -> dict[str, str]:
     return found
 
 
-def project_store(root: Path, environ: Mapping[str, str] | None = None) -> Path | None:
-    """The store directory set by the environment or by ``root``'s pyproject.toml, if any."""
+def load(
+    root: Path, default_store: Path, environ: Mapping[str, str] | None = None
+) -> tuple[Path, dict[str, tuple[str, str]]]:
+    """The project's store directory and what its two files set, each file read once.
+
+    The store is the environment's ``RETROLOG_STORE``, else ``store`` in ``root``'s
+    pyproject.toml (relative to ``root``), else ``default_store``. The values map an
+    environment variable to (value, the file that set it); config.toml wins.
+    """
     env = os.environ if environ is None else environ
+    pyproject = root / PYPROJECT
+    from_pyproject = read_file(pyproject, "retrolog")
     override = env.get(BY_KEY["store"].env, "").strip()
     if override:
-        return Path(override).expanduser().resolve()
-    value = read_file(root / PYPROJECT, "retrolog").get("store")
-    if value:
-        return (root / Path(value).expanduser()).resolve()
-    return None
+        store = Path(override).expanduser().resolve()
+    elif from_pyproject.get("store"):
+        store = (root / Path(from_pyproject["store"]).expanduser()).resolve()
+    else:
+        store = default_store
+    values = {BY_KEY[key].env: (value, str(pyproject)) for key, value in from_pyproject.items()}
+    for key, value in read_file(store / STORE_FILE, None).items():
+        values[BY_KEY[key].env] = (value, str(store / STORE_FILE))
+    return store, values
 
 
-def file_values(root: Path, store: Path) -> dict[str, tuple[str, str]]:
-    """What the project's two files set: environment variable -> (value, source file)."""
-    values: dict[str, tuple[str, str]] = {}
-    for path, table in ((root / PYPROJECT, "retrolog"), (store / STORE_FILE, None)):
-        for key, value in read_file(path, table).items():
-            values[BY_KEY[key].env] = (value, str(path))  # the store's file comes second: wins
-    return values
-
-
-def use(root: Path, store: Path) -> None:
-    """Take the settings of the project at ``root`` (store ``store``) for :func:`lookup`."""
+def use(root: Path, default_store: Path) -> Path:
+    """Take the settings of the project at ``root`` for :func:`lookup`; its store directory
+    (see :func:`load`)."""
     global _file_values
-    _file_values = file_values(root, store)
+    store, _file_values = load(root, default_store)
+    return store
 
 
 def lookup(env: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -285,24 +291,21 @@ def lookup(env: str, environ: Mapping[str, str] | None = None) -> str | None:
     return found[0] if found else None
 
 
-def resolve(root: Path, store: Path, environ: Mapping[str, str] | None = None) -> list[Resolved]:
+def resolve(
+    root: Path, default_store: Path, environ: Mapping[str, str] | None = None
+) -> list[Resolved]:
     """Every setting's value and source for the project at ``root``, as `retrolog config` shows."""
     env = os.environ if environ is None else environ
-    files = file_values(root, store)
+    store, files = load(root, default_store, env)
     resolved = []
     for setting in SETTINGS:
         value = env.get(setting.env, "").strip()
         if value:
             resolved.append(Resolved(setting, value, f"environment ({setting.env})"))
-        elif setting.key == "store":
-            from_file = read_file(root / PYPROJECT, "retrolog").get("store")
-            if from_file:
-                resolved.append(Resolved(setting, str(store), str(root / PYPROJECT)))
-            else:
-                resolved.append(Resolved(setting, None, "default"))
         elif setting.in_files and setting.env in files:
             text, path = files[setting.env]
-            resolved.append(Resolved(setting, text, path))
+            shown = str(store) if setting.key == "store" else text  # the path it resolves to
+            resolved.append(Resolved(setting, shown, path))
         else:
             resolved.append(Resolved(setting, None, "default"))
     return resolved

@@ -61,6 +61,7 @@ class Project:
         the settings files and the environment are read, never written.
         """
         from retrolog._config import resolve
+        from retrolog.store.paths import STORE_DIRNAME
 
         return [
             {
@@ -70,7 +71,7 @@ class Project:
                 "source": r.source,
                 "help": r.setting.help,
             }
-            for r in resolve(self.paths.root, self.paths.store)
+            for r in resolve(self.paths.root, self.paths.root / STORE_DIRNAME)
         ]
 
     @contextlib.contextmanager

@@ -71,6 +71,5 @@ def locate(cwd: Path | None = None) -> ProjectPaths:
     here = (cwd or Path.cwd()).resolve()
     top = git_toplevel(here)
     root = top if top is not None else here
-    store = _config.project_store(root) or root / STORE_DIRNAME
-    _config.use(root, store)
+    store = _config.use(root, root / STORE_DIRNAME)
     return ProjectPaths(root=root, store=store, in_git=top is not None)
