@@ -88,3 +88,77 @@ def test_record_replay_and_gc_with_objects_at_a_url(
     assert len(store.scan()[0]) < before
     for manifest in kept:
         load_checkpoint(store, manifest)
+
+
+REAL_SHAPED = """\
+import argparse
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import retrolog as rl
+
+
+def train(args):
+    torch.manual_seed(args.seed)
+    x = torch.randn(8192, 64)
+    y = (x[:, 0] > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                        nn.Linear(512, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    with rl.checkpointing(net=net, opt=opt):
+        for epoch in rl.loop("epoch", range(args.epochs)):
+            for xb, yb in rl.loop("step", loader):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(net(xb), yb)
+                loss.backward()
+                opt.step()
+                rl.log("loss", loss.item())
+            sched.step()
+            # HINDSIGHT
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    train(parser.parse_args())
+"""
+W_NORM = 'rl.log("w_norm", float(sum(p.norm() ** 2 for p in net.parameters())))'
+
+
+def test_default_settings_record_and_replay_a_torch_script_exactly_from_s3(
+    tmp_path: Path, s3_url: str
+) -> None:
+    """torch's own threads, the adaptive rule, default replay workers, an argparse script
+    with its loops in a function, a DataLoader and a scheduler; objects on S3."""
+    project = new_project(tmp_path / "proj")
+    default = {"RETROLOG_CHECKPOINTS": ""}  # the suite pins "every"; users don't
+    project.write("train.py", REAL_SHAPED)
+    project.git("add", "-A")
+    project.git("commit", "-qm", "train")
+    project.run("train.py", "--lr", "0.1", RETROLOG_OBJECTS_URL=s3_url, **default)
+    manifests = [m for (m,) in read_db(project.root, "SELECT manifest FROM checkpoints")]
+    assert manifests  # the end state at least, whatever the rule chose
+    assert files(project.root / ".retrolog" / "objects") == []
+    store = open_object_store(s3_url)
+    for manifest in manifests:
+        load_checkpoint(store, manifest)
+
+    project.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+    out = project.cli("replay", "w_norm", "--yes", RETROLOG_OBJECTS_URL=s3_url, **default)
+    assert out.returncode == 0, out.stderr
+    replayed = read_db(project.root, NORMS.format(origin="AND l.origin = 'backfilled'"))
+    with tempfile.TemporaryDirectory() as fresh_store:
+        project.run("train.py", "--lr", "0.1", RETROLOG_STORE=fresh_store, **default)
+        fresh = sqlite3.connect(Path(fresh_store) / "retrolog.db")
+        expected = fresh.execute(NORMS.format(origin="")).fetchall()
+        fresh.close()
+    assert len(expected) == 4 and replayed == expected
+    # Epochs of real length: the rule kept checkpoints and the replay restored them from S3.
+    ((restored,),) = read_db(project.root, "SELECT restored FROM replay_runs")
+    assert restored and restored > 0, out.stdout
