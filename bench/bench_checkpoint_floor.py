@@ -15,9 +15,10 @@ cost directly, in CPU time, which other processes' load disturbs much less:
   at its default thread count), its wall time and the process's CPU time;
 - ``capture``: retrolog's snapshot of the model and Adam state into reused
   buffers, on the training thread (what the training thread pays);
-- ``encode``: the urgent lane's encode of that snapshot (lz4, no deltas) into
-  a durable object store in a temporary directory, the process's CPU time (the
-  encode thread and the write-behind thread that writes and fsyncs objects);
+- ``encode``: the urgent lane's encode of that snapshot while training runs
+  (``background.encode_urgent``: uncompressed, small arrays in the manifest,
+  no deltas) into a durable object store in a temporary directory, in the
+  process's CPU time (every thread the encode uses);
 - ``floor``: the least work that persists the same state: the tensors' bytes
   copied into preallocated memory, hashed once (xxh3-128), written as one file
   and fsynced, in the process's CPU time. Anything that keeps a checkpoint
@@ -118,7 +119,7 @@ def measure(reps: int) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from retrolog.checkpoint.codec import encode
+    from retrolog.checkpoint.background import encode_urgent
     from retrolog.checkpoint.state import SnapshotBuffers, snapshot
     from retrolog.store.objects import LocalObjectStore
 
@@ -155,7 +156,7 @@ def measure(reps: int) -> dict[str, Any]:
                 "idle_cpu",
             )
         }
-        nbytes = 0
+        nbytes = stored = 0
         for _ in range(reps):
             w, c = time.perf_counter(), time.process_time()
             epoch()
@@ -170,7 +171,7 @@ def measure(reps: int) -> dict[str, Any]:
             out["capture_cpu"].append(time.thread_time() - c)
 
             w, c = time.perf_counter(), time.process_time()
-            encode(snap, store, fast=True)
+            _, stored = encode_urgent(snap, store, finishing=False)
             out["encode_wall"].append(time.perf_counter() - w)
             out["encode_cpu"].append(time.process_time() - c)
 
@@ -191,6 +192,7 @@ def measure(reps: int) -> dict[str, Any]:
             }
         return {
             "state_bytes": nbytes,
+            "stored_bytes": stored,  # the last checkpoint's manifest and objects
             "torch_threads": torch.get_num_threads(),
             "seconds": {k: spread(v) for k, v in out.items()},
             "checkpoint_cpu_seconds": spread(checkpoint),
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     head = measured.head()
     s = result["seconds"]
     print(
-        f"cnn state {result['state_bytes'] / 1e6:.2f} MB, torch on "
+        f"cnn state {result['state_bytes'] / 1e6:.2f} MB (stored as "
+        f"{result['stored_bytes'] / 1e6:.2f} MB), torch on "
         f"{result['torch_threads']} threads, {args.reps} repetitions, median [min..max]"
     )
     print(

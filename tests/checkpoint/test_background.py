@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from retrolog.checkpoint import background
-from retrolog.checkpoint._arrays import content_key
+from retrolog.checkpoint._arrays import BLOSC, RAW, content_key, read_info
 from retrolog.checkpoint.background import BackgroundCheckpointer
 from retrolog.checkpoint.capture import CheckpointRecord, restore_checkpoint
 from retrolog.checkpoint.codec import decode, encode, manifest_blobs
@@ -414,6 +414,16 @@ def test_the_idle_lane_takes_idle_cycles_and_close_has_the_urgent_lane_write_the
     assert [(o["a"][0], o["b"][0]) for o in restored] == [(0.0, 1.0), (1.0, 2.0), (3.0, 2.0)]
     assert seen[1][2].write_seconds >= 0.2  # counted from the idle lane's attempt's start
     assert ckpt.finished_at_close == 2 and ckpt.urgent_writes == 0
+    # Training over, the user waits: the urgent lane compresses (lz4), every core.
+    # (Objects the idle lane wrote before, and the RNG states' integers, are reused as
+    # they are.)
+    assert all(BLOSC in codecs(store, r.manifest) for _, _, r in seen[1:])
+
+
+def codecs(store: ObjectStore, manifest: str) -> set[int]:
+    """How the array objects of a checkpoint are stored (_arrays.RAW, BLOSC, ...)."""
+    infos = [read_info(store, key) for key in manifest_blobs(manifest, store)]
+    return {info.codec for info in infos if info is not None}
 
 
 def test_the_writer_at_training_priority_when_asked(store: LocalObjectStore) -> None:
@@ -523,6 +533,8 @@ def test_a_due_checkpoint_is_written_by_the_urgent_lane_while_the_idle_lane_star
     assert record.idle_seconds is not None and record.idle_seconds > 0.1  # stalled meanwhile
     assert ckpt.urgent_writes == 1
     assert decode(record.manifest, store).objects["a"][-1] == 9999.0
+    # While training runs it costs training the least CPU: stored as it comes.
+    assert codecs(store, record.manifest) == {RAW}
     # Written, but the stalled idle lane still reads that snapshot's memory: it is not
     # handed to the next capture until the lane lets go of it.
     assert ckpt.in_flight == 1

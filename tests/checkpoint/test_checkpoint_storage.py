@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retrolog.checkpoint import _arrays
+from retrolog.checkpoint import _arrays, codec
 from retrolog.checkpoint._arrays import read_info
 from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
 from retrolog.checkpoint.codec import DeltaHistory, decode, encode, manifest_blobs
@@ -40,6 +40,13 @@ TORCH_FLOATS = {  # dtype -> the signed integer type of its width, for its bit p
     "float64": (torch.float64, torch.int64),
 }
 SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+# encode()'s modes: the idle lane's (zstd, deltas), the exit's (lz4) and the urgent lane's
+# while training runs (uncompressed, small arrays in the manifest).
+MODES: dict[str, dict[str, bool]] = {
+    "small": {},
+    "fast": {"fast": True},
+    "least_cpu": {"least_cpu": True},
+}
 
 
 @pytest.fixture
@@ -102,6 +109,7 @@ def layout(t: torch.Tensor, how: str) -> torch.Tensor:
     max_chain=st.sampled_from([0, 1, 2, 4]),
     history=st.booleans(),
     bases_in_memory=st.booleans(),
+    mode=st.sampled_from(sorted(MODES)),
 )
 def test_tensor_versions_round_trip_exactly(
     tmp_path_factory: pytest.TempPathFactory,
@@ -113,9 +121,11 @@ def test_tensor_versions_round_trip_exactly(
     max_chain: int,
     history: bool,
     bases_in_memory: bool,
+    mode: str,
 ) -> None:
     """Every version of a tensor decodes to its exact bits, through deltas and chains,
-    with the delta bases kept in memory or read back from the store."""
+    with the delta bases kept in memory or read back from the store, in every encode mode
+    (a run's checkpoints come from both writer lanes, so the modes interleave)."""
     store = LocalObjectStore(tmp_path_factory.mktemp("objects"), durable=False)
     rng = np.random.default_rng(seed)
     # min_gain=1 takes a delta whenever it is not larger: chains get long quickly.
@@ -126,7 +136,9 @@ def test_tensor_versions_round_trip_exactly(
     for how_next in ["same", *steps]:
         t = step(rng, t, how_next)
         value = {"w": layout(t, how), "copy": t.clone(), "n": 3}
-        key, _ = encode(Snapshot(objects={"model": value}, rng={}), store, history=hist)
+        key, _ = encode(
+            Snapshot(objects={"model": value}, rng={}), store, history=hist, **MODES[mode]
+        )
         fresh = layout(t, how).clone(memory_format=torch.contiguous_format)
         written.append((key, {"w": fresh, "copy": t.clone(), "n": 3}))
     for key, expected in written:
@@ -143,6 +155,7 @@ def test_tensor_versions_round_trip_exactly(
     shape=st.sampled_from([(0,), (5,), (40, 30), (600, 7), (3, 0, 2), ()]),
     order=st.sampled_from(["C", "F", "strided"]),
     seed=st.integers(0, 2**32 - 1),
+    mode=st.sampled_from(sorted(MODES)),
 )
 def test_arrays_round_trip_exactly(
     tmp_path_factory: pytest.TempPathFactory,
@@ -150,6 +163,7 @@ def test_arrays_round_trip_exactly(
     shape: tuple[int, ...],
     order: str,
     seed: int,
+    mode: str,
 ) -> None:
     store = LocalObjectStore(tmp_path_factory.mktemp("objects"), durable=False)
     rng = np.random.default_rng(seed)
@@ -165,7 +179,8 @@ def test_arrays_round_trip_exactly(
     changed = arr.copy()
     changed.reshape(-1).view(np.uint8)[::7] ^= 1  # a next version close to this one
     for version in (arr, arr.copy(), changed, changed):
-        key, _ = encode(Snapshot(objects={"a": [version]}, rng={}), store, history=hist)
+        snap = Snapshot(objects={"a": [version]}, rng={})
+        key, _ = encode(snap, store, history=hist, **MODES[mode])
         out = decode(key, store).objects["a"][0]
         assert out.dtype == version.dtype and out.shape == version.shape
         assert out.tobytes() == version.tobytes()
@@ -668,6 +683,56 @@ def test_a_fast_encode_writes_arrays_behind_and_the_manifest_last(tmp_path: Path
     serial = OneThreadAtATime(tmp_path / "serial")
     encode(Snapshot(objects=objects, rng={}), serial, fast=True)
     assert set(serial.writers) == here
+
+
+def test_the_least_cpu_encode_stores_arrays_as_they_come_and_small_ones_in_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The urgent lane's encode while training runs: no compression, no write-behind
+    thread, one object per array the snapshot pools (and its memo may name later), the
+    smaller ones inline; a later checkpoint references the stored one by key."""
+
+    def no_thread(store: Any) -> None:
+        raise AssertionError("least_cpu started a write-behind thread")
+
+    monkeypatch.setattr(_arrays, "_WriteBehind", no_thread)
+    store = _RecordingStore(tmp_path / "objects")
+    pooled = codec.LEAST_CPU_INLINE_BYTES + 1  # bytes: the smallest array the memo may name
+    objects = {
+        "w": weights(100_000),  # 400 kB: would compress under every other mode
+        "at_pooling": weights(pooled // 4),
+        "below_pooling": weights(pooled // 4 - 1),
+        "small": weights(300),
+        "ints": torch.arange(50_000),
+    }
+    key, nbytes = encode(Snapshot(objects=objects, rng={}), store, least_cpu=True)
+    assert_same(decode(key, store).objects, objects)
+    blobs = manifest_blobs(key, store)
+    infos = [read_info(store, b) for b in blobs]
+    assert len(blobs) == 3 and all(i is not None and i.codec == _arrays.RAW for i in infos)
+    items = dict(json.loads(store.get(key))["objects"]["items"])
+    assert {name for name, node in items.items() if "blob" in node} == {"w", "at_pooling", "ints"}
+    assert set(store.writers) == {threading.current_thread().name}
+    assert nbytes == sum(files(store).values())
+    # Compressed by the other modes: what least_cpu gives up is bytes, not exactness.
+    monkeypatch.undo()
+    other = LocalObjectStore(tmp_path / "fast", durable=False)
+    _, fast_bytes = encode(Snapshot(objects={"w": objects["w"]}, rng={}), other, fast=True)
+    assert fast_bytes < 0.95 * 400_000
+
+    # The memo's reference to the raw object (a frozen tensor) decodes in a later checkpoint.
+    from retrolog.checkpoint.state import SnapshotBuffers, StoredTensor, TensorMemo, snapshot
+
+    buffers = SnapshotBuffers(TensorMemo())
+    state = {"m": {"frozen": weights(30_000, seed=3), "trained": weights(30_000, seed=4)}}
+    first = snapshot(state, buffers)
+    encode(first, store, least_cpu=True)
+    buffers.rewind()
+    state["m"]["trained"].add_(1.0)
+    second = snapshot(state, buffers)
+    assert isinstance(second.objects["m"]["frozen"], StoredTensor)
+    key2, _ = encode(second, store, least_cpu=True)
+    assert_same(decode(key2, store).objects, state)
 
 
 def test_a_failed_write_behind_stops_the_encode_before_its_manifest(tmp_path: Path) -> None:

@@ -286,6 +286,7 @@ class ArrayWriter:
         threads: int = 1,
         interrupt: Callable[[], bool] | None = None,
         fast: bool = False,
+        compress: bool = True,
     ) -> None:
         self.store = store
         self.history = history
@@ -293,10 +294,13 @@ class ArrayWriter:
         # Latency over size: lz4 instead of zstd, and no delta attempts (a delta is
         # a pass over the data and, when it does not clearly win, a second compression).
         self.fast = fast
+        self.compress = compress  # False: every array is stored as it comes (RAW)
         # With the user waiting for the exit (fast), the next array is compressed while
         # the previous one is written, on one write-behind thread, where the store
-        # takes calls from several threads at once.
-        self._behind = _WriteBehind(store) if fast and store.concurrent_calls else None
+        # takes calls from several threads at once. Without compression there is
+        # nothing to overlap the writes with: the thread would only cost its start.
+        behind = fast and compress and store.concurrent_calls
+        self._behind = _WriteBehind(store) if behind else None
         self.interrupt = interrupt  # polled before each array: stop with Interrupted
         self.stats = EncodeStats()
         self.infos: dict[str, ObjectInfo] = {}  # every object the checkpoint needs, bases too
@@ -399,7 +403,12 @@ class ArrayWriter:
         itemsize: int,
         is_float: bool,
     ) -> ObjectInfo:
-        if not is_float or data.nbytes < MIN_COMPRESS_BYTES or itemsize not in _UINT:
+        if (
+            not self.compress
+            or not is_float
+            or data.nbytes < MIN_COMPRESS_BYTES
+            or itemsize not in _UINT
+        ):
             return self._put(key, RAW, itemsize, 0, data.nbytes, None, [data])
         full: list[bytes] | None = None
         delta: list[bytes] | None = None

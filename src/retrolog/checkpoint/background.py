@@ -59,6 +59,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from retrolog.checkpoint._arrays import _codec, all_cores, preload_codec
@@ -619,17 +620,11 @@ class BackgroundCheckpointer(Checkpointer):
                     section=self._gate.section,
                 )
             else:
-                # At training's priority each CPU second costs training about one, so the
-                # cheapest encode: lz4 and no deltas, a third less CPU than zstd for 9% more
-                # bytes on the cnn workload's state (docs/materialization.md). Without the
-                # history, which the idle lane may be using, stalled inside this very
-                # checkpoint. Training over (at close): every core.
-                result = encode(
+                result = encode_urgent(
                     snap,
                     self.store,
-                    threads=all_cores() if finishing else 1,
+                    finishing=finishing,
                     interrupt=interrupt,
-                    fast=True,
                     section=self._gate.section,
                 )
         except Interrupted:
@@ -746,6 +741,33 @@ class BackgroundCheckpointer(Checkpointer):
         self._free_buffers.append(job.buffers)
         job.buffers = None
         job.snap = None
+
+
+def encode_urgent(
+    snap: Snapshot,
+    store: ObjectStore,
+    *,
+    finishing: bool,
+    interrupt: Callable[[], bool] | None = None,
+    section: Callable[[], AbstractContextManager[object]] = nullcontext,
+) -> tuple[str, int]:
+    """How the urgent lane writes a checkpoint (bench/bench_checkpoint_floor.py times it).
+
+    While training runs, each CPU second the urgent lane spends costs training
+    about one: the least CPU per checkpoint (``least_cpu``: stored
+    uncompressed, small arrays in the manifest, no write-behind thread), about a
+    third of lz4's for a fifth more bytes on the cnn workload's state
+    (docs/record-overhead.md, "The floor of one checkpoint"). Training over (at
+    close), the user waits for the bytes to reach the disk: lz4 on every core,
+    compressing the next array while the last is written. Never with the delta
+    history, which the idle lane may be using, stalled inside this very
+    checkpoint.
+    """
+    if finishing:
+        return encode(
+            snap, store, threads=all_cores(), interrupt=interrupt, fast=True, section=section
+        )
+    return encode(snap, store, interrupt=interrupt, least_cpu=True, section=section)
 
 
 def _is_due(job: _Job) -> bool:

@@ -68,6 +68,7 @@ from retrolog.checkpoint._arrays import (
     read_info,
 )
 from retrolog.checkpoint.state import (
+    POOLED_BYTES,
     DeviceTensor,
     Snapshot,
     StoredTensor,
@@ -95,6 +96,10 @@ __all__ = [
 FORMAT = "retrolog.snapshot/2"
 READABLE = ("retrolog.snapshot/1", FORMAT)
 INLINE_BYTES = 1024  # values up to this many bytes live in the manifest, longer ones in objects
+# With least_cpu, arrays below this live in the manifest too: each object costs a write, an
+# fsync and a directory entry, far more than base64 of a small array. Below the snapshot's
+# pooling size, so never a tensor its memo could later reference by key (state.POOLED_BYTES).
+LEAST_CPU_INLINE_BYTES = POOLED_BYTES - 1
 PARALLEL_READ_BYTES = 4 << 20  # below this, starting threads costs more than it saves
 
 
@@ -106,6 +111,7 @@ def encode(
     threads: int = 1,
     interrupt: Callable[[], bool] | None = None,
     fast: bool = False,
+    least_cpu: bool = False,
     section: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> tuple[str, int]:
     """Write ``snap`` to ``store``.
@@ -131,8 +137,16 @@ def encode(
     whether or not this call wrote them.
     """
     started = time.perf_counter()
-    arrays = ArrayWriter(store, history, threads=threads, interrupt=interrupt, fast=fast)
-    encoder = _Encoder(store, arrays, section)
+    arrays = ArrayWriter(
+        store,
+        history,
+        threads=threads,
+        interrupt=interrupt,
+        fast=fast or least_cpu,
+        compress=not least_cpu,
+    )
+    inline = LEAST_CPU_INLINE_BYTES if least_cpu else INLINE_BYTES
+    encoder = _Encoder(store, arrays, section, inline)
     try:
         # The top-level dict is built here so errors can name the object at fault.
         items = []
@@ -256,10 +270,12 @@ class _Encoder:
         store: ObjectStore,
         arrays: ArrayWriter,
         section: Callable[[], AbstractContextManager[object]] = nullcontext,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         self.store = store
         self.arrays = arrays
         self.section = section  # around torch calls: see encode()
+        self.inline_bytes = inline_bytes  # arrays up to this size go in the manifest
         self.blobs: dict[str, int] = {}  # raw object key -> size, each counted once
         self.name: str | None = None  # the snapshot object being encoded, for errors
 
@@ -389,7 +405,7 @@ class _Encoder:
         is_float: bool,
     ) -> dict[str, Any]:
         """Add the bytes ``flat`` of an array or tensor to ``node``: inline, or as an object."""
-        if flat.nbytes <= INLINE_BYTES:
+        if flat.nbytes <= self.inline_bytes:
             node["b64"] = _b64(flat.tobytes())
         else:
             node["blob"] = self.arrays.put(path, dtype, node["shape"], flat, itemsize, is_float)
