@@ -253,6 +253,9 @@ def pickles_trusted() -> bool:
     return _env_flag(TRUST_PICKLES_ENV)
 
 
+_INT = {int}
+
+
 def _simple_dtype(dtype: np.dtype[Any]) -> bool:
     """Whether an array of ``dtype`` is exactly its raw bytes plus ``dtype.str``."""
     return not dtype.hasobject and dtype.fields is None and dtype.itemsize > 0
@@ -276,6 +279,7 @@ class _Encoder:
         self.arrays = arrays
         self.section = section  # around torch calls: see encode()
         self.inline_bytes = inline_bytes  # arrays up to this size go in the manifest
+        self.torch: Any = None  # imported at the first tensor
         self.blobs: dict[str, int] = {}  # raw object key -> size, each counted once
         self.name: str | None = None  # the snapshot object being encoded, for errors
 
@@ -293,10 +297,12 @@ class _Encoder:
                 return v
             text = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
             return {"$": "float", "v": text, "bits": struct.pack(">d", v).hex()}
-        if t is list:
-            return [self.value(x, f"{path}[{i}]") for i, x in enumerate(v)]
-        if t is tuple:
-            return {"$": "tuple", "v": [self.value(x, f"{path}[{i}]") for i, x in enumerate(v)]}
+        if t is list or t is tuple:
+            if set(map(type, v)) <= _INT:  # ints are themselves: an RNG state's 625 words
+                items = list(v)
+            else:
+                items = [self.value(x, f"{path}[{i}]") for i, x in enumerate(v)]
+            return items if t is list else {"$": "tuple", "v": items}
         if t is dict or t is OrderedDict:
             items = [
                 [self.value(k, f"{path} key {k!r}"), self.value(x, f"{path}[{k!r}]")]
@@ -352,7 +358,9 @@ class _Encoder:
 
     def tensor(self, v: Any, path: str, known: str | None = None) -> dict[str, Any]:
         """The node of tensor ``v``; ``known``: its key, when it is stored already."""
-        torch = import_torch("Encoding a tensor")
+        torch = self.torch
+        if torch is None:
+            torch = self.torch = import_torch("Encoding a tensor")
         if v.layout == torch.sparse_coo and known is None:
             with self.section():
                 v = v.coalesce()
