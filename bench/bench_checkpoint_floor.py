@@ -171,7 +171,7 @@ def measure(reps: int) -> dict[str, Any]:
             out["capture_cpu"].append(time.thread_time() - c)
 
             w, c = time.perf_counter(), time.process_time()
-            _, stored = encode_urgent(snap, store, finishing=False)
+            _, stored = encode_urgent(snap, store)
             out["encode_wall"].append(time.perf_counter() - w)
             out["encode_cpu"].append(time.process_time() - c)
 
