@@ -6,11 +6,13 @@ Run from the repository root with the project's venv (the dev and team extras):
     python bench/bench_objects.py --reps 7
 
 Issue 16 asks for checkpoint write and restore throughput to the S3 server
-against local disk. Two states, each encoded as a recording's checkpoint writer
-encodes it when training is over (lz4, every core) and restored as a replay
-worker restores it (``decode``, retrolog's in-process cache emptied first):
+against local disk. Two states, each encoded as a recording's urgent lane
+encodes it, while training runs and when it is over (``encode_urgent``:
+uncompressed, small arrays in the manifest), and restored as a replay worker
+restores it (``decode``, retrolog's in-process cache emptied first):
 
-- ``cnn``: bench_record's cnn model and Adam state (2.5 MB, 11 objects);
+- ``cnn``: bench_record's cnn model and Adam state (2.5 MB, 3 objects and the
+  manifest);
 - ``mlp``: an 8.4M-parameter MLP with Adam (101 MB, a few large objects).
 
 Stores, side by side, repetitions interleaved:
@@ -118,8 +120,9 @@ def states() -> dict[str, Any]:
 
 
 def measure(reps: int, endpoint: str) -> dict[str, Any]:
-    from retrolog.checkpoint._arrays import DECODED, all_cores
-    from retrolog.checkpoint.codec import decode, encode
+    from retrolog.checkpoint._arrays import DECODED
+    from retrolog.checkpoint.background import encode_urgent
+    from retrolog.checkpoint.codec import decode
     from retrolog.checkpoint.state import snapshot
     from retrolog.store.backends import open_object_store
     from retrolog.store.fsspec_objects import FsspecObjectStore
@@ -149,7 +152,7 @@ def measure(reps: int, endpoint: str) -> dict[str, Any]:
                     else:
                         store = open_object_store(f"s3://{BUCKET}/{name}-{rep}")
                     t = time.perf_counter()
-                    key, _ = encode(snap, store, threads=all_cores(), fast=True)
+                    key, _ = encode_urgent(snap, store)
                     times.setdefault((name, kind, "write"), []).append(time.perf_counter() - t)
                     DECODED.clear()
                     t = time.perf_counter()

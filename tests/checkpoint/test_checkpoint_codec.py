@@ -203,9 +203,10 @@ def stored_size(store: LocalObjectStore, keys: set[str]) -> int:
 
 
 def test_identical_tensors_are_stored_once(store: LocalObjectStore) -> None:
-    frozen = torch.randn(64, 64)
+    # Both at least 64 KiB: smaller arrays live in the manifest (test_small_values_...).
+    frozen = torch.randn(128, 128)
     snaps = [
-        Snapshot(objects={"model": {"frozen": frozen.clone(), "head": torch.randn(512)}}, rng={})
+        Snapshot(objects={"model": {"frozen": frozen.clone(), "head": torch.randn(16384)}}, rng={})
         for _ in range(2)
     ]
     (k1, n1), (k2, n2) = (encode(s, store) for s in snaps)
@@ -216,11 +217,11 @@ def test_identical_tensors_are_stored_once(store: LocalObjectStore) -> None:
     assert len(files) == len(blobs1 | blobs2 | {k1, k2}) == 5
     # nbytes is what is stored (compressed), whether or not this encode wrote it.
     assert n1 == stored_size(store, blobs1 | {k1}) and n2 == stored_size(store, blobs2 | {k2})
-    assert n1 < 64 * 64 * 4 + 512 * 4
+    assert n1 < 128 * 128 * 4 + 16384 * 4
 
 
 def test_same_tensor_twice_in_one_snapshot_counts_once(store: LocalObjectStore) -> None:
-    t = torch.zeros(1000)
+    t = torch.zeros(20_000)
     key, nbytes = encode(Snapshot(objects={"a": [t, t.clone()]}, rng={}), store)
     (blob,) = manifest_blobs(key, store)
     assert nbytes == stored_size(store, {key, blob})
@@ -233,7 +234,7 @@ def test_small_values_live_in_the_manifest(store: LocalObjectStore) -> None:
 
 
 def test_corrupt_blob_is_detected_on_decode(store: LocalObjectStore) -> None:
-    key, _ = encode(Snapshot(objects={"w": torch.randn(10_000)}, rng={}), store)
+    key, _ = encode(Snapshot(objects={"w": torch.randn(20_000)}, rng={}), store)
     (blob,) = manifest_blobs(key, store)
     path = store.path(blob)
     raw = bytearray(path.read_bytes())
@@ -245,7 +246,7 @@ def test_corrupt_blob_is_detected_on_decode(store: LocalObjectStore) -> None:
 
 
 def test_decode_refuses_a_blob_key(store: LocalObjectStore) -> None:
-    key, _ = encode(Snapshot(objects={"w": np.zeros(3000)}, rng={}), store)
+    key, _ = encode(Snapshot(objects={"w": np.zeros(10_000)}, rng={}), store)
     (blob,) = manifest_blobs(key, store)
     with pytest.raises(StoreError, match="not a checkpoint manifest"):
         decode(blob, store)

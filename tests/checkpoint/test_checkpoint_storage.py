@@ -40,13 +40,9 @@ TORCH_FLOATS = {  # dtype -> the signed integer type of its width, for its bit p
     "float64": (torch.float64, torch.int64),
 }
 SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan")]
-# encode()'s modes: the idle lane's (zstd, deltas), the exit's (lz4) and the urgent lane's
-# while training runs (uncompressed, small arrays in the manifest).
-MODES: dict[str, dict[str, bool]] = {
-    "small": {},
-    "fast": {"fast": True},
-    "least_cpu": {"least_cpu": True},
-}
+# encode()'s modes: the idle lane's (zstd, deltas) and the urgent lane's (uncompressed,
+# small arrays in the manifest).
+MODES: dict[str, dict[str, bool]] = {"small": {}, "least_cpu": {"least_cpu": True}}
 
 
 @pytest.fixture
@@ -296,7 +292,7 @@ def test_bases_beyond_the_budget_are_read_back_and_store_the_same_bytes(
 ) -> None:
     """A base that does not fit the budget is decoded from the store when a delta is
     tried: the objects written are byte for byte those of a history that kept it."""
-    big, small = weights(60_000, seed=1), weights(2_000, seed=2)  # 240 kB and 8 kB
+    big, small = weights(60_000, seed=1), weights(20_000, seed=2)  # 240 kB and 80 kB
     stores = {}
     for budget in (_arrays.BASE_BUDGET_BYTES, small.numel() * 4, 0):
         store = LocalObjectStore(tmp_path / str(budget), durable=False)
@@ -359,9 +355,9 @@ def test_deltas_that_do_not_pay_are_tried_less_and_less(
     calls: list[int] = []
     original = _arrays._compress
 
-    def counting(data: Any, itemsize: int, threads: int = 1, *, fast: bool = False) -> Any:
+    def counting(data: Any, itemsize: int) -> Any:
         calls.append(data.nbytes)
-        return original(data, itemsize, threads, fast=fast)
+        return original(data, itemsize)
 
     monkeypatch.setattr(_arrays, "_compress", counting)
     hist = DeltaHistory()
@@ -477,13 +473,13 @@ def test_the_decoded_cache_admits_bounds_and_adds_wrapping() -> None:
 
 def test_unchanged_tensors_are_written_once_across_runs(tmp_path: Path) -> None:
     root = tmp_path / "objects"
-    backbone = {f"layer{i}": weights(30_000, seed=i) for i in range(4)}
+    backbone = {f"layer{i}": weights(200_000, seed=i) for i in range(4)}
     sizes = []
     for run in range(2):
         store = LocalObjectStore(root, durable=False)  # each run opens the store itself
         history = DeltaHistory()  # and has its own history
         for epoch in range(3):
-            head = {"head": weights(2_000, seed=1000 * run + epoch)}
+            head = {"head": weights(20_000, seed=1000 * run + epoch)}
             snap = Snapshot(objects={"backbone": backbone, "head": head}, rng={})
             encode(snap, store, history=history)
         sizes.append(history.total)
@@ -649,76 +645,50 @@ class _RecordingStore(LocalObjectStore):
         super().__init__(root, durable=False)
         self.writers: list[str] = []
         self.manifests = 0
+        self.events: list[str] = []
 
     def put_framed(self, key: str, *parts: Any) -> int:
         self.writers.append(threading.current_thread().name)
+        self.events.append("array")
         if len(self.writers) == self.fail_at:
-            time.sleep(0.05)  # fail late, once the encoder has moved on
             raise StoreError("disk full (simulated)")
         return super().put_framed(key, *parts)
 
     def put(self, data: bytes) -> str:
         self.manifests += data.startswith(b"{")
+        self.events.append("manifest" if data.startswith(b"{") else "raw")
         return super().put(data)
 
 
-def test_a_fast_encode_writes_arrays_behind_and_the_manifest_last(tmp_path: Path) -> None:
-    """At exit (fast) one array is written while the next is compressed; the manifest waits."""
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_encoding_thread_writes_the_arrays_then_the_manifest(tmp_path: Path, mode: str) -> None:
     objects = {f"t{i}": weights(200_000, seed=i) for i in range(5)}
     store = _RecordingStore(tmp_path / "objects")
-    key, _ = encode(Snapshot(objects=objects, rng={}), store, fast=True)
-    assert len(store.writers) == 5
-    assert all(name.startswith("retrolog-write-behind") for name in store.writers)
+    key, _ = encode(Snapshot(objects=objects, rng={}), store, **MODES[mode])
+    assert store.writers == [threading.current_thread().name] * 5
+    assert store.events == ["array"] * 5 + ["manifest"]
     assert_same(decode(key, store).objects, objects)
-    # Not behind otherwise: a background encode (not fast), or a store that did not say
-    # it takes calls from several threads, writes on the calling thread.
-    here = {threading.current_thread().name}
-    other = _RecordingStore(tmp_path / "slow")
-    encode(Snapshot(objects=objects, rng={}), other)
-    assert set(other.writers) == here
-
-    class OneThreadAtATime(_RecordingStore):
-        concurrent_calls = False
-
-    serial = OneThreadAtATime(tmp_path / "serial")
-    encode(Snapshot(objects=objects, rng={}), serial, fast=True)
-    assert set(serial.writers) == here
 
 
-def test_the_least_cpu_encode_stores_arrays_as_they_come_and_small_ones_in_the_manifest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The urgent lane's encode while training runs: no compression, no write-behind
-    thread, one object per array the snapshot pools (and its memo may name later), the
-    smaller ones inline; a later checkpoint references the stored one by key."""
-
-    def no_thread(store: Any) -> None:
-        raise AssertionError("least_cpu started a write-behind thread")
-
-    monkeypatch.setattr(_arrays, "_WriteBehind", no_thread)
+def test_the_least_cpu_encode_stores_arrays_as_they_come(tmp_path: Path) -> None:
+    """The urgent lane's encode: no compression, and the same manifest as the idle lane's
+    (small arrays inline in both); a later checkpoint references a stored tensor by key."""
     store = _RecordingStore(tmp_path / "objects")
-    pooled = codec.LEAST_CPU_INLINE_BYTES + 1  # bytes: the smallest array the memo may name
     objects = {
-        "w": weights(100_000),  # 400 kB: would compress under every other mode
-        "at_pooling": weights(pooled // 4),
-        "below_pooling": weights(pooled // 4 - 1),
-        "small": weights(300),
+        "w": weights(100_000),  # 400 kB: the idle lane compresses it
+        "small": weights(3000),
         "ints": torch.arange(50_000),
     }
     key, nbytes = encode(Snapshot(objects=objects, rng={}), store, least_cpu=True)
     assert_same(decode(key, store).objects, objects)
-    blobs = manifest_blobs(key, store)
-    infos = [read_info(store, b) for b in blobs]
-    assert len(blobs) == 3 and all(i is not None and i.codec == _arrays.RAW for i in infos)
-    items = dict(json.loads(store.get(key))["objects"]["items"])
-    assert {name for name, node in items.items() if "blob" in node} == {"w", "at_pooling", "ints"}
-    assert set(store.writers) == {threading.current_thread().name}
+    infos = [read_info(store, b) for b in manifest_blobs(key, store)]
+    assert len(infos) == 2 and all(i is not None and i.codec == _arrays.RAW for i in infos)
     assert nbytes == sum(files(store).values())
-    # Compressed by the other modes: what least_cpu gives up is bytes, not exactness.
-    monkeypatch.undo()
-    other = LocalObjectStore(tmp_path / "fast", durable=False)
-    _, fast_bytes = encode(Snapshot(objects={"w": objects["w"]}, rng={}), other, fast=True)
-    assert fast_bytes < 0.95 * 400_000
+    # The idle lane's mode stores the same manifest, and compresses: what least_cpu gives
+    # up is bytes, never exactness.
+    other = LocalObjectStore(tmp_path / "small", durable=False)
+    idle_key, idle_bytes = encode(Snapshot(objects=objects, rng={}), other)
+    assert idle_key == key and idle_bytes < nbytes - 0.05 * 400_000
 
     # The memo's reference to the raw object (a frozen tensor) decodes in a later checkpoint.
     from retrolog.checkpoint.state import SnapshotBuffers, StoredTensor, TensorMemo, snapshot
@@ -735,14 +705,38 @@ def test_the_least_cpu_encode_stores_arrays_as_they_come_and_small_ones_in_the_m
     assert_same(decode(key2, store).objects, state)
 
 
-def test_a_failed_write_behind_stops_the_encode_before_its_manifest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_small_arrays_live_in_the_manifest_within_a_budget(tmp_path: Path, mode: str) -> None:
+    """Arrays the snapshot does not pool (under 64 KiB, never named by its memo) are inline
+    until they add up to the budget; each one past it, and every pooled one, is an object."""
     store = _RecordingStore(tmp_path / "objects")
-    store.fail_at = 5  # the last array: only the wait before the manifest sees it fail
+    pooled = codec.SMALL_ARRAY_BYTES + 1  # bytes: the smallest array the memo may name
+    objects = {
+        "at_pooling": weights(pooled // 4),
+        "below_pooling": weights(pooled // 4 - 1),
+        **{f"s{i:02d}": weights(4000, seed=i) for i in range(20)},  # 16 kB each
+        "tiny": weights(200),
+    }
+    key, _ = encode(Snapshot(objects=objects, rng={}), store, **MODES[mode])
+    assert_same(decode(key, store).objects, objects)
+    items = dict(json.loads(store.get(key))["objects"]["items"])
+    as_objects = {name for name, node in items.items() if "blob" in node}
+    inline = 65_532 + 16_000 * 12  # below_pooling, then s00..s11 fit in 256 KiB
+    assert inline <= codec.INLINE_BUDGET_BYTES < inline + 16_000
+    assert as_objects == {"at_pooling"} | {f"s{i:02d}" for i in range(12, 20)}
+    assert len(manifest_blobs(key, store)) == len(as_objects)  # "tiny" is always inline
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_failed_array_write_stops_the_encode_before_its_manifest(
+    tmp_path: Path, mode: str
+) -> None:
+    store = _RecordingStore(tmp_path / "objects")
+    store.fail_at = 5  # the last array
     objects = {f"t{i}": weights(200_000, seed=i) for i in range(5)}
     with pytest.raises(StoreError, match="disk full"):
-        encode(Snapshot(objects=objects, rng={}), store, fast=True)
+        encode(Snapshot(objects=objects, rng={}), store, **MODES[mode])
     assert store.manifests == 0  # nothing names the arrays that did land
-    assert not [t for t in threading.enumerate() if t.name.startswith("retrolog-write-behind")]
 
 
 def test_checkpointer_records_the_stored_size(store: LocalObjectStore) -> None:

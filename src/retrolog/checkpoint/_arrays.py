@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import random
 import struct
 import threading
@@ -53,7 +52,6 @@ from retrolog.store.objects import (
 
 MIN_COMPRESS_BYTES = 4096  # smaller float data is stored as it comes: no gain worth a call
 SEGMENT_BYTES = 1 << 30  # blosc2 compresses at most 2 GB per call
-WRITES_BEHIND = 2  # arrays compressed and waiting for the write-behind thread, at most
 CLEVEL = 1  # zstd level inside blosc2: best ratio and speed on weights (docs table)
 BLOCK_BYTES = 256 * 1024  # blosc2 block: larger blocks decode faster, 256 KiB fits in L2
 # Restores decode several tensors at once, one thread per tensor. Restoring the
@@ -283,24 +281,15 @@ class ArrayWriter:
         store: ObjectStore,
         history: DeltaHistory | None,
         *,
-        threads: int = 1,
         interrupt: Callable[[], bool] | None = None,
-        fast: bool = False,
         compress: bool = True,
     ) -> None:
         self.store = store
         self.history = history
-        self.threads = threads  # blosc2 threads per compression
-        # Latency over size: lz4 instead of zstd, and no delta attempts (a delta is
-        # a pass over the data and, when it does not clearly win, a second compression).
-        self.fast = fast
-        self.compress = compress  # False: every array is stored as it comes (RAW)
-        # With the user waiting for the exit (fast), the next array is compressed while
-        # the previous one is written, on one write-behind thread, where the store
-        # takes calls from several threads at once. Without compression there is
-        # nothing to overlap the writes with: the thread would only cost its start.
-        behind = fast and compress and store.concurrent_calls
-        self._behind = _WriteBehind(store) if behind else None
+        # False: every array is stored as it comes (RAW), without delta attempts (a
+        # delta is a pass over the data and, when it does not clearly win, a second
+        # compression): the least CPU, for writes that take it from training.
+        self.compress = compress
         self.interrupt = interrupt  # polled before each array: stop with Interrupted
         self.stats = EncodeStats()
         self.infos: dict[str, ObjectInfo] = {}  # every object the checkpoint needs, bases too
@@ -335,7 +324,7 @@ class ArrayWriter:
         if (
             history is not None
             and history.max_chain
-            and not self.fast  # nothing is written after a fast encode: keep no base
+            and self.compress  # an uncompressed encode tries no deltas: keep no base
             and is_float
             and data.nbytes >= MIN_COMPRESS_BYTES
         ):
@@ -420,12 +409,12 @@ class ArrayWriter:
             uint = _UINT[itemsize]
             diff = np.subtract(data.view(uint), base.view(uint))  # wraps, exactly invertible
             del base
-            delta = _compress(diff.view(np.uint8), itemsize, self.threads)
+            delta = _compress(diff.view(np.uint8), itemsize)
             delta_size = _size(delta)
             # Compressing in full too would double the writer's work; the last
             # full size of this path stands in for it when the delta clearly wins.
             if prev.full_size is None or delta_size > gain * prev.full_size:
-                full = _compress(data, itemsize, self.threads)
+                full = _compress(data, itemsize)
                 if delta_size > gain * _size(full):
                     # Deltas of this tensor do not pay (an Adam moment, say): back off
                     # exponentially, so trying costs at most a few extra compressions.
@@ -440,7 +429,7 @@ class ArrayWriter:
                 key, DELTA_BLOSC, itemsize, prev.depth + 1, data.nbytes, prev.key, delta
             )
         if full is None:
-            full = _compress(data, itemsize, self.threads, fast=self.fast)
+            full = _compress(data, itemsize)
         if _size(full) >= data.nbytes:
             return self._put(key, RAW, itemsize, 0, data.nbytes, None, [data])
         return self._put(key, BLOSC, itemsize, 0, data.nbytes, None, full)
@@ -449,7 +438,7 @@ class ArrayWriter:
         self, path: str, key: str, dtype: str, shape: tuple[int, ...]
     ) -> _PathState | None:
         """The previous version of ``path`` if a delta against it may be tried now."""
-        if self.history is None or not self.history.max_chain or self.fast:
+        if self.history is None or not self.history.max_chain or not self.compress:
             return None
         prev = self.history._paths.get(path)
         if prev is None or prev.dtype != dtype or prev.shape != shape or prev.key == key:
@@ -494,11 +483,7 @@ class ArrayWriter:
         parts: Sequence[Any],
     ) -> ObjectInfo:
         head = _HEAD.pack(codec, itemsize % 256, depth, raw_length, bytes.fromhex(base or "0" * 32))
-        if self._behind is None:
-            size = self.store.put_framed(key, head, *parts)
-        else:
-            size = FRAME_HEADER_SIZE + sum(memoryview(p).nbytes for p in (head, *parts))
-            self._behind.put(key, head, parts)
+        size = self.store.put_framed(key, head, *parts)
         self.stats.written_objects += 1
         self.stats.written_bytes += size
         return ObjectInfo(size=size, codec=codec, depth=depth, base=base)
@@ -533,16 +518,6 @@ class ArrayWriter:
         fails, skip = (prev.fails, prev.skip) if prev is not None else (0, 0)
         self._paths[path] = _PathState(key, dtype, shape, info.depth, base, full_size, fails, skip)
 
-    def flush(self) -> None:
-        """Wait until every array is stored; raise a write's failure. Before the manifest."""
-        if self._behind is not None:
-            self._behind.flush()
-
-    def close(self) -> None:
-        """Stop the write-behind thread, once the writes it was given are over."""
-        if self._behind is not None:
-            self._behind.close()  # they read the snapshot, which the caller frees next
-
     def finish(self, manifest_size: int, raw_blobs: dict[str, int], seconds: float) -> int:
         """Account for the manifest and the raw blobs, update the history; the stored size.
 
@@ -569,60 +544,11 @@ class ArrayWriter:
         return stats.stored_bytes
 
 
-class _WriteBehind:
-    """One thread writing arrays, in order, while the encoder compresses the next ones.
-
-    A plain thread, not an executor: ``close()`` may run in an ``atexit`` hook,
-    after which concurrent.futures refuses new work. At most
-    :data:`WRITES_BEHIND` arrays wait, so the compressed bytes held stay bounded.
-    """
-
-    def __init__(self, store: ObjectStore) -> None:
-        self.store = store
-        self.error: BaseException | None = None
-        self._queue: queue.Queue[tuple[str, bytes, Sequence[Any]] | None] = queue.Queue(
-            WRITES_BEHIND
-        )
-        self._thread = threading.Thread(target=self._run, name="retrolog-write-behind", daemon=True)
-        self._thread.start()
-
-    def put(self, key: str, head: bytes, parts: Sequence[Any]) -> None:
-        if self.error is not None:
-            raise self.error
-        self._queue.put((key, head, parts))
-
-    def flush(self) -> None:
-        self._queue.join()
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                if self.error is None:  # after a failure the rest is dropped, not written
-                    key, head, parts = item
-                    self.store.put_framed(key, head, *parts)
-            except BaseException as exc:  # raised on the encoding thread, at put or flush
-                self.error = exc
-            finally:
-                self._queue.task_done()
-
-
-def _compress(
-    data: np.ndarray[Any, Any], itemsize: int, threads: int = 1, *, fast: bool = False
-) -> list[bytes]:
+def _compress(data: np.ndarray[Any, Any], itemsize: int) -> list[bytes]:
     """``data`` in blosc2 chunks of at most :data:`SEGMENT_BYTES`, each after its length.
 
-    fast: lz4 instead of zstd, about twice as fast and 5-10 points larger on
-    weights (docs/checkpoint-storage.md); a blosc2 chunk names its codec, so
-    the reader needs nothing else.
+    A blosc2 chunk names its codec, so the reader needs nothing else: chunks
+    that earlier versions compressed with lz4 decode the same way.
     """
     codec = _codec()
     parts: list[bytes] = []
@@ -632,7 +558,7 @@ def _compress(
             chunk = codec.blosc2_encode(
                 data[start : start + step],
                 CLEVEL,
-                compressor=codec.BLOSC2.COMPRESSOR.LZ4 if fast else codec.BLOSC2.COMPRESSOR.ZSTD,
+                compressor=codec.BLOSC2.COMPRESSOR.ZSTD,
                 shuffle=codec.BLOSC2.FILTER.SHUFFLE,
                 # Each byte plane of a block is compressed on its own, and one
                 # that does not compress (low mantissa bytes) is stored as is,
@@ -640,7 +566,7 @@ def _compress(
                 splitmode=codec.BLOSC2.SPLIT.ALWAYS,
                 typesize=itemsize,
                 blocksize=BLOCK_BYTES,
-                numthreads=threads,  # 1 while training runs: the writer uses idle cycles
+                numthreads=1,  # the idle lane: one thread, on cycles nobody wanted
             )
         except (RuntimeError, ValueError) as exc:
             raise StoreError(f"blosc2 could not compress {data.nbytes} bytes: {exc}") from exc

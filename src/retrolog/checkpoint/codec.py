@@ -95,11 +95,13 @@ __all__ = [
 
 FORMAT = "retrolog.snapshot/2"
 READABLE = ("retrolog.snapshot/1", FORMAT)
-INLINE_BYTES = 1024  # values up to this many bytes live in the manifest, longer ones in objects
-# With least_cpu, arrays below this live in the manifest too: each object costs a write, an
-# fsync and a directory entry, far more than base64 of a small array. Below the snapshot's
-# pooling size, so never a tensor its memo could later reference by key (state.POOLED_BYTES).
-LEAST_CPU_INLINE_BYTES = POOLED_BYTES - 1
+INLINE_BYTES = 1024  # values up to this many bytes always live in the manifest
+# Arrays below the snapshot's pooling size (the only ones its memo never names by key) live
+# in the manifest too, until they add up to INLINE_BUDGET_BYTES: each object costs a write,
+# an fsync and a directory entry, far more than base64 of a small array. The budget keeps
+# manifests small enough for gc, which reads every kept one (docs/checkpoint-storage.md).
+SMALL_ARRAY_BYTES = POOLED_BYTES - 1
+INLINE_BUDGET_BYTES = 256 * 1024
 PARALLEL_READ_BYTES = 4 << 20  # below this, starting threads costs more than it saves
 
 
@@ -108,9 +110,7 @@ def encode(
     store: ObjectStore,
     history: DeltaHistory | None = None,
     *,
-    threads: int = 1,
     interrupt: Callable[[], bool] | None = None,
-    fast: bool = False,
     least_cpu: bool = False,
     section: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> tuple[str, int]:
@@ -120,13 +120,17 @@ def encode(
       lets tensors be stored as deltas against the previous checkpoint and
       records what this encode did in ``history.last``; without it, every
       object is stored in full.
-    threads: compression threads per array.
     interrupt: polled before each array; when it returns true, the encode
       stops by raising :class:`Interrupted` before writing the manifest, so
       nothing refers to the objects written so far, and a later encode of the
       same snapshot finds them stored.
-    fast: favour time over size: lz4 instead of zstd and no deltas (what is
-      left to write when training has ended and the user waits for the exit).
+    least_cpu: the least CPU per checkpoint, for a write whose CPU is taken
+      from training or waited for (the urgent lane): arrays stored
+      uncompressed and no deltas; a fifth more bytes than zstd on weights.
+      Otherwise (the idle lane) zstd, and deltas given a history. Which
+      arrays live in the manifest does not depend on it, so a checkpoint one
+      lane started and the other finished references every object either
+      wrote, and a state encodes to one manifest whichever lane writes it.
     section: what every torch call of the encode runs inside; a thread other
       than the main one passes its :meth:`ExitGate.section
       <retrolog.checkpoint._exitgate.ExitGate.section>`, so that the
@@ -137,34 +141,22 @@ def encode(
     whether or not this call wrote them.
     """
     started = time.perf_counter()
-    arrays = ArrayWriter(
-        store,
-        history,
-        threads=threads,
-        interrupt=interrupt,
-        fast=fast or least_cpu,
-        compress=not least_cpu,
-    )
-    inline = LEAST_CPU_INLINE_BYTES if least_cpu else INLINE_BYTES
-    encoder = _Encoder(store, arrays, section, inline)
-    try:
-        # The top-level dict is built here so errors can name the object at fault.
-        items = []
-        for name, state in snap.objects.items():
-            encoder.name = name
-            items.append([name, encoder.value(state, name)])
-        encoder.name = None
-        doc = {
-            "format": FORMAT,
-            "objects": {"$": "dict", "items": items},
-            "rng": encoder.value(snap.rng, "the RNG states"),
-        }
-        manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
-        arrays.flush()  # the manifest is written after every object it names
-        key = store.put(manifest)
-        store.sync()  # before the caller records the checkpoint: no rename left to lose
-    finally:
-        arrays.close()
+    arrays = ArrayWriter(store, history, interrupt=interrupt, compress=not least_cpu)
+    encoder = _Encoder(store, arrays, section)
+    # The top-level dict is built here so errors can name the object at fault.
+    items = []
+    for name, state in snap.objects.items():
+        encoder.name = name
+        items.append([name, encoder.value(state, name)])
+    encoder.name = None
+    doc = {
+        "format": FORMAT,
+        "objects": {"$": "dict", "items": items},
+        "rng": encoder.value(snap.rng, "the RNG states"),
+    }
+    manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
+    key = store.put(manifest)  # after every object it names
+    store.sync()  # before the caller records the checkpoint: no rename left to lose
     nbytes = arrays.finish(len(manifest), encoder.blobs, time.perf_counter() - started)
     return key, nbytes
 
@@ -273,12 +265,11 @@ class _Encoder:
         store: ObjectStore,
         arrays: ArrayWriter,
         section: Callable[[], AbstractContextManager[object]] = nullcontext,
-        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         self.store = store
         self.arrays = arrays
         self.section = section  # around torch calls: see encode()
-        self.inline_bytes = inline_bytes  # arrays up to this size go in the manifest
+        self.inline_budget = INLINE_BUDGET_BYTES  # bytes of small arrays still to inline
         self.torch: Any = None  # imported at the first tensor
         self.blobs: dict[str, int] = {}  # raw object key -> size, each counted once
         self.name: str | None = None  # the snapshot object being encoded, for errors
@@ -413,7 +404,10 @@ class _Encoder:
         is_float: bool,
     ) -> dict[str, Any]:
         """Add the bytes ``flat`` of an array or tensor to ``node``: inline, or as an object."""
-        if flat.nbytes <= self.inline_bytes:
+        nbytes = flat.nbytes
+        if nbytes <= INLINE_BYTES or (nbytes <= SMALL_ARRAY_BYTES and nbytes <= self.inline_budget):
+            if nbytes > INLINE_BYTES:
+                self.inline_budget -= nbytes
             node["b64"] = _b64(flat.tobytes())
         else:
             node["blob"] = self.arrays.put(path, dtype, node["shape"], flat, itemsize, is_float)

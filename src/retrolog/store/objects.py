@@ -220,9 +220,6 @@ class ObjectStore(abc.ABC):
     "Backends", says what each backend guarantees.
     """
 
-    # Whether the methods may be called from several threads at once. The checkpoint
-    # writer then overlaps compressing one array with writing the previous one, at exit.
-    concurrent_calls: bool = False
     # Whether _rename moves a file atomically and keeps its modification time. Then
     # remove_if_stale moves an object aside before it reads the time, so no freshen can
     # slip in between the check and the deletion; otherwise it checks, then deletes.
@@ -616,7 +613,6 @@ class LocalObjectStore(ObjectStore):
     checksum on read.
     """
 
-    concurrent_calls = True  # each write goes to its own temp file; reads are of renamed files
     renames_atomically = True  # rename(2) within one directory
 
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
