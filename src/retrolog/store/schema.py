@@ -220,6 +220,16 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        8,
+        "portable code versions: the run's code manifest in the object store",
+        """
+        ALTER TABLE runs ADD COLUMN code_manifest TEXT
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
