@@ -823,7 +823,7 @@ def _execute(
     if launcher is not None:
         launcher.used = True  # its logs are this replay's from here on
     code_objects = {
-        run_id: None if verify else _store_code(_code(runs[run_id])[0], prop.source)
+        run_id: None if verify else _store_code(paths.store, runs[run_id], prop.source)
         for run_id, prop in propagations.items()
     }
     conn.execute(
@@ -1032,8 +1032,17 @@ def _recorded_names(
     return sorted({r[0] for r in rows} - set(args) - set(parsed) - set(names))
 
 
-def _store_code(git_dir: Path, source: str) -> str | None:
-    """Keep the propagated script as a git blob, so any value traces back to its code."""
+def _store_code(store: Path, row: dict[str, Any], source: str) -> str | None:
+    """Keep the propagated script as a git blob, so any value traces back to its code.
+
+    In the store's cache repository (versions/portable.py), never the user's.
+    """
+    from retrolog.versions.portable import cache_repository
+
+    try:
+        git_dir = cache_repository(store, len(row["code_commit"] or ""))
+    except RetrologError:
+        return None
     out = subprocess.run(
         ["git", "--git-dir", str(git_dir), "hash-object", "-w", "--stdin"],
         input=source.encode(),

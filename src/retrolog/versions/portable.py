@@ -490,9 +490,14 @@ def _cache_dir(store_dir: Path, length: int) -> Path | None:
     return None
 
 
+def cache_repository(store_dir: Path, length: int) -> Path:
+    """The store's cache repository for object ids of ``length`` hex digits (40: sha1,
+    64: sha256), created on first use (a private temporary one when the store cannot be
+    written: a read-only store stays unchanged)."""
+    return _ensure_cache(store_dir, length)
+
+
 def _ensure_cache(store_dir: Path, length: int) -> Path:
-    """The store's cache repository, created on first use (a private temporary one when
-    the store cannot be written: a read-only store stays unchanged)."""
     found = _cache_dir(store_dir, length)
     if found is not None:
         return found
