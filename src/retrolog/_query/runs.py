@@ -374,19 +374,6 @@ def _version(
     return str(found.git_dir), found.rev, bool(dirty), tree, filename
 
 
-def code_location(row: dict[str, Any]) -> str:
-    """Where a run's code version is kept, in words (``retrolog show``)."""
-    parts = []
-    if row.get("code_manifest"):
-        parts.append(f"copied into the store's objects (code manifest {row['code_manifest']})")
-    else:
-        parts.append("not copied into the store (recorded before retrolog kept code there, "
-                     "or the run ended before the copy was written)")  # fmt: skip
-    if row.get("git_dir"):
-        parts.append(f"ref {row.get('code_ref')} in {row['git_dir']}")
-    return "; ".join(parts)
-
-
 def run_code(conn: sqlite3.Connection, ref: str, path: str | None = None) -> dict[str, Any]:
     """The code a run executed: its version's files, and the text of ``path`` (default: the
     run's script) as it was, uncommitted edits included."""
