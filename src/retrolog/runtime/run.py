@@ -664,8 +664,14 @@ class CodeExport:
             self.error = exc
 
     def finish(self) -> None:
-        """Wait for the copy; warn (the run still has its private ref) if it failed."""
-        self.thread.join()
+        """Wait for the copy; warn (the run still has its private ref) if it failed.
+
+        Ctrl-C stops the wait, not the run's end: the run is then recorded without it.
+        """
+        try:
+            self.thread.join()
+        except KeyboardInterrupt:
+            self.error = KeyboardInterrupt("interrupted before the copy was complete")
         if self.error is not None:
             import warnings
 
