@@ -245,3 +245,25 @@ def test_a_run_whose_copy_never_finished_replays_from_its_ref(project: Project) 
         subprocess.run(["git", *args], cwd=project.root, check=True)
     with pytest.raises(VersionError, match="the store holds no copy of it"):
         readable_version({**row, "run_id": "fresh-key"}, store_dir=store, root=project.root)
+
+
+def test_runs_of_two_clones_compare_through_the_store(
+    project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project.write("train.py", "import retrolog as rl\nrl.log('x', 1)\n")
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "train")
+    other = Project(tmp_path / "clone")
+    subprocess.run(["git", "clone", "--quiet", str(project.root), str(other.root)], check=True)
+    store = tmp_path / "shared"
+    project.run("train.py", RETROLOG_STORE=str(store))
+    other.write("train.py", "import retrolog as rl\nrl.log('x', 2)\n")
+    other.run("train.py", RETROLOG_STORE=str(store))
+    import retrolog
+
+    monkeypatch.setenv("RETROLOG_STORE", str(store))
+    runs = [r for (r, _, _) in sorted(_runs(store))]
+    found = retrolog.Project(other.root).compare(runs)
+    (diff,) = found["diffs"]
+    assert "-import retrolog as rl\nrl.log('x', 1)" not in diff["diff"]
+    assert "-rl.log('x', 1)\n+rl.log('x', 2)" in diff["diff"]
