@@ -4,6 +4,7 @@ Run from the repository root with the project's venv:
 
     .venv/bin/python bench/bench_code_export.py  # ~1 min -> bench/results/code_export.json
     .venv/bin/python bench/bench_code_export.py --reps 9
+    .venv/bin/python bench/bench_code_export.py --objects-url s3://bucket/prefix  # objects on S3
 
 The project is this repository's own tree (``git archive HEAD``, ~200 files),
 committed in a fresh temporary repository with a fresh store. Three cases, each
@@ -107,7 +108,10 @@ def _one(project: Path, store: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--objects-url", default="", help="put the objects there (fsspec URL)")
     args = parser.parse_args()
+    if args.objects_url:
+        os.environ["RETROLOG_OBJECTS_URL"] = args.objects_url
     cases: dict[str, list[dict[str, float]]] = {"first": [], "same": [], "edited": []}
     files = 0
     for rep in range(args.reps):
@@ -117,6 +121,10 @@ def main() -> None:
                 ["git", "ls-files"], cwd=project, capture_output=True, text=True, check=True
             ).stdout.splitlines())  # fmt: skip
             store = Path(tmp) / "store"
+            if args.objects_url:  # a fresh prefix per repetition: "first" starts empty
+                os.environ["RETROLOG_OBJECTS_URL"] = (
+                    f"{args.objects_url.rstrip('/')}/{rep}-{time.time_ns()}"
+                )
             cases["first"].append(_one(project, store))
             cases["same"].append(_one(project, store))
             with (project / "README.md").open("a") as f:
@@ -136,12 +144,14 @@ def main() -> None:
             }  # fmt: skip
             cells.append(f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})")
         print(f"{case:8} " + " ".join(f"{c:>22}" for c in cells))
-    results = ROOT / "bench" / "results" / "code_export.json"
+    name = "code_export_url.json" if args.objects_url else "code_export.json"
+    results = ROOT / "bench" / "results" / name
     results.write_text(
         json.dumps(
             {
                 "files": files,
                 "reps": args.reps,
+                "objects": "url" if args.objects_url else "local",
                 "cases": summary,
                 "python": platform.python_version(),
                 "cores": os.cpu_count(),

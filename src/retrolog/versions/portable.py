@@ -335,12 +335,6 @@ class ReadableVersion:
     rev: str  # the run's commit, or its tree in the store's cache repository
     source: str  # "recorded", "store", "project" or "store copy"
 
-    def describe(self) -> str:
-        """Where this is, for messages."""
-        if self.source == "store copy":
-            return f"the store's copy of it (imported into {self.git_dir})"
-        return f"the git directory {self.git_dir}"
-
 
 _RESOLVED: dict[tuple[Any, ...], ReadableVersion] = {}
 _RESOLVED_LOCK = threading.Lock()
@@ -430,10 +424,10 @@ def _resolve(
             import_manifest(cache, load_manifest(objects, manifest), objects, tree=tree,
                             run_id=run_id, manifest_key=manifest)  # fmt: skip
             return ReadableVersion(cache, tree, "store copy")
-    where = "; ".join(tried) if tried else "no git directory"
+    where = f"it is not in {'; '.join(tried)}, and " if tried else ""
     raise VersionError(
-        f"The code version of run {run_id} (commit {commit[:12]}) cannot be found: it is not "
-        f"in {where}, and the store holds no copy of it (the run was recorded before "
+        f"The code version of run {run_id} (commit {commit[:12]}) cannot be found: {where}"
+        "the store holds no copy of it (the run was recorded before "
         "retrolog kept code in the store, or ended before its copy was written). Replay it "
         "from the clone that recorded it, or fetch its ref into this one: "
         f"git fetch <that clone> 'refs/retrolog/*:refs/retrolog/*'.",
