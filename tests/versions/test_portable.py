@@ -267,3 +267,30 @@ def test_runs_of_two_clones_compare_through_the_store(
     (diff,) = found["diffs"]
     assert "-import retrolog as rl\nrl.log('x', 1)" not in diff["diff"]
     assert "-rl.log('x', 1)\n+rl.log('x', 2)" in diff["diff"]
+
+
+def test_concurrent_imports_of_one_tree_all_succeed(project: Project, tmp_path: Path) -> None:
+    """Replays on several machines sharing a store import the same version at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from retrolog.versions.portable import cache_repository, import_manifest
+
+    _awkward(project)
+    version = capture_code_version(locate(project.root), "r1")
+    objects = LocalObjectStore(tmp_path / "objects")
+    key, manifest = export_code(version.git_dir, version.commit, objects)
+    store = tmp_path / "store"
+    store.mkdir()
+    cache = cache_repository(store, 40)
+
+    def one(_: int) -> None:
+        import_manifest(cache, manifest, objects, tree=version.tree, run_id="r1", manifest_key=key)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(8)))
+    assert read_file(cache, version.tree, "pkg/sub/deep/mod.py") == b"X = 1\n"
+    refs = subprocess.run(
+        ["git", "--git-dir", str(cache), "for-each-ref"], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    assert refs.count("refs/retrolog/") == 1  # the tree's ref; no temporary one is left

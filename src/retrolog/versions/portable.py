@@ -39,6 +39,7 @@ import sqlite3
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -600,10 +601,19 @@ def import_manifest(
         got = made.stdout.decode().strip()
         if made.returncode != 0 or got != tree:
             raise damaged(f"its files make tree {got or '(none)'}, the run recorded tree {tree}")
-        run_git(
-            ["update-ref", TREES_REF_PREFIX + tree, temp_ref],
-            cwd=cache, env=git_env(git_dir=cache, isolate=True), subject=cache, doing=doing,
-        )  # fmt: skip
+        try:
+            run_git(
+                ["update-ref", TREES_REF_PREFIX + tree, temp_ref],
+                cwd=cache, env=git_env(git_dir=cache, isolate=True), subject=cache, doing=doing,
+            )  # fmt: skip
+        except VersionError:
+            # Another process importing the same tree holds the ref's lock: its ref will do.
+            for _ in range(20):
+                if _has_ref(cache, TREES_REF_PREFIX + tree):
+                    break
+                time.sleep(0.05)
+            else:
+                raise
     finally:
         _git(cache, "update-ref", "-d", temp_ref)
 
