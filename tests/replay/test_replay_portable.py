@@ -182,6 +182,10 @@ def test_replay_from_another_clone_or_no_repository(
         cwd=b.root, env=b.env(**store_env), capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert json.loads(shown.stdout)["text"] == EDITED_HELPERS
+    if where == "no-repository":
+        show = b.cli("show", run_id, **store_env)
+        assert show.returncode == 0, show.stderr
+        assert "code kept  in the store's objects (code manifest" in show.stdout
 
 
 def test_gc_keeps_the_code_of_kept_runs_and_collects_the_rest(tmp_path: Path) -> None:
