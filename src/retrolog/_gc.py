@@ -52,6 +52,7 @@ from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
 from retrolog.store.metadata import read_snapshot, rollback
 from retrolog.store.objects import ObjectStore, StoredFile
+from retrolog.versions.portable import code_objects
 
 GRACE_SECONDS = 3600.0
 """Objects written this recently are never collected (see :func:`plan_gc`)."""
@@ -279,6 +280,7 @@ def plan_gc(
             ]
             dropped = {ref.checkpoint_id for run in retention for ref in run.dropped}
             kept_rows = [row for row in _all_rows(conn) if row[0] not in dropped]
+            code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, grace_seconds)
     except sqlite3.Error as exc:
         raise StoreError(f"Cannot read the checkpoints from the store: {exc}.") from exc
@@ -292,7 +294,7 @@ def plan_gc(
         cutoff_reason=reason,
         grace_seconds=grace_seconds,
     )
-    _find_garbage(store, report, kept_rows, now)
+    _find_garbage(store, report, kept_rows, now, code)
     return report
 
 
@@ -324,6 +326,7 @@ def collect_garbage(
         now = time.time() if now is None else now
         with read_snapshot(conn):
             kept_rows = _all_rows(conn)
+            code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, plan.grace_seconds)
     except sqlite3.Error as exc:
         raise StoreError(f"Cannot delete checkpoint rows from the store: {exc}.") from exc
@@ -339,7 +342,7 @@ def collect_garbage(
         done=True,
         checkpoints_deleted=deleted,
     )
-    candidates = _find_garbage(store, done, kept_rows, now)
+    candidates = _find_garbage(store, done, kept_rows, now, code)
     done.objects = [f for f in candidates if f.key and store.remove_if_stale(f.key, cutoff)]
     temp_cutoff = now - plan.grace_seconds
     done.temp_files = [t for t in done.temp_files if store.remove_temp(t.name, temp_cutoff)]
@@ -503,6 +506,16 @@ def _all_rows(conn: sqlite3.Connection) -> list[tuple[int, str, str, str]]:
     ]
 
 
+def _code_manifests(conn: sqlite3.Connection) -> dict[str, list[str]]:
+    """Each code manifest a run references (docs/code-versions.md), with its runs."""
+    found: dict[str, list[str]] = {}
+    for run_id, manifest in conn.execute(
+        "SELECT run_id, code_manifest FROM runs WHERE code_manifest IS NOT NULL"
+    ):
+        found.setdefault(manifest, []).append(run_id)
+    return found
+
+
 def _protected_runs(conn: sqlite3.Connection, now: float) -> dict[str, str]:
     """Runs whose checkpoint rows must stay, and why."""
     protected = {
@@ -542,12 +555,21 @@ def _find_garbage(
     report: GcReport,
     kept_rows: Sequence[tuple[int, str, str, str]],
     now: float,
+    code: Mapping[str, Sequence[str]] | None = None,
 ) -> list[StoredFile]:
-    """Fill ``report``'s object and temp lists from a scan of the store; returns the objects."""
+    """Fill ``report``'s object and temp lists from a scan of the store; returns the objects.
+
+    code: the runs' code manifests (manifest -> runs): they and their files are live too.
+    """
     users: dict[str, list[str]] = {}
     for _, manifest, run_id, position in kept_rows:
         users.setdefault(manifest, []).append(f"{run_id} at {position}")
     live, unreadable = live_objects(store, users)
+    code_live, code_failed = code_objects(store, code or {})
+    live |= code_live
+    for manifest, reason in code_failed.items():
+        runs = tuple(f"code of {run_id}" for run_id in (code or {})[manifest])
+        unreadable.append(UnreadableManifest(manifest, runs, reason))
     report.unreadable = unreadable
     objects, temps = store.scan()
     report.objects_total = len(objects)

@@ -607,6 +607,17 @@ def _project() -> Any:
     return Project()
 
 
+def _code_location(d: dict[str, Any]) -> str:
+    """Where a run's code version is kept (docs/code-versions.md)."""
+    if d.get("code_manifest"):
+        kept = f"in the store's objects (code manifest {d['code_manifest'][:12]})"
+    else:
+        kept = "not in the store (recorded before it kept code, or ended before the copy)"
+    if d.get("git_dir"):
+        kept += f"; ref in {d['git_dir']}"
+    return kept
+
+
 def _format_details(d: dict[str, Any]) -> str:
     lines = [
         f"run        {d['run_id']}",
@@ -624,6 +635,7 @@ def _format_details(d: dict[str, Any]) -> str:
     lines += [
         f"code       {d.get('code_ref')} -> {(d.get('code_commit') or '')[:12]}"
         + (" (uncommitted changes)" if d.get("dirty") else ""),
+        f"code kept  {_code_location(d)}",
     ]
     if d.get("head_commit"):
         lines.append(f"HEAD then  {d['head_commit'][:12]}")

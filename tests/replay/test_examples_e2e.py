@@ -260,7 +260,8 @@ def test_example_replays_bit_exact_under_default_settings(project: Project, name
                 (run_id, wanted),
             )
             assert len(rows) == 1, rows
-            ran = project.git("cat-file", "-p", str(rows[0][0]))  # what replay executed
+            code_git = str(project.root / ".retrolog" / "code.git")  # what replay executed
+            ran = project.git("--git-dir", code_git, "cat-file", "-p", str(rows[0][0]))
             assert statement.strip() in ran, (run_id, statement)
             assert ran == "".join(x for x in lines if x.strip() != other.strip()), run_id
             expected = {k: v for k, v in fresh.items() if k[0] == wanted}

@@ -186,7 +186,9 @@ def test_replay_is_exact_at_every_scan_level_across_two_versions(project: Projec
     )
     assert len(rows) == 2
     for _, blob, _ in rows:
-        assert "w_norm" in project.git("cat-file", "-p", blob)
+        # In the store's cache repository (docs/code-versions.md), not the user's.
+        code_git = str(project.root / ".retrolog" / "code.git")
+        assert "w_norm" in project.git("--git-dir", code_git, "cat-file", "-p", blob)
 
 
 def test_dry_run_shows_plan_and_diff_and_runs_nothing(project: Project) -> None:

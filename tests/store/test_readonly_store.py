@@ -158,6 +158,39 @@ def test_read_commands_work_on_a_store_this_process_cannot_write(
     assert list(readonly.tmpdir.iterdir()) == []
 
 
+def test_code_only_in_the_store_is_read_from_a_store_this_process_cannot_write(
+    project: Project, readonly: ReadOnly
+) -> None:
+    """The store's copy of a run's code (docs/code-versions.md) is imported into a private
+    temporary repository, not into the store, when the store cannot be written."""
+    project.write("train.py", SCRIPT)
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "train")
+    project.run("train.py", "--lr", "0.25")
+    ((run_id,),) = read_db(project.root, "SELECT run_id FROM runs")
+    # Only the store has the code now: the ref and its objects are gone from the clone.
+    project.git("update-ref", "-d", f"refs/retrolog/runs/{run_id}")
+    project.git("reflog", "expire", "--expire=now", "--all")
+    project.git("gc", "--quiet", "--prune=now")
+    project.write("train.py", SCRIPT + "            rl.log('w_sum', float(w.sum()))\n")
+    _make_readonly(readonly)
+    before = _snapshot(readonly.store)
+
+    code = readonly.run(
+        sys.executable, "-c",
+        "import json, sys, retrolog; print(json.dumps(retrolog.Project().code(sys.argv[1])))",
+        run_id,
+    )  # fmt: skip
+    assert code.returncode == 0, code.stderr
+    assert json.loads(code.stdout)["text"] == SCRIPT
+    plan = readonly.cli("replay", "w_sum", "--dry-run")
+    _no_traceback(plan)
+    assert plan.returncode == 0 and "rl.log('w_sum'" in plan.stderr, plan.stderr
+    assert _snapshot(readonly.store) == before
+    assert not (readonly.store / "code.git").exists()
+    assert list(readonly.tmpdir.iterdir()) == []  # the private repository was removed
+
+
 def test_a_store_left_mid_run_is_read_with_its_log(project: Project, readonly: ReadOnly) -> None:
     """A run killed mid-way leaves its last values in the database's write-ahead log."""
     project.write(

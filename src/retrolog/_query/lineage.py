@@ -126,12 +126,13 @@ def recorded_definitions(conn: sqlite3.Connection, run_id: str) -> dict[str, str
     Names whose definition cannot be computed (the code version is gone) are left out.
     """
     row = conn.execute(
-        "SELECT filename, git_dir, code_commit, args, parsed_args FROM runs WHERE run_id = ?",
+        "SELECT filename, git_dir, code_commit, args, parsed_args, code_tree, code_manifest"
+        " FROM runs WHERE run_id = ?",
         (run_id,),
     ).fetchone()
     if row is None:
         return {}
-    filename, git_dir, commit, args, parsed = row
+    filename, git_dir, commit, args, parsed, tree, manifest = row
     arguments = set(json.loads(args or "{}")) | set(json.loads(parsed or "{}"))
     names = {
         r[0]
@@ -143,8 +144,18 @@ def recorded_definitions(conn: sqlite3.Connection, run_id: str) -> dict[str, str
         conn.execute("SELECT name, lineage FROM run_definitions WHERE run_id = ?", (run_id,))
     )
     missing = sorted(names - set(known))
-    if missing and git_dir and commit and not filename.startswith("<"):
-        found = _from_version(Path(git_dir), commit, filename, missing)
+    if missing and commit and not filename.startswith("<"):
+        from retrolog.errors import RetrologError
+        from retrolog.store.metadata import store_directory
+        from retrolog.versions.portable import readable_version
+
+        version = {"run_id": run_id, "git_dir": git_dir, "code_commit": commit,
+                   "code_tree": tree, "code_manifest": manifest}  # fmt: skip
+        try:
+            where = readable_version(version, store_dir=store_directory(conn))
+        except RetrologError:  # the code version is nowhere: no definitions
+            return {name: key for name, key in known.items() if name in names}
+        found = _from_version(where.git_dir, where.rev, filename, missing)
         if found:
             _write(conn, found, run_id)
             known.update({name: d.key for name, d in found.items()})

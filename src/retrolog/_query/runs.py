@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 
 from retrolog._query.sql import execute_read
-from retrolog.errors import RunNotFoundError
+from retrolog.errors import RetrologError, RunNotFoundError
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STRING = re.compile(r"'(?:[^']|'')*'")
@@ -346,19 +346,32 @@ def checkpoint_list(conn: sqlite3.Connection, ref: str) -> list[dict[str, Any]]:
     return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
-def _version(conn: sqlite3.Connection, run_id: str) -> tuple[str, str, bool, str, str]:
-    """(git_dir, commit, dirty, tree, filename) of a run's code version."""
+def _version(
+    conn: sqlite3.Connection, run_id: str, *, from_store: bool = False
+) -> tuple[str, str, bool, str, str]:
+    """(git_dir, revision, dirty, tree, filename) of a run's code version: where it can be
+    read (versions/portable.py: its recording clone, this one, or the store's copy)."""
+    from retrolog.store.metadata import store_directory
+    from retrolog.versions.portable import readable_version
+
     row = conn.execute(
-        "SELECT git_dir, code_commit, dirty, code_tree, filename FROM runs WHERE run_id = ?",
+        "SELECT git_dir, code_commit, dirty, code_tree, filename, code_manifest FROM runs"
+        " WHERE run_id = ?",
         (run_id,),
     ).fetchone()
-    if row is None or not row[0] or not row[1]:
+    if row is None or not row[1]:
         raise RunNotFoundError(
             f"Run {run_id} has no code version (it was recorded before code versions were "
             "kept, or its capture failed).",
             run_id=run_id,
         )
-    return row[0], row[1], bool(row[2]), row[3], row[4]
+    git_dir, commit, dirty, tree, filename, manifest = row
+    found = readable_version(
+        {"run_id": run_id, "git_dir": git_dir, "code_commit": commit, "code_tree": tree,
+         "code_manifest": manifest},
+        store_dir=store_directory(conn), from_store=from_store,
+    )  # fmt: skip
+    return str(found.git_dir), found.rev, bool(dirty), tree, filename
 
 
 def run_code(conn: sqlite3.Connection, ref: str, path: str | None = None) -> dict[str, Any]:
@@ -369,10 +382,11 @@ def run_code(conn: sqlite3.Connection, ref: str, path: str | None = None) -> dic
     from retrolog.versions.git import list_files, read_file
 
     run_id = resolve_run(conn, ref)
-    git_dir, commit, dirty, tree, filename = _version(conn, run_id)
-    files = list_files(Path(git_dir), commit)
+    git_dir, rev, dirty, tree, filename = _version(conn, run_id)
+    files = list_files(Path(git_dir), rev)
     shown = path or filename
-    text = read_file(Path(git_dir), commit, shown).decode(errors="replace")
+    text = read_file(Path(git_dir), rev, shown).decode(errors="replace")
+    (commit,) = conn.execute("SELECT code_commit FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     return {"run_id": run_id, "commit": commit, "tree": tree, "dirty": dirty, "files": files,
             "path": shown, "text": text}  # fmt: skip
 
@@ -411,10 +425,17 @@ def compare_runs(conn: sqlite3.Connection, refs: list[str]) -> dict[str, Any]:
         if other[3] == base[3]:
             text = ""  # the same tree: the same code
         elif other[0] != base[0]:
-            raise UsageError(
-                f"Runs {run_ids[0]} and {run_id} keep their code in different git directories "
-                f"({base[0]}, {other[0]}); compare runs of one project."
-            )
+            # Read in different git directories (two clones): compare the store's copies.
+            try:
+                ours = _version(conn, run_ids[0], from_store=True)
+                theirs = _version(conn, run_id, from_store=True)
+            except RetrologError:
+                raise UsageError(
+                    f"Runs {run_ids[0]} and {run_id} keep their code in different git "
+                    f"directories ({base[0]}, {other[0]}) and the store has no copy of one of "
+                    "them; compare runs of one project."
+                ) from None
+            text = diff_versions(Path(ours[0]), ours[1], theirs[1])
         else:
             text = diff_versions(Path(base[0]), base[1], other[1])
         diffs.append({"from": run_ids[0], "to": run_id, "same_code": other[3] == base[3],

@@ -57,7 +57,7 @@ from retrolog.runtime import numerics
 from retrolog.runtime.modules import decode as decode_modules
 from retrolog.runtime.replay import WorkerSpec
 from retrolog.store.backends import objects_location
-from retrolog.store.metadata import is_readonly, read_only_error
+from retrolog.store.metadata import is_readonly, read_only_error, store_directory
 from retrolog.store.paths import ProjectPaths
 
 
@@ -196,7 +196,7 @@ def replay(
         )
         # Propagate into every candidate's version (once per version): what a replay would
         # compute now is the evidence for both "missing" and "definition changed since".
-        versions = _propagate_all(conn, source, filename, names, candidates)
+        versions = _propagate_all(conn, source, filename, names, candidates, paths.root)
         lineage = _lineage_of(conn, paths, source, filename, names, candidates, versions)
         complete = set() if force else _complete_runs(conn, candidates, names)
         complete -= set(lineage.changed)
@@ -210,7 +210,7 @@ def replay(
             )
             return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
 
-    runs = _run_rows(conn, todo)
+    runs = _run_rows(conn, todo, paths.root)
     propagations: dict[str, Propagation] = {}
     old_sources: dict[str, str] = {}
     for run_id in todo:
@@ -362,18 +362,19 @@ def _propagate_all(
     filename: str,
     names: Sequence[str],
     run_ids: Sequence[str],
+    root: Path | None = None,
 ) -> dict[str, tuple[str, Propagation, dict[str, str]]]:
     """Per run: its old source, today's statements propagated into it, and the definition
     keys of the names in the propagated file (what a replay would compute now)."""
     from retrolog._query.lineage import version_reader
     from retrolog.versions.lineage import definitions
 
-    rows = _run_rows(conn, run_ids)
+    rows = _run_rows(conn, run_ids, root)
     by_version: dict[tuple[str, str], tuple[str, Propagation, dict[str, str]]] = {}
     result = {}
     for run_id in run_ids:
         row = rows[run_id]
-        version = (row["git_dir"], row["code_commit"])
+        version = (row["code_git_dir"], row["code_rev"] or run_id)
         if version not in by_version:
             try:
                 old = _old_source(row, filename)
@@ -386,7 +387,7 @@ def _propagate_all(
             propagated = propagate(source, old, names)
             keys: dict[str, str] = {}
             if not propagated.problems:
-                read = version_reader(Path(row["git_dir"]), row["code_commit"], filename)
+                read = version_reader(*_code(row), filename)
                 found = definitions(
                     propagated.source, names, filename=filename, read=read,
                     rename=_carried_back(propagated),
@@ -720,27 +721,48 @@ def _complete_runs(conn: sqlite3.Connection, runs: Sequence[str], names: Sequenc
     }
 
 
-def _run_rows(conn: sqlite3.Connection, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+def _run_rows(
+    conn: sqlite3.Connection, run_ids: Sequence[str], root: Path | None = None
+) -> dict[str, dict[str, Any]]:
+    """The runs' rows, each with where its code can be read (versions/portable.py):
+    ``code_git_dir`` and ``code_rev``, or ``code_error`` when nowhere."""
+    from retrolog.versions.portable import readable_version
+
     conn.row_factory = sqlite3.Row
     try:
         marks = ", ".join("?" for _ in run_ids)
         rows = conn.execute(f"SELECT * FROM runs WHERE run_id IN ({marks})", tuple(run_ids))
-        return {row["run_id"]: dict(row) for row in rows}
+        found = {row["run_id"]: dict(row) for row in rows}
     finally:
         conn.row_factory = None
+    store_dir = store_directory(conn)
+    for row in found.values():
+        try:
+            version = readable_version(row, store_dir=store_dir, root=root)
+        except RetrologError as exc:  # this run alone cannot be replayed
+            row.update(code_git_dir=None, code_rev=None, code_error=exc)
+        else:
+            row.update(code_git_dir=str(version.git_dir), code_rev=version.rev, code_error=None)
+    return found
+
+
+def _code(row: dict[str, Any]) -> tuple[Path, str]:
+    """(git dir, revision) the run's code is read from; raises why there is none."""
+    if row.get("code_error") is not None:
+        raise row["code_error"]
+    return Path(row["code_git_dir"]), row["code_rev"]
 
 
 def _old_source(row: dict[str, Any], filename: str) -> str:
     from retrolog.versions.git import read_file
 
-    return read_file(Path(row["git_dir"]), row["code_commit"], filename).decode()
+    return read_file(*_code(row), filename).decode()
 
 
 def _version_gone(row: dict[str, Any], filename: str, exc: Exception) -> str:
     return (
-        f"its code version ({str(row['code_commit'])[:12]}, {filename}) cannot be read from "
-        f"{row['git_dir']}: {exc}. Was the repository re-cloned, or its ref "
-        f"refs/retrolog/runs/{row['run_id']} deleted? Only this run is skipped."
+        f"its code version ({str(row['code_commit'])[:12]}, {filename}) cannot be read: "
+        f"{exc} Only this run is skipped."
     )
 
 
@@ -801,7 +823,7 @@ def _execute(
     if launcher is not None:
         launcher.used = True  # its logs are this replay's from here on
     code_objects = {
-        run_id: None if verify else _store_code(Path(runs[run_id]["git_dir"]), prop.source)
+        run_id: None if verify else _store_code(paths.store, runs[run_id], prop.source)
         for run_id, prop in propagations.items()
     }
     conn.execute(
@@ -887,12 +909,12 @@ def _keep_propagated(
     seen: set[tuple[str, str]] = set()
     for run_id, propagated in propagations.items():
         row = runs[run_id]
-        version = (row["git_dir"], row["code_commit"])
+        version = (row["code_git_dir"], row["code_rev"])
         names = [p.name for p in propagated.placements]
         if version in seen or not names:
             continue
         seen.add(version)
-        read = version_reader(Path(row["git_dir"]), row["code_commit"], filename)
+        read = version_reader(*_code(row), filename)
         found = definitions(
             propagated.source, names, filename=filename, read=read,
             rename=_carried_back(propagated),
@@ -962,8 +984,8 @@ def _jobs(
                     filename=row["filename"],
                     cwd=row.get("cwd") or ".",
                     source=propagations[run_plan.run_id].source,
-                    git_dir=Path(row["git_dir"]),
-                    commit=row["code_commit"],
+                    git_dir=_code(row)[0],
+                    commit=_code(row)[1],
                     skipped=json.loads(row["skipped_files"] or "[]"),
                     estimate_seconds=segment.estimate_seconds,
                     log_path=logs_dir / f"{run_plan.run_id}-{index}.log",
@@ -1010,8 +1032,17 @@ def _recorded_names(
     return sorted({r[0] for r in rows} - set(args) - set(parsed) - set(names))
 
 
-def _store_code(git_dir: Path, source: str) -> str | None:
-    """Keep the propagated script as a git blob, so any value traces back to its code."""
+def _store_code(store: Path, row: dict[str, Any], source: str) -> str | None:
+    """Keep the propagated script as a git blob, so any value traces back to its code.
+
+    In the store's cache repository (versions/portable.py), never the user's.
+    """
+    from retrolog.versions.portable import cache_repository
+
+    try:
+        git_dir = cache_repository(store, len(row["code_commit"] or ""))
+    except RetrologError:
+        return None
     out = subprocess.run(
         ["git", "--git-dir", str(git_dir), "hash-object", "-w", "--stdin"],
         input=source.encode(),

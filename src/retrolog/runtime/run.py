@@ -22,6 +22,7 @@ import platform
 import secrets
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -147,6 +148,10 @@ class Run:
         self.numerics: dict[str, Any] = numerics.capture()
         self.parsed_args: dict[str, Any] = {}  # argparse/click values, runtime/cli_args.py
 
+        self.writer = Writer(paths.database, self.run_id)
+        self.values = self.writer.values  # log()'s hot path appends here directly
+        self.events = self.writer.events
+        self._code_export: CodeExport | None = None
         conn = open_store(paths, create=True)
         try:
             code = capture_code_version(
@@ -181,6 +186,7 @@ class Run:
                     json.dumps(self.numerics),
                 ),
             )
+            self._code_export = _start_code_export(paths, conn, self.run_id, code, self.events)
             learned = learned_restore_ratio(conn, self.filename)
             if learned is not None:
                 self._restore_ratio = (learned, "learned from replays")
@@ -192,11 +198,8 @@ class Run:
             ) from exc
         finally:
             conn.close()
-
-        self.writer = Writer(paths.database, self.run_id)
-        self.values = self.writer.values  # log()'s hot path appends here directly
-        self.events = self.writer.events
         self.writer.start()
+
         # Package versions take tens of ms to collect: the writer thread evaluates the lambda.
         self.events.append(
             (Event.RUN_UPDATE, {"packages": lambda: json.dumps(_package_versions())})
@@ -596,6 +599,8 @@ class Run:
                         (Event.RUN_UPDATE, {"checkpointing": self._checkpointing_summary()})
                     )
         finally:
+            if self._code_export is not None:
+                self._code_export.finish()
             if self._first_loop_at is not None:
                 self.events.append(
                     (
@@ -615,6 +620,95 @@ class Run:
             )
             self.writer.close()
         self.check_writer()
+
+
+class CodeExport:
+    """The copy of a run's code version into its object store, on a thread of its own.
+
+    The run's row names the copy's manifest (``runs.code_manifest``) once it is
+    complete; a run that ends first waits for it (:meth:`finish`), and a process that
+    dies first leaves the column empty: the code is then read from the private ref.
+    """
+
+    def __init__(
+        self, paths: ProjectPaths, run_id: str, code: Any, events: Any, base: str | None
+    ) -> None:
+        self.paths = paths
+        self.run_id = run_id
+        self.code = code
+        self.events = events
+        self.base = base
+        self.error: BaseException | None = None
+        self.key: str | None = None
+        self.thread = threading.Thread(target=self._main, name="retrolog-code", daemon=True)
+
+    def _main(self) -> None:
+        from retrolog.store.backends import object_store_for, objects_location
+        from retrolog.versions.portable import export_code, load_manifest, remember_export
+
+        try:
+            store = object_store_for(self.paths.store)
+            known: dict[str, str] = {}
+            if self.base is not None:
+                try:
+                    base = load_manifest(store, self.base)
+                    known = {f.blob: f.key for f in base.files if f.key is not None}
+                except Exception:  # a hint only: export everything
+                    known = {}
+            key, _ = export_code(self.code.git_dir, self.code.commit, store, known=known)
+            self.events.append((Event.RUN_UPDATE, {"code_manifest": key}))
+            self.key = key
+            location = objects_location(self.paths.store)
+            remember_export(self.paths.store, location, self.code.tree, key)
+        except BaseException as exc:  # reported by finish(), on the training thread
+            self.error = exc
+
+    def finish(self) -> None:
+        """Wait for the copy; warn (the run still has its private ref) if it failed.
+
+        Ctrl-C stops the wait, not the run's end: the run is then recorded without it.
+        """
+        try:
+            self.thread.join()
+        except KeyboardInterrupt:
+            self.error = KeyboardInterrupt("interrupted before the copy was complete")
+        if self.error is not None:
+            import warnings
+
+            from retrolog.errors import RetrologWarning
+
+            warnings.warn(
+                f"retrolog could not copy the code version of run {self.run_id} into the "
+                f"store ({self.error}). The run is recorded; its code stays readable from "
+                f"this clone's ref {self.code.ref} only, so replay it from here.",
+                RetrologWarning,
+                stacklevel=3,
+            )
+            self.error = None
+
+
+def _start_code_export(
+    paths: ProjectPaths, conn: Any, run_id: str, code: Any, events: Any
+) -> CodeExport | None:
+    """Name the run's code manifest now when its tree was copied before, else start the copy.
+
+    A memo in the store lists recent copies; one is used only when a run of the store
+    references its manifest (so gc keeps its objects). A copy of another tree still
+    spares re-reading the files that tree shares with this one.
+    """
+    from retrolog.store.backends import objects_location
+    from retrolog.versions.portable import recent_exports, referenced_manifests
+
+    recent = recent_exports(paths.store, objects_location(paths.store))
+    live = referenced_manifests(conn, (key for _, key in recent)) if recent else set()
+    for tree, key in recent:
+        if tree == code.tree and key in live:
+            conn.execute("UPDATE runs SET code_manifest = ? WHERE run_id = ?", (key, run_id))
+            return None
+    base = next((key for _, key in recent if key in live), None)
+    export = CodeExport(paths, run_id, code, events, base)
+    export.thread.start()
+    return export
 
 
 def _relative_cwd(root: Path) -> str:

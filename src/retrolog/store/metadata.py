@@ -104,6 +104,7 @@ class ReadOnlyConnection(sqlite3.Connection):
     """
 
     copy: Path | None = None
+    origin: Path | None = None  # the store's database, when it is read from a copy
 
     def close(self) -> None:
         super().close()
@@ -115,6 +116,17 @@ class ReadOnlyConnection(sqlite3.Connection):
 def is_readonly(conn: sqlite3.Connection) -> bool:
     """Whether ``conn`` was opened by :func:`open_readonly`."""
     return isinstance(conn, ReadOnlyConnection)
+
+
+def store_directory(conn: sqlite3.Connection) -> Path | None:
+    """The store directory ``conn``'s database is in (None for an in-memory database)."""
+    origin = getattr(conn, "origin", None)
+    if origin is not None:
+        return Path(origin).parent
+    for _, name, file in conn.execute("PRAGMA database_list"):
+        if name == "main" and file:
+            return Path(file).parent
+    return None
 
 
 def store_writable(paths: ProjectPaths) -> bool:
@@ -158,6 +170,7 @@ def open_readonly(paths: ProjectPaths) -> sqlite3.Connection:
             shutil.copyfile(wal, copy / wal.name)
             conn = _connect_uri(copy / database.name, "")
             conn.copy = copy
+            conn.origin = database
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA query_only = ON")
         version = conn.execute("SELECT MAX(version) FROM migrations").fetchone()[0] or 0

@@ -220,6 +220,17 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        8,
+        "portable code versions: the run's code manifest in the object store",
+        """
+        ALTER TABLE runs ADD COLUMN code_manifest TEXT;
+        CREATE INDEX runs_by_code_manifest ON runs(code_manifest) WHERE code_manifest IS NOT NULL
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
