@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from retrolog.checkpoint import _arrays, codec
 from retrolog.checkpoint._arrays import read_info
 from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
-from retrolog.checkpoint.codec import DeltaHistory, decode, encode, manifest_blobs
+from retrolog.checkpoint.codec import DeltaHistory, Interrupted, decode, encode, manifest_blobs
 from retrolog.checkpoint.state import Snapshot
 from retrolog.errors import CorruptObjectError, StoreError
 from retrolog.store.objects import LocalObjectStore
@@ -329,6 +329,35 @@ def test_bases_beyond_the_budget_are_read_back_and_store_the_same_bytes(
         }
     first, *others = stores.values()
     assert all(other == first for other in others)
+
+
+@pytest.mark.parametrize("bases_in_memory", [True, False])
+def test_an_interrupted_encode_leaves_the_delta_history_as_it_was(
+    tmp_path: Path, bases_in_memory: bool
+) -> None:
+    """The idle lane stops between two arrays when the urgent lane takes a checkpoint
+    over. What it did to the first array must not reach the history: the next delta
+    against that array's base would decode to other values (the demo showed it)."""
+    store = LocalObjectStore(tmp_path / "objects", durable=False)
+    budget = _arrays.BASE_BUDGET_BYTES if bases_in_memory else 0
+    # With chains of 2, a delta becomes the next one's base: its bytes replace the base's
+    # (as a version stored in full does with the default chains of 1).
+    hist = DeltaHistory(max_chain=2, min_gain=1.0, base_budget=budget)
+
+    def state(step: int) -> dict[str, Any]:
+        return {"m": {name: weights(50_000, seed=seed) + 1e-3 * step for name, seed in
+                      (("a", 1), ("b", 2))}}  # fmt: skip
+
+    encode(Snapshot(objects=state(0), rng={}), store, history=hist)
+    polls = iter([False, True])  # "a" is written (as a delta), then the encode stops
+    with pytest.raises(Interrupted):
+        encode(
+            Snapshot(objects=state(1), rng={}), store, history=hist, interrupt=lambda: next(polls)
+        )
+    assert hist.base_bytes == (2 * 200_000 if bases_in_memory else 0)
+    key, _ = encode(Snapshot(objects=state(2), rng={}), store, history=hist)
+    assert hist.last is not None and hist.last.delta_objects == 2
+    assert_same(decode(key, store).objects, state(2))
 
 
 def test_a_damaged_base_that_is_read_back_gives_a_full_object(tmp_path: Path) -> None:

@@ -294,6 +294,13 @@ class ArrayWriter:
         self.stats = EncodeStats()
         self.infos: dict[str, ObjectInfo] = {}  # every object the checkpoint needs, bases too
         self._paths: dict[str, _PathState] = {}  # this checkpoint's states, for the history
+        # The history is left as it was until finish(): an encode that is interrupted (the
+        # urgent lane took the checkpoint over) or fails must not leave a base holding
+        # bytes other than those of the object it names, or the next delta against it
+        # would decode to other values. So a base's memory is reused only at finish(),
+        # and the bytes the bases hold are counted here meanwhile.
+        self._base_updates: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+        self._base_bytes_held = history.base_bytes if history is not None else 0
 
     def put(
         self,
@@ -504,14 +511,14 @@ class ArrayWriter:
         history = self.history
         base = prev.base if prev is not None else None
         if base is not None and base.nbytes == data.nbytes:
-            np.copyto(base, data)  # reuse its memory
+            self._base_updates.append((base, data))  # its memory, reused at finish()
         else:
             if base is not None:
-                history.base_bytes -= base.nbytes
+                self._base_bytes_held -= base.nbytes
             base = None
-            if history.base_bytes + data.nbytes <= history.base_budget:
+            if self._base_bytes_held + data.nbytes <= history.base_budget:
                 base = data.copy()
-                history.base_bytes += data.nbytes
+                self._base_bytes_held += data.nbytes
         full_size = prev.full_size if prev is not None else None
         if info.codec == BLOSC:
             full_size = info.size
@@ -533,6 +540,9 @@ class ArrayWriter:
         stats.written_bytes += manifest_size + raw
         stats.seconds = seconds
         if self.history is not None:
+            for base, data in self._base_updates:
+                np.copyto(base, data)  # the snapshot is not released before encode returns
+            self._base_updates = []
             self.history._paths = self._paths
             # Exact again: a path that left the state took its base with it.
             self.history.base_bytes = sum(
