@@ -46,7 +46,13 @@ PY
 git diff --stat
 
 echo "== retrolog replay --verify --yes     (do past runs replay exactly? recorded statements only)"
-retrolog replay --verify --yes
+verify_log="$(dirname "$demo")/verify.log"  # beside the project, not in it
+retrolog replay --verify --yes 2>&1 | tee "$verify_log"
+# Exact values alone are not enough here: every checkpoint the runs kept must restore.
+if grep -q "was not restored" "$verify_log"; then
+  echo "demo: a checkpoint could not be restored (above); that is a bug, please report it" >&2
+  exit 1
+fi
 echo "== retrolog replay w_norm --dry-run   (the plan, and the code each past run will execute)"
 retrolog replay w_norm --dry-run
 echo "== retrolog replay w_norm --yes       (outer loop: epochs restored from checkpoints)"

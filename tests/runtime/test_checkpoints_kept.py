@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+from retrolog.checkpoint.codec import decode
+from retrolog.store.objects import LocalObjectStore
+
 from conftest import Project, default_sigint, read_db
 
 pytestmark = pytest.mark.slow
@@ -98,6 +101,12 @@ def test_a_cpu_saturated_run_writes_every_checkpoint_the_rule_chose(project: Pro
     assert chosen >= 2, why
     ((status,),) = read_db(project.root, "SELECT status FROM runs")
     assert status == "finished"
+    # And every one of them restores: each object verifies against its key, whichever
+    # lane wrote it and however often the urgent lane took one over from the idle lane
+    # (an interrupted idle encode once left a delta base holding other bytes).
+    store = LocalObjectStore(project.root / ".retrolog" / "objects")
+    for (manifest,) in read_db(project.root, "SELECT manifest FROM checkpoints"):
+        decode(str(manifest), store)
 
 
 # Blocks of 0.2 s; the idle lane never runs at all (its thread stops where it would
