@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from retrolog.checkpoint import _arrays, codec
@@ -358,6 +358,69 @@ def test_an_interrupted_encode_leaves_the_delta_history_as_it_was(
     key, _ = encode(Snapshot(objects=state(2), rng={}), store, history=hist)
     assert hist.last is not None and hist.last.delta_objects == 2
     assert_same(decode(key, store).objects, state(2))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["same", "small", "random"]),  # how each tensor changes
+            st.sampled_from(["idle", "idle stopped", "urgent"]),  # who writes it
+            st.integers(0, 2),  # arrays the idle lane writes before it stops (of 3)
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    max_chain=st.sampled_from([1, 2, 3]),
+    bases_in_memory=st.booleans(),
+)
+# A stop right after an array whose bytes became a base (the bug of 2026-11-27): a delta
+# with chains of 2; with chains of 1, a version stored in full while its path backs off.
+@example(0, [("small", "idle", 0), ("small", "idle stopped", 1), ("small", "idle", 0)], 2, True)
+@example(
+    0,
+    [
+        ("small", "idle", 0),
+        ("random", "idle", 0),
+        ("small", "idle stopped", 1),
+        ("small", "idle", 0),
+    ],
+    1,
+    True,
+)
+def test_checkpoints_from_both_lanes_with_stops_all_restore_exactly(
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int,
+    steps: list[tuple[str, str, int]],
+    max_chain: int,
+    bases_in_memory: bool,
+) -> None:
+    """A run's checkpoints as the two lanes write them: the idle lane (deltas, one history)
+    stopped between arrays at any point, the urgent lane (no history) writing that
+    checkpoint or the next. Every checkpoint written restores to its state, bit for bit."""
+    store = LocalObjectStore(tmp_path_factory.mktemp("objects"), durable=False)
+    rng = np.random.default_rng(seed)
+    budget = _arrays.BASE_BUDGET_BYTES if bases_in_memory else 0
+    hist = DeltaHistory(max_chain=max_chain, base_budget=budget)  # deltas that do not pay
+    names = ["a", "b", "c"]  # 80 kB each: objects, not inline
+    tensors = {n: bit_patterns(rng, "float32", 20_000) for n in names}
+    written: list[tuple[str, dict[str, torch.Tensor]]] = []
+    for how, who, after in steps:
+        tensors = {n: step(rng, t, how) for n, t in tensors.items()}
+        snap = Snapshot(objects={"model": dict(tensors)}, rng={})
+        expected = {"model": {n: t.clone() for n, t in tensors.items()}}
+        if who == "idle stopped":
+            polls = iter([False] * after + [True] * 10)
+            with pytest.raises(Interrupted):
+                encode(snap, store, history=hist, interrupt=lambda p=polls: next(p))
+            key, _ = encode(snap, store, least_cpu=True)  # the urgent lane takes it over
+        else:
+            key, _ = encode(snap, store, history=hist if who == "idle" else None,
+                            least_cpu=who == "urgent")  # fmt: skip
+        written.append((key, expected))
+    for key, expected in written:
+        assert_same(decode(key, store).objects, expected)
 
 
 def test_a_damaged_base_that_is_read_back_gives_a_full_object(tmp_path: Path) -> None:
