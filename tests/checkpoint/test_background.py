@@ -397,9 +397,11 @@ def test_the_idle_lane_takes_idle_cycles_and_close_has_the_urgent_lane_write_the
         ("retrolog-checkpoint-writer", (os.SCHED_IDLE, 19))
     ]
     # The idle lane blocks inside checkpoint 1's first put; close() comes meanwhile.
+    # (Contents never stored before, so that first put is "a"'s and "b" is still to come:
+    # the idle lane polls before each array and stops there.)
     gated.gate.clear()
     gated.entered.clear()
-    state["a"][:] = 1.0
+    state["a"][:] = 1.5
     state["b"][:] = 2.0
     capture(ckpt, state, 1)
     state["a"][:] = 3.0
@@ -415,7 +417,7 @@ def test_the_idle_lane_takes_idle_cycles_and_close_has_the_urgent_lane_write_the
     assert priority_of_this_thread() == main_priority
     assert [r.ctx_id for _, _, r in seen] == [0, 1, None]
     restored = [decode(r.manifest, store).objects for _, _, r in seen]
-    assert [(o["a"][0], o["b"][0]) for o in restored] == [(0.0, 1.0), (1.0, 2.0), (3.0, 2.0)]
+    assert [(o["a"][0], o["b"][0]) for o in restored] == [(0.0, 1.0), (1.5, 2.0), (3.0, 2.0)]
     assert seen[1][2].write_seconds >= 0.2  # counted from the idle lane's attempt's start
     assert ckpt.finished_at_close == 2 and ckpt.urgent_writes == 0
     # Idle lane: compressed (zstd). Urgent lane, at close as while training runs: stored
