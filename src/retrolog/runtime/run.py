@@ -708,6 +708,17 @@ def _start_code_export(
     base = next((key for _, key in recent if key in live), None)
     export = CodeExport(paths, run_id, code, events, base)
     export.thread.start()
+    # A script that just ends commits its run from an atexit hook. By then the interpreter
+    # has shut concurrent.futures down (s3fs needs its executor for a new connection) and
+    # s3fs's own exit hook may have closed its client: a copy still going would fail
+    # ("cannot schedule new futures after shutdown", "'NoneType' object has no attribute
+    # 'get'"). So the copy is waited for first, by threading's exit hooks, which run
+    # before both (newest first: after this one, concurrent.futures' own).
+    import concurrent.futures.thread  # noqa: F401  (its exit hook older than ours)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(export.thread.join)
     return export
 
 
