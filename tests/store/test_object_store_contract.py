@@ -8,10 +8,12 @@ through the backend's own raw layer (``_write``), so it is the same damage every
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import hashlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,6 +28,7 @@ from retrolog.store.backends import open_object_store
 from retrolog.store.fsspec_objects import FsspecObjectStore
 from retrolog.store.objects import (
     FRAME_HEADER_SIZE,
+    ForwardingStore,
     LocalObjectStore,
     ObjectStore,
     frame,
@@ -225,6 +228,24 @@ def test_framed_objects(backend: Backend) -> None:
     parts = (b"head", memoryview(b"er and "), bytearray(b"payload" * 1000))
     assert store.put_framed(other, *parts) == len(frame(other, *parts))
     assert store.get(other) == frame(other, *parts)
+
+
+def test_batches_put_and_get_in_order(backend: Backend) -> None:
+    store = backend.store
+    datas = [f"file {i}".encode() * (i + 1) for i in range(25)] + [b"file 3" * 4]  # a repeat
+    keys = list(store.put_all(iter(datas)))
+    assert keys == [hashlib.sha256(d).hexdigest() for d in datas]
+    assert list(store.get_all(iter(keys))) == list(zip(keys, datas, strict=True))
+    assert list(store.put_all([])) == [] and list(store.get_all([])) == []
+
+
+def test_a_batch_read_raises_at_the_missing_object_in_its_turn(backend: Backend) -> None:
+    store = backend.store
+    keys = [store.put(b"before"), "ab" * 32, store.put(b"after")]
+    batch = store.get_all(keys)
+    assert next(batch) == (keys[0], b"before")
+    with pytest.raises(StoreError, match=f"No object {'ab' * 32}"):
+        next(batch)
 
 
 @READS
@@ -449,3 +470,64 @@ def test_s3_freshens_an_object_without_moving_its_bytes(
     assert store.get(key) == b"a frozen layer" * 1000
     missing = "ab" * 32
     assert not store.touch(missing)
+
+
+class Watched(ForwardingStore):
+    """``inner`` with a round trip's delay on each read and write, counting those at once."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def _watch(self, call: Callable[[], Any]) -> Any:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(0.02)  # a round trip to a store farther away than loopback
+            return call()
+        finally:
+            with self.lock:
+                self.now -= 1
+
+    def _write(self, name: str, parts: list[memoryview]) -> None:
+        self._watch(lambda: super(Watched, self)._write(name, parts))
+
+    def _read(self, name: str) -> bytes:
+        return self._watch(lambda: super(Watched, self)._read(name))  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def _open_view(self, name: str) -> Iterator[memoryview]:
+        data = self._watch(lambda: super(Watched, self)._read(name))
+        yield memoryview(data)
+
+
+def test_batches_on_s3_keep_several_requests_in_flight(s3_url: str) -> None:
+    """A first code copy is a request or two per file: on a remote store they overlap."""
+    inner = open_object_store(s3_url)
+    assert inner.parallel_requests > 1
+    store = Watched(inner)
+    datas = [os.urandom(64) for _ in range(40)]
+    keys = list(store.put_all(datas))
+    assert store.most > 1, "puts were made one at a time"
+    writes, store.most = store.most, 0
+    assert [data for _, data in store.get_all(keys)] == datas
+    assert 1 < store.most <= inner.parallel_requests and writes <= inner.parallel_requests
+
+
+def test_a_checkpoint_restores_from_s3_with_its_reads_overlapped(s3_url: str) -> None:
+    """Each array object is a round trip on S3, small or not: a restore overlaps them."""
+    import numpy as np
+
+    from retrolog.checkpoint.codec import decode, encode
+    from retrolog.checkpoint.state import Snapshot
+
+    store = Watched(open_object_store(s3_url))
+    rng = np.random.default_rng(0)
+    state = {f"layer{i}": rng.standard_normal(20_000) for i in range(6)}  # 160 KB: objects
+    key, _ = encode(Snapshot(objects=state, rng={}), store)
+    store.most = 0
+    restored = decode(key, store).objects
+    assert store.most > 1, "the arrays were read one at a time"
+    assert all(np.array_equal(restored[k], v) for k, v in state.items())

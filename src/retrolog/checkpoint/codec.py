@@ -458,8 +458,13 @@ class _Decoder:
         """Read every array object the built tree is waiting for."""
         jobs, self.jobs = self.jobs, []
         total = sum(out.nbytes for *_, out in jobs)
-        if len(jobs) > 1 and total >= PARALLEL_READ_BYTES and DECODE_THREADS > 1:
-            with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="retrolog-restore") as pool:
+        threads = DECODE_THREADS if total >= PARALLEL_READ_BYTES else 1
+        # A remote store waits a round trip per object, whatever its size: overlap them.
+        threads = max(threads, self.store.parallel_requests)
+        if len(jobs) > 1 and threads > 1:
+            with ThreadPoolExecutor(
+                min(threads, len(jobs)), thread_name_prefix="retrolog-restore"
+            ) as pool:
                 list(pool.map(lambda job: read_array(self.store, *job), jobs))
         else:
             for job in jobs:

@@ -39,6 +39,12 @@ LOCAL = frozenset({"file", "local"})
 _TIME_FIELDS = ("mtime", "LastModified", "last_modified", "updated", "modified")
 
 
+# Requests kept in flight by put_all and get_all on a store that is not a local disk:
+# the size of the connection pool s3fs's client keeps by default (aiobotocore's
+# max_pool_connections), so no request waits for a connection.
+REMOTE_PARALLEL_REQUESTS = 10
+
+
 class FsspecObjectStore(ObjectStore):
     """Objects under ``url``, through fsspec, laid out as a local store lays them out.
 
@@ -70,6 +76,8 @@ class FsspecObjectStore(ObjectStore):
         self.renames_atomically = self.local
         self.uploads_atomically = not self.local and bool(ATOMIC_UPLOAD & set(protocols))
         self.s3 = bool({"s3", "s3a"} & set(protocols)) and hasattr(fs, "call_s3")
+        if not self.local:
+            self.parallel_requests = REMOTE_PARALLEL_REQUESTS
 
     def __repr__(self) -> str:
         return f"FsspecObjectStore({self.url!r})"

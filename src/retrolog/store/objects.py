@@ -43,10 +43,11 @@ import secrets
 import stat
 import struct
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -186,6 +187,52 @@ def _frame_problem(key: str, data: bytes | bytearray | memoryview, *, whole: boo
     return None
 
 
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+# Bytes handed to put_all that a batch holds at once, not yet stored (at least one item).
+IN_FLIGHT_BYTES = 64 << 20
+
+
+def in_order(
+    call: Callable[[_T], _R],
+    items: Iterable[_T],
+    workers: int,
+    *,
+    size: Callable[[_T], int] | None = None,
+) -> Generator[_R, None, None]:
+    """``call(item)`` for each of ``items``, results in order, up to ``workers`` calls at once.
+
+    At most 2 x ``workers`` calls are queued or running, and with ``size`` at most
+    IN_FLIGHT_BYTES of items beyond one, so a long stream of items is never all in
+    memory. A call that raises raises here in its turn; calls not yet started are
+    cancelled, and those running are waited for, before the error (or the caller's
+    closing of this iterator) leaves.
+    """
+    if workers <= 1:
+        for item in items:
+            yield call(item)
+        return
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    pending: deque[tuple[Future[_R], int]] = deque()
+    held = 0
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="retrolog-objects") as pool:
+        try:
+            for item in items:
+                nbytes = size(item) if size is not None else 0
+                while pending and (len(pending) >= 2 * workers or held + nbytes > IN_FLIGHT_BYTES):
+                    future, done = pending.popleft()
+                    held -= done
+                    yield future.result()
+                pending.append((pool.submit(call, item), nbytes))
+                held += nbytes
+            while pending:
+                yield pending.popleft()[0].result()
+        finally:
+            for future, _ in pending:
+                future.cancel()
+
+
 @dataclass(frozen=True)
 class StoredFile:
     """An object, or a temp file a write left behind, as :meth:`ObjectStore.scan` lists it."""
@@ -226,6 +273,10 @@ class ObjectStore(abc.ABC):
     renames_atomically: bool = False
     # The store's root (a path or URL), for messages.
     location: str = "(object store)"
+    # Requests the backend serves well at once: put_all and get_all keep this many in
+    # flight. A local disk gains nothing from more than one; a store across a network
+    # waits a round trip per request, which several requests at once overlap.
+    parallel_requests: int = 1
 
     # -- objects -------------------------------------------------------------------------
 
@@ -252,6 +303,23 @@ class ObjectStore(abc.ABC):
         if not self._stored(key, name, size):
             self._write_object(name, views)
         return size
+
+    def put_all(self, datas: Iterable[bytes]) -> Generator[str, None, None]:
+        """:meth:`put` each of ``datas``; their keys, in order, each once its object is stored.
+
+        Up to ``parallel_requests`` puts are in flight at once, holding at most
+        about 64 MB of data not yet stored beyond the one in hand. The first
+        failure is raised in its turn; puts not yet started are then not made.
+        """
+        return in_order(self.put, datas, self.parallel_requests, size=len)
+
+    def get_all(self, keys: Iterable[str]) -> Generator[tuple[str, bytes], None, None]:
+        """(key, :meth:`get` of it) for each of ``keys``, in order, several reads at a time.
+
+        As :meth:`put_all`: up to ``parallel_requests`` reads in flight, the
+        first failure raised in its turn.
+        """
+        return in_order(lambda key: (key, self.get(key)), keys, self.parallel_requests)
 
     def sync(self) -> None:
         """Make every object put so far survive a power loss (call before relying on them).
@@ -561,6 +629,7 @@ class ForwardingStore(ObjectStore):
         self.inner = inner
         self.location = inner.location
         self.renames_atomically = inner.renames_atomically
+        self.parallel_requests = inner.parallel_requests
 
     def sync(self) -> None:
         self.inner.sync()

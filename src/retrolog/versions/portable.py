@@ -214,8 +214,12 @@ def export_code(
         entries.append((os.fsdecode(name), mode, blob))
     known = dict(known or {})
     wanted = sorted({blob for _, mode, blob in entries if mode != GITLINK and blob not in known})
-    for blob, data in _cat_blobs(git_dir, env, wanted, doing):
-        known[blob] = store.put(data)
+    # Several puts at once where the store is remote: a first copy is one request or
+    # two per file, and a round trip each, one after another, is most of its time.
+    contents = (data for _, data in _cat_blobs(git_dir, env, wanted, doing))
+    with contextlib.closing(store.put_all(contents)) as keys:
+        for blob, key in zip(wanted, keys, strict=True):
+            known[blob] = key
     files = tuple(
         CodeFile(path, mode, blob, None if mode == GITLINK else known[blob])
         for path, mode, blob in entries
@@ -564,17 +568,19 @@ def import_manifest(
         assert proc.stdin is not None
         try:
             try:
-                for blob, key in blobs:
-                    if blob in present:
-                        continue
-                    data = objects.get(key)
-                    if git_blob_id(data, len(tree)) != blob:
-                        path = next(f.path for f in manifest.files if f.blob == blob)
-                        raise damaged(f"the bytes of {path} are not its recorded git blob {blob}")
-                    marks[blob] = len(marks) + 1
-                    proc.stdin.write(b"blob\nmark :%d\ndata %d\n" % (marks[blob], len(data)))
-                    proc.stdin.write(data)
-                    proc.stdin.write(b"\n")
+                wanted = [(blob, key) for blob, key in blobs if blob not in present]
+                # Several reads at once where the store is remote (a round trip each).
+                with contextlib.closing(objects.get_all(key for _, key in wanted)) as fetched:
+                    for (blob, _), (_, data) in zip(wanted, fetched, strict=True):
+                        if git_blob_id(data, len(tree)) != blob:
+                            path = next(f.path for f in manifest.files if f.blob == blob)
+                            raise damaged(
+                                f"the bytes of {path} are not its recorded git blob {blob}"
+                            )
+                        marks[blob] = len(marks) + 1
+                        proc.stdin.write(b"blob\nmark :%d\ndata %d\n" % (marks[blob], len(data)))
+                        proc.stdin.write(data)
+                        proc.stdin.write(b"\n")
                 message = f"retrolog: code tree {tree}\n".encode()
                 proc.stdin.write(
                     b"commit %s\ncommitter retrolog <retrolog@localhost> 0 +0000\ndata %d\n%s"
