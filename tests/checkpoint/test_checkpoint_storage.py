@@ -831,6 +831,59 @@ def test_a_failed_array_write_stops_the_encode_before_its_manifest(
     assert store.manifests == 0  # nothing names the arrays that did land
 
 
+class _FarStore(_RecordingStore):
+    """A store a round trip away that serves several requests at once (as S3 does)."""
+
+    parallel_requests = 4
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def put_framed(self, key: str, *parts: Any) -> int:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(0.02)
+            return super().put_framed(key, *parts)
+        finally:
+            with self.lock:
+                self.now -= 1
+                self.events.append("array done")
+
+    def put(self, data: bytes) -> str:
+        assert self.now == 0, "an object was put while arrays were still being written"
+        return super().put(data)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_on_a_far_store_the_arrays_are_written_together_then_the_manifest(
+    tmp_path: Path, mode: str
+) -> None:
+    objects = {f"t{i}": weights(200_000, seed=i) for i in range(12)}
+    store = _FarStore(tmp_path / "objects")
+    key, nbytes = encode(Snapshot(objects=objects, rng={}), store, **MODES[mode])
+    assert 1 < store.most <= store.parallel_requests
+    assert store.events[-1] == "manifest" and store.events.count("array done") == 12
+    assert_same(decode(key, store).objects, objects)
+    on_disk = sum(store.path(b).stat().st_size for b in manifest_blobs(key, store))
+    assert nbytes == on_disk + store.path(key).stat().st_size
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_on_a_far_store_a_failed_write_stops_the_encode_before_its_manifest(
+    tmp_path: Path, mode: str
+) -> None:
+    store = _FarStore(tmp_path / "objects")
+    store.fail_at = 3
+    objects = {f"t{i}": weights(200_000, seed=i) for i in range(12)}
+    with pytest.raises(StoreError, match="disk full"):
+        encode(Snapshot(objects=objects, rng={}), store, **MODES[mode])
+    assert store.manifests == 0 and store.now == 0  # nothing left writing the snapshot
+
+
 def test_checkpointer_records_the_stored_size(store: LocalObjectStore) -> None:
     records: list[CheckpointRecord] = []
     with SynchronousCheckpointer(store, records.append) as ckpt:

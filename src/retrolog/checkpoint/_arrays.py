@@ -33,8 +33,9 @@ import os
 import random
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -301,6 +302,11 @@ class ArrayWriter:
         # and the bytes the bases hold are counted here meanwhile.
         self._base_updates: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
         self._base_bytes_held = history.base_bytes if history is not None else 0
+        # Writes in flight, on a store that serves several requests at once (a remote
+        # one: each write waits a round trip). Their parts are the snapshot's memory, so
+        # the encode waits for all of them (wait_written, close) before it returns.
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: deque[Future[int]] = deque()
 
     def put(
         self,
@@ -490,10 +496,49 @@ class ArrayWriter:
         parts: Sequence[Any],
     ) -> ObjectInfo:
         head = _HEAD.pack(codec, itemsize % 256, depth, raw_length, bytes.fromhex(base or "0" * 32))
-        size = self.store.put_framed(key, head, *parts)
+        if self.store.parallel_requests > 1:
+            size = FRAME_HEADER_SIZE + len(head) + sum(memoryview(p).nbytes for p in parts)
+            self._write_behind(key, head, parts)
+        else:
+            size = self.store.put_framed(key, head, *parts)
         self.stats.written_objects += 1
         self.stats.written_bytes += size
         return ObjectInfo(size=size, codec=codec, depth=depth, base=base)
+
+    def _write_behind(self, key: str, head: bytes, parts: Sequence[Any]) -> None:
+        """Start writing framed object ``key``; at most 2 x parallel_requests writes wait."""
+        limit = self.store.parallel_requests
+        while len(self._in_flight) >= 2 * limit:
+            self._in_flight.popleft().result()
+        try:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(limit, thread_name_prefix="retrolog-put")
+            self._in_flight.append(self._pool.submit(self.store.put_framed, key, head, *parts))
+        except RuntimeError:
+            # The interpreter is exiting (the run's last checkpoints are finished from an
+            # atexit hook) and concurrent.futures takes no new work: write it here.
+            self.store.put_framed(key, head, *parts)
+
+    def wait_written(self) -> None:
+        """Wait for every array write in flight; the first failure is raised.
+
+        The encode calls it before it writes the manifest, which must name only
+        objects that are stored.
+        """
+        try:
+            while self._in_flight:
+                self._in_flight.popleft().result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop what has not started, wait for what has; raises nothing (an error path)."""
+        for future in self._in_flight:
+            future.cancel()
+        self._in_flight.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _remember(
         self, path: str, key: str, dtype: str, shape: tuple[int, ...], data: np.ndarray[Any, Any]

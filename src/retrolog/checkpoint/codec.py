@@ -143,18 +143,22 @@ def encode(
     started = time.perf_counter()
     arrays = ArrayWriter(store, history, interrupt=interrupt, compress=not least_cpu)
     encoder = _Encoder(store, arrays, section)
-    # The top-level dict is built here so errors can name the object at fault.
-    items = []
-    for name, state in snap.objects.items():
-        encoder.name = name
-        items.append([name, encoder.value(state, name)])
-    encoder.name = None
-    doc = {
-        "format": FORMAT,
-        "objects": {"$": "dict", "items": items},
-        "rng": encoder.value(snap.rng, "the RNG states"),
-    }
-    manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
+    try:
+        # The top-level dict is built here so errors can name the object at fault.
+        items = []
+        for name, state in snap.objects.items():
+            encoder.name = name
+            items.append([name, encoder.value(state, name)])
+        encoder.name = None
+        doc = {
+            "format": FORMAT,
+            "objects": {"$": "dict", "items": items},
+            "rng": encoder.value(snap.rng, "the RNG states"),
+        }
+        manifest = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("ascii")
+        arrays.wait_written()
+    finally:
+        arrays.close()  # an error or an interrupt: no write of the snapshot's memory goes on
     key = store.put(manifest)  # after every object it names
     store.sync()  # before the caller records the checkpoint: no rename left to lose
     nbytes = arrays.finish(len(manifest), encoder.blobs, time.perf_counter() - started)
