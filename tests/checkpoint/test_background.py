@@ -692,6 +692,67 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
     assert [int(decode(w[2], store).objects["x"][0]) for w in written] == [0, 1, 2, 3, 4]
 
 
+_EXIT_SCRIPT = """
+import concurrent.futures
+import threading
+import time
+import numpy as np
+from retrolog.checkpoint.background import BackgroundCheckpointer
+from retrolog.store.objects import LocalObjectStore
+
+class ExecutorStore(LocalObjectStore):
+    # As s3fs does to open a connection (name resolution in an executor).
+    def put(self, data):
+        time.sleep(0.05)
+        if not {executor}:
+            return super().put(data)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(super().put, data).result()
+
+ckpt = BackgroundCheckpointer(
+    ExecutorStore({objects!r}, durable=False),
+    lambda r: print("written", r.ctx_id, flush=True),
+    max_in_flight=5,
+)
+
+def train(epochs, first=0):
+    for ctx in range(first, first + epochs):
+        ckpt.capture(ctx_id=ctx, loop_name="epoch", kind="block",
+                     objects={{"x": np.full(100, ctx)}})
+        time.sleep({pause})
+    if first + epochs == 4:
+        print("training done", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("main", "executor"),
+    [
+        ("train(4)", True),
+        # Training goes on in a thread that is not a daemon after the main thread ends:
+        # its checkpoints are finished after it ends, at atexit (so not with a store
+        # that needs an executor then; docs/materialization.md, "Failures and exit").
+        ("train(1)\nthreading.Thread(target=train, args=(3, 1)).start()", False),
+    ],
+)
+def test_checkpoints_in_flight_at_exit_are_finished_before_executors_stop(
+    tmp_path: Path, main: str, executor: bool
+) -> None:
+    """Python stops concurrent.futures before atexit hooks run; a store whose writes need
+    an executor (s3fs, for a new connection) lost the checkpoints finished there."""
+    pause = "0" if executor else "0.2"
+    script = _EXIT_SCRIPT.format(objects=str(tmp_path / "objects"), pause=pause, executor=executor)
+    proc = subprocess.run(
+        [sys.executable, "-c", script + main], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "training done" in lines and len(lines) == 5, proc.stdout
+    assert sorted(int(line.split()[1]) for line in lines if line.startswith("written")) == [
+        0, 1, 2, 3,
+    ]  # fmt: skip
+
+
 def test_a_long_finish_shows_what_remains_on_stderr(
     store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
 ) -> None:

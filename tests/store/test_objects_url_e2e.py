@@ -7,6 +7,7 @@ recording run, the replay's coordinator and its workers, and gc.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import tempfile
@@ -162,3 +163,50 @@ def test_default_settings_record_and_replay_a_torch_script_exactly_from_s3(
     # Epochs of real length: the rule kept checkpoints and the replay restored them from S3.
     ((restored,),) = read_db(project.root, "SELECT restored FROM replay_runs")
     assert restored and restored > 0, out.stdout
+
+
+EXIT_HEAVY = """\
+import numpy as np
+
+import retrolog as rl
+
+rng = np.random.default_rng(0)
+layers = {"layer0": rng.standard_normal(500_000)}
+
+
+def train():
+    with rl.checkpointing(layers=layers):
+        for epoch in rl.loop("epoch", range(2)):
+            if epoch == 1:  # the model grows: its last checkpoints have 8 objects, not 1
+                layers.update({f"layer{i}": rng.standard_normal(500_000) for i in range(1, 8)})
+            for w in layers.values():
+                w *= 0.5
+            rl.log("norm", float(sum(np.linalg.norm(w) for w in layers.values())))
+
+
+train()  # and the script ends: its last checkpoints are still being written
+"""
+
+
+def test_checkpoints_finished_at_exit_reach_s3_by_its_host_name(
+    tmp_path: Path, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At exit, Python stops concurrent.futures before atexit hooks run, and s3fs needs
+    an executor to resolve a host name for a new connection: a checkpoint finished from
+    atexit failed ("cannot schedule new futures after shutdown") and was lost."""
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    assert "127.0.0.1" in endpoint  # the server scripts/services.sh starts
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.replace("127.0.0.1", "localhost"))
+    project = new_project(tmp_path / "proj")
+    project.write("train.py", EXIT_HEAVY)
+    out = project.run("train.py", RETROLOG_OBJECTS_URL=s3_url)
+    assert "Warning" not in out.stderr, out.stderr
+    (record,) = read_db(project.root, "SELECT checkpointing FROM runs")
+    stats = json.loads(record[0])
+    assert stats["finished_at_exit"] >= 1, f"nothing was left to finish at exit: {stats}"
+    assert stats["written"] == stats["chosen"] == 2 and stats["end_written"] == 1, stats
+    store = open_object_store(s3_url)
+    manifests = [m for (m,) in read_db(project.root, "SELECT manifest FROM checkpoints")]
+    assert len(manifests) == 3
+    for manifest in manifests:
+        load_checkpoint(store, manifest)

@@ -51,6 +51,7 @@ checkpoint replay could pick.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import os
 import sys
@@ -404,7 +405,7 @@ class BackgroundCheckpointer(Checkpointer):
     def close(self) -> None:
         """Write and report every checkpoint in flight, stop the writers, raise a failure.
 
-        The urgent lane writes what is left, with every core, lz4 and no deltas
+        The urgent lane writes what is left, uncompressed and without deltas
         (training is over and the user waits for the exit); the idle lane stops
         at its next array. When that takes over :data:`PROGRESS_AFTER` seconds,
         what remains is shown on stderr. On the main thread, a first Ctrl-C
@@ -495,6 +496,18 @@ class BackgroundCheckpointer(Checkpointer):
             # Nobody is left to raise to at exit; stderr is the last place to say it.
             warnings.warn(str(exc), RetrologWarning, stacklevel=1)
 
+    def _close_before_executors_stop(self) -> None:
+        # These hooks run before Python joins the threads that are not daemons: training
+        # may go on in one of them (the main thread only started it), and capture more.
+        # Then close at atexit, once they have ended, as without this hook.
+        main = threading.main_thread()
+        for thread in threading.enumerate():
+            if thread is main or thread.daemon or not thread.is_alive():
+                continue
+            if not thread.name.startswith("retrolog-"):  # ours: the code copy, array writes
+                return
+        self._close_at_exit()
+
     def _raise_if_failed(self) -> None:
         """Raise the writer's failure here; close() raises it only if no capture did already."""
         error = self._error
@@ -520,6 +533,17 @@ class BackgroundCheckpointer(Checkpointer):
             self._idle.start()
             self._urgent.start()
             atexit.register(self._close_at_exit)
+            # atexit runs after Python has stopped concurrent.futures, whose executors a
+            # remote store's client needs to open a connection (s3fs resolves the host
+            # name in one): a checkpoint finished there on S3 failed with "cannot schedule
+            # new futures after shutdown". threading's exit hooks run before that (newest
+            # first, so after this one, concurrent.futures' own), and finish it there.
+            import concurrent.futures.thread  # noqa: F401  (its exit hook older than ours)
+
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                with contextlib.suppress(RuntimeError):  # a first capture during exit
+                    register(self._close_before_executors_stop)
 
     # -- writer lanes ----------------------------------------------------------------------
 
