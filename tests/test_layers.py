@@ -23,6 +23,7 @@ RANKS = {
     "_query": 3,
     "_replay": 4,
     "_gc": 4,
+    "_migrate": 4,
     "_project": 5,
     "_api": 6,
     "_restore": 7,

@@ -20,6 +20,7 @@ from retrolog.store.paths import ProjectPaths, locate
 if TYPE_CHECKING:
     import pandas as pd
 
+    from retrolog._migrate import MigrationPlan, MigrationReport
     from retrolog._query.series import Group, Series, SeriesCache
     from retrolog._replay.replayer import ReplayResult
 
@@ -350,3 +351,36 @@ class Project:
                 workers=workers, threads=threads, dry_run=dry_run, force=force,
                 verify=verify, reuse=reuse, confirm=confirm, progress=progress, **extra,
             )  # fmt: skip
+
+    # -- moving ----------------------------------------------------------------------
+
+    def migrate_objects(
+        self,
+        url: str,
+        *,
+        dry_run: bool = False,
+        confirm: Callable[[MigrationPlan], bool] | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> MigrationPlan | MigrationReport:
+        """Move this store's objects (checkpoints, code copies) to ``url`` and use them there.
+
+        Back-fills the code copies of runs that have none, copies every object,
+        reads each back and verifies it, and only then sets ``objects_url`` in the
+        store's config.toml (see ``retrolog migrate --help``). Nothing is deleted;
+        running it again copies what is missing. dry_run: the plan only.
+        confirm: called with the plan before anything is written; False stops (the
+        plan is returned). Raises StoreError when something cannot be copied or
+        verified; the setting is then unchanged.
+        """
+        from retrolog._migrate import migrate_objects, plan_migration
+        from retrolog.store.backends import object_store_for, open_object_store
+        from retrolog.store.metadata import is_readonly, read_only_error
+
+        with self.reader() as conn:
+            if is_readonly(conn) and not dry_run:
+                raise read_only_error(self.paths, "migrate")
+            source = object_store_for(self.paths.store)
+            plan = plan_migration(self.paths, conn, source, open_object_store(url))
+            if dry_run or (confirm is not None and not confirm(plan)):
+                return plan
+            return migrate_objects(self.paths, conn, source, url, say=echo or (lambda _: None))

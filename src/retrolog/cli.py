@@ -576,6 +576,96 @@ def ui_command(port: int | None, host: str, no_browser: bool, no_index: bool) ->
     serve(_project(), host=host, port=port, open_browser=not no_browser, index=not no_index)
 
 
+@cli.command("migrate")
+@click.option(
+    "--objects",
+    "url",
+    required=True,
+    help="Where the objects go: s3://bucket/prefix, another fsspec URL, or a directory.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be copied; copy nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Write the report as JSON.")
+@_handle_errors
+def migrate_command(url: str, dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Move the store's objects (checkpoints, code copies) to another object store.
+
+    Runs recorded without a copy of their code in the objects get one first.
+    Then every object is copied, read back from the target and verified against
+    its key, and only when all verified is objects_url set in the store's
+    config.toml, so later recordings, replays and gc use the target. Nothing is
+    deleted: the local objects stay until you remove them, and running it again
+    copies only what is missing and verifies everything again. It refuses while
+    a run is recording. The metadata (runs, logs) stays where it is.
+
+    \b
+    Example:
+      retrolog migrate --objects s3://team-bucket/retrolog --dry-run
+      retrolog migrate --objects s3://team-bucket/retrolog --yes
+    """
+    project = _project()
+
+    def describe(plan: Any) -> str:
+        mb = plan.nbytes / 1e6
+        text = (
+            f"Copy {plan.missing} of {plan.objects} object(s) ({plan.missing_bytes / 1e6:.1f} of "
+            f"{mb:.1f} MB) from {plan.source} to {plan.target}, verify all {plan.objects} there"
+        )
+        if plan.code_to_backfill:
+            text += f", after copying the code versions of {len(plan.code_to_backfill)} run(s)"
+        return text + ", then set objects_url in the store's config.toml."
+
+    def confirm(plan: Any) -> bool:
+        if yes:
+            return True
+        if not as_json:
+            click.echo(terminal_safe(describe(plan)))
+        if not sys.stdin.isatty():
+            raise click.UsageError(
+                "Not asking on a non-interactive input: pass --yes to migrate, or --dry-run."
+            )
+        if click.confirm("Migrate?", default=False, err=True):
+            return True
+        click.echo("Nothing copied.", err=True)
+        return False
+
+    def say(line: str) -> None:
+        if not as_json:
+            click.echo(terminal_safe(f"retrolog: {line}"), err=True)
+
+    result = project.migrate_objects(url, dry_run=dry_run, confirm=confirm, echo=say)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    if dry_run:
+        click.echo(terminal_safe(describe(result)))
+        return
+    if not hasattr(result, "verified"):
+        return  # not confirmed
+    lines = [
+        f"Copied {result.copied} object(s) ({result.copied_bytes / 1e6:.1f} MB) to "
+        f"{result.target}; {result.objects - result.copied} were there already. Verified "
+        f"{result.verified} of {result.objects} ({result.verified_bytes / 1e6:.1f} MB).",
+        f"objects_url is now {result.target} in {result.config_file}; the objects in "
+        f"{result.source} were left as they were (remove them yourself when you no longer "
+        "need them).",
+    ]
+    if result.code_backfilled:
+        lines.append(f"Code versions copied for {len(result.code_backfilled)} run(s).")
+    for run_id, why in result.code_unavailable.items():
+        lines.append(
+            f"Run {run_id}: its code version could not be copied ({why}); replay it from a "
+            "clone that has its ref."
+        )
+    if result.still_overridden:
+        lines.append(
+            f"{result.still_overridden} is set in this environment and still points "
+            f"elsewhere; unset it (or set it to {result.target}) to use the new objects."
+        )
+    for line in lines:
+        click.echo(terminal_safe(line))
+
+
 @cli.command("config")
 @click.option("--json", "as_json", is_flag=True, help="Write JSON.")
 @_handle_errors

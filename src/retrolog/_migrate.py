@@ -1,0 +1,228 @@
+"""Moving a store's objects to another object store (``retrolog migrate --objects URL``).
+
+A project that started with its checkpoints and code copies in ``.retrolog/objects``
+moves them to where a team shares them (``s3://bucket/prefix``), in three steps:
+
+1. **Code copies back-filled.** Runs recorded before code versions were kept in the
+   object store get theirs now, exported from their git refs into the current
+   objects, so they move with the rest (docs/code-versions.md).
+2. **Objects copied, then verified.** Every object is read (verified against its key),
+   put at the target (a put that finds it there writes nothing), then read back from
+   the target and verified again: a key is the sha256 or the xxh3 of the content, so
+   a verified read is a checksum comparison. Counts and bytes are reported.
+3. **The setting switched.** Only when every object verified: ``objects_url`` is set
+   in the store's ``config.toml``, so every later command and recording of this
+   checkout uses the target. The local objects are left as they were.
+
+Nothing is deleted anywhere, so running it again is safe: it copies what is missing
+(runs recorded since, into a location an environment variable kept pointing at) and
+verifies everything again. It refuses while a run records, since what that run
+writes after the copy would be missing from the target.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retrolog._config import BY_KEY, STORE_FILE, read_file
+from retrolog.errors import StoreError, VersionError
+from retrolog.store.backends import open_object_store
+from retrolog.store.metadata import mark_dead_runs_crashed
+from retrolog.store.objects import ObjectStore, in_order
+from retrolog.store.paths import ProjectPaths
+
+OBJECTS_URL = BY_KEY["objects_url"]
+
+
+@dataclass
+class MigrationPlan:
+    """What a migration will do, before it does it (``--dry-run`` shows this)."""
+
+    source: str
+    target: str
+    objects: int = 0
+    nbytes: int = 0
+    missing: int = 0  # objects not yet at the target
+    missing_bytes: int = 0
+    code_to_backfill: list[str] = field(default_factory=list)  # run ids without a code copy
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class MigrationReport(MigrationPlan):
+    """What a migration did."""
+
+    copied: int = 0
+    copied_bytes: int = 0
+    verified: int = 0
+    verified_bytes: int = 0
+    code_backfilled: list[str] = field(default_factory=list)
+    code_unavailable: dict[str, str] = field(default_factory=dict)  # run id -> why
+    config_file: str | None = None  # where objects_url was set
+    still_overridden: str | None = None  # a variable that keeps pointing elsewhere
+
+
+def plan_migration(
+    paths: ProjectPaths, conn: sqlite3.Connection, source: ObjectStore, target: ObjectStore
+) -> MigrationPlan:
+    """Count what moving ``source``'s objects to ``target`` involves; refuse if it is unsafe."""
+    if _same_place(source, target):
+        raise StoreError(
+            f"The objects are already at {target.location}: nothing to migrate. "
+            "`retrolog config` shows where they are read from and why."
+        )
+    mark_dead_runs_crashed(conn)
+    running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
+    if running:
+        raise StoreError(
+            f"Run(s) {', '.join(running)} are still recording into {source.location}; what "
+            f"they write after the copy would be missing from {target.location}. Let them "
+            "finish (or stop them), then run `retrolog migrate` again. Nothing was copied."
+        )
+    plan = MigrationPlan(source=source.location, target=target.location)
+    plan.code_to_backfill = [
+        r
+        for (r,) in conn.execute(
+            "SELECT run_id FROM runs WHERE code_manifest IS NULL AND code_commit IS NOT NULL "
+            "ORDER BY started_at"
+        )
+    ]
+    files = source.scan()[0]
+    plan.objects = len(files)
+    plan.nbytes = sum(f.size for f in files)
+    there = in_order(target.has, [f.key or "" for f in files], target.parallel_requests)
+    for stored, present in zip(files, there, strict=True):
+        if not present:
+            plan.missing += 1
+            plan.missing_bytes += stored.size
+    return plan
+
+
+def migrate_objects(
+    paths: ProjectPaths,
+    conn: sqlite3.Connection,
+    source: ObjectStore,
+    target_url: str,
+    *,
+    say: Callable[[str], None] = lambda _: None,
+) -> MigrationReport:
+    """Back-fill code copies, copy and verify every object, then switch ``objects_url``
+    to ``target_url`` (as given: a URL or a path).
+
+    Raises StoreError (nothing switched) when an object cannot be read, written or
+    verified; what was copied stays, and a second run picks up from there.
+    """
+    target = open_object_store(target_url)
+    plan = plan_migration(paths, conn, source, target)
+    report = MigrationReport(**plan.to_dict())
+    if plan.code_to_backfill:
+        say(f"copying the code versions of {len(plan.code_to_backfill)} run(s) into the objects")
+        _backfill_code(paths, conn, source, plan.code_to_backfill, report)
+    files = source.scan()[0]  # again: the code copies are new objects
+    keys = [f.key for f in files if f.key is not None]
+    sizes = {f.key: f.size for f in files}
+    report.objects, report.nbytes = len(keys), sum(sizes[k] for k in keys)
+    there = dict(zip(keys, in_order(target.has, keys, target.parallel_requests), strict=True))
+    missing = [k for k in keys if not there[k]]
+    say(f"copying {len(missing)} of {len(keys)} object(s) to {target.location}")
+    contents = (data for _, data in source.get_all(missing))  # each verified as it is read
+    for key, put in zip(missing, target.put_all(contents), strict=True):
+        if put != key:  # not expected: a verified read hashes to its key
+            raise StoreError(f"Object {key} was stored at {target.location} as {put}.")
+        report.copied += 1
+        report.copied_bytes += sizes[key]
+    say(f"verifying {len(keys)} object(s) at {target.location}")
+    for key, data in target.get_all(keys):  # raises at the first that is missing or damaged
+        if len(data) != sizes[key]:
+            raise StoreError(
+                f"Object {key} at {target.location} holds {len(data)} bytes where "
+                f"{source.location} holds {sizes[key]}. The setting was not switched."
+            )
+        report.verified += 1
+        report.verified_bytes += len(data)
+    report.config_file = str(_set_objects_url(paths.store, target_url))
+    override = _environment_override(target_url)
+    if override:
+        report.still_overridden = override
+    return report
+
+
+def _backfill_code(
+    paths: ProjectPaths,
+    conn: sqlite3.Connection,
+    store: ObjectStore,
+    runs: list[str],
+    report: MigrationReport,
+) -> None:
+    from retrolog.versions.portable import export_code, readable_version
+
+    conn.row_factory = sqlite3.Row
+    try:
+        for run_id in runs:
+            row = dict(conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone())
+            try:
+                version = readable_version(row, store_dir=paths.store, root=paths.root)
+                key, manifest = export_code(version.git_dir, version.rev, store)
+            except VersionError as exc:
+                report.code_unavailable[run_id] = str(exc)
+                continue
+            if manifest.tree != row.get("code_tree"):
+                report.code_unavailable[run_id] = (
+                    f"its code version {row['code_commit']} has tree {manifest.tree}, the run "
+                    f"recorded {row.get('code_tree')}"
+                )
+                continue
+            conn.execute("UPDATE runs SET code_manifest = ? WHERE run_id = ?", (key, run_id))
+            report.code_backfilled.append(run_id)
+    finally:
+        conn.row_factory = None
+
+
+def _same_place(a: ObjectStore, b: ObjectStore) -> bool:
+    root_a, root_b = getattr(a, "root", None), getattr(b, "root", None)
+    if isinstance(root_a, Path) and isinstance(root_b, Path):
+        return root_a.resolve() == root_b.resolve()
+    return a.location.rstrip("/") == b.location.rstrip("/")
+
+
+_LINE = re.compile(r"^\s*objects_url\s*=.*$", re.MULTILINE)
+
+
+def _set_objects_url(store_dir: Path, location: str) -> Path:
+    """Set ``objects_url`` in the store's config.toml (keeping the rest); the file's path."""
+    path = store_dir / STORE_FILE
+    before = path.read_text(encoding="utf-8") if path.exists() else ""
+    line = f"objects_url = {json.dumps(location)}"  # a TOML basic string
+    if _LINE.search(before):
+        after = _LINE.sub(lambda _: line, before, count=1)
+    else:
+        after = before + ("" if not before or before.endswith("\n") else "\n") + line + "\n"
+    temp = path.with_name(f".{path.name}.migrate.tmp")
+    temp.write_text(after, encoding="utf-8")
+    try:
+        if read_file(temp, None).get("objects_url") != location:
+            raise StoreError(
+                f"Could not set objects_url in {path} (the edited file does not read back "
+                f"as {location!r}). Set `objects_url = {json.dumps(location)}` there by hand."
+            )
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    temp.replace(path)
+    return path
+
+
+def _environment_override(location: str) -> str | None:
+    """The environment variable that would keep the objects elsewhere, if one is set."""
+    import os
+
+    value = os.environ.get(OBJECTS_URL.env, "").strip()
+    return OBJECTS_URL.env if value and value != location else None
