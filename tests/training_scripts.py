@@ -37,6 +37,50 @@ with rl.checkpointing(w=w):
 """
 
 
+# A script shaped like a real one: argparse, loops inside a function, a DataLoader, a
+# scheduler. "# HINDSIGHT" marks where a test inserts a statement (W_NORM) at the end of
+# each epoch.
+REAL_SHAPED = """\
+import argparse
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import retrolog as rl
+
+
+def train(args):
+    torch.manual_seed(args.seed)
+    x = torch.randn(8192, 64)
+    y = (x[:, 0] > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                        nn.Linear(512, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    with rl.checkpointing(net=net, opt=opt):
+        for epoch in rl.loop("epoch", range(args.epochs)):
+            for xb, yb in rl.loop("step", loader):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(net(xb), yb)
+                loss.backward()
+                opt.step()
+                rl.log("loss", loss.item())
+            sched.step()
+            # HINDSIGHT
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    train(parser.parse_args())
+"""
+W_NORM = 'rl.log("w_norm", float(sum(p.norm() ** 2 for p in net.parameters())))'
+
+
 def digest(model, optimizer) -> str:  # type: ignore[no-untyped-def]
     """The exact state of a model and its optimizer (the script logs it each epoch)."""
     import hashlib

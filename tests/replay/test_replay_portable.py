@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from training_scripts import new_project
+from training_scripts import REAL_SHAPED, W_NORM, new_project
 
 from conftest import Project
 
@@ -186,6 +186,44 @@ def test_replay_from_another_clone_or_no_repository(
         show = b.cli("show", run_id, **store_env)
         assert show.returncode == 0, show.stderr
         assert "code kept  in the store's objects (code manifest" in show.stdout
+
+
+def test_a_torch_script_recorded_with_default_settings_replays_exactly_with_no_repository(
+    tmp_path: Path,
+) -> None:
+    """The no-repository replay with what users run: torch's own threads, the adaptive
+    rule, default replay workers, an argparse script with its loops in a function, a
+    DataLoader and a scheduler, and an uncommitted edit in the recording clone."""
+    default = {"RETROLOG_CHECKPOINTS": ""}  # the suite pins "every"; users don't
+    seed = new_project(tmp_path / "seed")
+    seed.write("train.py", REAL_SHAPED)
+    seed.git("add", "-A")
+    seed.git("commit", "--quiet", "-m", "train")
+    bare = tmp_path / "upstream.git"
+    subprocess.run(["git", "clone", "--quiet", "--bare", str(seed.root), str(bare)], check=True)
+    lr = '"--lr", type=float, default='
+    edited = REAL_SHAPED.replace(lr + "0.05", lr + "0.08")
+    assert edited != REAL_SHAPED
+    a = _clone(bare, tmp_path / "a")
+    a.write("train.py", edited)  # never committed
+    store = tmp_path / "shared-store"
+    store_env = {"RETROLOG_STORE": str(store), **default}
+    a.run("train.py", **store_env)
+    shutil.rmtree(tmp_path / "a")
+
+    worker = Project(tmp_path / "worker")  # no repository: today's code, a new statement
+    worker.root.mkdir()
+    worker.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+    out = worker.cli("replay", "w_norm", "--yes", **store_env)
+    assert out.returncode == 0, out.stderr
+    replayed = _rows(store, NORMS.format(origin="AND l.origin = 'backfilled'"))
+    expected = _fresh({"train.py": edited.replace("# HINDSIGHT", W_NORM)}, **default)
+    committed = _fresh({"train.py": REAL_SHAPED.replace("# HINDSIGHT", W_NORM)}, **default)
+    assert len(expected) == 4 and replayed == expected
+    assert replayed != committed  # the recording clone's uncommitted edit ran
+    # Epochs of real length: the rule kept checkpoints and the replay restored them.
+    ((restored,),) = _rows(store, "SELECT restored FROM replay_runs")
+    assert restored and restored > 0, out.stdout
 
 
 def test_gc_keeps_the_code_of_kept_runs_and_collects_the_rest(tmp_path: Path) -> None:

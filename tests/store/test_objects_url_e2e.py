@@ -19,7 +19,7 @@ import pytest
 from retrolog.checkpoint.capture import load_checkpoint
 from retrolog.store.backends import open_object_store
 from retrolog.store.fsspec_objects import FsspecObjectStore
-from training_scripts import NUMPY_TRAIN, new_project
+from training_scripts import NUMPY_TRAIN, REAL_SHAPED, W_NORM, new_project
 
 from conftest import read_db
 
@@ -89,47 +89,6 @@ def test_record_replay_and_gc_with_objects_at_a_url(
     assert len(store.scan()[0]) < before
     for manifest in kept:
         load_checkpoint(store, manifest)
-
-
-REAL_SHAPED = """\
-import argparse
-
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import retrolog as rl
-
-
-def train(args):
-    torch.manual_seed(args.seed)
-    x = torch.randn(8192, 64)
-    y = (x[:, 0] > 0).long()
-    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
-    net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                        nn.Linear(512, 2))
-    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    with rl.checkpointing(net=net, opt=opt):
-        for epoch in rl.loop("epoch", range(args.epochs)):
-            for xb, yb in rl.loop("step", loader):
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(net(xb), yb)
-                loss.backward()
-                opt.step()
-                rl.log("loss", loss.item())
-            sched.step()
-            # HINDSIGHT
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    train(parser.parse_args())
-"""
-W_NORM = 'rl.log("w_norm", float(sum(p.norm() ** 2 for p in net.parameters())))'
 
 
 def test_default_settings_record_and_replay_a_torch_script_exactly_from_s3(
