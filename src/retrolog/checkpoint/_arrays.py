@@ -37,7 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -50,6 +50,8 @@ from retrolog.store.objects import (
     frame_size,
     is_framed_key,
 )
+
+_R = TypeVar("_R")
 
 MIN_COMPRESS_BYTES = 4096  # smaller float data is stored as it comes: no gain worth a call
 SEGMENT_BYTES = 1 << 30  # blosc2 compresses at most 2 GB per call
@@ -306,7 +308,12 @@ class ArrayWriter:
         # one: each write waits a round trip). Their parts are the snapshot's memory, so
         # the encode waits for all of them (wait_written, close) before it returns.
         self._pool: ThreadPoolExecutor | None = None
-        self._in_flight: deque[Future[int]] = deque()
+        self._in_flight: deque[Future[Any]] = deque()
+        # Without deltas (the urgent lane) on such a store, the question whether an array
+        # is stored already (a request too) goes to the pool with its write: key -> (its
+        # header, whether this encode wrote it), collected by wait_written().
+        self._overlap_checks = store.parallel_requests > 1 and not compress
+        self._checked: dict[str, Future[tuple[ObjectInfo, bool]]] = {}
 
     def put(
         self,
@@ -325,6 +332,11 @@ class ArrayWriter:
             raise Interrupted
         shape = tuple(shape)
         key = content_key(dtype, shape, data)
+        if self._overlap_checks:
+            if key not in self.infos and key not in self._checked:
+                self.stats.logical_bytes += data.nbytes
+                self._checked[key] = self._submit(self._reuse_or_write, key, itemsize, data)
+            return key  # no history to remember: no deltas here
         if key not in self.infos:
             self.stats.logical_bytes += data.nbytes
             info = self._reuse(key)
@@ -353,16 +365,12 @@ class ArrayWriter:
         """
         if self.interrupt is not None and self.interrupt():
             raise Interrupted
-        if key not in self.infos:
-            info = self._reuse(key)
-            if info is None:
-                raise StoreError(
-                    f"Checkpoint object {key}, which this run stored a few checkpoints ago and "
-                    "references again for a tensor that did not change, is no longer in the "
-                    f"store {self.store!r}. Something deleted it while the run was recording "
-                    "(a garbage collection with a retention policy, or by hand); let "
-                    "recording runs finish before removing their checkpoints."
-                )
+        if self._overlap_checks:
+            if key not in self.infos and key not in self._checked:
+                self.stats.logical_bytes += nbytes
+                self._checked[key] = self._submit(self._stored_info, key)
+        elif key not in self.infos:
+            info, _ = self._stored_info(key)
             self.stats.logical_bytes += nbytes
             self.stats.reused_objects += 1
             self.infos[key] = info
@@ -371,6 +379,29 @@ class ArrayWriter:
         if prev is not None and prev.key == key:
             self._paths[path] = prev  # as _remember does for an unchanged tensor
         return key
+
+    def _stored_info(self, key: str) -> tuple[ObjectInfo, bool]:
+        """The header of ``key``, which an earlier checkpoint of this run stored (touched)."""
+        info = self._reuse(key)
+        if info is None:
+            raise StoreError(
+                f"Checkpoint object {key}, which this run stored a few checkpoints ago and "
+                "references again for a tensor that did not change, is no longer in the "
+                f"store {self.store!r}. Something deleted it while the run was recording "
+                "(a garbage collection with a retention policy, or by hand); let "
+                "recording runs finish before removing their checkpoints."
+            )
+        return info, False
+
+    def _reuse_or_write(
+        self, key: str, itemsize: int, data: np.ndarray[Any, Any]
+    ) -> tuple[ObjectInfo, bool]:
+        """On a pool thread: ``key``'s header if stored (touched), else stored as it comes."""
+        info = self._reuse(key)
+        if info is not None:
+            return info, False
+        size = self.store.put_framed(key, _head(RAW, itemsize, 0, data.nbytes, None), data)
+        return ObjectInfo(size=size, codec=RAW, depth=0, base=None), True
 
     def _reuse(self, key: str) -> ObjectInfo | None:
         """The stored object ``key`` with its whole delta chain, touched; None to write it."""
@@ -495,29 +526,35 @@ class ArrayWriter:
         base: str | None,
         parts: Sequence[Any],
     ) -> ObjectInfo:
-        head = _HEAD.pack(codec, itemsize % 256, depth, raw_length, bytes.fromhex(base or "0" * 32))
+        head = _head(codec, itemsize, depth, raw_length, base)
         if self.store.parallel_requests > 1:
             size = FRAME_HEADER_SIZE + len(head) + sum(memoryview(p).nbytes for p in parts)
-            self._write_behind(key, head, parts)
+            self._submit(self.store.put_framed, key, head, *parts)
         else:
             size = self.store.put_framed(key, head, *parts)
         self.stats.written_objects += 1
         self.stats.written_bytes += size
         return ObjectInfo(size=size, codec=codec, depth=depth, base=base)
 
-    def _write_behind(self, key: str, head: bytes, parts: Sequence[Any]) -> None:
-        """Start writing framed object ``key``; at most 2 x parallel_requests writes wait."""
+    def _submit(self, call: Callable[..., _R], *args: Any) -> Future[_R]:
+        """Run ``call(*args)`` on the writer's pool; at most 2 x parallel_requests wait."""
         limit = self.store.parallel_requests
         while len(self._in_flight) >= 2 * limit:
             self._in_flight.popleft().result()
         try:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(limit, thread_name_prefix="retrolog-put")
-            self._in_flight.append(self._pool.submit(self.store.put_framed, key, head, *parts))
+            future = self._pool.submit(call, *args)
         except RuntimeError:
-            # The interpreter is exiting (the run's last checkpoints are finished from an
-            # atexit hook) and concurrent.futures takes no new work: write it here.
-            self.store.put_framed(key, head, *parts)
+            # The interpreter is exiting (a checkpoint finished from an atexit hook, see
+            # BackgroundCheckpointer) and concurrent.futures takes no new work: run it here.
+            future = Future()
+            try:
+                future.set_result(call(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+        self._in_flight.append(future)
+        return future
 
     def wait_written(self) -> None:
         """Wait for every array write in flight; the first failure is raised.
@@ -528,6 +565,14 @@ class ArrayWriter:
         try:
             while self._in_flight:
                 self._in_flight.popleft().result()
+            for key, checked in self._checked.items():
+                info, wrote = checked.result()
+                self.infos[key] = info
+                if wrote:
+                    self.stats.written_objects += 1
+                    self.stats.written_bytes += info.size
+                else:
+                    self.stats.reused_objects += 1
         finally:
             self.close()
 
@@ -536,6 +581,7 @@ class ArrayWriter:
         for future in self._in_flight:
             future.cancel()
         self._in_flight.clear()
+        self._checked.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -597,6 +643,11 @@ class ArrayWriter:
             self.history.last = stats
             self.history.total.add(stats)
         return stats.stored_bytes
+
+
+def _head(codec: int, itemsize: int, depth: int, raw_length: int, base: str | None) -> bytes:
+    """An array object's payload header (docs/checkpoint-storage.md, "Array payload")."""
+    return _HEAD.pack(codec, itemsize % 256, depth, raw_length, bytes.fromhex(base or "0" * 32))
 
 
 def _compress(data: np.ndarray[Any, Any], itemsize: int) -> list[bytes]:
