@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Project, ray_env, read_db, values_by_run
+from conftest import Project, ray_env, read_db, replay_workers, values_by_run
 
 pytestmark = pytest.mark.slow
 
@@ -252,3 +254,43 @@ def test_bad_executor_options_are_one_paragraph_errors(project: Project, tmp_pat
     assert out.returncode == 1
     assert "pip install 'retrolog[ray]'" in out.stderr
     assert read_db(project.root, "SELECT COUNT(*) FROM replays") == [(0,)]
+
+
+INNER = SCRIPT.replace(
+    "                loss = train_step(w, args.lr)\n",
+    "                loss = train_step(w, args.lr)\n"
+    '                rl.log("step_norm", float(np.linalg.norm(w)))\n',
+)
+
+
+def test_ctrl_c_cancels_the_ray_tasks(project: Project, ray_address: str) -> None:
+    project.write("train.py", SCRIPT)
+    for seed in (0, 1):
+        project.run("train.py", "--seed", str(seed), "--epochs", "3", "--step-seconds", "0.2")
+    runs = [str(r[0]) for r in read_db(project.root, "SELECT run_id FROM runs")]
+    project.write("train.py", INNER)  # every step runs again: 3 s a run
+    proc = project.start_cli(
+        "replay", "step_norm", "--yes", "--executor", "ray", **ray_env(ray_address)
+    )
+    markers = [f"-ray-{run_id}-" for run_id in runs]
+    deadline = time.monotonic() + 60
+    while not all(replay_workers(m) for m in markers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(replay_workers(m) for m in markers), "the workers did not start"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "Ray tasks still running on" in stderr
+    # Cancelled: the training processes are gone (with the Ray workers that ran them).
+    deadline = time.monotonic() + 15
+    while any(replay_workers(m) for m in markers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(replay_workers(m) for m in markers)
+    assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
+
+    again = project.cli("replay", "step_norm", "--yes", "--executor", "ray", **ray_env(ray_address))
+    assert again.returncode == 0, again.stderr
+    assert "backfilled 30 value(s)" in again.stderr
+    counts = read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name = 'step_norm'")
+    assert counts == [(30,)]
