@@ -14,6 +14,8 @@ import json
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -294,3 +296,23 @@ def test_ctrl_c_cancels_the_ray_tasks(project: Project, ray_address: str) -> Non
     assert "backfilled 30 value(s)" in again.stderr
     counts = read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name = 'step_norm'")
     assert counts == [(30,)]
+
+
+def test_ray_is_imported_only_when_chosen(project: Project) -> None:
+    """A local replay, the CLI and the library never import ray (it takes seconds)."""
+    project.write("train.py", SCRIPT)
+    project.run("train.py", "--epochs", "2", "--step-seconds", "0")
+    project.write("train.py", NEW)
+    code = (
+        "import sys\n"
+        "import retrolog, retrolog.cli\n"
+        "from retrolog import Project\n"
+        "Project().replay('w_norm', progress=False, echo=lambda _: None)\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=project.root, env=project.env(), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert [len(v) for v in values_by_run(project.root, "w_norm").values()] == [2]
