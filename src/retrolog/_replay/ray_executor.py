@@ -151,7 +151,7 @@ class RayCluster:
         gpus = f", {self.gpus:g} GPU(s)" if self.gpus else ""
         return (
             f"workers run as Ray tasks on the cluster at {self.address} ({self.nodes} node(s), "
-            f"{self.cpus:g} CPU(s){gpus}), each a new interpreter"
+            f"{self.cpus:g} CPU(s){gpus})"
         )
 
     def default_workers(self, threads: int | None) -> int:
@@ -237,6 +237,9 @@ class SegmentTask:
     project: str  # the coordinator's project root: linked in when the node has it
     store: str  # the coordinator's store directory (never linked into a checkout)
     log_path: str  # the coordinator's log file: written directly when the node has its folder
+    # Modules a fork server of the Ray worker process imports once, its workers forked from
+    # it (_replay/forkserver.py); empty: the worker is a new interpreter.
+    warm: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -296,9 +299,11 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
 
     Returns {"returncode", "output" (the worker's JSON or None), "error" (why it could
     not start, or None), "seconds", "log" (its tail, when the coordinator cannot read
-    the log file), "node"}. The temporary directory is removed when it returns; a task
-    whose process is killed leaves it to the next replay's sweep on that node (its name
-    carries this process's pid).
+    the log file), "node", "forked"}. The temporary directory is removed when it
+    returns; a task whose process is killed leaves it to the next replay's sweep on that
+    node (its name carries this process's pid). With ``task.warm``, the worker is forked
+    from a fork server this Ray worker process keeps for its later tasks, so a node
+    imports torch once per Ray worker, not once per segment.
     """
     from retrolog._replay.checkout import checkout_prefix, make_checkout
     from retrolog._replay.execute import die_with, run_worker_env
@@ -309,7 +314,9 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix=checkout_prefix(f"ray-{task.spec['run_id']}")))
     shared_log = Path(task.log_path)
     log_path = shared_log if shared_log.parent.is_dir() else base / "worker.log"
-    result: dict[str, Any] = {"returncode": None, "output": None, "error": None, "node": node}
+    result: dict[str, Any] = {
+        "returncode": None, "output": None, "error": None, "node": node, "forked": False,
+    }  # fmt: skip
     try:
         try:
             git_dir, rev = _code_here(task)
@@ -333,23 +340,34 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
             spec.project = str(root) if root is not None else None
             spec_path = base / "spec.json"
             spec.save(spec_path)
-            env = {**run_worker_env(task.numerics), SPEC_ENV: str(spec_path)}
+            server_env = run_worker_env(task.numerics)
+            env = {**server_env, SPEC_ENV: str(spec_path)}
             cwd = checkout / task.cwd
             if not cwd.is_dir():
                 cwd = checkout
             argv = [str(checkout / task.filename), *task.argv[1:]]
-            with log_path.open("wb") as log:
-                process = subprocess.Popen(
-                    [sys.executable, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=die_with(os.getpid()),
+            process: Any = None
+            if task.warm:
+                log_path.write_bytes(b"")
+                process = _launcher_here().launch(
+                    argv=argv, cwd=cwd, env=env, log_path=log_path, server_env=server_env,
+                    warm=task.warm,
                 )  # fmt: skip
+                result["forked"] = process is not None
+            if process is None:
+                with log_path.open("wb") as log:
+                    process = subprocess.Popen(
+                        [sys.executable, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                        preexec_fn=die_with(os.getpid()),
+                    )  # fmt: skip
             try:
                 result["returncode"] = process.wait()
             except BaseException:  # the task was cancelled: its worker goes with it
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                with contextlib.suppress(Exception):
+                    process.wait(timeout=5)
                 raise
             out = Path(spec.output)
             if result["returncode"] == 0 and out.exists():
@@ -364,6 +382,26 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     finally:
         result["seconds"] = time.perf_counter() - started
         shutil.rmtree(base, ignore_errors=True)
+
+
+_LAUNCHER: Any = None  # this Ray worker process's fork servers, kept across its tasks
+
+
+def _launcher_here() -> Any:
+    """The fork-server launcher of this Ray worker process (made at its first task).
+
+    Its servers die with the process (a parent-death signal), and their directory is
+    then swept as a dead process's checkout.
+    """
+    global _LAUNCHER
+    if _LAUNCHER is None:
+        from retrolog._replay.checkout import checkout_prefix
+        from retrolog._replay.execute import die_with
+        from retrolog._replay.forkserver import Launcher
+
+        logs = Path(tempfile.mkdtemp(prefix=checkout_prefix("ray-forkservers")))
+        _LAUNCHER = Launcher(python=sys.executable, logs_dir=logs, preexec=die_with(os.getpid()))
+    return _LAUNCHER
 
 
 def _code_here(task: SegmentTask) -> tuple[Path, str]:
@@ -403,6 +441,7 @@ def segment_task(job: Any, row: Mapping[str, Any], root: Path, store: Path) -> S
         code={k: row.get(k) for k in ("run_id", "code_commit", "code_tree", "code_manifest")},
         git_dir=str(job.git_dir), commit=job.commit, project=str(root), store=str(store),
         log_path=str(job.log_path),
+        warm=list(job.start.warm) if job.start is not None and job.start.forked else [],
     )  # fmt: skip
 
 
@@ -428,8 +467,8 @@ def run_jobs_on_ray(
     Each job gets ``output`` or ``error`` (and ``seconds``) as a local worker's does; a
     task whose Ray worker died is a failed job, and the others go on. On an interrupt
     (Ctrl-C, SIGTERM) the tasks still running are cancelled (their workers killed) and
-    the jobs that had finished keep their output. Returns the nodes the tasks ran on,
-    one line each, for the report.
+    the jobs that had finished keep their output. Returns lines for the report: the
+    nodes the tasks ran on, and how their workers started.
     """
     ray = cluster.ray
     remote = ray.remote(run_segment)
@@ -437,6 +476,7 @@ def run_jobs_on_ray(
     pending = list(jobs)
     running: dict[Any, Any] = {}
     nodes: dict[str, int] = {}
+    forked: list[bool] = []
     try:
         while pending or running:
             while pending and len(running) < workers:
@@ -454,7 +494,7 @@ def run_jobs_on_ray(
             ready, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
             for ref in ready:
                 job = running.pop(ref)
-                _finish(ray, job, ref, nodes)
+                forked.append(_finish(ray, job, ref, nodes))
                 if on_done is not None:
                     on_done(job)
     except BaseException:
@@ -471,17 +511,27 @@ def run_jobs_on_ray(
             with contextlib.suppress(Exception):
                 ray.cancel(ref, force=True)
         raise
-    return [f"{node}: {count} segment(s)" for node, count in sorted(nodes.items())]
+    lines = []
+    if nodes:
+        shown = "; ".join(f"{node}: {count} segment(s)" for node, count in sorted(nodes.items()))
+        lines.append(f"Ray tasks ran on {shown}")
+    if any(forked):
+        lines.append(
+            f"start-up on Ray: {sum(forked)} worker(s) forked from fork servers kept by the "
+            f"Ray worker processes; {len(forked) - sum(forked)} started as new interpreters"
+        )
+    return lines
 
 
-def _finish(ray: Any, job: Any, ref: Any, nodes: dict[str, int]) -> None:
-    """Fill in ``job`` from its finished task, as execute._finish does from a process."""
+def _finish(ray: Any, job: Any, ref: Any, nodes: dict[str, int]) -> bool:
+    """Fill in ``job`` from its finished task, as execute._finish does from a process;
+    whether its worker was forked from a fork server."""
     job.seconds = time.perf_counter() - job.started
     try:
         result = ray.get(ref)
     except ray.exceptions.RayError as exc:
         job.error = f"its Ray task failed: {_ray_failure(ray, exc)}"
-        return
+        return False
     nodes[result["node"]] = nodes.get(result["node"], 0) + 1
     if result.get("log") is not None:
         Path(job.log_path).write_bytes(result["log"])
@@ -498,6 +548,7 @@ def _finish(ray: Any, job: Any, ref: Any, nodes: dict[str, int]) -> None:
             else f"worker wrote no output (did the script reach retrolog?) (on Ray node "
             f"{result['node']})"
         )
+    return bool(result.get("forked"))
 
 
 def _ray_failure(ray: Any, exc: BaseException) -> str:

@@ -275,10 +275,9 @@ def replay(
                 cluster = connect(address)
                 workers = workers or cluster.default_workers(threads or widest)
                 cores = max(1, int(cluster.cpus))
-                starts = {r: StartPlan(reason="a Ray task starts its worker") for r in to_run}
             else:
                 workers = workers or default_workers(widest)
-                starts = _start_plans(conn, paths, runs, propagations, to_run)
+            starts = _start_plans(conn, paths, runs, propagations, to_run)
             if not dry_run and cluster is None:
                 # The fork servers start now: what their imports take is in the estimate, and
                 # the workers need them anyway once the plan is confirmed.
@@ -870,6 +869,8 @@ def _execute(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
         threads, verify,
     )  # fmt: skip
+    for job in jobs:
+        job.start = starts.get(job.run_id)
     if cluster is not None:
         _execute_on_ray(
             conn, paths, plan, jobs, runs, by_run, outcomes, names, code_objects,
@@ -880,7 +881,6 @@ def _execute(
     if launcher is None:
         launcher = Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
     for job in jobs:
-        job.start = starts.get(job.run_id)
         if job.start is not None and job.start.forked:
             launcher.prepare(worker_env(job), job.start.warm)
     bar = None
@@ -952,10 +952,10 @@ def _execute_on_ray(
             bar.update(1)
 
     status = "finished"
-    nodes: list[str] = []
+    lines: list[str] = []
     try:
         with terminate_as_interrupt():
-            nodes = run_jobs_on_ray(
+            lines = run_jobs_on_ray(
                 jobs, tasks, rows, cluster=cluster, workers=plan.workers, on_done=done
             )
     except KeyboardInterrupt:
@@ -966,8 +966,8 @@ def _execute_on_ray(
     finally:
         if bar is not None:
             bar.close()
-        if nodes:
-            echo(f"Ray tasks ran on: {'; '.join(nodes)}")
+        for line in lines:
+            echo(line)
         _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
         conn.execute(
             "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
