@@ -300,16 +300,17 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     Returns {"returncode", "output" (the worker's JSON or None), "error" (why it could
     not start, or None), "seconds", "log" (its tail, when the coordinator cannot read
     the log file), "node", "forked"}. The temporary directory is removed when it
-    returns; a task whose process is killed leaves it to the next replay's sweep on that
+    returns; a task whose process is killed leaves it to the next task's sweep on that
     node (its name carries this process's pid). With ``task.warm``, the worker is forked
     from a fork server this Ray worker process keeps for its later tasks, so a node
     imports torch once per Ray worker, not once per segment.
     """
-    from retrolog._replay.checkout import checkout_prefix, make_checkout
+    from retrolog._replay.checkout import checkout_prefix, make_checkout, sweep_checkouts
     from retrolog._replay.execute import die_with, run_worker_env
     from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 
     started = time.perf_counter()
+    sweep_checkouts()  # what killed Ray workers of this node left (no coordinator runs here)
     node = socket.gethostname()
     base = Path(tempfile.mkdtemp(prefix=checkout_prefix(f"ray-{task.spec['run_id']}")))
     shared_log = Path(task.log_path)
