@@ -80,25 +80,41 @@ port_answers() {
     "$1" 2>/dev/null
 }
 
-# The pids of this cluster's processes: each names its temp dir on its command line (the
-# workers are the raylet's children). Only these are stopped: `ray stop` would stop every
-# Ray cluster on the machine.
-ray_pids() {
+# Stop this cluster's processes: each names its temp dir on its command line (the workers
+# are the raylet's children). Only these: `ray stop` would stop every Ray cluster on the
+# machine. SIGTERM, then SIGKILL what is left after 5 s; prints how many there were.
+kill_ray() {
   "$python" - "$1" <<'EOF'
-import os, sys
-mine, found = os.getpid(), set()
-parents = {}
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-        ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        continue
-    parents[int(pid)] = ppid
-    if int(pid) != mine and sys.argv[1] in cmdline:
-        found.add(int(pid))
-found |= {pid for pid, ppid in parents.items() if ppid in found}
-print(" ".join(map(str, sorted(found))))
+import os, signal, sys, time
+
+def cluster(directory):
+    mine, found, parents = os.getpid(), set(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents[int(pid)] = ppid
+        if int(pid) != mine and directory in cmdline:
+            found.add(int(pid))
+    return found | {pid for pid, ppid in parents.items() if ppid in found}
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+pids = cluster(sys.argv[1])
+signal_all(pids, signal.SIGTERM)
+deadline = time.monotonic() + 5
+while pids and time.monotonic() < deadline:
+    time.sleep(0.1)
+    pids = {pid for pid in pids if os.path.exists(f"/proc/{pid}")}
+signal_all(pids, signal.SIGKILL)
+print(len(pids))
 EOF
 }
 
@@ -138,22 +154,11 @@ start_ray() {
 }
 
 stop_ray() {
-  local dirfile=$state/ray.dir dir pids
+  local dirfile=$state/ray.dir dir
   [ -f "$dirfile" ] || return 0
   dir=$(cat "$dirfile")
-  pids=$(ray_pids "$dir")
-  if [ -n "$pids" ]; then
-    # shellcheck disable=SC2086
-    kill $pids 2>/dev/null || true
-    for _ in $(seq 1 50); do
-      [ -z "$(ray_pids "$dir")" ] && break
-      sleep 0.1
-    done
-    pids=$(ray_pids "$dir")
-    # shellcheck disable=SC2086
-    [ -n "$pids" ] && kill -9 $pids 2>/dev/null || true
-    echo "== stopped ray"
-  fi
+  kill_ray "$dir" >/dev/null
+  echo "== stopped ray"
   case "$dir" in /tmp/retrolog-ray-*) rm -rf "$dir" ;; esac
   rm -f "$dirfile" "$state/ray.port"
 }
