@@ -298,7 +298,8 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     "--workers",
     type=click.IntRange(min=1),
     help="Worker processes (default: as many as the cores hold at the runs' recorded thread "
-    "counts, or one per GPU). More than that oversubscribes the cores: slower, still exact.",
+    "counts, or one per GPU). More than that oversubscribes the cores: slower, still exact. "
+    "With --executor ray: Ray tasks in flight (default: what the cluster's CPUs hold).",
 )
 @click.option(
     "--threads",
