@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._config import lookup
-from retrolog.errors import RetrologError, UsageError
+from retrolog.errors import RayUnavailableError, RetrologError, UsageError
 
 EXECUTOR_ENV = "RETROLOG_EXECUTOR"
 ADDRESS_ENV = "RAY_ADDRESS"  # Ray's own variable, honoured as Ray itself does
@@ -53,14 +53,6 @@ class Executor(enum.Enum):
 
     LOCAL = "local"  # worker processes on this machine (the default)
     RAY = "ray"  # one Ray task per segment on a Ray cluster
-
-
-class RayUnavailableError(UsageError):
-    """Ray was chosen, but it is not installed or its cluster cannot be reached."""
-
-    def __init__(self, message: str, *, address: str | None = None) -> None:
-        super().__init__(message)
-        self.address = address
 
 
 def choose_executor(executor: str | None, ray_address: str | None) -> tuple[Executor, str | None]:
