@@ -5,11 +5,12 @@
 #   bash scripts/services.sh stop
 #   bash scripts/services.sh status
 #
-# Today that is one S3-compatible server: moto's server mode (from the dev extra, in .venv),
-# keeping its buckets in memory. docs/checkpoint-storage.md says which S3 behaviours it
-# reproduces and which it does not. .services/env holds what the tests read
-# (RETROLOG_TEST_S3_ENDPOINT); tests/conftest.py reads it when the variable is not set.
-# Nothing here needs the network beyond loopback.
+# An S3-compatible server: moto's server mode (from the dev extra, in .venv), keeping its
+# buckets in memory; docs/checkpoint-storage.md says which S3 behaviours it reproduces and
+# which it does not. A one-node Ray cluster (the ray extra, in .venv) with 2 CPUs, for
+# replays on Ray (docs/replay-on-ray.md). .services/env holds what the tests read
+# (RETROLOG_TEST_S3_ENDPOINT, RETROLOG_TEST_RAY_ADDRESS); tests/conftest.py reads it when
+# the variables are not set. Nothing here needs the network beyond loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 state=.services
@@ -69,6 +70,99 @@ start_s3() {
   exit 1
 }
 
+# Ray on loopback only. Ray swaps 127.0.0.1 for the machine's network address unless told
+# it is a one-machine cluster, which RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 does (on Linux
+# too); a driver connecting to it needs the same (the tests set it).
+ray_env() { env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 "$@"; }
+
+port_answers() {
+  "$python" -c 'import socket, sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])), 2)' \
+    "$1" 2>/dev/null
+}
+
+# Stop this cluster's processes: each names its temp dir on its command line (the workers
+# are the raylet's children). Only these: `ray stop` would stop every Ray cluster on the
+# machine. SIGTERM, then SIGKILL what is left after 5 s; prints how many there were.
+kill_ray() {
+  "$python" - "$1" <<'EOF'
+import os, signal, sys, time
+
+def cluster(directory):
+    mine, found, parents = os.getpid(), set(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents[int(pid)] = ppid
+        if int(pid) != mine and directory in cmdline:
+            found.add(int(pid))
+    return found | {pid for pid, ppid in parents.items() if ppid in found}
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+pids = cluster(sys.argv[1])
+signal_all(pids, signal.SIGTERM)
+deadline = time.monotonic() + 5
+while pids and time.monotonic() < deadline:
+    time.sleep(0.1)
+    pids = {pid for pid in pids if os.path.exists(f"/proc/{pid}")}
+signal_all(pids, signal.SIGKILL)
+print(len(pids))
+EOF
+}
+
+start_ray() {
+  local portfile=$state/ray.port dirfile=$state/ray.dir
+  if [ -f "$portfile" ] && port_answers "$(cat "$portfile")"; then
+    return 0
+  fi
+  if [ ! -x .venv/bin/ray ]; then
+    echo "services.sh: .venv/bin/ray is missing: run bash scripts/setup.sh first" \
+      "(it installs the dev extra, which has ray)." >&2
+    exit 1
+  fi
+  local port dir
+  port=$(free_port)
+  # Short and outside the work tree: Ray's unix sockets live under it (a 107-byte limit).
+  dir=$(mktemp -d /tmp/retrolog-ray-XXXXXX)
+  echo "$port" >"$portfile"
+  echo "$dir" >"$dirfile"
+  if ! ray_env .venv/bin/ray start --head --node-ip-address 127.0.0.1 --port "$port" \
+    --num-cpus 2 --num-gpus 0 --object-store-memory 200000000 --include-dashboard=false \
+    --disable-usage-stats --temp-dir "$dir" >"$state/ray.log" 2>&1; then
+    echo "services.sh: ray start failed; its log:" >&2
+    tail -n 20 "$state/ray.log" >&2 || true
+    exit 1
+  fi
+  for _ in $(seq 1 100); do
+    if port_answers "$port"; then
+      echo "== Ray head on 127.0.0.1:$port (2 CPUs), temp dir $dir"
+      return 0
+    fi
+    sleep 0.2
+  done
+  echo "services.sh: the Ray head did not answer on 127.0.0.1:$port; its log:" >&2
+  tail -n 20 "$state/ray.log" >&2 || true
+  exit 1
+}
+
+stop_ray() {
+  local dirfile=$state/ray.dir dir
+  [ -f "$dirfile" ] || return 0
+  dir=$(cat "$dirfile")
+  kill_ray "$dir" >/dev/null
+  echo "== stopped ray"
+  case "$dir" in /tmp/retrolog-ray-*) rm -rf "$dir" ;; esac
+  rm -f "$dirfile" "$state/ray.port"
+}
+
 stop_one() {
   local pidfile=$state/$1.pid
   if alive "$pidfile"; then
@@ -87,21 +181,32 @@ case "${1:-}" in
   start)
     mkdir -p "$state"
     start_s3
+    start_ray
     {
       echo "RETROLOG_TEST_S3_ENDPOINT=http://127.0.0.1:$(cat $state/moto.port)"
+      echo "RETROLOG_TEST_RAY_ADDRESS=127.0.0.1:$(cat $state/ray.port)"
     } >"$state/env"
     ;;
   stop)
     stop_one moto
+    stop_ray
     rm -f "$state/env" "$state/moto.port"
     ;;
   status)
+    down=0
     if alive "$state/moto.pid" && answers "$(cat $state/moto.port)"; then
       echo "moto: running on 127.0.0.1:$(cat $state/moto.port), pid $(cat $state/moto.pid)"
     else
       echo "moto: not running"
-      exit 1
+      down=1
     fi
+    if [ -f "$state/ray.port" ] && port_answers "$(cat $state/ray.port)"; then
+      echo "ray: head running on 127.0.0.1:$(cat $state/ray.port), temp dir $(cat $state/ray.dir)"
+    else
+      echo "ray: not running"
+      down=1
+    fi
+    exit $down
     ;;
   *) usage ;;
 esac

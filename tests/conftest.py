@@ -315,3 +315,40 @@ def s3_url(monkeypatch: pytest.MonkeyPatch) -> str:
                 f"cannot reach the S3 server at {endpoint}: {exc}\n{S3_HINT}", pytrace=False
             )
     return f"s3://{S3_BUCKET}/{uuid.uuid4().hex}"
+
+
+# -- the Ray cluster (scripts/services.sh) ------------------------------------------------
+
+RAY_HINT = (
+    "The replay-on-Ray tests need the one-node Ray cluster that `bash scripts/services.sh "
+    "start` starts (the README's test command does); or set RETROLOG_TEST_RAY_ADDRESS to a "
+    "Ray cluster's HOST:PORT."
+)
+
+
+@pytest.fixture
+def ray_address() -> str:
+    """The test Ray cluster's address: RETROLOG_TEST_RAY_ADDRESS, else .services/env's.
+    Fails, never skips, when there is none or nothing answers there."""
+    import socket
+
+    address = os.environ.get("RETROLOG_TEST_RAY_ADDRESS", "").strip()
+    if not address and SERVICES_ENV.exists():
+        for line in SERVICES_ENV.read_text().splitlines():
+            name, _, value = line.partition("=")
+            if name == "RETROLOG_TEST_RAY_ADDRESS":
+                address = value.strip()
+    if not address:
+        pytest.fail(RAY_HINT, pytrace=False)
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, ValueError) as exc:
+        pytest.fail(f"cannot reach the Ray cluster at {address}: {exc}\n{RAY_HINT}", pytrace=False)
+    return address
+
+
+def ray_env(address: str) -> dict[str, str]:
+    """What a `retrolog replay --executor ray` process needs to reach the test cluster: its
+    address, and Ray told that a cluster on 127.0.0.1 is one machine (scripts/services.sh)."""
+    return {"RAY_ADDRESS": address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

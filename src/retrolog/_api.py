@@ -239,6 +239,8 @@ def replay(
     force: bool = False,
     allow_inexact: bool = False,
     reuse: bool = True,
+    executor: str | None = None,
+    ray_address: str | None = None,
 ) -> pd.DataFrame:
     """Backfill the values of new log statements into past runs, by replaying them.
 
@@ -257,6 +259,10 @@ def replay(
         otherwise that raises InexactReplayError.
     reuse: copy the values of a run that computed exactly what another did (same
         configuration and history) instead of replaying it.
+    executor: "local" (worker processes on this machine) or "ray" (one Ray task per
+        segment on a cluster; the ray extra); default the ``executor`` setting
+        (RETROLOG_EXECUTOR), else local. docs/replay-on-ray.md.
+    ray_address: the Ray cluster (default: RAY_ADDRESS or the ``ray_address`` setting).
     Returns the dataframe of ``names`` for the matching runs (empty after a dry run).
     The plan and a report go to stderr; nothing is asked (the CLI asks).
     """
@@ -268,7 +274,7 @@ def replay(
     project = _project()
     result = project.replay(
         wanted, where, script=script, workers=workers, threads=threads, dry_run=dry_run,
-        force=force, reuse=reuse, progress=False,
+        force=force, reuse=reuse, progress=False, executor=executor, ray_address=ray_address,
     )  # fmt: skip
     if result.inexact and not allow_inexact:
         raise InexactReplayError(

@@ -132,6 +132,19 @@ SETTINGS: tuple[Setting, ...] = (
         "0 starts every replay worker as a new interpreter",
     ),
     Setting(
+        "executor",
+        "RETROLOG_EXECUTOR",
+        "local",
+        "where replay runs its workers: 'local' processes, or 'ray' tasks on a Ray cluster "
+        "(the ray extra; docs/replay-on-ray.md)",
+    ),
+    Setting(
+        "ray_address",
+        "RAY_ADDRESS",
+        "(none)",
+        "the Ray cluster for executor 'ray': HOST:PORT of its head, or 'auto' (Ray's own variable)",
+    ),
+    Setting(
         "allow_pickles",
         "RETROLOG_ALLOW_PICKLES",
         "0",

@@ -334,11 +334,14 @@ class Project:
         confirm: Callable[[str], bool] | None = None,
         echo: Callable[[str], None] | None = None,
         progress: bool = True,
+        executor: str | None = None,
+        ray_address: str | None = None,
     ) -> ReplayResult:
         """Replay past runs to backfill ``names`` (see ``retrolog replay --help``).
 
         confirm: called with the plan's text before anything runs; False stops.
         echo: where the plan and the report go (default: stderr).
+        executor, ray_address: where the workers run (docs/replay-on-ray.md).
         Returns the replay's result: per run its outcome, the runs found inexact.
         """
         from retrolog._replay.replayer import replay
@@ -349,7 +352,8 @@ class Project:
             return replay(
                 conn, self.paths, [n for n in wanted if n], where, script=script,
                 workers=workers, threads=threads, dry_run=dry_run, force=force,
-                verify=verify, reuse=reuse, confirm=confirm, progress=progress, **extra,
+                verify=verify, reuse=reuse, confirm=confirm, progress=progress,
+                executor=executor, ray_address=ray_address, **extra,
             )  # fmt: skip
 
     # -- moving ----------------------------------------------------------------------

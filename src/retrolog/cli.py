@@ -298,7 +298,8 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     "--workers",
     type=click.IntRange(min=1),
     help="Worker processes (default: as many as the cores hold at the runs' recorded thread "
-    "counts, or one per GPU). More than that oversubscribes the cores: slower, still exact.",
+    "counts, or one per GPU). More than that oversubscribes the cores: slower, still exact. "
+    "With --executor ray: Ray tasks in flight (default: what the cluster's CPUs hold).",
 )
 @click.option(
     "--threads",
@@ -326,11 +327,24 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     help="Exit 0 even when the deferred check finds recorded values that replay recomputed "
     "differently (their backfilled values are stored marked inexact either way).",
 )
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    help="Where the workers run: 'local' processes on this machine (the default), or 'ray': "
+    "each segment a task on a Ray cluster, with its CPUs (and GPU); needs the ray extra. "
+    "Default: the executor setting (RETROLOG_EXECUTOR).",
+)
+@click.option(
+    "--ray-address",
+    metavar="ADDR",
+    help="The Ray cluster for --executor ray: HOST:PORT of its head (what `ray start --head` "
+    "prints), or 'auto'. Default: RAY_ADDRESS or the ray_address setting.",
+)
 @_handle_errors
 def replay_command(
     names: str | None, where: str | None, yes: bool, dry_run: bool, workers: int | None,
     threads: int | None, script: str | None, force: bool, verify: bool, no_reuse: bool,
-    allow_inexact: bool,
+    allow_inexact: bool, executor: str | None, ray_address: str | None,
 ) -> None:  # fmt: skip
     """Backfill new log statements into past runs by replaying them.
 
@@ -348,6 +362,7 @@ def replay_command(
       retrolog replay w_norm "lr > 0.005" --dry-run
       retrolog replay w_norm,grad_norm --yes
       retrolog replay --verify "lr > 0.005"
+      retrolog replay w_norm --yes --executor ray --ray-address 10.0.0.5:6379
     """
     if verify:
         if names is not None and where is not None:
@@ -372,7 +387,7 @@ def replay_command(
     result = _project().replay(
         names.split(",") if names else [], where, script=script, workers=workers,
         threads=threads, dry_run=dry_run, force=force, verify=verify, reuse=not no_reuse,
-        confirm=confirm,
+        confirm=confirm, executor=executor, ray_address=ray_address,
     )  # fmt: skip
     failed = [o for o in result.outcomes.values() if o.status in ("failed", "partial")]
     if failed or (result.inexact and not allow_inexact):

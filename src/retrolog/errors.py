@@ -10,7 +10,8 @@ codecs are converted where they enter our code (``raise ... from exc``)::
     │   ├── CheckpointTargetError   checkpointing() was given an object it cannot save
     │   ├── QueryError              a SQL query or where-predicate is malformed or writes
     │   ├── UnknownNameError        a requested log name was never logged
-    │   └── RunNotFoundError        no run matches the given id
+    │   ├── RunNotFoundError        no run matches the given id
+    │   └── RayUnavailableError     --executor ray, but Ray is missing or its cluster unreachable
     ├── StoreError                  the store cannot be opened, read or written
     │   ├── UntrustedPickleError    a stored pickle, not read without the user's trust
     │   └── CorruptObjectError      a stored object fails its checksum
@@ -69,6 +70,14 @@ class RunNotFoundError(UsageError):
     def __init__(self, message: str, *, run_id: str | None = None) -> None:
         super().__init__(message)
         self.run_id = run_id
+
+
+class RayUnavailableError(UsageError):
+    """Replay on Ray was chosen, but Ray is not installed or its cluster cannot be reached."""
+
+    def __init__(self, message: str, *, address: str | None = None) -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class StoreError(RetrologError):

@@ -24,7 +24,7 @@ _PREFIX = "retrolog-checkout-"  # then the coordinator's pid
 
 def make_checkout(
     *,
-    root: Path,
+    root: Path | None,
     store: Path,
     git_dir: Path,
     commit: str,
@@ -33,20 +33,34 @@ def make_checkout(
     skipped: list[str],
     prefix: str,
 ) -> Path:
-    """Materialise ``commit`` into a new temporary directory prepared for a replay worker."""
+    """Materialise ``commit`` into a new temporary directory prepared for a replay worker.
+
+    root: the project whose paths the code version lacks are linked in; None on a
+        machine that does not have it (a Ray node: docs/replay-on-ray.md).
+    """
     # The coordinator's pid in the name: a checkout a killed coordinator left behind is
     # recognised, and removed, by the next replay or gc (sweep_checkouts).
-    dest = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-{prefix}-"))
+    dest = Path(tempfile.mkdtemp(prefix=checkout_prefix(prefix)))
     try:
         materialize(git_dir, commit, dest)
         target = dest / filename
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(script_source)
-        _link_missing(root, store, dest, skipped)
+        if root is not None:
+            _link_missing(root, store, dest, skipped)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
     return dest
+
+
+def checkout_prefix(prefix: str) -> str:
+    """The name a temporary directory of this process's replay work starts with.
+
+    It carries this process's pid, so that :func:`sweep_checkouts` removes it once the
+    process is gone, however it ended.
+    """
+    return f"{_PREFIX}{os.getpid()}-{prefix}-"
 
 
 def _link_missing(root: Path, store: Path, dest: Path, skipped: list[str]) -> None:

@@ -4,6 +4,7 @@ newest script ──locate_statements──> scan level
 store ──candidates(where, lacking values)──> runs ──load_profiles──> plan
 each run's code version ──propagate──> script to run (kept as a git blob)
 plan ──run_jobs──> worker processes ──outputs──> backfill + deferred check
+     └─run_jobs_on_ray──> Ray tasks (--executor ray) ──┘
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from retrolog._replay.plan import (
     scan_level_for,
 )
 from retrolog._replay.propagate import Propagation, Unplaceable, propagate
+from retrolog._replay.ray_executor import Executor, RayCluster, choose_executor
 from retrolog._replay.reuse import copy_values, find_sources
 from retrolog._replay.statements import Position, locate_statements, names_read
 from retrolog.errors import RetrologError, UsageError
@@ -132,6 +134,8 @@ def replay(
     confirm: Callable[[str], bool] | None = None,
     echo: Echo = _stderr,
     progress: bool = True,
+    executor: str | None = None,
+    ray_address: str | None = None,
 ) -> ReplayResult:
     """Replay past runs of a script to backfill the values of ``names``.
 
@@ -145,7 +149,15 @@ def replay(
     reuse: copy values instead of replaying a run that computed exactly what another
         did (same configuration and history: _replay/reuse.py).
     confirm: asked with the plan text before executing; returning False stops.
+    executor: "local" (worker processes here) or "ray" (a Ray task per segment:
+        docs/replay-on-ray.md); default the ``executor`` setting, else local.
+    ray_address: the Ray cluster's address (default: RAY_ADDRESS); only with Ray.
     """
+    kind, address = choose_executor(executor, ray_address)
+    if kind is Executor.RAY:
+        from retrolog._replay.ray_executor import check_installed
+
+        check_installed()
     names = [n.strip() for n in names if n.strip()]
     readonly = is_readonly(conn)
     if readonly and not dry_run:
@@ -249,13 +261,24 @@ def replay(
     plan: ReplayPlan | None = None
     starts: dict[str, StartPlan] = {}
     launcher: Launcher | None = None
+    cluster: RayCluster | None = None
     try:
         if to_run:
             profiles = load_profiles(conn, to_run)
             per_byte = _restore_seconds_per_byte(paths, profiles)
-            workers = workers or default_workers(max((p.threads or 1 for p in profiles), default=1))
+            widest = max((p.threads or 1 for p in profiles), default=1)
+            cores = None
+            if kind is Executor.RAY:
+                from retrolog._replay.ray_executor import connect
+
+                assert address is not None
+                cluster = connect(address)
+                workers = workers or cluster.default_workers(threads or widest)
+                cores = max(1, int(cluster.cpus))
+            else:
+                workers = workers or default_workers(widest)
             starts = _start_plans(conn, paths, runs, propagations, to_run)
-            if not dry_run:
+            if not dry_run and cluster is None:
                 # The fork servers start now: what their imports take is in the estimate, and
                 # the workers need them anyway once the plan is confirmed.
                 logs_dir = paths.store / "replays" / replay_id
@@ -264,9 +287,10 @@ def replay(
                     python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid())
                 )
                 starts = _start_servers(launcher, runs, starts, echo)
+            ray_notes = (cluster.describe(),) if cluster is not None else ()
             plan = _plan(
-                level, profiles, workers, per_byte, notes, needs_suffix, source or "", threads,
-                starts,
+                level, profiles, workers, per_byte, (*notes, *ray_notes), needs_suffix,
+                source or "", threads, starts, cores=cores,
             )  # fmt: skip
             for run_plan in plan.runs:
                 run_id = run_plan.run_id
@@ -297,7 +321,7 @@ def replay(
                 conn, paths, plan, runs, propagations, outcomes, names,
                 replay_id=replay_id, filename=filename, where=where, force=force,
                 echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
-                starts=starts, launcher=launcher,
+                starts=starts, launcher=launcher, cluster=cluster,
             )  # fmt: skip
         _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
         actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
@@ -310,6 +334,8 @@ def replay(
             launcher.close()
             if not launcher.used:  # cancelled or interrupted before any worker: no trace
                 shutil.rmtree(launcher.logs_dir, ignore_errors=True)
+        if cluster is not None:
+            cluster.close()
 
 
 def _copy_reused(
@@ -499,13 +525,16 @@ def _plan(
     source: str,
     threads: int | None,
     starts: Mapping[str, StartPlan] | None = None,
+    *,
+    cores: int | None = None,
 ) -> ReplayPlan:
     """The plan, for workers that keep each run's recorded thread count (or ``threads``).
 
     starts: how each run's workers start; a forked worker skips the imports its fork
     server made once (the server's measured time, else the recorded imports).
+    cores: the cores the workers share (default: this machine's; a Ray cluster's CPUs).
     """
-    cores = cpu_cores()
+    cores = cores or cpu_cores()
     starts = starts or {}
     preimported = {
         p.run_id: _preimport_seconds(starts[p.run_id], p)
@@ -814,6 +843,7 @@ def _execute(
     lineage: _RunLineage,
     starts: Mapping[str, StartPlan],
     launcher: Launcher | None,
+    cluster: RayCluster | None = None,
 ) -> None:
     from retrolog._query.lineage import keep
 
@@ -839,10 +869,18 @@ def _execute(
         conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
         threads, verify,
     )  # fmt: skip
+    for job in jobs:
+        job.start = starts.get(job.run_id)
+    if cluster is not None:
+        _execute_on_ray(
+            conn, paths, plan, jobs, runs, by_run, outcomes, names, code_objects,
+            replay_id=replay_id, force=force, echo=echo, progress=progress, lineage=lineage,
+            cluster=cluster,
+        )  # fmt: skip
+        return
     if launcher is None:
         launcher = Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
     for job in jobs:
-        job.start = starts.get(job.run_id)
         if job.start is not None and job.start.forked:
             launcher.prepare(worker_env(job), job.start.warm)
     bar = None
@@ -873,6 +911,63 @@ def _execute(
             if line:
                 echo(line)
         _keep_warm_seconds(conn, launcher, jobs)
+        _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
+        conn.execute(
+            "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
+            (time.time(), status, replay_id),
+        )
+
+
+def _execute_on_ray(
+    conn: sqlite3.Connection,
+    paths: ProjectPaths,
+    plan: ReplayPlan,
+    jobs: list[Job],
+    runs: dict[str, dict[str, Any]],
+    by_run: dict[str, RunPlan],
+    outcomes: dict[str, RunOutcome],
+    names: list[str],
+    code_objects: dict[str, str | None],
+    *,
+    replay_id: str,
+    force: bool,
+    echo: Echo,
+    progress: bool,
+    lineage: _RunLineage,
+    cluster: RayCluster,
+) -> None:
+    """Run the jobs as Ray tasks; collect and backfill as for local workers."""
+    from retrolog._replay.ray_executor import run_jobs_on_ray, segment_task, worker_rows
+
+    tasks = {j.key: segment_task(j, runs[j.run_id], paths.root, paths.store) for j in jobs}
+    rows = {run_id: worker_rows(conn, run_id) for run_id in {j.run_id for j in jobs}}
+    bar = None
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="replay on Ray", unit="segment", file=sys.stderr)
+
+    def done(job: Job) -> None:
+        if bar is not None:
+            bar.update(1)
+
+    status = "finished"
+    lines: list[str] = []
+    try:
+        with terminate_as_interrupt():
+            lines = run_jobs_on_ray(
+                jobs, tasks, rows, cluster=cluster, workers=plan.workers, on_done=done
+            )
+    except KeyboardInterrupt:
+        status = "interrupted"
+        echo(f"Interrupted: the replay's Ray tasks still running on {cluster.address} were "
+             "cancelled.")  # fmt: skip
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        for line in lines:
+            echo(line)
         _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
         conn.execute(
             "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
