@@ -165,7 +165,7 @@ class GcReport:
     policy: RetentionPolicy
     runs: list[RunRetention]
     objects: list[StoredFile]  # unreferenced objects older than the cutoff
-    temp_files: list[StoredFile]  # leftover temp files older than the grace period
+    temp_files: list[StoredFile]  # leftover temp files older than the cutoff
     unreadable: list[UnreadableManifest]
     cutoff: float  # no object file modified at or after this time is deleted
     cutoff_reason: str
@@ -344,8 +344,9 @@ def collect_garbage(
     )
     candidates = _find_garbage(store, done, kept_rows, now, code)
     done.objects = [f for f in candidates if f.key and store.remove_if_stale(f.key, cutoff)]
-    temp_cutoff = now - plan.grace_seconds
-    done.temp_files = [t for t in done.temp_files if store.remove_temp(t.name, temp_cutoff)]
+    # The same cutoff as objects: a temp file written since a running run started may be
+    # its writer's object halfway through, and deleting it fails that write.
+    done.temp_files = [t for t in done.temp_files if store.remove_temp(t.name, cutoff)]
     skipped = len(candidates) - len(done.objects)
     if skipped:
         done.notes.append(f"{skipped} object(s) were written again during the collection: kept")
@@ -584,7 +585,7 @@ def _find_garbage(
         )
         garbage = []
     report.objects = garbage
-    report.temp_files = [t for t in temps if t.mtime < now - report.grace_seconds]
+    report.temp_files = [t for t in temps if t.mtime < report.cutoff]
     return garbage
 
 

@@ -396,6 +396,29 @@ def test_temp_files_older_than_the_grace_period_are_removed(
     assert all_checkpoints_load(project) == 5
 
 
+def test_a_running_runs_temp_files_are_kept_even_with_no_grace(
+    project: Project, conn: sqlite3.Connection
+) -> None:
+    """A temp file written since a running run started may be its writer's object halfway
+    through: deleting it made that write fail on the rename, and the checkpoint was lost
+    (seen under load in test_a_real_run_recording_beside_gc_keeps_every_checkpoint)."""
+    project.write("train.py", NUMPY_TRAIN)
+    project.run("train.py")
+    objects = project.root / ".retrolog" / "objects"
+    fan = next(p for p in objects.iterdir() if p.is_dir())
+    _pretend_running(conn, "running-run", time.time() - 600)
+    being_written = fan / ".abcdef.123.0a0b.tmp"  # since the run started: its writer's
+    crashed = fan / ".abcdef.456.0c0d.tmp"  # before it: a writer that died long ago
+    for path, age in ((being_written, 60), (crashed, 7200)):
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (time.time() - age, time.time() - age))
+    store = store_of(project)
+    plan = plan_gc(conn, store, RetentionPolicy.parse("all"), grace_seconds=0)
+    assert [f.location for f in plan.temp_files] == [str(crashed)]
+    collect_garbage(conn, store, plan)
+    assert being_written.exists() and not crashed.exists()
+
+
 def test_dry_run_and_keep_all_delete_nothing_referenced(
     project: Project, conn: sqlite3.Connection
 ) -> None:
