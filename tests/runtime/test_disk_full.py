@@ -39,7 +39,10 @@ with rl.checkpointing(w=w):
         for step in rl.loop("step", range({STEPS})):
             rl.log("blob", f"{{epoch}}-{{step}}-" + "x" * 200)
         w[:] = np.random.default_rng(epoch).random(w.size)  # 80 KB that do not compress
-        time.sleep(0.05)  # an epoch's other work: the writer commits a few times per epoch
+        # An epoch's other work: the writer commits a few times per epoch. The first is
+        # longer, so that something is committed before the checkpoints fill the disk even
+        # when the machine is busy (the test failed once with nothing kept, under load).
+        time.sleep(0.6 if epoch == 0 else 0.05)
         if epoch == 25 and os.environ.get("FREE_AT_25"):
             os.remove(os.environ["BALLAST"])  # the user frees space while training runs
 print("training finished")
