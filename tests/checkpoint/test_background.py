@@ -776,6 +776,30 @@ def test_a_long_finish_shows_what_remains_on_stderr(
     assert ckpt.finish_seconds > 1.0
 
 
+def test_the_time_left_at_exit_counts_down_or_says_the_time_so_far(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before anything is finished the estimate is the writer's rate during training, all
+    of it expected from the start; past that, or with no rate, the time so far. It used to
+    grow as it was waited for (2.0, 4.2, 6.3, 8.4, 11 s left, on S3, for 5.8 s in all)."""
+    from retrolog.checkpoint._finish import Finishing
+
+    def line(f: Finishing, elapsed: float, left: int, left_bytes: int) -> str:
+        f.began = time.monotonic() - elapsed
+        f._last_update = 0.0
+        f.update(left, left_bytes)
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    mb = 1_000_000
+    hinted = Finishing("run R", 2, 400 * mb, rate_hint=100 * mb)  # 4 s expected in all
+    assert "about 3.0 s left" in line(hinted, 1.0, 2, 400 * mb)
+    assert "about 1.0 s left" in line(hinted, 3.0, 2, 400 * mb)
+    assert "5.0 s so far" in line(hinted, 5.0, 2, 400 * mb)  # slower than expected
+    assert "about 6.0 s left" in line(hinted, 6.0, 1, 200 * mb)  # one done: 200 MB in 6 s
+    unhinted = Finishing("run R", 1, 300 * mb)
+    assert "1.5 s so far" in line(unhinted, 1.5, 1, 300 * mb)
+
+
 def test_a_short_finish_says_nothing(
     store: LocalObjectStore, capsys: pytest.CaptureFixture[str]
 ) -> None:

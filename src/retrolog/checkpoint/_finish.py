@@ -24,11 +24,6 @@ from retrolog.checkpoint.state import DeviceTensor, Snapshot, loaded_torch
 
 # Finishing at exit shows its progress once it has taken this long (seconds).
 PROGRESS_AFTER = 1.0
-# What the remaining time is estimated from when nothing was written at training's
-# priority before and nothing is finished yet: the urgent lane's uncompressed writes
-# stored a 101 MB state in 0.15 s here (about 660 MB/s, a virtio disk); half that, for
-# slower disks. The estimate moves to the measured rate as soon as anything is done.
-GUESS_BYTES_PER_SECOND = 330e6
 
 
 @dataclass(frozen=True)
@@ -79,8 +74,8 @@ class Finishing:
                 "press Ctrl-C again to abandon them"
             )
 
-    def update(self, left: int, left_bytes: int, head_bytes: int) -> None:
-        """What is left now: checkpoints, their bytes, and the bytes of the oldest one."""
+    def update(self, left: int, left_bytes: int) -> None:
+        """What is left now: checkpoints and their bytes."""
         now = time.monotonic()
         elapsed = now - self.began
         if left_bytes < self.nbytes and elapsed > 0:
@@ -89,14 +84,24 @@ class Finishing:
         if elapsed < PROGRESS_AFTER or now - self._last_update < self.tick or not left:
             return
         self._last_update = now
-        rate = self._rate
-        if rate is None:
-            # Nothing finished yet: the oldest has taken at least this long already.
-            guess = self._rate_hint or GUESS_BYTES_PER_SECOND
-            rate = min(guess, max(head_bytes, 1) / elapsed)
+        # The time left, from the rate of what was finished here, else of what the writer
+        # managed while training ran (all of it expected from the start, so less what has
+        # gone by). With neither, or once that expectation has passed, the time so far:
+        # an estimate that grows as it is waited for tells nothing.
+        if self._rate is not None:
+            remaining: float | None = left_bytes / self._rate
+        elif self._rate_hint:
+            remaining = self.nbytes / self._rate_hint - elapsed
+        else:
+            remaining = None
+        when = (
+            f"about {_seconds(remaining)} left"
+            if remaining is not None and remaining > 0
+            else f"{_seconds(elapsed)} so far"
+        )
         line = (
             f"retrolog: finishing {_checkpoints(left)} ({_mb(left_bytes)}) of {self.label} "
-            f"before exit, about {_seconds(left_bytes / rate)} left"
+            f"before exit, {when}"
         )
         if self.presses == 0:
             line += " (Ctrl-C twice abandons them)"

@@ -468,7 +468,7 @@ class BackgroundCheckpointer(Checkpointer):
                         break
                     self._cond.wait(0.1)  # Ctrl-C is handled between waits
                     left = [sizes.get(id(job), 0) for job in self._pending]
-                finishing.update(len(left), sum(left), left[0] if left else 0)
+                finishing.update(len(left), sum(left))
         finishing.done(self.abandoned, failed=self._error is not None)
         if urgent is not None and not self._abandoning:
             urgent.join(timeout=1.0)  # it has nothing left to do: it is returning
