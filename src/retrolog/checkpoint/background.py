@@ -181,6 +181,7 @@ class BackgroundCheckpointer(Checkpointer):
         self._urgent: threading.Thread | None = None
         self._closing = False
         self._closed = False
+        self._pid = os.getpid()  # the process whose exit closes this checkpointer
         self._abandoning = False
         self._error: BaseException | None = None  # a writer's failure, converted
         self._error_reported = False
@@ -497,6 +498,11 @@ class BackgroundCheckpointer(Checkpointer):
             warnings.warn(str(exc), RetrologWarning, stacklevel=1)
 
     def _close_before_executors_stop(self) -> None:
+        # A forked child (a DataLoader worker) inherits the hook, and multiprocessing runs
+        # threading's exit hooks when the child ends: closing this copy there waited for
+        # lanes the child does not have, and held each worker's exit for seconds.
+        if os.getpid() != self._pid:
+            return
         # These hooks run before Python joins the threads that are not daemons: training
         # may go on in one of them (the main thread only started it), and capture more.
         # Then close at atexit, once they have ended, as without this hook.
@@ -542,6 +548,7 @@ class BackgroundCheckpointer(Checkpointer):
 
             register = getattr(threading, "_register_atexit", None)
             if register is not None:
+                self._pid = os.getpid()
                 with contextlib.suppress(RuntimeError):  # a first capture during exit
                     register(self._close_before_executors_stop)
 

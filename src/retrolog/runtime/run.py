@@ -718,7 +718,13 @@ def _start_code_export(
 
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
-        register(export.thread.join)
+        pid = os.getpid()
+
+        def wait_for_the_copy() -> None:
+            if os.getpid() == pid:  # not in a forked child (a DataLoader worker) at its end
+                export.thread.join()
+
+        register(wait_for_the_copy)
     return export
 
 
