@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -857,6 +859,19 @@ class _FarStore(_RecordingStore):
         assert self.now == 0, "an object was put while arrays were still being written"
         return super().put(data)
 
+    @contextlib.contextmanager
+    def _open_view(self, name: str) -> Iterator[memoryview]:  # a read: a request too
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(0.02)
+            with super()._open_view(name) as data:
+                yield data
+        finally:
+            with self.lock:
+                self.now -= 1
+
     def peek(self, key: str, size: int) -> bytes | None:  # "is it stored?": a request too
         with self.lock:
             self.now += 1
@@ -883,6 +898,23 @@ def test_on_a_far_store_the_arrays_are_written_together_then_the_manifest(
     assert_same(decode(key, store).objects, objects)
     on_disk = sum(store.path(b).stat().st_size for b in manifest_blobs(key, store))
     assert nbytes == on_disk + store.path(key).stat().st_size
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_on_a_far_store_large_arrays_are_written_and_read_a_few_at_a_time(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload may join its parts into one buffer and a read holds a whole object: on a
+    large model, ten at once would hold ten copies of its largest tensors."""
+    monkeypatch.setattr(_arrays, "WRITE_BEHIND_BYTES", 2_000_000)
+    monkeypatch.setattr(codec, "WRITE_BEHIND_BYTES", 2_000_000)
+    objects = {f"t{i}": weights(200_000, seed=i) for i in range(8)}  # 800 KB each
+    store = _FarStore(tmp_path / "objects")
+    key, _ = encode(Snapshot(objects=objects, rng={}), store, **MODES[mode])
+    assert store.most <= 3  # two beyond the one in hand would pass 2 MB
+    store.most = 0
+    assert_same(decode(key, store).objects, objects)
+    assert store.most == 2  # 2 MB // 800 KB reads at once, not parallel_requests (4)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -53,6 +53,9 @@ from retrolog.store.objects import (
 
 _R = TypeVar("_R")
 
+# Array bytes a checkpoint's writes to a remote store hold in flight beyond the one in
+# hand (ArrayWriter._submit), and reads of a restore (codec._Decoder.fill).
+WRITE_BEHIND_BYTES = 256 << 20
 MIN_COMPRESS_BYTES = 4096  # smaller float data is stored as it comes: no gain worth a call
 SEGMENT_BYTES = 1 << 30  # blosc2 compresses at most 2 GB per call
 CLEVEL = 1  # zstd level inside blosc2: best ratio and speed on weights (docs table)
@@ -308,7 +311,8 @@ class ArrayWriter:
         # one: each write waits a round trip). Their parts are the snapshot's memory, so
         # the encode waits for all of them (wait_written, close) before it returns.
         self._pool: ThreadPoolExecutor | None = None
-        self._in_flight: deque[Future[Any]] = deque()
+        self._in_flight: deque[tuple[Future[Any], int]] = deque()  # and its bytes
+        self._in_flight_bytes = 0
         # Without deltas (the urgent lane) on such a store, the question whether an array
         # is stored already (a request too) goes to the pool with its write: key -> (its
         # header, whether this encode wrote it), collected by wait_written().
@@ -335,7 +339,9 @@ class ArrayWriter:
         if self._overlap_checks:
             if key not in self.infos and key not in self._checked:
                 self.stats.logical_bytes += data.nbytes
-                self._checked[key] = self._submit(self._reuse_or_write, key, itemsize, data)
+                self._checked[key] = self._submit(
+                    data.nbytes, self._reuse_or_write, key, itemsize, data
+                )
             return key  # no history to remember: no deltas here
         if key not in self.infos:
             self.stats.logical_bytes += data.nbytes
@@ -368,7 +374,7 @@ class ArrayWriter:
         if self._overlap_checks:
             if key not in self.infos and key not in self._checked:
                 self.stats.logical_bytes += nbytes
-                self._checked[key] = self._submit(self._stored_info, key)
+                self._checked[key] = self._submit(0, self._stored_info, key)
         elif key not in self.infos:
             info, _ = self._stored_info(key)
             self.stats.logical_bytes += nbytes
@@ -529,18 +535,26 @@ class ArrayWriter:
         head = _head(codec, itemsize, depth, raw_length, base)
         if self.store.parallel_requests > 1:
             size = FRAME_HEADER_SIZE + len(head) + sum(memoryview(p).nbytes for p in parts)
-            self._submit(self.store.put_framed, key, head, *parts)
+            self._submit(size, self.store.put_framed, key, head, *parts)
         else:
             size = self.store.put_framed(key, head, *parts)
         self.stats.written_objects += 1
         self.stats.written_bytes += size
         return ObjectInfo(size=size, codec=codec, depth=depth, base=base)
 
-    def _submit(self, call: Callable[..., _R], *args: Any) -> Future[_R]:
-        """Run ``call(*args)`` on the writer's pool; at most 2 x parallel_requests wait."""
+    def _submit(self, nbytes: int, call: Callable[..., _R], *args: Any) -> Future[_R]:
+        """Run ``call(*args)``, a write of ``nbytes``, on the writer's pool.
+
+        At most 2 x parallel_requests calls wait, and WRITE_BEHIND_BYTES of writes
+        beyond one (an upload may join its parts into one buffer: a copy each).
+        """
         limit = self.store.parallel_requests
-        while len(self._in_flight) >= 2 * limit:
-            self._in_flight.popleft().result()
+        while self._in_flight and (
+            len(self._in_flight) >= 2 * limit or self._in_flight_bytes + nbytes > WRITE_BEHIND_BYTES
+        ):
+            future, done = self._in_flight.popleft()
+            self._in_flight_bytes -= done
+            future.result()
         try:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(limit, thread_name_prefix="retrolog-put")
@@ -553,7 +567,8 @@ class ArrayWriter:
                 future.set_result(call(*args))
             except BaseException as exc:
                 future.set_exception(exc)
-        self._in_flight.append(future)
+        self._in_flight.append((future, nbytes))
+        self._in_flight_bytes += nbytes
         return future
 
     def wait_written(self) -> None:
@@ -564,7 +579,7 @@ class ArrayWriter:
         """
         try:
             while self._in_flight:
-                self._in_flight.popleft().result()
+                self._in_flight.popleft()[0].result()
             for key, checked in self._checked.items():
                 info, wrote = checked.result()
                 self.infos[key] = info
@@ -578,9 +593,10 @@ class ArrayWriter:
 
     def close(self) -> None:
         """Stop what has not started, wait for what has; raises nothing (an error path)."""
-        for future in self._in_flight:
+        for future, _ in self._in_flight:
             future.cancel()
         self._in_flight.clear()
+        self._in_flight_bytes = 0
         self._checked.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -60,6 +60,7 @@ import numpy as np
 from retrolog._config import lookup
 from retrolog.checkpoint._arrays import (
     DECODE_THREADS,
+    WRITE_BEHIND_BYTES,
     ArrayWriter,
     DeltaHistory,
     EncodeStats,
@@ -463,8 +464,11 @@ class _Decoder:
         jobs, self.jobs = self.jobs, []
         total = sum(out.nbytes for *_, out in jobs)
         threads = DECODE_THREADS if total >= PARALLEL_READ_BYTES else 1
-        # A remote store waits a round trip per object, whatever its size: overlap them.
-        threads = max(threads, self.store.parallel_requests)
+        # A remote store waits a round trip per object, whatever its size: overlap them,
+        # as many as hold WRITE_BEHIND_BYTES of the largest (each read is a whole buffer).
+        largest = max((out.nbytes for *_, out in jobs), default=0)
+        remote = min(self.store.parallel_requests, max(1, WRITE_BEHIND_BYTES // max(largest, 1)))
+        threads = max(threads, remote)
         if len(jobs) > 1 and threads > 1:
             with ThreadPoolExecutor(
                 min(threads, len(jobs)), thread_name_prefix="retrolog-restore"
