@@ -23,6 +23,9 @@ Sizes come in through ``--kwargs`` (``epochs``, ``n_train``), as a user's would.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 OUTER_NAME = "w_norm"
 INNER_NAME = "grad_norm"
 SUFFIX_NAME = "final_norm"  # after the loop (a suffix probe: bench/replay_breakdown.py)
@@ -136,3 +139,92 @@ def check_sources() -> None:
         raise AssertionError("V2 lacks its edits")
     if "rl." in flordb_source(NEWEST):
         raise AssertionError("the FlorDB twin still calls retrolog")
+
+
+# -- what the benchmarks that record and replay this workload share ------------------------
+
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "bench",
+    "GIT_AUTHOR_EMAIL": "bench@example.invalid",
+    "GIT_COMMITTER_NAME": "bench",
+    "GIT_COMMITTER_EMAIL": "bench@example.invalid",
+}
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not produce a trustworthy figure."""
+
+
+def environment() -> dict[str, str]:
+    """This process's environment without retrolog's settings, with a git identity and no
+    progress bars: what a benchmark's recordings and replays run with."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
+    env.update(GIT_IDENTITY)
+    env["RETROLOG_PROGRESS"] = "0"
+    return env
+
+
+def read_values(project: Path, name: str) -> dict[Any, Any]:
+    """The backfilled values of ``name`` in ``project``'s store, by (run, context)."""
+    import sqlite3
+
+    conn = sqlite3.connect(project / ".retrolog" / "retrolog.db")
+    try:
+        rows = conn.execute(
+            "SELECT run_id, ctx_id, value FROM logs WHERE name = ? AND origin = 'backfilled'",
+            (name,),
+        ).fetchall()
+    finally:
+        conn.close()
+    return {(run, ctx): value for run, ctx, value in rows}
+
+
+def record_runs(
+    python: Path, root: Path, kwargs: list[list[str]], env: dict[str, str]
+) -> list[str]:
+    """A git project at ``root`` with V2 committed, one recorded run per entry of
+    ``kwargs`` (its ``--kwargs``), then NEWEST written over it; the runs' ids, in order."""
+    import sqlite3
+    import subprocess
+
+    root.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", "."], cwd=root, check=True, env=env)
+    (root / "train.py").write_text(V2)
+    subprocess.run(["git", "add", "train.py"], cwd=root, check=True, env=env)
+    subprocess.run(["git", "commit", "-qm", "v2"], cwd=root, check=True, env=env)
+    for run_kwargs in kwargs:
+        done = subprocess.run(
+            [str(python), "train.py", "--kwargs", *run_kwargs],
+            cwd=root, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise BenchError(f"recording failed:\n{done.stderr}")
+    (root / "train.py").write_text(NEWEST)
+    conn = sqlite3.connect(root / ".retrolog" / "retrolog.db")
+    try:
+        return [r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY started_at")]
+    finally:
+        conn.close()
+
+
+def timed_replay(
+    python: Path, project: Path, args: list[str], env: dict[str, str]
+) -> tuple[float, str]:
+    """``retrolog replay ARGS --yes`` in ``project``: its wall seconds and stderr; a
+    BenchError unless it succeeds with every value exact."""
+    import subprocess
+    import time
+
+    started = time.perf_counter()
+    done = subprocess.run(
+        [str(python), "-m", "retrolog", "replay", *args, "--yes"],
+        cwd=project, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise BenchError(f"replay {args} failed:\n{done.stderr}")
+    if "differs" in done.stderr:
+        raise BenchError(f"replay {args} was not exact:\n{done.stderr}")
+    return seconds, done.stderr

@@ -32,8 +32,6 @@ import json
 import os
 import platform
 import shutil
-import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,20 +41,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _replay_workload as workload
+from _replay_workload import BenchError, read_values
+from bench_log import spread
 
-GIT_IDENTITY = {
-    "GIT_AUTHOR_NAME": "bench",
-    "GIT_AUTHOR_EMAIL": "bench@example.invalid",
-    "GIT_COMMITTER_NAME": "bench",
-    "GIT_COMMITTER_EMAIL": "bench@example.invalid",
-}
 SERVICES_ENV = Path(__file__).resolve().parent.parent / ".services" / "env"
 RUNS = 8
 WORKERS = 2
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not produce a trustworthy figure."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,59 +114,20 @@ def services_address() -> str:
 
 
 def record(python: Path, root: Path, args: argparse.Namespace) -> list[str]:
-    root.mkdir(parents=True)
-    env = environment()
-    subprocess.run(["git", "init", "-q", "."], cwd=root, check=True, env=env)
-    (root / "train.py").write_text(workload.V2)
-    subprocess.run(["git", "add", "train.py"], cwd=root, check=True, env=env)
-    subprocess.run(["git", "commit", "-qm", "v2"], cwd=root, check=True, env=env)
-    for i in range(RUNS):
-        kwargs = [f"lr={0.02 * (i + 1):.2f}", f"epochs={args.epochs}", f"n_train={args.n_train}"]
-        done = subprocess.run(
-            [str(python), "train.py", "--kwargs", *kwargs],
-            cwd=root, env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise BenchError(f"recording failed:\n{done.stderr}")
-    (root / "train.py").write_text(workload.NEWEST)
-    conn = sqlite3.connect(root / ".retrolog" / "retrolog.db")
-    try:
-        return [r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY started_at")]
-    finally:
-        conn.close()
+    kwargs = [
+        [f"lr={0.02 * (i + 1):.2f}", f"epochs={args.epochs}", f"n_train={args.n_train}"]
+        for i in range(RUNS)
+    ]
+    return workload.record_runs(python, root, kwargs, environment())
 
 
 def replay(python: Path, project: Path, flags: list[str]) -> float:
-    started = time.perf_counter()
-    done = subprocess.run(
-        [str(python), "-m", "retrolog", "replay", workload.OUTER_NAME, "--yes", "--no-reuse",
-         "--workers", str(WORKERS), *flags],
-        cwd=project, env=environment(), capture_output=True, text=True,
-    )  # fmt: skip
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise BenchError(f"replay {flags} failed:\n{done.stderr}")
-    if "differs" in done.stderr:
-        raise BenchError(f"replay {flags} was not exact:\n{done.stderr}")
-    return seconds
-
-
-def read_values(project: Path, name: str) -> dict[Any, Any]:
-    conn = sqlite3.connect(project / ".retrolog" / "retrolog.db")
-    try:
-        rows = conn.execute(
-            "SELECT run_id, ctx_id, value FROM logs WHERE name = ? AND origin = 'backfilled'",
-            (name,),
-        ).fetchall()
-    finally:
-        conn.close()
-    return {(run, ctx): value for run, ctx, value in rows}
+    args = [workload.OUTER_NAME, "--no-reuse", "--workers", str(WORKERS), *flags]
+    return workload.timed_replay(python, project, args, environment())[0]
 
 
 def environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
-    env.update(GIT_IDENTITY)
-    env["RETROLOG_PROGRESS"] = "0"
+    env = workload.environment()
     # The services' cluster is on 127.0.0.1 only (scripts/services.sh, docs/replay-on-ray.md).
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     return env
@@ -197,10 +148,6 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
         "ray_over_local": spread(ratios),
         "values_compared": reps[0]["values_compared"],
     }
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def print_table(summary: dict[str, Any]) -> None:

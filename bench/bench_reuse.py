@@ -36,9 +36,6 @@ import json
 import os
 import platform
 import shutil
-import sqlite3
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,17 +44,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _replay_workload as workload
-
-GIT_IDENTITY = {
-    "GIT_AUTHOR_NAME": "bench",
-    "GIT_AUTHOR_EMAIL": "bench@example.invalid",
-    "GIT_COMMITTER_NAME": "bench",
-    "GIT_COMMITTER_EMAIL": "bench@example.invalid",
-}
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not produce a trustworthy figure."""
+from _replay_workload import BenchError, read_values
+from bench_log import spread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,61 +113,16 @@ def one_rep(python: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def record(python: Path, root: Path, args: argparse.Namespace) -> list[str]:
-    root.mkdir(parents=True)
-    env = environment()
-    subprocess.run(["git", "init", "-q", "."], cwd=root, check=True, env=env)
-    (root / "train.py").write_text(workload.V2)
-    subprocess.run(["git", "add", "train.py"], cwd=root, check=True, env=env)
-    subprocess.run(["git", "commit", "-qm", "v2"], cwd=root, check=True, env=env)
-    lrs = [0.05 * (i + 1) for i in range(args.configs)]
-    for lr in lrs:
-        for _ in range(args.launches):
-            kwargs = [f"lr={lr}", f"epochs={args.epochs}", f"n_train={args.n_train}"]
-            done = subprocess.run(
-                [str(python), "train.py", "--kwargs", *kwargs],
-                cwd=root, env=env, capture_output=True, text=True,
-            )  # fmt: skip
-            if done.returncode != 0:
-                raise BenchError(f"recording failed:\n{done.stderr}")
-    (root / "train.py").write_text(workload.NEWEST)
-    conn = sqlite3.connect(root / ".retrolog" / "retrolog.db")
-    try:
-        return [r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY started_at")]
-    finally:
-        conn.close()
+    kwargs = [
+        [f"lr={0.05 * (i + 1)}", f"epochs={args.epochs}", f"n_train={args.n_train}"]
+        for i in range(args.configs)
+        for _ in range(args.launches)
+    ]
+    return workload.record_runs(python, root, kwargs, workload.environment())
 
 
 def replay(python: Path, project: Path, name: str, flags: list[str]) -> tuple[float, str]:
-    started = time.perf_counter()
-    done = subprocess.run(
-        [str(python), "-m", "retrolog", "replay", name, "--yes", *flags],
-        cwd=project, env=environment(), capture_output=True, text=True,
-    )  # fmt: skip
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise BenchError(f"replay {name} {flags} failed:\n{done.stderr}")
-    if "differs" in done.stderr:
-        raise BenchError(f"replay {name} {flags} was not exact:\n{done.stderr}")
-    return seconds, done.stderr
-
-
-def read_values(project: Path, name: str) -> dict[Any, Any]:
-    conn = sqlite3.connect(project / ".retrolog" / "retrolog.db")
-    try:
-        rows = conn.execute(
-            "SELECT run_id, ctx_id, value FROM logs WHERE name = ? AND origin = 'backfilled'",
-            (name,),
-        ).fetchall()
-    finally:
-        conn.close()
-    return {(run, ctx): value for run, ctx, value in rows}
-
-
-def environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
-    env.update(GIT_IDENTITY)
-    env["RETROLOG_PROGRESS"] = "0"
-    return env
+    return workload.timed_replay(python, project, [name, *flags], workload.environment())
 
 
 def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -197,10 +140,6 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
         block["values_compared"] = reps[0][probe]["values_compared"]
         summary[probe] = block
     return summary
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def print_table(summary: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,6 +139,31 @@ class Project:
             text=True,
             timeout=120,
         )
+
+    @contextlib.contextmanager
+    def recording_paused(self, script: str = "train.py") -> Iterator[subprocess.Popen[str]]:
+        """A run of ``script`` (training_scripts.NUMPY_TRAIN) held after its epoch 1, still
+        recording while the block runs; it is let go at the end and must then finish."""
+        gate = self.root / "go"
+        with subprocess.Popen(
+            [sys.executable, script, "--kwargs", f"pause={gate}"],
+            cwd=self.root,
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as proc:
+            ready = Path(f"{gate}.ready")
+            deadline = time.monotonic() + 120
+            while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            assert ready.exists(), proc.communicate()
+            try:
+                yield proc
+            finally:
+                gate.write_text("")
+                _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
 
     def start_cli(self, *args: str, **env: str) -> subprocess.Popen[str]:
         """Start the ``retrolog`` command in the background, as from a terminal: Ctrl-C

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -107,24 +103,8 @@ def test_the_objects_move_to_s3_and_every_command_uses_them_there(
 def test_it_refuses_while_a_run_is_recording(project: Project, s3_url: str) -> None:
     project.write("train.py", NUMPY_TRAIN)
     project.run("train.py")
-    gate = project.root / "go"
-    with subprocess.Popen(
-        [sys.executable, "train.py", "--kwargs", f"pause={gate}"],
-        cwd=project.root,
-        env=project.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        ready = Path(f"{gate}.ready")
-        deadline = time.monotonic() + 120
-        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert ready.exists(), proc.communicate()
+    with project.recording_paused():
         out = project.cli("migrate", "--objects", s3_url, "--yes")
-        gate.write_text("")
-        _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
     assert out.returncode == 1 and "still recording" in out.stderr, out.stderr
     assert open_object_store(s3_url).scan()[0] == []
     assert not (project.root / ".retrolog" / "config.toml").exists()

@@ -6,8 +6,6 @@ import os
 import shutil
 import socket
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -345,29 +343,13 @@ def test_a_real_run_recording_beside_gc_keeps_every_checkpoint(
     project.write("train.py", NUMPY_TRAIN)
     project.run("train.py")  # run A: same seed, so run B's states are A's states
     age_objects(project)
-    gate = project.root / "go"
-    with subprocess.Popen(
-        [sys.executable, "train.py", "--kwargs", f"pause={gate}"],
-        cwd=project.root,
-        env=project.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        deadline = time.monotonic() + 120
-        ready = Path(f"{gate}.ready")
-        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert ready.exists(), proc.communicate()
+    with project.recording_paused():
         run_b = run_ids(project)[-1]
         store = store_of(project)
         plan = plan_gc(conn, store, RetentionPolicy.parse("last:0"), grace_seconds=0)
         assert {r.run_id for r in plan.runs if r.dropped} == {run_ids(project)[0]}
         done = collect_garbage(conn, store, plan)
         assert done.checkpoints_deleted == 4 and done.objects
-        gate.write_text("")
-        _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
     assert positions(project, run_b) == [0, 1, 2, 3, "end"]
     assert all_checkpoints_load(project) == 6  # run B's five and run A's end
 
