@@ -190,7 +190,10 @@ def test_git_blob_ids_are_gits(tmp_path: Path) -> None:
 def _runs(store: Path) -> list[tuple[object, ...]]:
     conn = sqlite3.connect(store / "retrolog.db")
     try:
-        return conn.execute("SELECT run_id, code_tree, code_manifest FROM runs").fetchall()
+        # In the order they ran: two runs within one second have ids in random order.
+        return conn.execute(
+            "SELECT run_id, code_tree, code_manifest FROM runs ORDER BY started_at"
+        ).fetchall()
     finally:
         conn.close()
 
@@ -203,7 +206,7 @@ def test_runs_name_their_manifest_and_share_unchanged_files(project: Project) ->
     project.write("lib.py", "V = 2\n")
     project.run("train.py")
     store = project.root / ".retrolog"
-    (_, _, m1), (_, _, m2), (_, tree3, m3) = sorted(_runs(store))
+    (_, _, m1), (_, _, m2), (_, tree3, m3) = _runs(store)
     assert m1 == m2 and m1 != m3 and m3
     objects = LocalObjectStore(store / "objects")
     one, three = load_manifest(objects, str(m1)), load_manifest(objects, str(m3))
@@ -262,7 +265,7 @@ def test_runs_of_two_clones_compare_through_the_store(
     import retrolog
 
     monkeypatch.setenv("RETROLOG_STORE", str(store))
-    runs = [r for (r, _, _) in sorted(_runs(store))]
+    runs = [r for (r, _, _) in _runs(store)]
     found = retrolog.Project(other.root).compare(runs)
     (diff,) = found["diffs"]
     assert "-import retrolog as rl\nrl.log('x', 1)" not in diff["diff"]
