@@ -118,10 +118,17 @@ print(len(pids))
 EOF
 }
 
+# The nodes read the object store with their own settings, as a team's nodes do (~/.aws
+# or AWS_* where `ray start` runs): here, the test S3 server's address and the
+# credentials tests/conftest.py uses. A cluster started for another S3 server is restarted.
 start_ray() {
-  local portfile=$state/ray.port dirfile=$state/ray.dir
+  local portfile=$state/ray.port dirfile=$state/ray.dir s3file=$state/ray.s3
+  local endpoint=http://127.0.0.1:$(cat "$state/moto.port")
   if [ -f "$portfile" ] && port_answers "$(cat "$portfile")"; then
-    return 0
+    if [ "$(cat "$s3file" 2>/dev/null)" = "$endpoint" ]; then
+      return 0
+    fi
+    stop_ray
   fi
   if [ ! -x .venv/bin/ray ]; then
     echo "services.sh: .venv/bin/ray is missing: run bash scripts/setup.sh first" \
@@ -134,7 +141,10 @@ start_ray() {
   dir=$(mktemp -d /tmp/retrolog-ray-XXXXXX)
   echo "$port" >"$portfile"
   echo "$dir" >"$dirfile"
-  if ! ray_env .venv/bin/ray start --head --node-ip-address 127.0.0.1 --port "$port" \
+  echo "$endpoint" >"$s3file"
+  if ! ray_env AWS_ENDPOINT_URL="$endpoint" AWS_ACCESS_KEY_ID=retrolog-tests \
+    AWS_SECRET_ACCESS_KEY=retrolog-tests AWS_DEFAULT_REGION=us-east-1 \
+    .venv/bin/ray start --head --node-ip-address 127.0.0.1 --port "$port" \
     --num-cpus 2 --num-gpus 0 --object-store-memory 200000000 --include-dashboard=false \
     --disable-usage-stats --temp-dir "$dir" >"$state/ray.log" 2>&1; then
     echo "services.sh: ray start failed; its log:" >&2
@@ -160,7 +170,7 @@ stop_ray() {
   kill_ray "$dir" >/dev/null
   echo "== stopped ray"
   case "$dir" in /tmp/retrolog-ray-*) rm -rf "$dir" ;; esac
-  rm -f "$dirfile" "$state/ray.port"
+  rm -f "$dirfile" "$state/ray.port" "$state/ray.s3"
 }
 
 stop_one() {

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog._config import lookup
+from retrolog._config import lookup, mask
 from retrolog.errors import RayUnavailableError, RetrologError, UsageError
 
 EXECUTOR_ENV = "RETROLOG_EXECUTOR"
@@ -286,6 +286,16 @@ def _write_worker_store(store: Path, run_id: str, rows: WorkerRows) -> None:
 # -- on the node ---------------------------------------------------------------------------
 
 
+# Said when a node cannot reach the object store: its client reads the node's own settings.
+NODE_STORE_HINT = (
+    "Every node reads the object store with its own settings, as any program reading it "
+    "does: give the nodes its address and credentials (for S3: AWS_ENDPOINT_URL, "
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment `ray start` runs in, or "
+    "~/.aws on each node). retrolog does not send the coordinator's credentials to the "
+    "cluster."
+)
+
+
 def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     """Run one segment's worker on this node (the body of the Ray task).
 
@@ -322,6 +332,14 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
             )  # fmt: skip
         except RetrologError as exc:
             result["error"] = f"the Ray task on {node} cannot set up the run's code: {exc}"
+            return result
+        except Exception as exc:  # the object store's client: credentials, network, access
+            where = mask(str(task.spec.get("objects")))
+            text = " ".join(str(exc).split())[:300]
+            result["error"] = (
+                f"the Ray task on {node} cannot read the run's code from the object store at "
+                f"{where}: {type(exc).__name__}: {text}. {NODE_STORE_HINT}"
+            )
             return result
         try:
             store = base / "store"
