@@ -142,6 +142,25 @@ def test_a_forked_worker_sees_what_a_new_interpreter_sees(
         assert first[key] != second[key], key
 
 
+def test_what_a_forked_worker_saves_is_the_interpreters_start_and_the_imports(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """The plan subtracts it from the recorded prefix; a new interpreter's start is part of
+    that prefix, so it is measured too: from before the server process was started (the
+    coordinator's monotonic clock, which the machine's processes share) to its imports."""
+    assert server.wait_ready() and server.ready is not None
+    imports, boot = server.ready["ready"], server.ready["boot"]
+    # Starting python and reading the server's program: more than nothing, less than the
+    # imports of numpy and torch, far less than a minute.
+    assert 0.0 < boot < 10.0 and boot < imports, server.ready
+    assert server.saved_seconds == pytest.approx(imports + boot)
+    started = time.monotonic()
+    code, out = _forked(server, _script(tmp_path), log=tmp_path / "w.log", PROBE_VALUE="job")
+    assert code == 0, out
+    # A forked worker runs in far less than what it saved (the imports are done).
+    assert time.monotonic() - started < server.saved_seconds
+
+
 def test_exit_codes_errors_and_signals_are_reported_as_for_a_process(
     server: ForkServer, tmp_path: Path
 ) -> None:

@@ -225,6 +225,29 @@ def test_worker_start_up_is_the_prefix_without_recording_set_up_plus_its_exit() 
     assert [s.estimate_seconds for s in segments] == [b.estimate_seconds + 0.25 for b in bare]
 
 
+def test_a_forked_worker_saves_its_servers_start_and_leaves_at_its_own_cost() -> None:
+    # 3 s of prefix, 2 of them the interpreter's start and imports a fork server made once:
+    # a forked worker starts in the other 1 s (less recording's own 0.5 s set-up), and
+    # leaves and finalizes at a forked process's costs, a new interpreter at its own.
+    profile = dataclasses.replace(make_profile(**GAPPY), setup_seconds=0.5)  # type: ignore[arg-type]
+    costs = {"exit_seconds": 0.25, "teardown_seconds": 0.75}
+    forked_costs = {"forked_exit_seconds": 0.05, "forked_teardown_seconds": 0.25}
+    new = WorkerCosts(**costs, **forked_costs)  # type: ignore[arg-type]
+    forked = WorkerCosts(**costs, **forked_costs, preimported={profile.run_id: 2.0})  # type: ignore[arg-type]
+    level = ScanLevel.OUTER_LOOP
+    assert plan_replay(level, [profile], 1, worker=new).estimate_seconds == (
+        2.5 + 16.0 + 1.0 + 0.25 + 0.75
+    )
+    assert plan_replay(level, [profile], 1, worker=forked).runs[0].estimate_seconds == (
+        0.5 + 16.0 + 1.0 + 0.05 + 0.25
+    )
+    # Without forked figures a forked worker leaves as a new interpreter does.
+    plain = WorkerCosts(**costs, preimported={profile.run_id: 2.0})  # type: ignore[arg-type]
+    assert plan_replay(level, [profile], 1, worker=plain).runs[0].estimate_seconds == (
+        0.5 + 16.0 + 1.0 + 0.25 + 0.75
+    )
+
+
 def test_start_up_pools_the_imports_over_the_runs_of_a_script() -> None:
     # Each run's prefix is its imports (one noisy sample of the same work) plus 3 s of
     # its own (data loading after the first retrolog call, which may depend on its args).

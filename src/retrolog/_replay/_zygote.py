@@ -8,10 +8,12 @@ used before the modules to pre-import are.
 
 Protocol, one JSON object per line on the socket ``fd``:
 
-- coordinator -> server: ``{"warm": [names]}`` once, then ``{"run": {...}}``
+- coordinator -> server: ``{"warm": [names], "spawned": t}`` once, then ``{"run": {...}}``
   per worker: argv (argv[0] the script), cwd, env, log (a file for stdout and
   stderr), key;
-- server -> coordinator: ``{"ready": seconds, "imported": n, "failed": [...]}``
+- server -> coordinator: ``{"ready": seconds, "boot": seconds, "imported": n,
+  "failed": [...]}`` (``boot``: from the coordinator's ``spawned``, a
+  ``time.monotonic()`` sent with ``warm``, to the imports' start)
   or ``{"unsafe": reason}`` (then it exits), ``{"started": pid, "key": k}`` per
   worker, ``{"exited": pid, "returncode": rc}`` (negative: killed by that
   signal, as subprocess reports it).
@@ -51,6 +53,7 @@ def serve(fd: int) -> dict[str, Any]:
     lines = _Lines(sock)
     first = json.loads(lines.next(block=True) or b"{}")
     started = time.perf_counter()
+    boot = _since(first.get("spawned"))
     failed = _warm(first.get("warm") or [])
     reason = _unsafe()
     if reason:
@@ -60,6 +63,7 @@ def serve(fd: int) -> dict[str, Any]:
         sock,
         {
             "ready": time.perf_counter() - started,
+            "boot": boot,
             "imported": len(first.get("warm") or []) - len(failed),
             "failed": failed[:20],
         },
@@ -94,6 +98,16 @@ def serve(fd: int) -> dict[str, Any]:
             _become(job, server_pid)
             return job
         _send(sock, {"started": pid, "key": job.get("key")})
+
+
+def _since(spawned: object) -> float | None:
+    """Seconds from the coordinator's ``time.monotonic()`` before it started this process
+    (the clock is the machine's, shared by its processes) to now: the new interpreter's
+    own start, which a forked worker does not repeat. None when not given or implausible."""
+    if not isinstance(spawned, float):
+        return None
+    seconds = time.monotonic() - spawned
+    return seconds if 0.0 <= seconds < 60.0 else None
 
 
 class _Lines:

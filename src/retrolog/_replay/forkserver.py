@@ -71,7 +71,8 @@ class StartPlan:
     packages: tuple[str, ...] = ()  # the script's installed packages that ``warm`` covers
     reason: str = ""  # why a new interpreter; "" when forked
     digest: str | None = None  # the run's recorded module set (runtime/modules.py)
-    warm_seconds: float | None = None  # what importing it took an earlier fork server
+    # What an earlier fork server of these modules took to start and import them.
+    warm_seconds: float | None = None
 
     @property
     def forked(self) -> bool:
@@ -220,6 +221,7 @@ class ForkServer:
         self.children: set[int] = set()
         self._started: dict[str, int] = {}
         self._launched = 0
+        spawned = time.monotonic()
         with log_path.open("wb") as log:
             try:
                 self.process = subprocess.Popen(
@@ -236,7 +238,7 @@ class ForkServer:
             finally:
                 theirs.close()
         self.started_at = time.perf_counter()
-        self._send({"warm": list(self.warm)})
+        self._send({"warm": list(self.warm), "spawned": spawned})
 
     def _send(self, message: Mapping[str, Any]) -> None:
         try:
@@ -285,6 +287,17 @@ class ForkServer:
             self.exits.setdefault(pid, -signal.SIGKILL)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    @property
+    def saved_seconds(self) -> float:
+        """What each worker forked from this server does not repeat: a new interpreter's
+        start and the imports (0 before the server is ready)."""
+        if self.ready is None:
+            return 0.0
+        boot = self.ready.get("boot")
+        return float(self.ready.get("ready", 0.0)) + (
+            float(boot) if isinstance(boot, int | float) else 0.0
+        )
 
     def wait_ready(self) -> bool:
         """Block until the server has imported its modules; False if it cannot serve."""

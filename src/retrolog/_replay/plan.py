@@ -144,6 +144,10 @@ class WorkerCosts:
 
     exit_seconds: float = 0.0  # worker done -> the coordinator sees it gone (output, exit)
     teardown_seconds: float = 0.0  # more, when the script runs to its end (finalization)
+    # The same two for a worker forked from a fork server (its pages are the server's until
+    # written, so it frees less); None: as a new interpreter's.
+    forked_exit_seconds: float | None = None
+    forked_teardown_seconds: float | None = None
     # Intra-op threads per worker when the user asked for a count other than the
     # recorded one; None: each run keeps its recorded count (the default: exact).
     threads: int | None = None
@@ -247,13 +251,19 @@ def _costs(
     prefix = profile.prefix_seconds
     if imports is not None and profile.imports_seconds is not None:
         prefix += imports - profile.imports_seconds
+    forked = profile.run_id in worker.preimported
     saved = worker.preimported.get(profile.run_id, 0.0)
-    startup = slower * max(prefix - profile.setup_seconds - saved, FORK_SECONDS if saved else 0.0)
-    exit_ = worker.exit_seconds
+    startup = slower * max(prefix - profile.setup_seconds - saved, FORK_SECONDS if forked else 0.0)
+    exit_, teardown = worker.exit_seconds, worker.teardown_seconds
+    if forked:
+        if worker.forked_exit_seconds is not None:
+            exit_ = worker.forked_exit_seconds
+        if worker.forked_teardown_seconds is not None:
+            teardown = worker.forked_teardown_seconds
     return _Costs(
         startup=startup,
         head=startup + compute * profile.pre_outer_seconds + exit_,
-        tail=compute * max(tail, 0.0) + worker.teardown_seconds,
+        tail=compute * max(tail, 0.0) + teardown,
         run=tuple(run),
         skip=tuple(skip),
         restorable=tuple(restorable),
