@@ -91,7 +91,15 @@ def replay_with_timeline(
     from retrolog.store.paths import locate
 
     spans: dict[str, dict[str, float]] = {}
+    planned: dict[str, Any] = {}
     original_start, original_finish = execute._start, execute._finish
+    original_plan = replayer.plan_replay
+
+    def plan(*args: Any, **kwargs: Any) -> Any:
+        # What the replayer costed the plan with: the measured restore throughput and its
+        # WorkerCosts (exit, teardown, cores, the fork server's imports saved per run).
+        planned.update(kwargs)
+        return original_plan(*args, **kwargs)
 
     def start(job: Any, **kwargs: Any) -> None:
         before = time.time()
@@ -114,6 +122,7 @@ def replay_with_timeline(
         "REPLAY_BREAKDOWN_DIR": str(timelines),
     }
     execute._start, execute._finish = start, finish  # type: ignore[assignment]
+    replayer.plan_replay = plan  # type: ignore[assignment]
     try:
         with environment(worker_env, project):
             paths = locate()
@@ -126,26 +135,29 @@ def replay_with_timeline(
                 conn.close()
     finally:
         execute._start, execute._finish = original_start, original_finish
+        replayer.plan_replay = original_plan  # type: ignore[assignment]
     by_spec = {}
     for path in timelines.glob("*.json"):
         timeline = json.loads(path.read_text())
         by_spec[timeline["spec"]] = timeline
     assert result.plan is not None
-    return {"plan": result.plan, "outcomes": result.outcomes, "spans": spans, "by_spec": by_spec}
+    return {
+        "plan": result.plan,
+        "outcomes": result.outcomes,
+        "spans": spans,
+        "by_spec": by_spec,
+        "worker": planned.get("worker"),
+        "per_byte": planned.get("restore_seconds_per_byte"),
+    }
 
 
-def breakdown(replay: dict[str, Any], per_byte: float | None) -> list[dict[str, Any]]:
-    """One row per segment: measured parts next to the cost model's."""
-    from retrolog._replay import replayer
-    from retrolog._replay.execute import cpu_cores
-    from retrolog._replay.plan import WorkerCosts, _costs, _pooled_imports
+def breakdown(replay: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per segment: measured parts next to the cost model's, costed as the
+    replayer costed them (its WorkerCosts and restore throughput)."""
+    from retrolog._replay.plan import _costs, _pooled_imports
 
     workers = replay["plan"].workers
-    worker = WorkerCosts(  # as the replayer made it: each run keeps its recorded threads
-        exit_seconds=replayer.EXIT_SECONDS,
-        teardown_seconds=replayer.teardown_seconds(workload.NEWEST_WITH_SUFFIX),
-        cores=cpu_cores(),
-    )
+    worker, per_byte = replay["worker"], replay["per_byte"]
     pooled, _ = _pooled_imports([run.profile for run in replay["plan"].runs])
     rows = []
     for run_plan in replay["plan"].runs:
@@ -157,7 +169,16 @@ def breakdown(replay: dict[str, Any], per_byte: float | None) -> list[dict[str, 
             timeline = replay["by_spec"].get(span["spec"])
             if timeline is None:
                 raise BenchError(f"segment {key} left no timeline")
-            rows.append(segment_row(key, segment, profile, costs, span, timeline))
+            row = segment_row(key, segment, profile, costs, span, timeline)
+            # What the start-up model subtracted from the recorded prefix.
+            row["model_startup_parts"] = {
+                "record_prefix": profile.prefix_seconds,
+                "record_imports": profile.imports_seconds,
+                "record_setup": profile.setup_seconds,
+                "preimported": worker.preimported.get(profile.run_id) if worker else None,
+                "forked": timeline.get("forked"),
+            }
+            rows.append(row)
     return rows
 
 
@@ -336,11 +357,6 @@ def one_rep(python: Path, epochs: int, n_train: int, work: Path) -> dict[str, An
     recorded = work / "recorded-store"
     shutil.copytree(project / ".retrolog", recorded)
 
-    from retrolog._replay.profile import load_profiles
-    from retrolog._replay.replayer import _restore_seconds_per_byte
-    from retrolog.store.metadata import connect
-    from retrolog.store.paths import ProjectPaths
-
     replays = {}
     for probe, name, counts in PROBES:
         for workers in counts:
@@ -350,13 +366,7 @@ def one_rep(python: Path, epochs: int, n_train: int, work: Path) -> dict[str, An
             failed = [o for o in result["outcomes"].values() if o.status != "replayed"]
             if failed:
                 raise BenchError(f"replay {probe} w={workers} failed: {failed[0].error}")
-            paths = ProjectPaths(root=project, store=project / ".retrolog", in_git=True)
-            conn = connect(db)
-            try:
-                per_byte = _restore_seconds_per_byte(paths, load_profiles(conn, runs))
-            finally:
-                conn.close()
-            rows = breakdown(result, per_byte)
+            rows = breakdown(result)
             replays[f"{probe}-{workers}"] = rows
             print(f"  {probe} w={workers}: " + summary_line(rows), file=sys.stderr)
     return {"noise_floor_pct": floor, "record_prefix": record_prefix, "replays": replays}
@@ -392,7 +402,11 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
             f"{row['segment'][-8:]} err {row['error_pct']:+.1f}% (startup "
             f"{row['startup_total']:.2f} vs {row['model_startup']:.2f}, loop "
             f"{row['loop_total']:.2f} vs {row['model_loop']:.2f}, tail "
-            f"{row['tail_total']:.2f} vs {row['model_tail']:.2f})"
+            f"{row['tail_total']:.2f} vs {row['model_tail']:.2f}); start-up model "
+            + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in row["model_startup_parts"].items()
+            )
         )
     return "\n    ".join(["", *parts])
 

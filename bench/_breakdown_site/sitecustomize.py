@@ -4,8 +4,14 @@ Python imports ``sitecustomize`` at start-up, before the script: this one wraps
 the replay worker runtime (``ReplayRun``) to note when the process started, when
 the script first called retrolog, when each loop and iteration started and ended,
 and how long each checkpoint restore took, then writes that timeline as JSON into
-``$REPLAY_BREAKDOWN_DIR`` when the worker finishes. It changes no behaviour, and
-does nothing outside a replay worker (no ``RETROLOG_REPLAY_SPEC``).
+``$REPLAY_BREAKDOWN_DIR`` when the worker finishes. It changes no behaviour.
+
+A worker forked from a fork server never imports ``sitecustomize`` itself: the
+server did, with no spec in its environment. So the wrappers are installed
+whenever ``$REPLAY_BREAKDOWN_DIR`` is set, and a worker's timeline starts when it
+constructs its ``ReplayRun``: its spec, pid and start are read then. A forked
+worker's process start is its fork, and it has no interpreter start-up
+(``site`` = ``process_start``, ``forked`` true).
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 _SITE_AT = time.time()
+_SITE_PID = os.getpid()
 _OUT = os.environ.get("REPLAY_BREAKDOWN_DIR")
-_SPEC = os.environ.get("RETROLOG_REPLAY_SPEC")
 
 
 def _process_start() -> float | None:
@@ -35,14 +41,7 @@ def _process_start() -> float | None:
 def _install() -> None:
     from retrolog.runtime import replay
 
-    timeline: dict[str, Any] = {
-        "spec": _SPEC,
-        "pid": os.getpid(),
-        "process_start": _process_start(),
-        "site": _SITE_AT,
-        "loops": [],
-        "restores": [],
-    }
+    timeline: dict[str, Any] = {"loops": [], "restores": []}
     written = False
 
     def dump() -> None:
@@ -67,7 +66,17 @@ def _install() -> None:
     original_commit = replay.ReplayRun.commit
 
     def init(self: Any, spec: Any) -> None:
-        timeline["init_start"] = time.time()
+        init_start = time.time()
+        forked = os.getpid() != _SITE_PID
+        start = _process_start()
+        timeline.update(
+            spec=os.environ.get("RETROLOG_REPLAY_SPEC"),
+            pid=os.getpid(),
+            process_start=start,
+            site=start if forked and start is not None else _SITE_AT,
+            forked=forked,
+            init_start=init_start,
+        )
         original_init(self, spec)
         timeline["init_end"] = time.time()
 
@@ -140,7 +149,6 @@ def _install_record() -> None:
     run.Run.loop = loop  # type: ignore[method-assign]
 
 
-if _SPEC and _OUT:
+if _OUT:
     _install()
-elif _OUT:
     _install_record()
