@@ -16,10 +16,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from retrolog._replay.execute import die_with
+from retrolog._replay.execute import _wait_any, die_with
 from retrolog._replay.forkserver import ForkServer, Launcher, describe, start_plan
 
 PROBE = """\
@@ -174,6 +175,40 @@ def test_exit_codes_errors_and_signals_are_reported_as_for_a_process(
     killed = _script(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     code, _ = _forked(server, killed, log=tmp_path / "c.log")
     assert code == -signal.SIGKILL
+
+
+def test_an_exit_read_while_launching_another_worker_is_seen_at_once(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """Two workers of one server: launching the second reads the server's socket until it
+    says "started", and takes the first's "exited" with it when both were sent. Waiting
+    for an exit must then see it in what was read, not wait on the socket, which has
+    nothing more to say (a replay with 2 workers stalled 0.5 s, its timeout, so)."""
+    quick, sleeper = tmp_path / "quick.py", tmp_path / "sleeper.py"
+    quick.write_text("pass\n")
+    sleeper.write_text("import time\ntime.sleep(30)\n")
+    for name in ("q.log", "s.log"):
+        (tmp_path / name).write_bytes(b"")
+    first = server.launch(
+        argv=[str(quick)], cwd=quick.parent, env=_env(), log_path=tmp_path / "q.log"
+    )
+    assert first is not None
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{first.pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # gone, and its server has said so on the socket, unread
+    time.sleep(0.2)
+    second = server.launch(
+        argv=[str(sleeper)], cwd=sleeper.parent, env=_env(), log_path=tmp_path / "s.log"
+    )
+    assert second is not None
+    assert first.pid in server.exits  # read by launch(), with "started"
+    jobs = [SimpleNamespace(process=first), SimpleNamespace(process=second)]
+    started = time.monotonic()
+    _wait_any(jobs, timeout=5.0)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.0
+    assert first.poll() == 0 and second.poll() is None
+    os.kill(second.pid, signal.SIGKILL)
+    assert second.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_a_worker_dies_with_its_server(server: ForkServer, tmp_path: Path) -> None:

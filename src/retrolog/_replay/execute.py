@@ -164,6 +164,10 @@ def _wait_any(running: Sequence[Job], timeout: float = 0.5) -> None:
     """
     if not running:
         return
+    # A fork server's socket may have said so already: launching another worker reads it
+    # until "started" and takes an earlier "exited" with it. Nothing more would come.
+    if any(job.process is not None and job.process.poll() is not None for job in running):
+        return
     owned: list[int] = []
     shared: set[int] = set()
     try:
