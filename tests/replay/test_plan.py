@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrolog._replay.plan import (
+    FORKED_START_SECONDS,
     INTRA_OP_PARALLEL_FRACTION,
     ReplayPlan,
     RunProfile,
@@ -246,6 +247,33 @@ def test_a_forked_worker_saves_its_servers_start_and_leaves_at_its_own_cost() ->
     assert plan_replay(level, [profile], 1, worker=plain).runs[0].estimate_seconds == (
         0.5 + 16.0 + 1.0 + 0.25 + 0.75
     )
+
+
+def test_a_forked_worker_starts_in_the_prefixs_own_work_when_the_recording_timed_its_imports() -> (
+    None
+):
+    # 3 s of prefix: 1 s before the first retrolog call, then 0.5 s of recording's set-up
+    # and 1.25 s of imports the recording timed, so 0.25 s of the script's own work. A
+    # forked worker pays that and its own start, whatever its server's imports took.
+    profile = dataclasses.replace(
+        make_profile(**GAPPY),  # type: ignore[arg-type]
+        setup_seconds=0.5,
+        imports_seconds=1.0,
+        late_imports_seconds=1.25,
+    )
+    level = ScanLevel.OUTER_LOOP
+    for server in (1.5, 2.75, 9.0):
+        forked = WorkerCosts(preimported={profile.run_id: server})
+        (run,) = plan_replay(level, [profile], 1, worker=forked).runs
+        assert run.estimate_seconds == 0.25 + FORKED_START_SECONDS + 16.0 + 1.0
+    # A new interpreter repeats all of it but recording's set-up.
+    (run,) = plan_replay(level, [profile], 1, worker=WorkerCosts()).runs
+    assert run.estimate_seconds == 2.5 + 16.0 + 1.0
+    # A recording from before the clock: the prefix less what the server saves, as before.
+    older = dataclasses.replace(profile, late_imports_seconds=None)
+    forked = WorkerCosts(preimported={profile.run_id: 2.0})
+    (run,) = plan_replay(level, [older], 1, worker=forked).runs
+    assert run.estimate_seconds == 0.5 + 16.0 + 1.0
 
 
 def test_start_up_pools_the_imports_over_the_runs_of_a_script() -> None:

@@ -252,8 +252,21 @@ def _costs(
     if imports is not None and profile.imports_seconds is not None:
         prefix += imports - profile.imports_seconds
     forked = profile.run_id in worker.preimported
-    saved = worker.preimported.get(profile.run_id, 0.0)
-    startup = slower * max(prefix - profile.setup_seconds - saved, FORK_SECONDS if forked else 0.0)
+    if forked and profile.imports_seconds is not None and profile.late_imports_seconds is not None:
+        # The recording timed its own imports: the script's own work is what is left,
+        # measured in one process (the fork server's import time only moves the wall time).
+        own = (
+            profile.prefix_seconds
+            - profile.imports_seconds
+            - profile.late_imports_seconds
+            - profile.setup_seconds
+        )
+        startup = slower * (max(own, 0.0) + FORKED_START_SECONDS)
+    else:
+        saved = worker.preimported.get(profile.run_id, 0.0)
+        startup = slower * max(
+            prefix - profile.setup_seconds - saved, FORK_SECONDS if forked else 0.0
+        )
     exit_, teardown = worker.exit_seconds, worker.teardown_seconds
     if forked:
         if worker.forked_exit_seconds is not None:
@@ -275,8 +288,12 @@ def _costs(
 
 
 # A worker forked from a fork server starts in about this long (fork, then the script's
-# own code up to its first loop is in the profile).
+# own code up to its first loop is in the profile): the least its start-up is estimated at.
 FORK_SECONDS = 0.02
+# What a forked worker adds to the script's own prefix work: the fork, importing retrolog
+# (its dependencies are loaded) and the replay runtime's set-up; bench/replay_breakdown.py
+# measured 0.01 s and 0.022-0.024 s for the last two (2026-11-27).
+FORKED_START_SECONDS = 0.035
 
 
 def _restore_seconds(profile: RunProfile, i: int, seconds_per_byte: float | None) -> float | None:

@@ -69,6 +69,9 @@ class RunProfile:
     # The prefix up to the script's first retrolog call: interpreter start and imports,
     # the same work in every run of a script (the planner pools it over runs).
     imports_seconds: float | None = None
+    # Of the rest of the prefix, what importing installed packages took (profile row
+    # "late_imports", runtime/import_clock.py): a forked replay worker repeats neither.
+    late_imports_seconds: float | None = None
     notes: tuple[str, ...] = ()  # what loading the profile had to guess
 
     def __post_init__(self) -> None:
@@ -171,7 +174,7 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
     ):
         if phase == "iteration" and ctx is not None:
             iteration_rows[ctx] = (seconds, seconds if block is None else block)
-        elif phase in ("prefix", "suffix", "setup", "threads", "checkpoint_setup"):
+        elif phase in ("prefix", "suffix", "setup", "threads", "checkpoint_setup", "late_imports"):
             phases[phase] = seconds
 
     top = [r for r in loops if r.depth == 0]
@@ -271,6 +274,7 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
         post_outer_seconds=post,
         setup_seconds=phases.get("setup", 0.0),
         imports_seconds=imports,
+        late_imports_seconds=phases.get("late_imports"),
         threads=int(phases["threads"]) if phases.get("threads") else None,
         notes=tuple(notes),
     )

@@ -31,6 +31,7 @@ from typing import Any
 
 from retrolog.errors import StoreError
 from retrolog.runtime import cli_args, frames, numerics, progress
+from retrolog.runtime.import_clock import ImportClock
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
 from retrolog.store.metadata import learned_restore_ratio, open_store, process_start_marker
@@ -143,6 +144,7 @@ class Run:
         self._settings: Any = None
         self._restore_ratio: tuple[float, str] = (1.0, "default")  # c, and where it came from
         self._pid = os.getpid()
+        self._import_clock = ImportClock(paths.root)
         # What changes floating-point results besides the code (runtime/numerics.py):
         # replay workers reproduce it. Torch's state is taken again when training starts.
         self.numerics: dict[str, Any] = numerics.capture()
@@ -207,6 +209,9 @@ class Run:
         # Replay's cost model: recording's own start (code capture, store) is in the prefix,
         # and a replay worker does not pay it.
         self.events.append((Event.PROFILE, "setup", None, time.perf_counter() - self._t0, None))
+        # ... and what the rest of the prefix spends importing packages a replay's fork
+        # server will have imported (runtime/import_clock.py).
+        self._import_clock.start()
 
     # -- values ----------------------------------------------------------------------
 
@@ -360,6 +365,9 @@ class Run:
         # What a replay's fork server imports before forking workers (runtime/modules.py):
         # the items are listed by the writer thread, not here.
         self.events.append((Event.MODULES, list(sys.modules.items()), self.paths.root))
+        imports = self._import_clock.stop()
+        if imports is not None:
+            self.events.append((Event.PROFILE, "late_imports", None, imports, None))
         torch = sys.modules.get("torch")
         if torch is None:
             return
@@ -590,6 +598,7 @@ class Run:
             return
         self.status = status
         ended = time.time()
+        self._import_clock.stop()  # a run with no loop: importlib as it was
         try:
             if self._checkpointer is not None:
                 try:
