@@ -96,7 +96,7 @@ def conditions(
         "repetitions": reps,
         "retrolog_version": retrolog_version,
         "retrolog_source": source,
-        "retrolog_source_changed_during_run": source_after != source,
+        "retrolog_source_changed_during_run": source_after.get("sha256") != source.get("sha256"),
     }
 
 
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     load_after = os.getloadavg()
     source_after = source_fingerprint()
-    if source_after != source:
+    if source_after.get("sha256") != source.get("sha256"):
         # Other people edit the package while this runs; figures from two versions mix.
         print(
             "warning: retrolog's source changed while the benchmark ran "

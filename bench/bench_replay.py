@@ -359,6 +359,16 @@ def retrolog_rep(
             raise BenchError("the fork server was not used as configured (see the replay logs)")
         if git_state(project, env) != git_before:
             raise BenchError("replay changed the project's HEAD or working tree")
+        estimate_floor = {
+            key: estimate_spread(
+                [work / f"fresh-{i}" for i in range(len(runs))],
+                [work / f"fresh-{i}-again" for i in range(len(runs))],
+                probe=key.split("-")[0],
+                workers=int(key.split("-")[1]),
+                actual=[r["actual_seconds"] for r in replays[key]["runs"]],
+            )
+            for key in (f"{p}-{w}" for p in ("outer", "inner") for w in WORKER_COUNTS)
+        }
         reference_digest = {
             name: [sorted(v.items(), key=str) for v in per_run]
             for name, per_run in reference.items()
@@ -369,6 +379,7 @@ def retrolog_rep(
             "noise": noise,
             "retrain_cpu_seconds": [t.cpu_seconds for t in retrain],
             "replays": replays,
+            "estimate_floor": estimate_floor,
             "workload": workload_facts,
             "determinism": determinism_counts,
             "reference": reference,
@@ -380,6 +391,42 @@ def retrolog_rep(
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def estimate_spread(
+    first: list[Path], second: list[Path], *, probe: str, workers: int, actual: list[float]
+) -> list[float]:
+    """The A/A floor of the per-run estimate, in percent of each run's replay time.
+
+    The cost model planned twice for the same probe, once from the profiles of the
+    first fresh executions (``first``, one store per run) and once from those of the
+    second (``second``): the same code, arguments and machine, so the difference is
+    what the record-time timings alone move an estimate by. Both plans use the same
+    worker costs (a new interpreter's, nothing pre-imported, one restore throughput),
+    which cancel out; ``actual`` is each run's measured replay time.
+    """
+    from retrolog._replay.plan import ScanLevel, WorkerCosts, plan_replay
+    from retrolog._replay.profile import load_profiles
+
+    level = ScanLevel.OUTER_LOOP if probe == "outer" else ScanLevel.INNER_LOOP
+
+    def estimates(stores: list[Path]) -> list[float]:
+        profiles = []
+        for store in stores:
+            conn = sqlite3.connect(store / "retrolog.db")
+            try:
+                ((run_id,),) = conn.execute("SELECT run_id FROM runs").fetchall()
+                profiles.extend(load_profiles(conn, [run_id]))
+            finally:
+                conn.close()
+        plan = plan_replay(
+            level, profiles, workers, restore_seconds_per_byte=1e-9, run_suffix=False,
+            worker=WorkerCosts(cores=os.cpu_count()),
+        )  # fmt: skip
+        return [run.estimate_seconds for run in plan.runs]
+
+    a, b = estimates(first), estimates(second)
+    return [(y - x) / t * 100 for x, y, t in zip(a, b, actual, strict=True)]
 
 
 def phase_totals(db: Path) -> dict[str, float]:
@@ -761,6 +808,7 @@ def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
         for workers in WORKER_COUNTS:
             rs = [r["replays"][f"{probe}-{workers}"] for r in reps]
             errors = [run["error_pct"] for x in rs for run in x["runs"]]
+            floor = [f for r in reps for f in r["estimate_floor"][f"{probe}-{workers}"]]
             block[f"workers_{workers}"] = {
                 "replay_seconds": summary([x["seconds"] for x in rs]),
                 "execution_seconds": summary([x["execution_seconds"] for x in rs]),
@@ -777,6 +825,13 @@ def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
                     "median_abs": statistics.median(abs(e) for e in errors),
                     "worst": max(errors, key=abs),
                     "samples": errors,
+                },
+                "estimate_floor_pct_per_run": {
+                    "what": "the same estimate made from a second fresh execution's profile "
+                    "against the first's, per run, in percent of its replay time (estimate_spread)",
+                    "median_abs": statistics.median(abs(f) for f in floor),
+                    "worst": max(floor, key=abs),
+                    "samples": floor,
                 },
                 "plan_wall_error_pct": summary([x["plan_error_pct"] for x in rs]),
                 "values": merge_counts([x["values"] for x in rs]),
@@ -894,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     load_after = os.getloadavg()
     source_after = source_fingerprint()
-    if source_after != source:
+    if source_after.get("sha256") != source.get("sha256"):
         print(
             "warning: retrolog's source changed while the benchmark ran "
             f"({source.get('sha256')} -> {source_after.get('sha256')}); run it again.",
@@ -1072,9 +1127,12 @@ def print_report(result: dict[str, Any]) -> None:
     for probe in ("outer", "inner"):
         for workers in WORKER_COUNTS:
             err = result[probe][f"workers_{workers}"]["estimate_error_pct_per_run"]
+            aa = result[probe][f"workers_{workers}"]["estimate_floor_pct_per_run"]
             print(
                 f"(c) estimate error per run, {probe} w={workers}: median |error| "
-                f"{err['median_abs']:.1f}%, worst {err['worst']:+.1f}%"
+                f"{err['median_abs']:.1f}%, worst {err['worst']:+.1f}%; the same estimate "
+                f"from a second execution's profile moves {aa['median_abs']:.1f}% "
+                f"(worst {aa['worst']:+.1f}%)"
             )
     floor = result["noise_floor"]
     print(
