@@ -185,9 +185,11 @@ def test_replay_is_exact_at_every_scan_level_across_two_versions(project: Projec
         " ON r.replay_id = l.replay_id AND r.run_id = l.run_id WHERE l.name = 'w_norm'",
     )
     assert len(rows) == 2
+    code_git = str(project.root / ".retrolog" / "code.git")
+    # Kept through git's garbage collection of that repository: a ref reaches each.
+    project.git("--git-dir", code_git, "gc", "--quiet", "--prune=now")
     for _, blob, _ in rows:
         # In the store's cache repository (docs/code-versions.md), not the user's.
-        code_git = str(project.root / ".retrolog" / "code.git")
         assert "w_norm" in project.git("--git-dir", code_git, "cat-file", "-p", blob)
 
 

@@ -15,7 +15,6 @@ import re
 import secrets
 import shutil
 import sqlite3
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -1139,21 +1138,15 @@ def _recorded_names(
 def _store_code(store: Path, row: dict[str, Any], source: str) -> str | None:
     """Keep the propagated script as a git blob, so any value traces back to its code.
 
-    In the store's cache repository (versions/portable.py), never the user's.
+    In the store's cache repository (versions/portable.py), never the user's, with a
+    ref that keeps it through git's garbage collection.
     """
-    from retrolog.versions.portable import cache_repository
+    from retrolog.versions.portable import keep_script
 
     try:
-        git_dir = cache_repository(store, len(row["code_commit"] or ""))
+        return keep_script(store, len(row["code_commit"] or ""), source)
     except RetrologError:
         return None
-    out = subprocess.run(
-        ["git", "--git-dir", str(git_dir), "hash-object", "-w", "--stdin"],
-        input=source.encode(),
-        capture_output=True,
-        check=False,
-    )
-    return out.stdout.decode().strip() or None if out.returncode == 0 else None
 
 
 def _collect(

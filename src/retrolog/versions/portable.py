@@ -496,6 +496,32 @@ def cache_repository(store_dir: Path, length: int) -> Path:
     return _ensure_cache(store_dir, length)
 
 
+# The scripts replays ran (``logs.code_object``), each kept by a ref of its own: a blob
+# no ref reaches is what ``git gc`` prunes.
+SCRIPTS_REF_PREFIX = "refs/retrolog/replayed/"
+
+
+def keep_script(store_dir: Path, length: int, source: str) -> str:
+    """Keep a replayed script in the store's cache repository; its blob id.
+
+    The blob is what a backfilled value's ``code_object`` names, so a ref keeps it
+    through any garbage collection of that repository. Raises VersionError when git
+    cannot write it.
+    """
+    git_dir = cache_repository(store_dir, length)
+    env = git_env(isolate=True)
+    doing = "keep the replayed script in the store's code cache repository"
+    blob = run_git(
+        ["--git-dir", str(git_dir), "hash-object", "-w", "--stdin"],
+        cwd=git_dir, env=env, subject=git_dir, doing=doing, stdin=source.encode(),
+    ).decode().strip()  # fmt: skip
+    run_git(
+        ["--git-dir", str(git_dir), "update-ref", SCRIPTS_REF_PREFIX + blob, blob],
+        cwd=git_dir, env=env, subject=git_dir, doing=doing,
+    )  # fmt: skip
+    return blob
+
+
 def _ensure_cache(store_dir: Path, length: int) -> Path:
     found = _cache_dir(store_dir, length)
     if found is not None:
