@@ -891,16 +891,7 @@ def _execute(
     for job in jobs:
         if job.start is not None and job.start.forked:
             launcher.prepare(worker_env(job), job.start.warm)
-    bar = None
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(jobs), desc="replay", unit="segment", file=sys.stderr)
-
-    def done(job: Job) -> None:
-        if bar is not None:
-            bar.update(1)
-
+    bar, done = _progress_bar(progress, len(jobs), "replay")
     status = "finished"
     try:
         with terminate_as_interrupt():
@@ -920,10 +911,7 @@ def _execute(
                 echo(line)
         _keep_warm_seconds(conn, launcher, jobs)
         _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
-        conn.execute(
-            "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
-            (time.time(), status, replay_id),
-        )
+        _mark_ended(conn, replay_id, status)
 
 
 def _execute_on_ray(
@@ -949,16 +937,7 @@ def _execute_on_ray(
 
     tasks = {j.key: segment_task(j, runs[j.run_id], paths.root, paths.store) for j in jobs}
     rows = {run_id: worker_rows(conn, run_id) for run_id in {j.run_id for j in jobs}}
-    bar = None
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(jobs), desc="replay on Ray", unit="segment", file=sys.stderr)
-
-    def done(job: Job) -> None:
-        if bar is not None:
-            bar.update(1)
-
+    bar, done = _progress_bar(progress, len(jobs), "replay on Ray")
     status = "finished"
     lines: list[str] = []
     try:
@@ -977,10 +956,29 @@ def _execute_on_ray(
         for line in lines:
             echo(line)
         _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
-        conn.execute(
-            "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
-            (time.time(), status, replay_id),
-        )
+        _mark_ended(conn, replay_id, status)
+
+
+def _progress_bar(progress: bool, total: int, desc: str) -> tuple[Any, Callable[[Job], None]]:
+    """A tqdm bar of segments on a terminal (else None), and what marks one done."""
+    bar = None
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="segment", file=sys.stderr)
+
+    def done(job: Job) -> None:
+        if bar is not None:
+            bar.update(1)
+
+    return bar, done
+
+
+def _mark_ended(conn: sqlite3.Connection, replay_id: str, status: str) -> None:
+    conn.execute(
+        "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
+        (time.time(), status, replay_id),
+    )
 
 
 def _keep_warm_seconds(conn: sqlite3.Connection, launcher: Launcher, jobs: Sequence[Job]) -> None:
