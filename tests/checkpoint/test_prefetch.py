@@ -198,3 +198,39 @@ def test_a_worker_ending_while_the_prefetcher_is_inside_torch_exits_cleanly(
         )  # fmt: skip
         assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr
         assert done.stdout == "done\n"
+
+
+THAW_OFF_THE_TRAINING_THREAD = """\
+import os, threading, torch
+from retrolog.checkpoint.state import thaw
+torch.set_num_threads(2)  # the unit under test: a second thread beside a 2-thread pool
+weights = torch.randn(1024, 1024)
+(weights @ weights).sum()  # training's OpenMP team exists
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+out = {}
+def prefetch():
+    out["before"] = tasks()
+    out["copy"] = thaw({"w": weights})["w"]
+    out["after"] = tasks()
+thread = threading.Thread(target=prefetch)
+thread.start()
+thread.join()
+copy = out["copy"]
+assert torch.equal(copy, weights) and copy.data_ptr() != weights.data_ptr()
+print(out["before"], out["after"])
+"""
+
+
+def test_thawing_on_the_prefetch_thread_starts_no_second_thread_team() -> None:
+    """torch's copy of a large tensor fans out to its OpenMP pool; called from the
+    prefetcher's thread it started a second team beside training's, and on 2 cores a
+    replay's first executed epoch after a restore ran 2.6x slower. The thaw is one
+    memcpy on the calling thread: the process gains no thread."""
+    out = subprocess.run(
+        [sys.executable, "-c", THAW_OFF_THE_TRAINING_THREAD],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    before, after = map(int, out.stdout.split())
+    assert after == before, (before, after)
