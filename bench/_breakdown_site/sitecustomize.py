@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,7 @@ def _process_start() -> float | None:
         return None
 
 
-def _install() -> None:
-    from retrolog.runtime import replay
+def _install(replay: Any) -> None:
 
     timeline: dict[str, Any] = {"loops": [], "restores": []}
     written = False
@@ -124,9 +124,8 @@ def _install() -> None:
     replay.ReplayRun.commit = commit  # type: ignore[method-assign]
 
 
-def _install_record() -> None:
+def _install_record(run: Any) -> None:
     """In a recording process: when Run.__init__ (code capture, store) ran, and the first loop."""
-    from retrolog.runtime import run
 
     timeline: dict[str, Any] = {"process_start": _process_start(), "site": _SITE_AT}
     original_init = run.Run.__init__
@@ -149,6 +148,42 @@ def _install_record() -> None:
     run.Run.loop = loop  # type: ignore[method-assign]
 
 
+class _AfterLoad:
+    """Calls ``then(module)`` once a module of ``modules`` has loaded, whoever imports it.
+
+    Nothing of retrolog is imported here: a fork server imports this file at its start,
+    and a worker forked from it must import retrolog itself, with its spec set (at
+    import retrolog takes ``--kwargs`` out of ``sys.argv``, before the script's argparse).
+    """
+
+    def __init__(self, modules: dict[str, Any]) -> None:
+        self.modules = modules
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        then = self.modules.pop(name, None)
+        if then is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def run_then(module: Any) -> None:
+            exec_module(module)
+            then(module)
+
+        loader.exec_module = run_then
+        return spec
+
+
 if _OUT:
-    _install()
-    _install_record()
+    sys.meta_path.insert(
+        0,
+        _AfterLoad({"retrolog.runtime.replay": _install, "retrolog.runtime.run": _install_record}),
+    )
