@@ -292,8 +292,8 @@ def _costs(
 FORK_SECONDS = 0.02
 # What a forked worker adds to the script's own prefix work: the fork, importing retrolog
 # (its dependencies are loaded) and the replay runtime's set-up; bench/replay_breakdown.py
-# measured 0.01 s and 0.022-0.024 s for the last two (2026-11-27).
-FORKED_START_SECONDS = 0.035
+# measured 0.041-0.046 s and 0.018-0.020 s for the last two (2026-11-27).
+FORKED_START_SECONDS = 0.06
 
 
 def _restore_seconds(profile: RunProfile, i: int, seconds_per_byte: float | None) -> float | None:
