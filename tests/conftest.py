@@ -219,6 +219,27 @@ def project(tmp_path: Path) -> Iterator[Project]:
 
 
 @pytest.fixture
+def whole_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """For a test that trains with torch's default threads (one per core): no other such
+    test runs on the machine meanwhile, whichever pytest worker it is in.
+
+    Two of them at once put four busy threads on this VM's 2 cores, and OpenMP's threads
+    spin while they wait for each other: the word_lm example took 236 s beside the S3
+    default-settings test instead of 18 s alone, and once ran past its 300 s limit. A
+    user trains one run per machine (replay too: its default workers fit the cores).
+    The lock is a file in the session's shared temporary root.
+    """
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # popen-gwN's parent: the same for every worker
+    with (shared / "torch-default-threads.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture
 def plain_dir(tmp_path: Path) -> Project:
     """A project directory that is not a git repository."""
     root = tmp_path / "plain"

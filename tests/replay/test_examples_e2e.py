@@ -205,6 +205,7 @@ def _worker_outputs(project: Project, run_id: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.usefixtures("whole_machine")
 def test_example_replays_bit_exact_under_default_settings(project: Project, name: str) -> None:
     case = CASES[name]
     current = (EXAMPLES / case.script).read_text()

@@ -188,6 +188,7 @@ def test_replay_from_another_clone_or_no_repository(
         assert "code kept  in the store's objects (code manifest" in show.stdout
 
 
+@pytest.mark.usefixtures("whole_machine")
 def test_a_torch_script_recorded_with_default_settings_replays_exactly_with_no_repository(
     tmp_path: Path,
 ) -> None:

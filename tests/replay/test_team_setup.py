@@ -26,6 +26,7 @@ DEFAULTS = {"RETROLOG_CHECKPOINTS": ""}  # the suite pins "every"; users don't
 LRS = ("0.1", "0.05")
 
 
+@pytest.mark.usefixtures("whole_machine")
 def test_a_migrated_store_replays_on_ray_exactly_under_default_settings(
     tmp_path: Path, s3_url: str, ray_address: str
 ) -> None:

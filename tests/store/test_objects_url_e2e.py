@@ -91,6 +91,7 @@ def test_record_replay_and_gc_with_objects_at_a_url(
         load_checkpoint(store, manifest)
 
 
+@pytest.mark.usefixtures("whole_machine")
 def test_default_settings_record_and_replay_a_torch_script_exactly_from_s3(
     tmp_path: Path, s3_url: str
 ) -> None:
