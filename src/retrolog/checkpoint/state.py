@@ -349,7 +349,7 @@ def _copy_on_this_thread(tensor: Any) -> Any:
     torch's own copy fans out to its intra-op thread pool above a size. Called from
     a thread other than training's (a replay worker's prefetcher thawing the next
     checkpoint), that starts a second OpenMP team beside training's: on 2 cores the
-    benchmark's first executed epoch after it ran 2.6x slower (1.13 s against 0.43 s).
+    demo's first executed epoch after a restore ran 2.6x slower (1.13 s against 0.43 s).
     """
     if (
         tensor.numel() < TORCH_GRAIN_SIZE  # torch copies it on this thread anyway
