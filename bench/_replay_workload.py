@@ -2,7 +2,8 @@
 
 A small CNN on synthetic 28x28 images (class templates plus noise, generated from
 a seed: no download), trained on the CPU with one thread, so two replay workers
-on a 2-core machine do not fight over cores. It has what makes replay hard:
+on a 2-core machine do not fight over cores (``at_torch_threads`` gives the same
+scripts at another thread count, or at torch's own default). It has what makes replay hard:
 dropout and a shuffled DataLoader (both consume the RNG), an LR scheduler that is
 not named in ``checkpointing`` (pseudo-resume must rebuild it), an evaluation
 after the nested loop in every epoch (code a replay cannot skip).
@@ -116,6 +117,17 @@ NEWEST_WITH_SUFFIX = NEWEST.replace(
 )
 
 VERSIONS = {"v1": V1, "v2": V2}
+PIN_ONE_THREAD = "torch.set_num_threads(1)\n"
+
+
+def at_torch_threads(text: str, threads: int | None) -> str:
+    """``text`` training with ``threads`` torch threads; None leaves torch's own default
+    (one per core), as a user's script that never calls ``set_num_threads`` does."""
+    if PIN_ONE_THREAD not in text:
+        raise AssertionError("the workload no longer pins its thread count")
+    if threads is None:
+        return text.replace(PIN_ONE_THREAD, "")
+    return text.replace(PIN_ONE_THREAD, f"torch.set_num_threads({threads})\n")
 
 
 def flordb_source(text: str) -> str:

@@ -4,6 +4,7 @@ Run from the repository root with the project's venv (retrolog and torch install
 
     python bench/bench_replay.py               # about 25 minutes on a 2-core machine
     python bench/bench_replay.py --reps 5 --epochs 8 --no-flordb
+    python bench/bench_replay.py --torch-threads default   # as a script that never sets them
 
 The workload (bench/_replay_workload.py) is a real PyTorch CPU training script
 (a small CNN on synthetic images; dropout, a shuffled DataLoader, an LR
@@ -84,6 +85,7 @@ from bench_log import spread as summary  # this file's own spread() compares two
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "replay.json"
+RESULTS_DEFAULT_THREADS = BENCH_DIR / "results" / "replay_default_threads.json"
 CHILD_TIMEOUT = 1800  # seconds; a run that never ends is a failure, not a figure
 WORKER_COUNTS = (1, 2)
 IDEAL_PARALLEL_SPEEDUP = 2.0
@@ -101,10 +103,13 @@ TORCH_MODULES = (
     "mpmath",
     "typing_extensions",
 )
-STARTUP_SNIPPET = (
-    "import torch; torch.set_num_threads(1); "
-    "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)"
-)
+
+
+def startup_snippet(threads: int | None) -> str:
+    """What every process pays: start, ``import torch`` (at ``threads``), a first optimizer."""
+    pin = "" if threads is None else f"torch.set_num_threads({threads}); "
+    return f"import torch; {pin}torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)"
+
 
 VALUES_SQL = """
 SELECT l.run_id, l.name, e.iteration, s.iteration, l.value FROM logs l
@@ -264,13 +269,29 @@ def all_exact(counts: dict[str, Any]) -> bool:
 # -- one repetition ------------------------------------------------------------------------
 
 
-def startup_floor(python: Path, env: dict[str, str], log: Path, cwd: Path) -> float:
+def startup_floor(
+    python: Path, env: dict[str, str], log: Path, cwd: Path, threads: int | None
+) -> float:
     """Interpreter start, ``import torch`` and a first optimizer: what every process pays."""
-    return timed([str(python), "-c", STARTUP_SNIPPET], cwd, env, log).seconds
+    return timed([str(python), "-c", startup_snippet(threads)], cwd, env, log).seconds
+
+
+@dataclass(frozen=True)
+class Mode:
+    """The thread count the workload trains with, and the replays' worker counts.
+
+    threads: torch threads per process; None leaves torch's own default.
+    counts: the worker counts replayed; with ``explicit`` False there is one, the count
+        ``retrolog replay`` picks by itself (no ``--workers``), checked against the plan.
+    """
+
+    threads: int | None
+    counts: tuple[int, ...]
+    explicit: bool
 
 
 def retrolog_rep(
-    rep: int, python: Path, epochs: int, n_train: int, keep: Path | None
+    rep: int, python: Path, epochs: int, n_train: int, keep: Path | None, mode: Mode
 ) -> dict[str, Any]:
     """Record, retrain, replay; return timings, estimates and checks of one repetition."""
     work = Path(tempfile.mkdtemp(prefix="retrolog-bench-replay-"))
@@ -279,12 +300,13 @@ def retrolog_rep(
         project = work / "bench-replay"
         logs = work / "logs"
         logs.mkdir()
-        new_project(project, env, workload.V1)
+        new_project(project, env, workload.at_torch_threads(workload.V1, mode.threads))
         db = project / ".retrolog" / "retrolog.db"
 
         record_seconds = []
         for index, (version, kwargs) in enumerate(workload.RUNS):
-            (project / "train.py").write_text(workload.VERSIONS[version])
+            text = workload.at_torch_threads(workload.VERSIONS[version], mode.threads)
+            (project / "train.py").write_text(text)
             cmd = [str(python), "train.py", *run_kwargs(kwargs, epochs, n_train)]
             record_seconds.append(timed(cmd, project, env, logs / f"record-{index}.log").seconds)
         runs = run_ids(db)
@@ -294,7 +316,7 @@ def retrolog_rep(
         if {s for (s,) in statuses} != {"finished"}:
             raise BenchError(f"recorded runs did not all finish: {statuses}")
         workload_facts = describe_recording(db, runs)
-        (project / "train.py").write_text(workload.NEWEST)
+        (project / "train.py").write_text(workload.at_torch_threads(workload.NEWEST, mode.threads))
         recorded_store = work / "recorded-store"
         shutil.copytree(project / ".retrolog", recorded_store)
 
@@ -339,23 +361,25 @@ def retrolog_rep(
 
         git_before = git_state(project, env)
         replays: dict[str, dict[str, Any]] = {}
-        order = WORKER_COUNTS if rep % 2 == 0 else tuple(reversed(WORKER_COUNTS))
+        order = mode.counts if rep % 2 == 0 else tuple(reversed(mode.counts))
         for probe, name in (("outer", workload.OUTER_NAME), ("inner", workload.INNER_NAME)):
             for workers in order:
                 shutil.rmtree(project / ".retrolog")
                 shutil.copytree(recorded_store, project / ".retrolog")
                 replays[f"{probe}-{workers}"] = replay_once(
-                    python, project, env, logs, name, workers, runs, reference[name]
-                )
+                    python, project, env, logs, name, workers, runs, reference[name],
+                    explicit=mode.explicit,
+                )  # fmt: skip
+        first = mode.counts[0]
         # The same outer-loop replay with every worker a new interpreter: the fork
         # server's share, side by side (docs/replay.md, "How workers start").
         shutil.rmtree(project / ".retrolog")
         shutil.copytree(recorded_store, project / ".retrolog")
-        replays["outer-1-fresh"] = replay_once(
-            python, project, {**env, "RETROLOG_FORKSERVER": "0"}, logs, workload.OUTER_NAME, 1,
-            runs, reference[workload.OUTER_NAME], label="-fresh",
+        replays[f"outer-{first}-fresh"] = replay_once(
+            python, project, {**env, "RETROLOG_FORKSERVER": "0"}, logs, workload.OUTER_NAME,
+            first, runs, reference[workload.OUTER_NAME], label="-fresh", explicit=mode.explicit,
         )  # fmt: skip
-        if not replays["outer-1"]["forked"] or replays["outer-1-fresh"]["forked"]:
+        if not replays[f"outer-{first}"]["forked"] or replays[f"outer-{first}-fresh"]["forked"]:
             raise BenchError("the fork server was not used as configured (see the replay logs)")
         if git_state(project, env) != git_before:
             raise BenchError("replay changed the project's HEAD or working tree")
@@ -367,7 +391,7 @@ def retrolog_rep(
                 workers=int(key.split("-")[1]),
                 actual=[r["actual_seconds"] for r in replays[key]["runs"]],
             )
-            for key in (f"{p}-{w}" for p in ("outer", "inner") for w in WORKER_COUNTS)
+            for key in (f"{p}-{w}" for p in ("outer", "inner") for w in mode.counts)
         }
         reference_digest = {
             name: [sorted(v.items(), key=str) for v in per_run]
@@ -502,10 +526,17 @@ def replay_once(
     runs: list[str],
     reference: list[Values],
     label: str = "",
+    explicit: bool = True,
 ) -> dict[str, Any]:
-    """One ``retrolog replay NAME --yes --workers N`` on a fresh copy of the recorded store."""
+    """One ``retrolog replay NAME --yes --workers N`` on a fresh copy of the recorded store.
+
+    With ``explicit`` False, no ``--workers``: replay picks its own count, which must be
+    ``workers``.
+    """
     log = logs / f"replay-{name}-{workers}{label}.log"
-    cmd = [str(python), "-m", "retrolog", "replay", name, "--yes", "--workers", str(workers)]
+    cmd = [str(python), "-m", "retrolog", "replay", name, "--yes"]
+    if explicit:
+        cmd += ["--workers", str(workers)]
     timing = timed(cmd, project, env, log)
     seconds = timing.seconds
     db = project / ".retrolog" / "retrolog.db"
@@ -524,6 +555,8 @@ def replay_once(
     }
     got = values(db, name, "backfilled")
     problems = []
+    if plan_workers != workers:
+        problems.append(f"the replay ran {plan_workers} workers, not {workers}")
     counts = []
     run_figures = []
     segments_dir = project / ".retrolog" / "replays" / replay_id
@@ -775,7 +808,7 @@ def flordb_error(output: str) -> str:
 # -- figures -------------------------------------------------------------------------------
 
 
-def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
+def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, Any]:
     retrain = [sum(r["retrain_seconds"]) for r in reps]
     out: dict[str, Any] = {
         "record_seconds_3_runs": summary([sum(r["record_seconds"]) for r in reps]),
@@ -805,7 +838,7 @@ def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
     }
     for probe in ("outer", "inner"):
         block: dict[str, Any] = {}
-        for workers in WORKER_COUNTS:
+        for workers in counts:
             rs = [r["replays"][f"{probe}-{workers}"] for r in reps]
             errors = [run["error_pct"] for x in rs for run in x["runs"]]
             floor = [f for r in reps for f in r["estimate_floor"][f"{probe}-{workers}"]]
@@ -836,17 +869,19 @@ def figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
                 "plan_wall_error_pct": summary([x["plan_error_pct"] for x in rs]),
                 "values": merge_counts([x["values"] for x in rs]),
             }
-        one, two = ([r["replays"][f"{probe}-{w}"]["seconds"] for r in reps] for w in WORKER_COUNTS)
-        block["parallel_speedup"] = summary([a / b for a, b in zip(one, two, strict=True)])
-        block["parallel_efficiency"] = summary(
-            [a / b / IDEAL_PARALLEL_SPEEDUP for a, b in zip(one, two, strict=True)]
-        )
+        if counts == WORKER_COUNTS:
+            one, two = ([r["replays"][f"{probe}-{w}"]["seconds"] for r in reps] for w in counts)
+            block["parallel_speedup"] = summary([a / b for a, b in zip(one, two, strict=True)])
+            block["parallel_efficiency"] = summary(
+                [a / b / IDEAL_PARALLEL_SPEEDUP for a, b in zip(one, two, strict=True)]
+            )
         out[probe] = block
-    fresh = [r["replays"]["outer-1-fresh"] for r in reps]
-    forked = [r["replays"]["outer-1"] for r in reps]
+    first = counts[0]
+    fresh = [r["replays"][f"outer-{first}-fresh"] for r in reps]
+    forked = [r["replays"][f"outer-{first}"] for r in reps]
     out["outer_fresh_interpreters"] = {
-        "what": "the outer-loop replay with 1 worker and RETROLOG_FORKSERVER=0 (every worker "
-        "a new interpreter), in the same repetition",
+        "what": f"the outer-loop replay with {first} worker(s) and RETROLOG_FORKSERVER=0 (every "
+        "worker a new interpreter), in the same repetition",
         "replay_seconds": summary([x["seconds"] for x in fresh]),
         "worker_seconds": summary([x["worker_seconds"] for x in fresh]),
         "speedup_vs_retrain": summary(
@@ -881,7 +916,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-flordb", action="store_true", help="skip the FlorDB anchor")
     parser.add_argument("--flordb-reps", type=int, default=1, help="FlorDB repetitions")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="results JSON file")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"results JSON file (default {RESULTS.name}, or {RESULTS_DEFAULT_THREADS.name} "
+        "with --torch-threads default)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        choices=("1", "default"),
+        default="1",
+        help="1 (the default): every process trains on one thread, replayed with 1 and with 2 "
+        "workers; default: torch's own thread count, as a script that never sets it, replayed "
+        "with the workers retrolog picks by itself (no --workers); FlorDB is skipped",
+    )
     parser.add_argument(
         "--keep-failed",
         type=Path,
@@ -906,8 +955,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     python = Path(sys.executable)
+    mode = run_mode(python, args.torch_threads)
+    output = args.output or (RESULTS if mode.explicit else RESULTS_DEFAULT_THREADS)
     flor_python, flordb_note = (None, "skipped (--no-flordb)")
-    if not args.no_flordb:
+    if not mode.explicit:
+        flordb_note = "skipped (--torch-threads default)"
+    elif not args.no_flordb:
         flor_python, flordb_note = flordb_python()
 
     started = time.time()
@@ -918,10 +971,15 @@ def main(argv: list[str] | None = None) -> int:
     flordb_reps: list[dict[str, Any]] = []
     try:
         env = base_env()
-        floor = [startup_floor(python, env, scratch / "floor.log", scratch) for _ in range(3)]
+        floor = [
+            startup_floor(python, env, scratch / "floor.log", scratch, mode.threads)
+            for _ in range(3)
+        ]
         for rep in range(args.reps):
             print(f"rep {rep + 1}/{args.reps}: record, retrain, replay", file=sys.stderr)
-            reps.append(retrolog_rep(rep, python, args.epochs, args.n_train, args.keep_failed))
+            reps.append(
+                retrolog_rep(rep, python, args.epochs, args.n_train, args.keep_failed, mode)
+            )
             last = reps[-1]
             print(
                 f"  retrain {sum(last['retrain_seconds']):.1f}s, replay "
@@ -957,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     reference_stable = len({r["reference_digest"] for r in reps}) == 1
-    figs = figures(reps)
+    figs = figures(reps, mode.counts)
     result: dict[str, Any] = {
         **conditions(
             "replay",
@@ -977,10 +1035,12 @@ def main(argv: list[str] | None = None) -> int:
             "runs": [{"version": v, "kwargs": k} for v, k in workload.RUNS],
             "outer_statement": workload.OUTER_NAME,
             "inner_statement": workload.INNER_NAME,
-            "threads_per_process": 1,
+            "threads_per_process": mode.threads or f"torch's default ({torch_default_threads()})",
+            "worker_counts": list(mode.counts),
+            "workers_chosen_by": "--workers" if mode.explicit else "retrolog (no --workers)",
             "recorded_last_rep": reps[-1]["workload"]["runs"],
             "startup_floor_seconds": summary(floor),
-            "startup_floor_is": "python -c '" + STARTUP_SNIPPET + "'",
+            "startup_floor_is": "python -c '" + startup_snippet(mode.threads) + "'",
         },
         "units": "seconds are wall time of the command as the user waits for it; speedup = "
         "retraining the 3 runs sequentially / the replay; parallel speedup = replay with 1 "
@@ -991,10 +1051,10 @@ def main(argv: list[str] | None = None) -> int:
             "recorded_equals_fresh_run": reps[-1]["determinism"],
             "all_replayed_values_exact": True,  # a difference stops the benchmark
             "outer_values": merge_counts(
-                [figs["outer"][f"workers_{n}"]["values"] for n in WORKER_COUNTS]
+                [figs["outer"][f"workers_{n}"]["values"] for n in mode.counts]
             ),
             "inner_values": merge_counts(
-                [figs["inner"][f"workers_{n}"]["values"] for n in WORKER_COUNTS]
+                [figs["inner"][f"workers_{n}"]["values"] for n in mode.counts]
             ),
             "deferred_check_clean": True,
             "project_head_and_tree_unchanged": True,
@@ -1002,13 +1062,31 @@ def main(argv: list[str] | None = None) -> int:
         },
         "flordb": flordb_result(flor_python, flordb_note, flordb_reps, figs),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_suffix(".json.tmp")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.output)
+    tmp.replace(output)
     print_report(result)
-    print(f"\nresults: {args.output}")
+    print(f"\nresults: {output}")
     return 0
+
+
+def torch_default_threads() -> int:
+    """The intra-op thread count torch picks by itself in a new process here."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=base_env(), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(done.stdout.strip())
+
+
+def run_mode(python: Path, threads: str) -> Mode:
+    """The benchmark's mode for ``--torch-threads``."""
+    if threads == "1":
+        return Mode(threads=1, counts=WORKER_COUNTS, explicit=True)
+    from retrolog._replay.execute import default_workers
+
+    return Mode(threads=None, counts=(default_workers(torch_default_threads()),), explicit=False)
 
 
 def flordb_result(
@@ -1071,8 +1149,10 @@ def print_report(result: dict[str, Any]) -> None:
         f"{'retrain 3 runs':22} {cell(result['retrain_seconds_3_runs'], '.1f'):>20} "
         f"{'':>17} {result['retrain_cores_used']['median']:>5.2f}"
     )
+    counts = w.get("worker_counts", list(WORKER_COUNTS))
+    first = counts[0]
     for probe, name in (("outer", w["outer_statement"]), ("inner", w["inner_statement"])):
-        for workers in WORKER_COUNTS:
+        for workers in counts:
             f = result[probe][f"workers_{workers}"]
             err = f["estimate_error_pct_per_run"]
             print(
@@ -1088,11 +1168,15 @@ def print_report(result: dict[str, Any]) -> None:
         "worker (imports, planning); worker-s: sum of the segments' durations; est. error/run: "
         "median over runs and repetitions of (estimate - actual) / actual, worst in parentheses"
     )
-    outer = result["outer"]["workers_1"]["speedup_vs_retrain"]
+    outer = result["outer"][f"workers_{first}"]["speedup_vs_retrain"]
     print(
-        f"(a) outer-loop probe, 1 worker: {outer['median']:.1f}x faster than retraining "
-        f"[{outer['min']:.1f}..{outer['max']:.1f}]; 2 workers: "
-        f"{result['outer']['workers_2']['speedup_vs_retrain']['median']:.1f}x"
+        f"(a) outer-loop probe, {first} worker(s) ({w.get('workers_chosen_by', '--workers')}), "
+        f"torch threads {w['threads_per_process']}: {outer['median']:.1f}x faster than "
+        f"retraining [{outer['min']:.1f}..{outer['max']:.1f}]"
+        + "".join(
+            f"; {n} workers: {result['outer'][f'workers_{n}']['speedup_vs_retrain']['median']:.1f}x"
+            for n in counts[1:]
+        )
     )
     fresh = result["outer_fresh_interpreters"]
     print(
@@ -1110,7 +1194,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"{cell(r['torch_load_seconds'], '.4f', 's')}; ratio "
         f"{cell(r['critical_path_over_torch_load'], '.2f')}"
     )
-    one = result["outer"]["workers_1"]
+    one = result["outer"][f"workers_{first}"]
     runs = len(w["runs"])
     print(
         f"    where its time goes: {one['before_workers_seconds']['median']:.1f}s before the "
@@ -1118,14 +1202,15 @@ def print_report(result: dict[str, Any]) -> None:
         "bare python process that imports torch and builds an optimizer takes "
         f"{w['startup_floor_seconds']['median']:.1f}s"
     )
-    par = result["inner"]["parallel_speedup"]
-    print(
-        f"(b) inner-loop probe, 2 workers vs 1: {par['median']:.2f}x "
-        f"[{par['min']:.2f}..{par['max']:.2f}], ideal {IDEAL_PARALLEL_SPEEDUP:.1f}x, on "
-        f"{result['nproc']} cores"
-    )
+    par = result["inner"].get("parallel_speedup")
+    if par is not None:
+        print(
+            f"(b) inner-loop probe, 2 workers vs 1: {par['median']:.2f}x "
+            f"[{par['min']:.2f}..{par['max']:.2f}], ideal {IDEAL_PARALLEL_SPEEDUP:.1f}x, on "
+            f"{result['nproc']} cores"
+        )
     for probe in ("outer", "inner"):
-        for workers in WORKER_COUNTS:
+        for workers in counts:
             err = result[probe][f"workers_{workers}"]["estimate_error_pct_per_run"]
             aa = result[probe][f"workers_{workers}"]["estimate_floor_pct_per_run"]
             print(
@@ -1147,7 +1232,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(
         f"checks: {c['outer_values']['exact']}/{c['outer_values']['expected']} outer and "
         f"{c['inner_values']['exact']}/{c['inner_values']['expected']} inner values exact "
-        "(every replay, 1 and 2 workers), deferred check clean, project untouched"
+        f"(every replay, {' and '.join(map(str, counts))} workers), deferred check clean, "
+        "project untouched"
     )
     fl = result["flordb"]
     if not fl["available"]:
