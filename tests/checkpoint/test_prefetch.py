@@ -26,9 +26,11 @@ class _Recording(LocalObjectStore):
         super().__init__(root, durable=False)
         self.delay = delay
         self.threads: set[str] = set()
+        self.reads: list[str] = []
 
     def get(self, key: str) -> bytes:
         self.threads.add(threading.current_thread().name)
+        self.reads.append(key)
         if self.delay:
             time.sleep(self.delay)
         return super().get(key)
@@ -58,6 +60,7 @@ def test_checkpoints_are_decoded_off_the_worker_thread_and_equal_a_direct_decode
     for key, expected in zip(keys, reference, strict=True):
         time.sleep(0.02)  # the code between two restores
         assert _same(prefetch.take(key), expected)
+        prefetch.release()
     assert store.threads == {"retrolog-prefetch"}
     assert prefetch.decode_seconds > 0
 
@@ -72,6 +75,7 @@ def test_the_wait_is_shorter_than_the_decode_when_code_runs_between_restores(
     for key in keys:
         time.sleep(0.3)  # longer than a decode: each one is ready when it is taken
         prefetch.take(key)
+        prefetch.release()
     assert prefetch.wait_seconds < 0.1 < prefetch.decode_seconds
 
 
@@ -123,12 +127,37 @@ def test_any_order_of_takes_gets_the_right_checkpoint_and_never_hangs(
             if chooser.random() < 0.5:
                 time.sleep(chooser.random() * 0.01)
             results.append(_same(prefetch.take(key), reference[key]))
+            if chooser.random() < 0.8:  # a worker releases each; a missed one must not hang
+                prefetch.release()
         done.set()
 
     thread = threading.Thread(target=worker, daemon=True)
     thread.start()
     assert done.wait(30), f"take() hung on {takes}"
     assert results == [True] * len(takes)
+
+
+def test_the_next_checkpoint_is_decoded_after_the_restore_not_during_it(
+    tmp_path: Path,
+) -> None:
+    """A decode is mostly Python: run during a restore, it would take the GIL from it."""
+    store = _Recording(tmp_path / "objects")
+    keys = _checkpoints(store, 3)
+    store.reads.clear()
+    prefetch = Prefetcher(store, keys, ahead=1)
+    prefetch.start()
+    prefetch.take(keys[0])  # decoded while the script started
+    time.sleep(0.3)  # the restore: long enough for any decode to have begun
+    assert keys[1] not in store.reads
+    prefetch.release()
+    deadline = time.monotonic() + 10
+    while keys[1] not in store.reads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert keys[1] in store.reads, "released, the next checkpoint was not decoded ahead"
+    time.sleep(0.2)
+    assert keys[2] not in store.reads  # one ahead, no more
+    assert prefetch.wait_seconds < 0.5
+    prefetch.close()
 
 
 def test_taking_a_later_checkpoint_first_does_not_wait_for_one_that_is_never_decoded(

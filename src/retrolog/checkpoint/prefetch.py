@@ -3,10 +3,17 @@
 A worker knows from its spec which checkpoints it will restore, in order. One
 background thread reads and decodes them (object files, decompression, delta
 bases, tensors, and the copy the live objects will own), at most ``ahead``
-beyond the one the worker last took, so a restore on the worker's critical path
-is handing decoded state to the live objects (``load_state_dict``). The first
-one is decoded while the script's own start (data, model) runs; each later one
-while the code between two restores (an evaluation, a scheduler step) runs.
+beyond the one the worker last released, so a restore on the worker's critical
+path is handing decoded state to the live objects (``load_state_dict``). The
+first one is decoded while the script's own start (data, model) runs; each later
+one while the code between two restores (an evaluation, a scheduler step) runs.
+
+The worker calls :meth:`Prefetcher.release` once a restore is over, and only then
+does the thread decode further. Decoding is mostly Python (the manifest, small
+arrays, the walk of the state), so a decode running during the restore takes the
+GIL from it in 5 ms turns: with torch on every core (its default), that made a
+restore on the critical path 2.2x torch.load's time (bench_replay
+``--torch-threads default``).
 
 Errors are the restore's: a missing or corrupt object raises StoreError from
 :meth:`Prefetcher.take`, and the worker executes that block instead, as it
@@ -46,6 +53,7 @@ class Prefetcher:
         self._index = {m: i for i, m in enumerate(self._order)}
         self._ahead = max(ahead, 1)
         self._taken = -1  # index of the last manifest taken
+        self._released = -1  # index of the last manifest whose restore is over
         self._finished = -1  # the thread is done with every manifest up to this index
         self._done: dict[str, tuple[Snapshot | None, BaseException | None]] = {}
         self._changed = threading.Condition()
@@ -67,7 +75,9 @@ class Prefetcher:
         try:
             for i, manifest in enumerate(self._order):
                 with self._changed:
-                    while not self._stop and i > self._taken + self._ahead:
+                    # Up to the one being taken (it is needed now), and ``ahead`` beyond
+                    # the last one released.
+                    while not self._stop and i > max(self._taken, self._released + self._ahead):
                         self._changed.wait()
                     if self._stop:
                         return
@@ -129,6 +139,13 @@ class Prefetcher:
             raise error
         assert snapshot is not None
         return snapshot
+
+    def release(self) -> None:
+        """The restore of the checkpoint last taken is over: decode the next ones now."""
+        with self._changed:
+            if self._released < self._taken:
+                self._released = self._taken
+                self._changed.notify_all()
 
     def close(self) -> None:
         """Stop decoding ahead; waits for a decode going on to leave torch (see the module)."""

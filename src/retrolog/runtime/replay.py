@@ -325,6 +325,10 @@ class ReplayRun:
                 file=sys.stderr,
             )
             return False
+        finally:
+            # The next one is decoded from now on, while the code after this point runs,
+            # not during the restore, where it would compete with it for the GIL.
+            self._prefetch.release()
         frames.restore(user_frame, values)
         _mark_optimizers_stepped(scope.objects)
         self._restore_seconds += time.perf_counter() - started
