@@ -291,9 +291,12 @@ def _costs(
 # own code up to its first loop is in the profile): the least its start-up is estimated at.
 FORK_SECONDS = 0.02
 # What a forked worker adds to the script's own prefix work: the fork, importing retrolog
-# (its dependencies are loaded) and the replay runtime's set-up; bench/replay_breakdown.py
-# measured 0.041-0.046 s and 0.018-0.020 s for the last two (2026-11-27).
-FORKED_START_SECONDS = 0.06
+# (its dependencies are loaded) and the replay runtime's set-up. bench/replay_breakdown.py
+# put it at 0.06 s with retrolog compiled from source in every process (2026-11-27, before
+# the benchmarks byte-compiled it as an install does); byte-compiled, the same estimate was
+# 0.005-0.024 s above the measured start-up (median of 6 segments per probe; the runtime's
+# set-up 0.007 s instead of 0.019 s), so 0.04 s.
+FORKED_START_SECONDS = 0.04
 
 
 def _restore_seconds(profile: RunProfile, i: int, seconds_per_byte: float | None) -> float | None:
