@@ -62,12 +62,14 @@ def _on_parsed(values: dict[str, Any]) -> None:
 cli_args.install()
 cli_args.listener = _on_parsed
 
-if os.environ.get("RETROLOG_REPLAY_SPEC"):
+# runtime.replay.SPEC_ENV, named here so that a recording never imports the replay runtime.
+_REPLAY_SPEC_ENV = "RETROLOG_REPLAY_SPEC"
+if os.environ.get(_REPLAY_SPEC_ENV):
     # A replay worker (runtime/replay.py): the recorded numerical environment must be in
     # place before the script's first torch call, so before the first recording call.
     from retrolog.runtime.replay import prepare_worker
 
-    prepare_worker(os.environ["RETROLOG_REPLAY_SPEC"])
+    prepare_worker(os.environ[_REPLAY_SPEC_ENV])
 
 
 def arg(name: str, default: T) -> T:
@@ -301,13 +303,14 @@ def replay(
 def _begin() -> Run:
     """Start a run for this process (at the first recording call)."""
     global _active
-    from retrolog.runtime.replay import SPEC_ENV, ReplayRun, WorkerSpec
     from retrolog.runtime.run import Run
     from retrolog.store.paths import locate
 
     _install_hooks()
-    spec = os.environ.get(SPEC_ENV)
+    spec = os.environ.get(_REPLAY_SPEC_ENV)
     if spec:  # a replay worker: see retrolog.runtime.replay
+        from retrolog.runtime.replay import ReplayRun, WorkerSpec
+
         _active = ReplayRun(WorkerSpec.load(spec))  # type: ignore[assignment]
     else:
         script = _original_argv[0] if _original_argv else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 
 import pytest
 
@@ -318,3 +319,27 @@ def test_large_arrays_are_exact_up_to_the_limit_and_refused_past_it(project: Pro
     assert shown.returncode == 0 and len(shown.stdout) < 10_000
     whole = json.loads(project.cli("dataframe", "exact", "--json").stdout)
     assert len(whole[0]["exact"]) == 50_000
+
+
+def test_a_recording_does_not_load_the_replay_runtime(project: Project) -> None:
+    """It is for replay workers only; loading it cost every run's start its import."""
+    from retrolog import _api
+    from retrolog.runtime import replay
+
+    assert _api._REPLAY_SPEC_ENV == replay.SPEC_ENV
+    project.write(
+        "train.py",
+        textwrap.dedent(
+            """
+            import sys
+            import retrolog as rl
+
+            for i in rl.loop("epoch", range(2)):
+                rl.log("x", float(i))
+            rl.commit()
+            print("replay runtime loaded:", "retrolog.runtime.replay" in sys.modules)
+            """
+        ),
+    )
+    out = project.run("train.py")
+    assert "replay runtime loaded: False" in out.stdout
