@@ -177,6 +177,40 @@ def test_exit_codes_errors_and_signals_are_reported_as_for_a_process(
     assert code == -signal.SIGKILL
 
 
+LEAVING = """\
+import atexit
+import sys
+import threading
+import time
+import torch
+
+class Noisy:
+    def __del__(self):
+        print("finalized", flush=True)
+
+keep = Noisy()
+atexit.register(lambda: print("atexit ran", end=""))  # flushed although no newline ends it
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined"))).start()
+sys.exit(sys.argv[1] if sys.argv[1:] else None)
+"""
+
+
+def test_a_forked_worker_leaves_as_the_interpreter_would_but_without_finalizing(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """Threads joined, atexit run, output flushed, the exit status; not the modules'
+    teardown, which costs a process that imported torch 0.4-0.7 s."""
+    script = _script(tmp_path, LEAVING)
+    code, out = _forked(server, script, log=tmp_path / "a.log")
+    assert code == 0, out
+    assert "thread joined" in out and out.endswith("atexit ran"), out
+    assert "finalized" not in out  # the module's objects were left to the OS
+    code, out = _forked(server, script, "out of memory", log=tmp_path / "b.log")
+    assert code == 1 and "out of memory" in out, out
+    fresh, out = _fresh(script, "out of memory")
+    assert fresh == 1 and "out of memory" in out
+
+
 def test_an_exit_read_while_launching_another_worker_is_seen_at_once(
     server: ForkServer, tmp_path: Path
 ) -> None:

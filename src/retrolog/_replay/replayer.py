@@ -668,21 +668,23 @@ def _thread_notes(
 # interpreter adds when the script runs to its end: 0.25 s with torch imported once the
 # worker has frozen the garbage collector (0.7 s without), 0.05 s without torch. A worker
 # forked from a fork server frees less (most of its pages are still the server's): 0.015 s
-# to leave, 0.17 s more to finalize with torch. The recorded profile has none of these: a
-# recording ends at commit().
+# to leave. Run to its end, it joins threads, runs the atexit handlers and leaves by
+# os._exit without finalizing its modules (_zygote._leave): 0.025 s more, whatever it
+# imported (finalizing took 0.17 s with torch on bench_replay's workload, 0.4-0.7 s with
+# scikit-learn too). The recorded profile has none of these: a recording ends at commit().
 EXIT_SECONDS = 0.05
 TEARDOWN_SECONDS = 0.05
 TORCH_TEARDOWN_SECONDS = 0.3
 FORKED_EXIT_SECONDS = 0.015
-FORKED_TORCH_TEARDOWN_SECONDS = 0.17
+FORKED_TEARDOWN_SECONDS = 0.025
 _IMPORTS_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b", re.MULTILINE)
 
 
 def teardown_seconds(source: str, *, forked: bool = False) -> float:
     """What a worker running ``source`` to its end spends finalizing the interpreter."""
-    if not _IMPORTS_TORCH.search(source):
-        return TEARDOWN_SECONDS
-    return FORKED_TORCH_TEARDOWN_SECONDS if forked else TORCH_TEARDOWN_SECONDS
+    if forked:
+        return FORKED_TEARDOWN_SECONDS
+    return TORCH_TEARDOWN_SECONDS if _IMPORTS_TORCH.search(source) else TEARDOWN_SECONDS
 
 
 # -- choosing runs ---------------------------------------------------------------------
