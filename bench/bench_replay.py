@@ -381,6 +381,11 @@ def retrolog_rep(
         )  # fmt: skip
         if not replays[f"outer-{first}"]["forked"] or replays[f"outer-{first}-fresh"]["forked"]:
             raise BenchError("the fork server was not used as configured (see the replay logs)")
+        # A replay that runs every script to its end: --verify recomputes the recorded
+        # statements (workers finish the script, where the probes above stop at the loop).
+        shutil.rmtree(project / ".retrolog")
+        shutil.copytree(recorded_store, project / ".retrolog")
+        verify = verify_once(python, project, env, logs, first, runs, explicit=mode.explicit)
         if git_state(project, env) != git_before:
             raise BenchError("replay changed the project's HEAD or working tree")
         estimate_floor = {
@@ -403,6 +408,7 @@ def retrolog_rep(
             "noise": noise,
             "retrain_cpu_seconds": [t.cpu_seconds for t in retrain],
             "replays": replays,
+            "verify": verify,
             "estimate_floor": estimate_floor,
             "workload": workload_facts,
             "determinism": determinism_counts,
@@ -609,6 +615,45 @@ def replay_once(
         "segments": sum(r["segments"] for r in run_figures),
         "runs": run_figures,
         "values": merge_counts(counts),
+    }
+
+
+def verify_once(
+    python: Path,
+    project: Path,
+    env: dict[str, str],
+    logs: Path,
+    workers: int,
+    runs: list[str],
+    *,
+    explicit: bool,
+) -> dict[str, Any]:
+    """``retrolog replay --verify --yes``: every run replayed to its script's end, its
+    recorded values recomputed; the wall time and the per-run estimate errors."""
+    log = logs / f"verify-{workers}.log"
+    cmd = [str(python), "-m", "retrolog", "replay", "--verify", "--yes"]
+    if explicit:
+        cmd += ["--workers", str(workers)]
+    timing = timed(cmd, project, env, log)
+    output = log.read_text(errors="replace")
+    verified = f"Verified {len(runs)} run(s): {len(runs)} replay exactly"
+    if timing.returncode != 0 or verified not in output:
+        raise BenchError(
+            f"retrolog replay --verify did not verify every run:\n{tail(clean_output(output))}"
+        )
+    db = project / ".retrolog" / "retrolog.db"
+    ((replay_id,),) = read_rows(db, "SELECT replay_id FROM replays")
+    rows = read_rows(
+        db,
+        "SELECT estimate_seconds, actual_seconds FROM replay_runs WHERE replay_id = ?",
+        (replay_id,),
+    )
+    return {
+        "seconds": timing.seconds,
+        "runs": [
+            {"estimate_seconds": e, "actual_seconds": a, "error_pct": (e - a) / a * 100}
+            for e, a in rows
+        ],
     }
 
 
@@ -877,6 +922,18 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
             )
         out[probe] = block
     first = counts[0]
+    verify_errors = [run["error_pct"] for r in reps for run in r["verify"]["runs"]]
+    out["verify"] = {
+        "what": f"retrolog replay --verify with {first} worker(s): every run replayed to its "
+        "script's end, its recorded statements recomputed",
+        "replay_seconds": summary([r["verify"]["seconds"] for r in reps]),
+        "estimate_error_pct_per_run": {
+            "median": statistics.median(verify_errors),
+            "median_abs": statistics.median(abs(e) for e in verify_errors),
+            "worst": max(verify_errors, key=abs),
+            "samples": verify_errors,
+        },
+    }
     fresh = [r["replays"][f"outer-{first}-fresh"] for r in reps]
     forked = [r["replays"][f"outer-{first}"] for r in reps]
     out["outer_fresh_interpreters"] = {
@@ -1219,6 +1276,13 @@ def print_report(result: dict[str, Any]) -> None:
                 f"from a second execution's profile moves {aa['median_abs']:.1f}% "
                 f"(worst {aa['worst']:+.1f}%)"
             )
+    ver = result["verify"]
+    err = ver["estimate_error_pct_per_run"]
+    print(
+        f"(c) estimate error per run, --verify (scripts run to their end): median |error| "
+        f"{err['median_abs']:.1f}%, worst {err['worst']:+.1f}%; the replay "
+        f"{cell(ver['replay_seconds'], '.1f', 's')}"
+    )
     floor = result["noise_floor"]
     print(
         "(c) noise floor, the same run executed twice: median |difference| "
