@@ -239,6 +239,13 @@ def test_example_replays_bit_exact_under_default_settings(project: Project, name
     assert out.returncode == 0, out.stdout + out.stderr
     assert "differs" not in out.stderr and "inexact" not in out.stderr, out.stderr
     assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE inexact IS NOT NULL") == [(0,)]
+    # Every script run to its end (a verifying replay recomputes every recorded statement),
+    # by workers forked from the fork server, which leave without finalizing their modules.
+    out = _cli(project, "replay", "--verify", "--yes")
+    assert out.returncode == 0, out.stdout + out.stderr
+    both = out.stdout + out.stderr
+    assert f"Verified {len(runs)} run(s): {len(runs)} replay exactly" in both, both
+    assert "forked from" in both, both
 
     store = project.root / ".retrolog" / "retrolog.db"
     code = dict(read_db(project.root, "SELECT run_id, code_commit FROM runs"))
