@@ -314,24 +314,26 @@ class ReplayRun:
             )
             return False
         try:
-            # Decoded ahead by the prefetcher (checkpoint/prefetch.py) while the code before
-            # this point ran; what is left here is putting it into the live objects.
-            restore(scope.objects, self._prefetch.take(manifest), thawed=True)
-        except StoreError as exc:
-            self._fallbacks.append([manifest, f"it cannot be read: {exc}"])
-            print(
-                f"retrolog replay: checkpoint {manifest} cannot be read ({exc}); executing "
-                "that code instead of restoring it.",
-                file=sys.stderr,
-            )
-            return False
+            try:
+                # Decoded ahead by the prefetcher (checkpoint/prefetch.py) while the code
+                # before this point ran; what is left here is putting it into the live objects.
+                restore(scope.objects, self._prefetch.take(manifest), thawed=True)
+            except StoreError as exc:
+                self._fallbacks.append([manifest, f"it cannot be read: {exc}"])
+                print(
+                    f"retrolog replay: checkpoint {manifest} cannot be read ({exc}); executing "
+                    "that code instead of restoring it.",
+                    file=sys.stderr,
+                )
+                return False
+            frames.restore(user_frame, values)
+            _mark_optimizers_stepped(scope.objects)
+            self._restore_seconds += time.perf_counter() - started
         finally:
-            # The next one is decoded from now on, while the code after this point runs,
-            # not during the restore, where it would compete with it for the GIL.
+            # The next one is decoded from now on, while the code after the restore runs,
+            # not during it (the frame's locals included), where it would take the GIL from
+            # it: a thread that asks for the GIL back waits up to the switch interval, 5 ms.
             self._prefetch.release()
-        frames.restore(user_frame, values)
-        _mark_optimizers_stepped(scope.objects)
-        self._restore_seconds += time.perf_counter() - started
         self._restored += 1
         self._checkpoint_at.append((len(self.values), len(self.events), manifest))
         self._last_checkpoint = manifest
