@@ -217,6 +217,14 @@ def format_lineage(found: dict[str, Any]) -> str:
             f"{check} over {replay.get('compared') or 0} recorded values"
             + (f"; {replay['inexact']}" if replay.get("inexact") else "")
         )
+        if replay.get("executor"):
+            where_ran = "local processes" if replay["executor"] == "local" else "Ray tasks"
+            if replay.get("executor_address"):
+                where_ran += f" of the cluster at {replay['executor_address']}"
+            hosts = replay.get("hosts") or []
+            if hosts:
+                where_ran += " on " + ", ".join(hosts)
+            lines.append(f"           ran as {where_ran}")
     lines.append("values")
     for v in found["values"]:
         where = " ".join(f"{k}={i}" for k, i in v["context"].items()) or "run-level"

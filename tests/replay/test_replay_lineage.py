@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -132,6 +133,7 @@ def test_dataframe_show_and_lineage_name_each_values_definition(project: Project
     assert "log('w_norm', 2 * weight_norm(w))" in out and "def weight_norm(w):" in out
     assert "deferred check exact" in out and "epoch=2" in out
     assert "after restoring the block checkpoint of epoch=2" in out
+    assert f"ran as local processes on {socket.gethostname()}" in out
     found = json.loads(project.cli("lineage", runs[1], "w_norm", "--json").stdout)
     assert len(found["values"]) == 3 and found["numerics"]["machine"]["cpu"]
     bad = project.cli("lineage", runs[1], "w_norm", "--at", "epoch")

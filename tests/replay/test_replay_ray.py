@@ -166,6 +166,17 @@ def test_replay_on_ray_is_exact_and_idempotent(
     assert local_out.returncode == 0, local_out.stderr
     assert values_by_run(local.root, "w_norm") == on_ray
 
+    # Lineage says where each value was computed: Ray tasks of this cluster, on this
+    # machine (a one-node cluster), against local processes in the copy.
+    some_run = next(iter(seeds))
+    for where, executor, address in ((project, "ray", ray_address), (local, "local", None)):
+        found = json.loads(where.cli("lineage", some_run, "w_norm", "--json").stdout)
+        (replay,) = found["replays"].values()
+        assert (replay["executor"], replay["executor_address"]) == (executor, address)
+        assert replay["hosts"] == [socket.gethostname()]
+    text = project.cli("lineage", some_run, "w_norm").stdout
+    assert f"ran as Ray tasks of the cluster at {ray_address} on {socket.gethostname()}" in text
+
     # The values came through the coordinator's backfill, marked as any replay's.
     marks = read_db(
         project.root,

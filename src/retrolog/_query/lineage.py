@@ -337,13 +337,15 @@ def _definition_dict(found: StoredDefinition | None) -> dict[str, Any] | None:
 def _replay_dict(conn: sqlite3.Connection, replay_id: str, run_id: str) -> dict[str, Any]:
     row = conn.execute(
         "SELECT r.started_at, r.kind, p.scan, p.status, p.compared, p.mismatches, p.inexact,"
-        " p.environment FROM replays r LEFT JOIN replay_runs p ON p.replay_id = r.replay_id"
+        " p.environment, r.executor, r.executor_address, p.hosts"
+        " FROM replays r LEFT JOIN replay_runs p ON p.replay_id = r.replay_id"
         " AND p.run_id = ? WHERE r.replay_id = ?",
         (run_id, replay_id),
     ).fetchone()
     if row is None:
         return {}
-    started, kind, scan, status, compared, mismatches, inexact, environment = row
+    started, kind, scan, status, compared, mismatches, inexact, environment = row[:8]
+    executor, address, hosts = row[8:]
     return {
         "started_at": started,
         "kind": kind,
@@ -353,6 +355,11 @@ def _replay_dict(conn: sqlite3.Connection, replay_id: str, run_id: str) -> dict[
         "mismatches": json.loads(mismatches or "[]"),
         "inexact": inexact,
         "environment": json.loads(environment or "[]"),
+        # Where its workers ran: "local" (processes of the machine that ran the replay)
+        # or "ray" (tasks on the cluster at executor_address); None before this was kept.
+        "executor": executor,
+        "executor_address": address,
+        "hosts": json.loads(hosts or "[]"),  # the machines the run's segments ran on
     }
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from retrolog._config import mask
 from retrolog._query.runs import matching_runs
 from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
 from retrolog._replay.execute import (
@@ -868,9 +869,12 @@ def _execute(
     }
     conn.execute(
         "INSERT INTO replays(replay_id, started_at, names, where_sql, filename, workers, status,"
-        " estimate_seconds, kind) VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?)",
+        " estimate_seconds, kind, executor, executor_address)"
+        " VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)",
         (replay_id, time.time(), json.dumps(names), where, filename, plan.workers,
-         plan.estimate_seconds, "verify" if verify else "backfill"),
+         plan.estimate_seconds, "verify" if verify else "backfill",
+         "local" if cluster is None else "ray",
+         None if cluster is None else mask(cluster.address)),
     )  # fmt: skip
     keep(conn, lineage.today.values(), replay_id=replay_id)
     _keep_propagated(conn, propagations, runs, filename, replay_id)
@@ -1212,11 +1216,12 @@ def _collect(
         # What restoring cost, for recording's restore/materialize ratio (policy's c).
         restored = sum(int(out.get("restored", 0)) for out in outputs)
         restore_seconds = sum(float(out.get("restore_seconds", 0.0)) for out in outputs)
+        hosts = sorted({str(out["host"]) for out in outputs if out.get("host")})
         conn.execute(
             "INSERT OR REPLACE INTO replay_runs(replay_id, run_id, scan, code_object, status,"
             " estimate_seconds, actual_seconds, backfilled, mismatches, error, restored,"
-            " restore_seconds, compared, inexact, environment)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " restore_seconds, compared, inexact, environment, hosts)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 replay_id, run_id, by_run[run_id].scan.name, code_objects.get(run_id),
                 outcome.status, outcome.estimate_seconds, outcome.actual_seconds,
@@ -1224,7 +1229,7 @@ def _collect(
                 outcome.error, restored, restore_seconds, outcome.compared,
                 outcome.inexact and (outcome.cause or "possibly inexact: the numerical "
                                      "environment differed"),
-                json.dumps(outcome.environment),
+                json.dumps(outcome.environment), json.dumps(hosts),
             ),
         )  # fmt: skip
 

@@ -24,6 +24,7 @@ import atexit
 import gc
 import json
 import os
+import socket
 import sqlite3
 import sys
 import time
@@ -400,6 +401,7 @@ class ReplayRun:
             "restore_seconds": self._restore_seconds,
             "prefetch": self._prefetch.figures() if self._prefetch is not None else None,
             "seconds": time.perf_counter() - self._started,
+            "host": socket.gethostname(),  # the machine it ran on (a Ray node, this one)
             "last_checkpoint": self._last_checkpoint,
             "threads": _torch_threads(),
             "torch_state": self._torch_ran or {},

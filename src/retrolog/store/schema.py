@@ -231,6 +231,18 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        9,
+        "replay lineage: where a replay's workers ran",
+        """
+        ALTER TABLE replays ADD COLUMN executor TEXT;
+        ALTER TABLE replays ADD COLUMN executor_address TEXT;
+        ALTER TABLE replay_runs ADD COLUMN hosts TEXT
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
