@@ -8,9 +8,13 @@
 # An S3-compatible server: moto's server mode (from the dev extra, in .venv), keeping its
 # buckets in memory; docs/checkpoint-storage.md says which S3 behaviours it reproduces and
 # which it does not. A one-node Ray cluster (the ray extra, in .venv) with 2 CPUs, for
-# replays on Ray (docs/replay-on-ray.md). .services/env holds what the tests read
-# (RETROLOG_TEST_S3_ENDPOINT, RETROLOG_TEST_RAY_ADDRESS); tests/conftest.py reads it when
-# the variables are not set. Nothing here needs the network beyond loopback.
+# replays on Ray (docs/replay-on-ray.md). PostgreSQL from Debian's packages (installed
+# with apt-get when missing and this is root), a cluster initdb'd into a temporary
+# directory and started by pg_ctl on a loopback port, password authentication only
+# (docs/metadata-backends.md). .services/env holds what the tests read
+# (RETROLOG_TEST_S3_ENDPOINT, RETROLOG_TEST_RAY_ADDRESS, RETROLOG_TEST_DATABASE_URL);
+# tests/conftest.py reads it when the variables are not set. Nothing here needs the
+# network beyond loopback, except apt-get's package registry when it installs PostgreSQL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 state=.services
@@ -173,6 +177,103 @@ stop_ray() {
   rm -f "$dirfile" "$state/ray.port" "$state/ray.s3"
 }
 
+# -- PostgreSQL ------------------------------------------------------------------------
+
+# The directory of initdb and pg_ctl: on PATH, else Debian's versioned directory.
+pg_bin() {
+  local found d
+  found=$(command -v initdb 2>/dev/null || true)
+  for d in ${found:+"$(dirname "$(readlink -f "$found")")"} /usr/lib/postgresql/*/bin; do
+    if [ -x "$d/initdb" ] && [ -x "$d/pg_ctl" ]; then
+      echo "$d"
+      return 0
+    fi
+  done
+  return 1
+}
+
+install_postgres() {
+  pg_bin >/dev/null && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "services.sh: PostgreSQL is not installed (no initdb or pg_ctl). Install Debian's" \
+      "postgresql package (sudo apt-get install postgresql), or your system's, and run" \
+      "this again." >&2
+    exit 1
+  fi
+  echo "== installing PostgreSQL from Debian's packages (apt-get)"
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      postgresql; } >"$state/apt.log" 2>&1; then
+    echo "services.sh: apt-get could not install postgresql; its output:" >&2
+    tail -n 20 "$state/apt.log" >&2 || true
+    exit 1
+  fi
+}
+
+# PostgreSQL refuses to run as root: as root the cluster belongs to the postgres user
+# (the package creates it), in a directory outside the work tree that user can reach.
+as_pg_owner() {
+  if [ "$(id -u)" = 0 ]; then
+    runuser -u postgres -- "$@"
+  else
+    "$@"
+  fi
+}
+
+pg_running() {
+  local dir
+  [ -f "$state/pg.dir" ] || return 1
+  dir=$(cat "$state/pg.dir")
+  [ -d "$dir/data" ] && as_pg_owner "$(pg_bin)/pg_ctl" status -D "$dir/data" >/dev/null 2>&1
+}
+
+start_postgres() {
+  if pg_running && [ -f "$state/pg.url" ]; then
+    return 0
+  fi
+  stop_postgres >/dev/null
+  install_postgres
+  local bin dir port password
+  bin=$(pg_bin)
+  port=$(free_port)
+  dir=$(mktemp -d /tmp/retrolog-pg-XXXXXX)
+  password=$("$python" -c 'import secrets; print(secrets.token_hex(16))')
+  (umask 077 && echo "$password" >"$dir/password")
+  [ "$(id -u)" = 0 ] && chown -R postgres: "$dir"
+  echo "$dir" >"$state/pg.dir"
+  # Password (scram) over TCP, and the unix socket (in $dir, for no one else) trusted.
+  if ! as_pg_owner "$bin/initdb" -D "$dir/data" -U retrolog --pwfile="$dir/password" \
+    --auth-host=scram-sha-256 --auth-local=trust -E UTF8 --locale=C.UTF-8 \
+    >"$state/pg.log" 2>&1; then
+    echo "services.sh: initdb failed; its output:" >&2
+    tail -n 20 "$state/pg.log" >&2 || true
+    exit 1
+  fi
+  if ! as_pg_owner "$bin/pg_ctl" start -D "$dir/data" -w -t 60 -l "$dir/server.log" \
+    -o "-c listen_addresses=127.0.0.1 -p $port -c unix_socket_directories=$dir" \
+    >>"$state/pg.log" 2>&1; then
+    echo "services.sh: pg_ctl could not start PostgreSQL; its log:" >&2
+    tail -n 20 "$dir/server.log" >&2 || true
+    exit 1
+  fi
+  as_pg_owner "$bin/createdb" -h "$dir" -p "$port" -U retrolog retrolog >>"$state/pg.log" 2>&1
+  (umask 077 && echo "postgresql://retrolog:$password@127.0.0.1:$port/retrolog" >"$state/pg.url")
+  echo "== PostgreSQL ($("$bin/postgres" --version | awk '{print $3}')) on 127.0.0.1:$port," \
+    "data in $dir"
+}
+
+stop_postgres() {
+  local dir
+  [ -f "$state/pg.dir" ] || return 0
+  dir=$(cat "$state/pg.dir")
+  if [ -d "$dir/data" ] && pg_bin >/dev/null; then
+    as_pg_owner "$(pg_bin)/pg_ctl" stop -D "$dir/data" -m fast -w >/dev/null 2>&1 || true
+    echo "== stopped postgresql"
+  fi
+  case "$dir" in /tmp/retrolog-pg-*) rm -rf "$dir" ;; esac
+  rm -f "$state/pg.dir" "$state/pg.url"
+}
+
 stop_one() {
   local pidfile=$state/$1.pid
   if alive "$pidfile"; then
@@ -192,14 +293,21 @@ case "${1:-}" in
     mkdir -p "$state"
     start_s3
     start_ray
-    {
-      echo "RETROLOG_TEST_S3_ENDPOINT=http://127.0.0.1:$(cat $state/moto.port)"
-      echo "RETROLOG_TEST_RAY_ADDRESS=127.0.0.1:$(cat $state/ray.port)"
-    } >"$state/env"
+    start_postgres
+    rm -f "$state/env"
+    (
+      umask 077  # the database URL holds the test server's password
+      {
+        echo "RETROLOG_TEST_S3_ENDPOINT=http://127.0.0.1:$(cat $state/moto.port)"
+        echo "RETROLOG_TEST_RAY_ADDRESS=127.0.0.1:$(cat $state/ray.port)"
+        echo "RETROLOG_TEST_DATABASE_URL=$(cat $state/pg.url)"
+      } >"$state/env"
+    )
     ;;
   stop)
     stop_one moto
     stop_ray
+    stop_postgres
     rm -f "$state/env" "$state/moto.port"
     ;;
   status)
@@ -214,6 +322,12 @@ case "${1:-}" in
       echo "ray: head running on 127.0.0.1:$(cat $state/ray.port), temp dir $(cat $state/ray.dir)"
     else
       echo "ray: not running"
+      down=1
+    fi
+    if pg_running; then
+      echo "postgresql: running, data in $(cat $state/pg.dir)"
+    else
+      echo "postgresql: not running"
       down=1
     fi
     exit $down

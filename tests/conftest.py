@@ -399,3 +399,27 @@ def ray_env(address: str) -> dict[str, str]:
     """What a `retrolog replay --executor ray` process needs to reach the test cluster: its
     address, and Ray told that a cluster on 127.0.0.1 is one machine (scripts/services.sh)."""
     return {"RAY_ADDRESS": address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+# -- PostgreSQL (scripts/services.sh) -----------------------------------------------------
+
+DATABASE_HINT = (
+    "The PostgreSQL tests need the server that `bash scripts/services.sh start` starts (the "
+    "README's test command does); or set RETROLOG_TEST_DATABASE_URL to a postgresql:// URL "
+    "of a database these tests may write."
+)
+
+
+@pytest.fixture
+def database_url() -> str:
+    """The test PostgreSQL database's URL (with its password): RETROLOG_TEST_DATABASE_URL,
+    else .services/env's. Fails, never skips, when there is none."""
+    url = os.environ.get("RETROLOG_TEST_DATABASE_URL", "").strip()
+    if not url and SERVICES_ENV.exists():
+        for line in SERVICES_ENV.read_text().splitlines():
+            name, _, value = line.partition("=")
+            if name == "RETROLOG_TEST_DATABASE_URL":
+                url = value.strip()
+    if not url:
+        pytest.fail(DATABASE_HINT, pytrace=False)
+    return url
