@@ -1,18 +1,19 @@
-"""The background writer: every SQLite write of a recording process goes through it.
+"""The background writer: every metadata write of a recording process goes through it.
 
 The training thread appends plain tuples to two deques (append is atomic
 under the GIL and costs tens of nanoseconds); this thread drains them every
-``interval`` seconds into one transaction. A SIGKILL therefore loses at most
-the last interval of records, and the training thread never waits on SQLite.
+``interval`` seconds into one transaction, through the store's record sink
+(store/records.py, which holds the SQL). A SIGKILL therefore loses at most
+the last interval of records, and the training thread never waits on the store.
 
 - ``values``: ``(ctx_id, name, value)`` with value a float, int or str: the
-  hot path of ``log()``. The writer hands these tuples to ``executemany``
-  as they are, so no Python code runs per value on this thread either (it
-  would hold the GIL the training thread needs); SQLite derives value_type.
+  hot path of ``log()``. The writer hands these lists to the sink as they
+  are, and SQLite's sink to ``executemany``, so no Python code runs per
+  value on this thread either (it would hold the GIL the training thread
+  needs); SQLite derives value_type.
 - ``loop_starts``, ``loop_ends``, ``iterations``: one tuple each per loop
   iteration, in the column order of their statements, for the same reason: a
-  tight ``loop`` must not make this thread run Python per iteration (see
-  :data:`_INSERT_STARTS`).
+  tight ``loop`` must not make this thread run Python per iteration.
 - ``events``: ``(Event.X, ...)`` for everything else, see :class:`Event`.
 
 A value's loop context is always started (its start queued) before the
@@ -36,17 +37,23 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
-import sqlite3
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from retrolog.errors import disk_full
 from retrolog.runtime import modules
 from retrolog.runtime.values import DeferredJSON
-from retrolog.store.metadata import connect, rollback, storable_text
+from retrolog.store.metadata import storable_text
+from retrolog.store.records import (
+    RecordBatch,
+    RecordSink,
+    SinkBusy,
+    SinkFull,
+    SinkUnstorable,
+    SqliteRecordSink,
+)
 
 FLUSH_INTERVAL = 0.2  # seconds; the crash-loss window is about this long
 _MAX_BATCH = 20_000
@@ -54,26 +61,6 @@ _LATEST_SCAN = 256  # values looked at per drain to keep the progress bar's late
 FULL_RETRY = 1.0  # seconds between attempts while the store's disk is full
 FULL_CLOSE_WAIT = 3.0  # seconds the end of a run waits for space before giving up
 HELD_LIMIT = 1_000_000  # values (and, apart, other records) held in memory while full
-
-# loop_starts: (ctx_id, parent_ctx, name, iteration, value, depth, t_start)
-_INSERT_STARTS = (
-    "INSERT OR REPLACE INTO loops(run_id, ctx_id, parent_ctx, name, iteration, value, depth,"
-    " t_start) VALUES ({run}, ?, ?, ?, ?, ?, ?, ?)"
-)
-_UPDATE_ENDS = "UPDATE loops SET t_end = ? WHERE run_id = {run} AND ctx_id = ?"  # (t_end, ctx)
-# iterations: (ctx_id, seconds, block_seconds) of the top-level loop, for replay's cost model
-_INSERT_ITERATIONS = (
-    "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
-    " VALUES ({run}, 'iteration', ?, ?, ?)"
-)
-
-# Only float, int and str reach the values deque, so SQLite's typeof() names the type;
-# NULL there can only be a NaN float (SQLite stores NaN as NULL).
-_INSERT_VALUES = (
-    "INSERT INTO logs(run_id, ctx_id, name, value, value_type) VALUES ({run}, ?1, ?2, ?3,"
-    " CASE typeof(?3) WHEN 'real' THEN 'float' WHEN 'integer' THEN 'int'"
-    " WHEN 'text' THEN 'str' ELSE 'float' END)"
-)
 
 
 class Event(enum.Enum):
@@ -108,12 +95,7 @@ class Writer:
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="retrolog-writer", daemon=True)
-        self._conn: sqlite3.Connection | None = None
-        run = _sql_literal(run_id)
-        self._insert_values = _INSERT_VALUES.format(run=run)
-        self._insert_starts = _INSERT_STARTS.format(run=run)
-        self._update_ends = _UPDATE_ENDS.format(run=run)
-        self._insert_iterations = _INSERT_ITERATIONS.format(run=run)
+        self._sink: RecordSink | None = None
 
     def _queues(self) -> tuple[collections.deque[tuple[Any, ...]], ...]:
         """The deques in the order a batch takes them (loop starts last, see the module)."""
@@ -151,7 +133,7 @@ class Writer:
 
     def _main(self) -> None:
         try:
-            self._conn = connect(self.database)
+            self._sink = SqliteRecordSink(self.database)
             stop_deadline: float | None = None
             while True:
                 if self.full_error is None:
@@ -182,8 +164,8 @@ class Writer:
             self.failure = exc
             self._release_waiters()
         finally:
-            if self._conn is not None:
-                self._conn.close()
+            if self._sink is not None:
+                self._sink.close()
 
     def _drain(self) -> list[threading.Event]:
         # At most _MAX_BATCH values per transaction: when logging outpaces SQLite, the backlog
@@ -204,20 +186,18 @@ class Writer:
             try:
                 flushes = self._write(batch)
                 break
-            except (OverflowError, UnicodeEncodeError):
-                # An int beyond SQLite's 64 bits or text UTF-8 cannot hold (a lone surrogate),
-                # queued as is by log()'s hot path: store those as text, once per batch.
+            except SinkUnstorable:
+                # An int beyond 64 bits or text UTF-8 cannot hold (a lone surrogate), queued
+                # as is by log()'s hot path: store those as text, once per batch.
                 if cleaned:
                     raise
                 batch = _storable(batch)
                 cleaned = True
-            except sqlite3.OperationalError as exc:
-                if disk_full(exc):
-                    self._hold(batch, exc)
-                    return []
+            except SinkFull as exc:
+                self._hold(batch, exc)
+                return []
+            except SinkBusy:
                 # Another process holds the write lock past busy_timeout: keep the batch, retry.
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
                 self.lock_retries += 1
                 time.sleep(0.05)
         if self.full_error is not None:
@@ -273,25 +253,24 @@ class Writer:
             done.set()
 
     def _write(self, batch: _Batch) -> list[threading.Event]:
-        run_id = self.run_id
-        logs: list[tuple[Any, ...]] = []
-        checkpoints: list[tuple[Any, ...]] = []
-        profile: list[tuple[Any, ...]] = []
-        updates: list[dict[str, Any]] = []
+        records = RecordBatch(
+            loop_starts=batch.starts,
+            loop_ends=batch.ends,
+            iterations=batch.iterations,
+            values=batch.values,
+        )
         flushes: list[threading.Event] = []
-        module_sets: list[tuple[str, bytes]] = []
         for record in batch.events:
             head = record[0]
             if head is Event.LOG:
                 if type(record[3]) is DeferredJSON:  # an array copied at log time
                     record = (*record[:3], *record[3].encode(), *record[5:])
-                logs.append((run_id, *record[1:]))
+                records.logs.append(record[1:])
                 self.latest[record[2]] = record[3]
             elif head is Event.CHECKPOINT:
                 c = record[1]
-                checkpoints.append(
+                records.checkpoints.append(
                     (
-                        run_id,
                         c.ctx_id,
                         c.loop_name,
                         c.kind,
@@ -305,60 +284,19 @@ class Writer:
                     )
                 )
             elif head is Event.PROFILE:
-                profile.append((run_id, *record[1:]))
+                records.profile.append(record[1:])
             elif head is Event.RUN_UPDATE:
-                updates.append(record[1])
+                # A callable value is evaluated here, off the training thread.
+                records.run_updates.append(
+                    {k: v() if callable(v) else v for k, v in record[1].items()}
+                )
             elif head is Event.FLUSH:
                 flushes.append(record[1])
             elif head is Event.MODULES:
                 # Listed here, off the training thread (runtime/modules.py).
-                module_sets.append(modules.encode(modules.installed(record[1], record[2])))
-        conn = self._conn
-        assert conn is not None
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            # The starts first: this batch's ends and values may be in the loops they start.
-            if batch.starts:
-                conn.executemany(self._insert_starts, batch.starts)
-            if batch.ends:
-                conn.executemany(self._update_ends, batch.ends)
-            if batch.iterations:
-                conn.executemany(self._insert_iterations, batch.iterations)
-            if batch.values:
-                conn.executemany(self._insert_values, batch.values)
-            if logs:
-                conn.executemany(
-                    "INSERT INTO logs(run_id, ctx_id, name, value, value_type)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    logs,
-                )
-            if checkpoints:
-                conn.executemany(
-                    "INSERT INTO checkpoints(run_id, ctx_id, loop_name, kind, manifest, nbytes,"
-                    " capture_seconds, write_seconds, created_at, writer_cpu_seconds,"
-                    " frame_locals) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    checkpoints,
-                )
-            if profile:
-                conn.executemany(
-                    "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    profile,
-                )
-            for columns in updates:
-                assignments = ", ".join(f"{column} = ?" for column in columns)
-                # A callable value is evaluated here, off the training thread.
-                params = [v() if callable(v) else v for v in columns.values()]
-                conn.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?", (*params, run_id))
-            for digest, blob in module_sets:
-                conn.execute(
-                    "INSERT OR IGNORE INTO module_sets(digest, names) VALUES (?, ?)", (digest, blob)
-                )
-                conn.execute("UPDATE runs SET modules = ? WHERE run_id = ?", (digest, run_id))
-            conn.execute("COMMIT")
-        except BaseException:
-            rollback(conn)
-            raise
+                records.module_sets.append(modules.encode(modules.installed(record[1], record[2])))
+        assert self._sink is not None
+        self._sink.write(self.run_id, records)
         return flushes
 
     def _note_latest(self, values: list[tuple[Any, ...]]) -> None:
@@ -438,7 +376,3 @@ def _storable_field(field: Any) -> Any:
 def _say(message: str) -> None:
     # From the writer thread, straight to stderr: a warning raised here would reach no one.
     print(f"retrolog: {message}", file=sys.stderr, flush=True)
-
-
-def _sql_literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
