@@ -1,52 +1,115 @@
 """The record sink: what a recording run's writer thread commits, one batch at a time.
 
-These are the guarantees every metadata backend's sink must give (docs/metadata-
-backends.md); the embedded SQLite store's is the one built. A batch is written whole
-or not at all; values keep their exact type and bits (a NaN float reads back as
-NULL of value type float); what the database refuses, or another process holding
-it, is reported as the kind of failure the writer acts on.
+The guarantees every metadata backend's sink gives (docs/metadata-backends.md), on
+the embedded SQLite store and on the PostgreSQL server scripts/services.sh starts:
+a batch is written whole or not at all; values keep their exact type and bits (a
+NaN float reads back as NULL of value type float, on both); what the database
+refuses, or another process holding it, is the kind of failure the writer acts on.
 """
 
 from __future__ import annotations
 
 import math
 import sqlite3
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 
+from retrolog.store import postgres
 from retrolog.store.metadata import connect
 from retrolog.store.records import (
     RecordBatch,
+    RecordSink,
     SinkBusy,
     SinkUnstorable,
     SqliteRecordSink,
 )
 from retrolog.store.schema import migrate
 
-RUN = "run-'1"  # a quote in the id: the hot path's statements carry it as a literal
+RUN = "run-'1"  # a quote in the id: SQLite's hot-path statements carry it as a literal
+
+RUN_ROW = (
+    "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at, host, pid,"
+    " python, argv) VALUES ({p}, 'p', 't', 'train.py', 'running', 0, 'h', 1, '3.11', '[]')"
+)
 
 
-@pytest.fixture
-def database(tmp_path: Path) -> Path:
+@dataclass
+class Backend:
+    """A fresh store of one backend, and how a test reads it back."""
+
+    name: str
+    sink: Any  # () -> RecordSink
+    query: Any  # (sql) -> rows; ``VALUE`` in sql is the value column(s) as one value
+
+    def rows(self, sql: str) -> list[tuple[object, ...]]:
+        return [tuple(row) for row in self.query(sql)]
+
+
+def _sqlite(tmp_path: Path) -> Backend:
     path = tmp_path / "retrolog.db"
     conn = connect(path)
     migrate(conn)
-    conn.execute(
-        "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at, host, pid,"
-        " python, argv) VALUES (?, 'p', 't', 'train.py', 'running', 0, 'h', 1, '3.11', '[]')",
-        (RUN,),
-    )
+    conn.execute(RUN_ROW.format(p="?"), (RUN,))
     conn.close()
-    return path
+
+    def query(sql: str) -> list[Any]:
+        reader = sqlite3.connect(path)
+        try:
+            return reader.execute(sql.replace("VALUE", "value")).fetchall()
+        finally:
+            reader.close()
+
+    return Backend("sqlite", lambda: SqliteRecordSink(path), query)
 
 
-def rows(database: Path, sql: str) -> list[tuple[object, ...]]:
-    conn = sqlite3.connect(database)
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    if request.param == "sqlite":
+        yield _sqlite(tmp_path)
+        return
+    # A schema of its own per test, on the test server's database.
+    server = request.getfixturevalue("database_url")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    parts = urllib.parse.urlsplit(server)
+    url = urllib.parse.urlunsplit(
+        parts._replace(query="options=" + urllib.parse.quote(f"-c search_path={schema}"))
+    )
+    conn = postgres.connect(url)
+    postgres.migrate(conn)
+    conn.execute(RUN_ROW.format(p="%s"), (RUN,))
+    conn.close()
+
+    def query(sql: str) -> list[Any]:
+        # A value is in the column its type picks; read back as the one that is set.
+        columns = [c.strip() for c in sql.split("SELECT", 1)[1].split("FROM", 1)[0].split(",")]
+        at = columns.index("VALUE") if "VALUE" in columns else None
+        with psycopg.connect(url) as reader:
+            found = reader.execute(
+                sql.replace("VALUE", "value_float, value_int, value_text")
+            ).fetchall()
+        if at is None:
+            return found
+        merged = []
+        for row in found:
+            f, i, t = row[at : at + 3]
+            one = f if f is not None else i if i is not None else t
+            merged.append((*row[:at], one, *row[at + 3 :]))
+        return merged
+
     try:
-        return conn.execute(sql).fetchall()
+        yield Backend("postgresql", lambda: postgres.PostgresRecordSink(url), query)
     finally:
-        conn.close()
+        with psycopg.connect(server, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
 def a_batch() -> RecordBatch:
@@ -59,9 +122,9 @@ def a_batch() -> RecordBatch:
             (1, "nan", math.nan),
             (1, "inf", -math.inf),
             (1, "big", 2**63 - 1),
-            (1, "word", "é\n'x"),
+            (1, "word", "é\n'x\t\\"),
         ],
-        logs=[(None, "flag", 1, "bool"), (0, "arr", "[1, 2]", "json")],
+        logs=[(None, "flag", 1, "bool"), (0, "arr", "[1, 2]", "json"), (0, "none", None, "none")],
         checkpoints=[(0, "epoch", "block", "m/1", 10, 0.1, 0.2, 3.0, 0.05, b"\x00locals")],
         profile=[("start", None, 0.5, None)],
         run_updates=[{"status": "finished", "ended_at": 9.0}],
@@ -69,61 +132,82 @@ def a_batch() -> RecordBatch:
     )
 
 
-def test_a_batch_lands_whole_with_each_value_exact(database: Path) -> None:
-    sink = SqliteRecordSink(database)
-    sink.write(RUN, a_batch())
-    sink.close()
+def written(sink: RecordSink, *batches: RecordBatch) -> None:
+    try:
+        for batch in batches:
+            sink.write(RUN, batch)
+    finally:
+        sink.close()
+
+
+def test_a_batch_lands_whole_with_each_value_exact(backend: Backend) -> None:
+    written(backend.sink(), a_batch())
     logged = {
         name: (value, kind)
-        for name, value, kind in rows(database, "SELECT name, value, value_type FROM logs")
+        for name, value, kind in backend.rows("SELECT name, VALUE, value_type FROM logs")
     }
     assert logged == {
         "loss": (0.1 + 0.2, "float"),
         "nan": (None, "float"),
         "inf": (-math.inf, "float"),
         "big": (2**63 - 1, "int"),
-        "word": ("é\n'x", "str"),
+        "word": ("é\n'x\t\\", "str"),
         "flag": (1, "bool"),
         "arr": ("[1, 2]", "json"),
+        "none": (None, "none"),
     }
-    assert rows(database, "SELECT ctx_id, parent_ctx, name, value, t_end FROM loops") == [
-        (0, None, "epoch", 0, None),
-        (1, 0, "step", "a", 2.0),
-    ]
-    assert rows(database, "SELECT manifest, frame_locals FROM checkpoints") == [
+    assert backend.rows(
+        "SELECT ctx_id, parent_ctx, name, VALUE, t_end FROM loops ORDER BY ctx_id"
+    ) == [(0, None, "epoch", 0, None), (1, 0, "step", "a", 2.0)]
+    assert backend.rows("SELECT manifest, frame_locals FROM checkpoints") == [
         ("m/1", b"\x00locals")
     ]
-    assert rows(database, "SELECT phase, ctx_id FROM profile ORDER BY phase") == [
+    assert backend.rows("SELECT phase, ctx_id FROM profile ORDER BY phase") == [
         ("iteration", 0),
         ("start", None),
     ]
-    assert rows(database, "SELECT status, ended_at, modules FROM runs") == [
+    assert backend.rows("SELECT status, ended_at, modules FROM runs") == [
         ("finished", 9.0, "digest-1")
     ]
-    assert rows(database, "SELECT digest FROM module_sets") == [("digest-1",)]
+    assert backend.rows("SELECT digest FROM module_sets") == [("digest-1",)]
 
 
-def test_a_value_the_database_cannot_take_writes_nothing_of_its_batch(database: Path) -> None:
-    sink = SqliteRecordSink(database)
-    batch = a_batch()
-    batch.values.append((1, "huge", 2**70))  # beyond 64 bits
-    with pytest.raises(SinkUnstorable):
-        sink.write(RUN, batch)
-    assert rows(database, "SELECT COUNT(*) FROM logs") == [(0,)]
-    assert rows(database, "SELECT COUNT(*) FROM loops") == [(0,)]
-    # The same sink writes the next batch.
-    sink.write(RUN, a_batch())
-    sink.close()
-    assert rows(database, "SELECT COUNT(*) FROM logs") == [(7,)]
+def test_a_loop_started_again_replaces_its_row(backend: Backend) -> None:
+    # A batch retried after a failure writes its loop starts again.
+    again = RecordBatch(loop_starts=[(1, 0, "step", 0, 2.5, 1, 1.6)])
+    written(backend.sink(), a_batch(), again)
+    assert backend.rows("SELECT ctx_id, VALUE, t_start, t_end FROM loops ORDER BY ctx_id") == [
+        (0, 0, 1.0, None),
+        (1, 2.5, 1.6, None),
+    ]
 
 
-def test_another_process_holding_the_database_is_busy_not_a_failure(
-    database: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("bad", [2**70, "lone \udfff surrogate"])
+def test_a_value_the_database_cannot_take_writes_nothing_of_its_batch(
+    backend: Backend, bad: object
 ) -> None:
+    sink = backend.sink()
+    batch = a_batch()
+    batch.values.append((1, "bad", bad))
+    try:
+        with pytest.raises(SinkUnstorable):
+            sink.write(RUN, batch)
+        assert backend.rows("SELECT COUNT(*) FROM logs") == [(0,)]
+        assert backend.rows("SELECT COUNT(*) FROM loops") == [(0,)]
+        sink.write(RUN, a_batch())  # the same sink writes the next batch
+    finally:
+        sink.close()
+    assert backend.rows("SELECT COUNT(*) FROM logs") == [(8,)]
+
+
+def test_another_process_holding_sqlite_is_busy_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = _sqlite(tmp_path)
     monkeypatch.setattr("retrolog.store.metadata.BUSY_TIMEOUT_MS", 200)
-    holder = sqlite3.connect(database, isolation_level=None)
+    holder = sqlite3.connect(tmp_path / "retrolog.db", isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
-    sink = SqliteRecordSink(database)
+    sink = backend.sink()
     try:
         with pytest.raises(SinkBusy):
             sink.write(RUN, a_batch())
@@ -132,4 +216,4 @@ def test_another_process_holding_the_database_is_busy_not_a_failure(
     finally:
         sink.close()
         holder.close()
-    assert rows(database, "SELECT COUNT(*) FROM logs") == [(7,)]
+    assert backend.rows("SELECT COUNT(*) FROM logs") == [(8,)]

@@ -1,0 +1,372 @@
+"""PostgreSQL metadata, for a team's shared store: the schema and the record sink.
+
+Stage 2 of docs/metadata-backends.md, in progress: what exists is the schema (the
+SQLite store's schema version 9 in PostgreSQL's types) and the sink a recording
+run's writer thread commits its batches through. Nothing selects this backend yet:
+``database_url`` is not a setting until runs, queries and replays work on it.
+
+psycopg 3 is imported only here, and only when a PostgreSQL store is opened; the
+core does not need it.
+
+Values. SQLite's ``value`` columns hold a float, an int or a str as it is; here a
+value goes to ``value_float`` (double precision), ``value_int`` (bigint) or
+``value_text``, by its Python type, with ``value_type`` as on SQLite. A NaN float
+is stored as NULL, as SQLite stores it, so both backends give NaN the same meaning
+(PostgreSQL would keep it, and there ``'NaN' = 'NaN'`` is true).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from retrolog.errors import StoreError
+from retrolog.store.records import (
+    RecordBatch,
+    RecordSink,
+    SinkBusy,
+    SinkFull,
+    SinkUnstorable,
+)
+
+# The version SQLite's store/schema.py reaches with the same tables; a later migration
+# is added to both, with the same number.
+SCHEMA_VERSION = 9
+
+# One advisory lock key for migrations: two processes opening a new database at once
+# must not both create it (SQLite's BEGIN IMMEDIATE does this there).
+_MIGRATION_LOCK = 0x7265_7472_6F6C_6F67 & 0x7FFF_FFFF_FFFF_FFFF  # "retrolog"
+
+SCHEMA = """
+CREATE TABLE runs (
+    run_key       bigint GENERATED ALWAYS AS IDENTITY UNIQUE,
+    run_id        text PRIMARY KEY,
+    projid        text NOT NULL,
+    tstamp        text NOT NULL,
+    filename      text NOT NULL,
+    status        text NOT NULL,
+    started_at    double precision NOT NULL,
+    ended_at      double precision,
+    error         text,
+    host          text NOT NULL,
+    pid           bigint NOT NULL,
+    pid_start     text,
+    python        text NOT NULL,
+    packages      text,
+    argv          text NOT NULL,
+    args          text NOT NULL DEFAULT '{}',
+    code_ref      text,
+    code_commit   text,
+    code_tree     text,
+    head_commit   text,
+    git_dir       text,
+    dirty         bigint,
+    skipped_files text,
+    cwd           text,
+    checkpointing text,
+    numerics      text,
+    parsed_args   text,
+    modules       text,
+    code_manifest text
+);
+CREATE INDEX runs_by_status ON runs(status);
+CREATE INDEX runs_by_code_manifest ON runs(code_manifest) WHERE code_manifest IS NOT NULL;
+
+CREATE TABLE loops (
+    run_id      text NOT NULL,
+    ctx_id      bigint NOT NULL,
+    parent_ctx  bigint,
+    name        text NOT NULL,
+    iteration   bigint NOT NULL,
+    value_float double precision,
+    value_int   bigint,
+    value_text  text,
+    depth       bigint NOT NULL,
+    t_start     double precision NOT NULL,
+    t_end       double precision,
+    PRIMARY KEY (run_id, ctx_id)
+);
+
+CREATE TABLE logs (
+    log_id      bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    run_id      text NOT NULL,
+    ctx_id      bigint,
+    name        text NOT NULL,
+    value_float double precision,
+    value_int   bigint,
+    value_text  text,
+    value_type  text NOT NULL,
+    origin      text NOT NULL DEFAULT 'recorded',
+    replay_id   text,
+    code_object text,
+    checkpoint  text,
+    inexact     text,
+    lineage     text,
+    reused_from text
+);
+CREATE INDEX logs_by_name ON logs(name, run_id, ctx_id);
+CREATE INDEX logs_by_run ON logs(run_id);
+CREATE INDEX logs_inexact ON logs(name, run_id, ctx_id) WHERE inexact IS NOT NULL;
+
+CREATE TABLE checkpoints (
+    checkpoint_id      bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    run_id             text NOT NULL,
+    ctx_id             bigint,
+    loop_name          text NOT NULL,
+    kind               text NOT NULL,
+    manifest           text NOT NULL,
+    nbytes             bigint NOT NULL,
+    capture_seconds    double precision NOT NULL,
+    write_seconds      double precision NOT NULL,
+    created_at         double precision NOT NULL,
+    writer_cpu_seconds double precision,
+    frame_locals       bytea
+);
+CREATE INDEX checkpoints_by_run ON checkpoints(run_id, ctx_id);
+
+CREATE TABLE profile (
+    run_id        text NOT NULL,
+    phase         text NOT NULL,
+    ctx_id        bigint,
+    seconds       double precision NOT NULL,
+    block_seconds double precision
+);
+CREATE INDEX profile_by_run ON profile(run_id, phase);
+
+CREATE TABLE replays (
+    replay_id        text PRIMARY KEY,
+    started_at       double precision NOT NULL,
+    ended_at         double precision,
+    names            text NOT NULL,
+    where_sql        text,
+    filename         text NOT NULL,
+    workers          bigint NOT NULL,
+    status           text NOT NULL,
+    estimate_seconds double precision,
+    kind             text NOT NULL DEFAULT 'backfill',
+    executor         text,
+    executor_address text
+);
+
+CREATE TABLE replay_runs (
+    replay_id        text NOT NULL,
+    run_id           text NOT NULL,
+    scan             text NOT NULL,
+    code_object      text,
+    status           text NOT NULL,
+    estimate_seconds double precision,
+    actual_seconds   double precision,
+    backfilled       bigint NOT NULL DEFAULT 0,
+    mismatches       text,
+    error            text,
+    restored         bigint,
+    restore_seconds  double precision,
+    compared         bigint,
+    inexact          text,
+    environment      text,
+    hosts            text,
+    PRIMARY KEY (replay_id, run_id)
+);
+
+CREATE TABLE definitions (
+    lineage      text PRIMARY KEY,
+    name         text NOT NULL,
+    text         text NOT NULL,
+    dependencies text NOT NULL DEFAULT '[]',
+    coarse       text,
+    first_seen   double precision NOT NULL,
+    first_run    text,
+    first_replay text
+);
+
+CREATE TABLE run_definitions (
+    run_id  text NOT NULL,
+    name    text NOT NULL,
+    lineage text NOT NULL,
+    PRIMARY KEY (run_id, name)
+);
+
+CREATE VIEW value_lineage AS
+    SELECT l.log_id, l.run_id, l.ctx_id, l.name, l.origin, l.replay_id,
+           COALESCE(l.lineage, r.lineage) AS lineage
+    FROM logs l LEFT JOIN run_definitions r
+      ON l.origin = 'recorded' AND r.run_id = l.run_id AND r.name = l.name;
+
+CREATE TABLE module_sets (
+    digest       text PRIMARY KEY,
+    names        bytea NOT NULL,
+    warm_seconds double precision
+)
+"""
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError as exc:
+        raise StoreError(
+            "A PostgreSQL store needs psycopg 3, which is not installed in this environment; "
+            "install it: pip install 'psycopg[binary]'."
+        ) from exc
+    return psycopg
+
+
+def connect(url: str) -> Any:
+    """A psycopg connection to ``url`` (autocommit: transactions are explicit)."""
+    psycopg = _psycopg()
+    from retrolog._config import mask
+
+    try:
+        return psycopg.connect(url, autocommit=True, connect_timeout=30)
+    except psycopg.OperationalError as exc:
+        raise StoreError(
+            f"Cannot reach the PostgreSQL store at {mask(url)}: {str(exc).strip()}. Check "
+            "that the server runs and the URL's host, port, database and user are right "
+            "(a password can come from ~/.pgpass or PGPASSWORD instead of the URL)."
+        ) from exc
+
+
+def migrate(conn: Any) -> int:
+    """Bring the database to :data:`SCHEMA_VERSION`; returns the version.
+
+    A new database gets the whole schema in one transaction, under an advisory lock
+    that a second process opening it at the same time waits for.
+    """
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS migrations("
+            "version bigint PRIMARY KEY, name text NOT NULL, applied_at text NOT NULL)"
+        )
+        (newest,) = conn.execute("SELECT COALESCE(MAX(version), 0) FROM migrations").fetchone()
+        if newest > SCHEMA_VERSION:
+            raise StoreError(
+                f"The PostgreSQL store was written by a newer retrolog (schema version "
+                f"{newest}, this one knows {SCHEMA_VERSION}); upgrade retrolog "
+                "(pip install -U retrolog) to use it."
+            )
+        if newest == 0:
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(
+                "INSERT INTO migrations(version, name, applied_at) VALUES (%s, %s, %s)",
+                (
+                    SCHEMA_VERSION,
+                    "the schema of SQLite's version 9, in PostgreSQL's types",
+                    time.strftime("%Y-%m-%dT%H:%M:%S"),
+                ),
+            )
+    return SCHEMA_VERSION
+
+
+def typed(value: Any) -> tuple[float | None, int | None, str | None]:
+    """``value`` (a float, int, str or None) as (value_float, value_int, value_text)."""
+    t = type(value)
+    if t is float:
+        return (None if math.isnan(value) else value), None, None
+    if t is int or t is bool:
+        return None, int(value), None
+    if value is None:
+        return None, None, None
+    return None, None, str(value)
+
+
+_VALUE_TYPE = {float: "float", int: "int", str: "str"}
+
+
+class PostgresRecordSink(RecordSink):
+    """A recording run's batches into PostgreSQL: one transaction per batch.
+
+    Values go in with COPY, the fastest way into PostgreSQL; their columns and types
+    are chosen here, on the writer thread, never on the training thread.
+    """
+
+    def __init__(self, url: str) -> None:
+        self._psycopg = _psycopg()
+        self._conn = connect(url)
+
+    def write(self, run_id: str, batch: RecordBatch) -> None:
+        errors = self._psycopg.errors
+        try:
+            self._write(run_id, batch)
+        except (UnicodeEncodeError, OverflowError, errors.NumericValueOutOfRange) as exc:
+            raise SinkUnstorable(str(exc)) from exc
+        except errors.DataError as exc:
+            if "out of range" in str(exc) or "invalid byte sequence" in str(exc):
+                raise SinkUnstorable(str(exc)) from exc
+            raise
+        except (errors.DiskFull, errors.OutOfMemory) as exc:
+            raise SinkFull(str(exc)) from exc
+        except (errors.LockNotAvailable, errors.DeadlockDetected) as exc:
+            raise SinkBusy(str(exc)) from exc
+
+    def _write(self, run_id: str, batch: RecordBatch) -> None:
+        conn = self._conn
+        with conn.transaction():
+            cur = conn.cursor()
+            if batch.loop_starts:
+                cur.executemany(
+                    "INSERT INTO loops(run_id, ctx_id, parent_ctx, name, iteration, value_float,"
+                    " value_int, value_text, depth, t_start)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                    " ON CONFLICT (run_id, ctx_id) DO UPDATE SET parent_ctx = EXCLUDED.parent_ctx,"
+                    " name = EXCLUDED.name, iteration = EXCLUDED.iteration,"
+                    " value_float = EXCLUDED.value_float, value_int = EXCLUDED.value_int,"
+                    " value_text = EXCLUDED.value_text, depth = EXCLUDED.depth,"
+                    " t_start = EXCLUDED.t_start, t_end = NULL",
+                    [
+                        (run_id, ctx, parent, name, iteration, *typed(value), depth, t_start)
+                        for ctx, parent, name, iteration, value, depth, t_start in batch.loop_starts
+                    ],
+                )
+            if batch.loop_ends:
+                cur.executemany(
+                    "UPDATE loops SET t_end = %s WHERE run_id = %s AND ctx_id = %s",
+                    [(t_end, run_id, ctx) for t_end, ctx in batch.loop_ends],
+                )
+            if batch.iterations:
+                cur.executemany(
+                    "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
+                    " VALUES (%s, 'iteration', %s, %s, %s)",
+                    [(run_id, *row) for row in batch.iterations],
+                )
+            if batch.values or batch.logs:
+                with cur.copy(
+                    "COPY logs (run_id, ctx_id, name, value_float, value_int, value_text,"
+                    " value_type) FROM STDIN"
+                ) as copy:
+                    for ctx, name, value in batch.values:
+                        copy.write_row((run_id, ctx, name, *typed(value), _VALUE_TYPE[type(value)]))
+                    for ctx, name, value, kind in batch.logs:
+                        copy.write_row((run_id, ctx, name, *typed(value), kind))
+            if batch.checkpoints:
+                cur.executemany(
+                    "INSERT INTO checkpoints(run_id, ctx_id, loop_name, kind, manifest, nbytes,"
+                    " capture_seconds, write_seconds, created_at, writer_cpu_seconds,"
+                    " frame_locals) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    [(run_id, *row) for row in batch.checkpoints],
+                )
+            if batch.profile:
+                cur.executemany(
+                    "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
+                    " VALUES (%s, %s, %s, %s, %s)",
+                    [(run_id, *row) for row in batch.profile],
+                )
+            for columns in batch.run_updates:
+                assignments = ", ".join(f"{column} = %s" for column in columns)
+                cur.execute(
+                    f"UPDATE runs SET {assignments} WHERE run_id = %s",
+                    (*columns.values(), run_id),
+                )
+            for digest, blob in batch.module_sets:
+                cur.execute(
+                    "INSERT INTO module_sets(digest, names) VALUES (%s, %s)"
+                    " ON CONFLICT (digest) DO NOTHING",
+                    (digest, blob),
+                )
+                cur.execute("UPDATE runs SET modules = %s WHERE run_id = %s", (digest, run_id))
+
+    def close(self) -> None:
+        self._conn.close()
