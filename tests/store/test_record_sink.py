@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -217,3 +218,62 @@ def test_another_process_holding_sqlite_is_busy_not_a_failure(
         sink.close()
         holder.close()
     assert backend.rows("SELECT COUNT(*) FROM logs") == [(8,)]
+
+
+def test_a_postgresql_server_that_goes_away_loses_no_value(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The writer holds what the server did not take and writes it once it answers."""
+    from retrolog.runtime.writer import Writer
+
+    schema, name = f"t_{uuid.uuid4().hex[:12]}", f"retrolog-test-{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    parts = urllib.parse.urlsplit(database_url)
+    url = urllib.parse.urlunsplit(
+        parts._replace(
+            query="options="
+            + urllib.parse.quote(f"-c search_path={schema}")
+            + f"&application_name={name}"
+        )
+    )
+    conn = postgres.connect(url)
+    postgres.migrate(conn)
+    conn.close()
+    writer = Writer(
+        Path("unused.db"), RUN, interval=0.05, sink=lambda: postgres.PostgresRecordSink(url)
+    )
+    writer.start()
+    try:
+        writer.loop_starts.append((0, None, "epoch", 0, None, 0, 0.0))
+        writer.values.extend((0, "x", float(i)) for i in range(1000))
+        assert writer.flush(10)
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            (ended,) = admin.execute(
+                "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = %s",
+                (name,),
+            ).fetchone()
+        assert ended == 1  # the writer's connection, ended by the server
+        writer.values.extend((0, "x", float(i)) for i in range(1000, 2000))
+        writer._wake.set()
+        deadline = time.monotonic() + 20
+        landed = 0
+        while time.monotonic() < deadline:
+            with psycopg.connect(url) as reader:
+                (landed,) = reader.execute("SELECT COUNT(*) FROM logs").fetchone()
+            if landed == 2000 and writer.full_error is None:
+                break
+            time.sleep(0.2)
+    finally:
+        writer.close(30)
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            rows = admin.execute(
+                f"SELECT value_float FROM {schema}.logs ORDER BY value_float"
+            ).fetchall()
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+    assert writer.failure is None
+    assert [r[0] for r in rows] == [float(i) for i in range(2000)]  # each once, none lost
+    err = capsys.readouterr().err
+    assert "cannot reach the store" in err and "the store answers again" in err
+    assert "nothing was lost" in err

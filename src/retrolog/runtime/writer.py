@@ -40,6 +40,7 @@ import itertools
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from retrolog.store.records import (
     RecordSink,
     SinkBusy,
     SinkFull,
+    SinkUnavailable,
     SinkUnstorable,
     SqliteRecordSink,
 )
@@ -77,7 +79,13 @@ class Event(enum.Enum):
 class Writer:
     """Drains a run's deques into the store from a daemon thread."""
 
-    def __init__(self, database: Path, run_id: str, interval: float = FLUSH_INTERVAL) -> None:
+    def __init__(
+        self,
+        database: Path,
+        run_id: str,
+        interval: float = FLUSH_INTERVAL,
+        sink: Callable[[], RecordSink] | None = None,
+    ) -> None:
         self.database = database
         self.run_id = run_id
         self.interval = interval
@@ -96,6 +104,9 @@ class Writer:
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="retrolog-writer", daemon=True)
         self._sink: RecordSink | None = None
+        # Made on the writer thread: a connection belongs to the thread that uses it.
+        self._make_sink = sink or (lambda: SqliteRecordSink(database))
+        self._unreachable = False  # what is held is held because the store did not answer
 
     def _queues(self) -> tuple[collections.deque[tuple[Any, ...]], ...]:
         """The deques in the order a batch takes them (loop starts last, see the module)."""
@@ -133,7 +144,7 @@ class Writer:
 
     def _main(self) -> None:
         try:
-            self._sink = SqliteRecordSink(self.database)
+            self._sink = self._make_sink()
             stop_deadline: float | None = None
             while True:
                 if self.full_error is None:
@@ -193,7 +204,7 @@ class Writer:
                     raise
                 batch = _storable(batch)
                 cleaned = True
-            except SinkFull as exc:
+            except (SinkFull, SinkUnavailable) as exc:
                 self._hold(batch, exc)
                 return []
             except SinkBusy:
@@ -209,7 +220,11 @@ class Writer:
                 else "; nothing was lost"
             )
             run = self.run_id
-            _say(f"the store's disk has space again: run {run}'s records are written{dropped}.")
+            if self._unreachable:
+                _say(f"the store answers again: run {run}'s records are written{dropped}.")
+            else:
+                _say(f"the store's disk has space again: run {run}'s records are written{dropped}.")
+            self._unreachable = False
         self._note_latest(batch.values)
         return flushes
 
@@ -224,7 +239,15 @@ class Writer:
                     record[1].set()
                 else:
                     self.dropped += 1
-        if self.full_error is None:
+        if self.full_error is None and isinstance(exc, SinkUnavailable):
+            self.full_error = str(exc)
+            self._unreachable = True
+            _say(
+                f"cannot reach the store ({exc}). Training goes on: run {self.run_id}'s "
+                f"records are held in memory (up to {HELD_LIMIT:,} values) and written as "
+                "soon as it answers again, or lost when the script ends before it does."
+            )
+        elif self.full_error is None:
             self.full_error = str(exc)
             _say(
                 f"the disk holding the store {self.database} is full ({exc}). Training goes "
@@ -234,19 +257,29 @@ class Writer:
             )
 
     def _give_up(self) -> None:
-        """The run ends and the disk is still full: say what is not written, then stop."""
+        """The run ends and the store is still full or unreachable: say what is not written."""
         flushes = [r[1] for r in self.events if r[0] is Event.FLUSH]
         other = sum(len(q) for q in self._queues()) - len(self.values) - len(flushes)
         self.unwritten = (len(self.values), other)
         n_values, n_other = self.unwritten
-        _say(
-            f"run {self.run_id} ended with {n_values} value(s) and {n_other} other record(s) "
-            f"not written: the disk holding {self.database} is still full ({self.full_error})"
-            + (f", and {self.dropped} more were dropped while it was" if self.dropped else "")
-            + ". What was written before it filled is intact; the run will be listed as "
-            "crashed, since its end could not be recorded either. Free space on that disk "
-            "before the next run."
-        )
+        if self._unreachable:
+            _say(
+                f"run {self.run_id} ended with {n_values} value(s) and {n_other} other "
+                f"record(s) not written: the store could not be reached ({self.full_error})"
+                + (f", and {self.dropped} more were dropped meanwhile" if self.dropped else "")
+                + ". What was written before is intact; the run will be listed as crashed, "
+                "since its end could not be recorded either."
+            )
+        else:
+            _say(
+                f"run {self.run_id} ended with {n_values} value(s) and {n_other} other "
+                f"record(s) not written: the disk holding {self.database} is still full "
+                f"({self.full_error})"
+                + (f", and {self.dropped} more were dropped while it was" if self.dropped else "")
+                + ". What was written before it filled is intact; the run will be listed as "
+                "crashed, since its end could not be recorded either. Free space on that disk "
+                "before the next run."
+            )
         for queue in self._queues():
             queue.clear()
         for done in flushes:

@@ -27,6 +27,7 @@ from retrolog.store.records import (
     RecordSink,
     SinkBusy,
     SinkFull,
+    SinkUnavailable,
     SinkUnstorable,
 )
 
@@ -285,10 +286,16 @@ class PostgresRecordSink(RecordSink):
 
     def __init__(self, url: str) -> None:
         self._psycopg = _psycopg()
-        self._conn = connect(url)
+        self._url = url
+        self._conn: Any = connect(url)
 
     def write(self, run_id: str, batch: RecordBatch) -> None:
         errors = self._psycopg.errors
+        if self._conn is None or self._conn.closed:
+            try:
+                self._conn = connect(self._url)
+            except StoreError as exc:
+                raise SinkUnavailable(str(exc)) from exc
         try:
             self._write(run_id, batch)
         except (UnicodeEncodeError, OverflowError, errors.NumericValueOutOfRange) as exc:
@@ -301,6 +308,14 @@ class PostgresRecordSink(RecordSink):
             raise SinkFull(str(exc)) from exc
         except (errors.LockNotAvailable, errors.DeadlockDetected) as exc:
             raise SinkBusy(str(exc)) from exc
+        except self._psycopg.OperationalError as exc:
+            # The server went away (restarted, the network dropped, the connection was
+            # ended): connect again on the next write. A batch whose COMMIT was sent but
+            # not answered may then be written twice; that case is not detected yet.
+            if not self._conn.closed and not self._conn.broken:
+                raise
+            self._conn.close()
+            raise SinkUnavailable(str(exc).strip()) from exc
 
     def _write(self, run_id: str, batch: RecordBatch) -> None:
         conn = self._conn
@@ -369,4 +384,5 @@ class PostgresRecordSink(RecordSink):
                 cur.execute("UPDATE runs SET modules = %s WHERE run_id = %s", (digest, run_id))
 
     def close(self) -> None:
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()

@@ -6,7 +6,8 @@ writer thread (runtime/writer.py) hands :meth:`RecordSink.write` one
 writer keeps the policy (when to write, what to hold while the disk is full, when
 to retry); the sink holds the SQL and says what went wrong in terms the writer acts
 on: :class:`SinkBusy` (another process holds the database: retry),
-:class:`SinkFull` (out of space: hold the batch) and :class:`SinkUnstorable` (a
+:class:`SinkFull` (out of space) and :class:`SinkUnavailable` (a server that cannot
+be reached): hold the batch; and :class:`SinkUnstorable` (a
 value the database cannot take as it is: an int beyond 64 bits, text that is not
 UTF-8). :class:`SqliteRecordSink` is the embedded store's.
 """
@@ -56,6 +57,13 @@ class SinkBusy(Exception):
 
 class SinkFull(Exception):
     """The database's disk (or quota) is full: the batch was not written."""
+
+
+class SinkUnavailable(Exception):
+    """The database cannot be reached (a server that went away): the batch was not written.
+
+    The sink connects again on the next write.
+    """
 
 
 class SinkUnstorable(Exception):
