@@ -325,14 +325,21 @@ S3_HINT = (
 )
 
 
-def s3_endpoint() -> str:
-    """The test S3 server's endpoint: RETROLOG_TEST_S3_ENDPOINT, else .services/env's."""
-    endpoint = os.environ.get("RETROLOG_TEST_S3_ENDPOINT", "").strip()
-    if not endpoint and SERVICES_ENV.exists():
+def service_setting(variable: str) -> str:
+    """``variable`` from the environment, else from .services/env (scripts/services.sh
+    writes it), else ''."""
+    found = os.environ.get(variable, "").strip()
+    if not found and SERVICES_ENV.exists():
         for line in SERVICES_ENV.read_text().splitlines():
             name, _, value = line.partition("=")
-            if name == "RETROLOG_TEST_S3_ENDPOINT":
-                endpoint = value.strip()
+            if name == variable:
+                found = value.strip()
+    return found
+
+
+def s3_endpoint() -> str:
+    """The test S3 server's endpoint: RETROLOG_TEST_S3_ENDPOINT, else .services/env's."""
+    endpoint = service_setting("RETROLOG_TEST_S3_ENDPOINT")
     if not endpoint:
         pytest.fail(S3_HINT, pytrace=False)
     return endpoint
@@ -379,12 +386,7 @@ def ray_address() -> str:
     Fails, never skips, when there is none or nothing answers there."""
     import socket
 
-    address = os.environ.get("RETROLOG_TEST_RAY_ADDRESS", "").strip()
-    if not address and SERVICES_ENV.exists():
-        for line in SERVICES_ENV.read_text().splitlines():
-            name, _, value = line.partition("=")
-            if name == "RETROLOG_TEST_RAY_ADDRESS":
-                address = value.strip()
+    address = service_setting("RETROLOG_TEST_RAY_ADDRESS")
     if not address:
         pytest.fail(RAY_HINT, pytrace=False)
     host, _, port = address.rpartition(":")
@@ -414,12 +416,7 @@ DATABASE_HINT = (
 def database_url() -> str:
     """The test PostgreSQL database's URL (with its password): RETROLOG_TEST_DATABASE_URL,
     else .services/env's. Fails, never skips, when there is none."""
-    url = os.environ.get("RETROLOG_TEST_DATABASE_URL", "").strip()
-    if not url and SERVICES_ENV.exists():
-        for line in SERVICES_ENV.read_text().splitlines():
-            name, _, value = line.partition("=")
-            if name == "RETROLOG_TEST_DATABASE_URL":
-                url = value.strip()
+    url = service_setting("RETROLOG_TEST_DATABASE_URL")
     if not url:
         pytest.fail(DATABASE_HINT, pytrace=False)
     return url
