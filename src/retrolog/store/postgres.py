@@ -23,12 +23,16 @@ from typing import Any
 
 from retrolog.errors import StoreError
 from retrolog.store.records import (
+    CHECKPOINT_COLUMNS,
+    PROFILE_COLUMNS,
     RecordBatch,
     RecordSink,
     SinkBusy,
     SinkFull,
     SinkUnavailable,
     SinkUnstorable,
+    insert_sql,
+    with_run,
 )
 
 # The version SQLite's store/schema.py reaches with the same tables; a later migration
@@ -345,7 +349,7 @@ class PostgresRecordSink(RecordSink):
                 cur.executemany(
                     "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
                     " VALUES (%s, 'iteration', %s, %s, %s)",
-                    [(run_id, *row) for row in batch.iterations],
+                    with_run(run_id, batch.iterations),
                 )
             if batch.values or batch.logs:
                 with cur.copy(
@@ -358,16 +362,12 @@ class PostgresRecordSink(RecordSink):
                         copy.write_row((run_id, ctx, name, *typed(value), kind))
             if batch.checkpoints:
                 cur.executemany(
-                    "INSERT INTO checkpoints(run_id, ctx_id, loop_name, kind, manifest, nbytes,"
-                    " capture_seconds, write_seconds, created_at, writer_cpu_seconds,"
-                    " frame_locals) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    [(run_id, *row) for row in batch.checkpoints],
+                    insert_sql("checkpoints", CHECKPOINT_COLUMNS, "%s"),
+                    with_run(run_id, batch.checkpoints),
                 )
             if batch.profile:
                 cur.executemany(
-                    "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
-                    " VALUES (%s, %s, %s, %s, %s)",
-                    [(run_id, *row) for row in batch.profile],
+                    insert_sql("profile", PROFILE_COLUMNS, "%s"), with_run(run_id, batch.profile)
                 )
             for columns in batch.run_updates:
                 assignments = ", ".join(f"{column} = %s" for column in columns)

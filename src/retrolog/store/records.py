@@ -51,6 +51,27 @@ class RecordBatch:
     module_sets: list[tuple[str, bytes]] = field(default_factory=list)  # (digest, names)
 
 
+# The columns of the rows a batch carries for these tables, after run_id, in RecordBatch's
+# field order; every sink inserts them in this order, whatever its SQL dialect.
+CHECKPOINT_COLUMNS = (
+    "ctx_id", "loop_name", "kind", "manifest", "nbytes", "capture_seconds", "write_seconds",
+    "created_at", "writer_cpu_seconds", "frame_locals",
+)  # fmt: skip
+PROFILE_COLUMNS = ("phase", "ctx_id", "seconds", "block_seconds")
+
+
+def insert_sql(table: str, columns: tuple[str, ...], placeholder: str) -> str:
+    """``INSERT INTO table(run_id, columns...) VALUES (...)`` with the dialect's placeholder."""
+    names = ", ".join(("run_id", *columns))
+    marks = ", ".join([placeholder] * (len(columns) + 1))
+    return f"INSERT INTO {table}({names}) VALUES ({marks})"
+
+
+def with_run(run_id: str, rows: list[Row]) -> list[Row]:
+    """``rows`` with the run id in front of each, as the INSERTs above take them."""
+    return [(run_id, *row) for row in rows]
+
+
 class SinkBusy(Exception):
     """Another process held the database longer than the sink waits: retry the batch."""
 
@@ -152,22 +173,17 @@ class SqliteRecordSink(RecordSink):
                 conn.executemany(insert_values, batch.values)
             if batch.logs:
                 conn.executemany(
-                    "INSERT INTO logs(run_id, ctx_id, name, value, value_type)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    [(run_id, *row) for row in batch.logs],
+                    insert_sql("logs", ("ctx_id", "name", "value", "value_type"), "?"),
+                    with_run(run_id, batch.logs),
                 )
             if batch.checkpoints:
                 conn.executemany(
-                    "INSERT INTO checkpoints(run_id, ctx_id, loop_name, kind, manifest, nbytes,"
-                    " capture_seconds, write_seconds, created_at, writer_cpu_seconds,"
-                    " frame_locals) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(run_id, *row) for row in batch.checkpoints],
+                    insert_sql("checkpoints", CHECKPOINT_COLUMNS, "?"),
+                    with_run(run_id, batch.checkpoints),
                 )
             if batch.profile:
                 conn.executemany(
-                    "INSERT INTO profile(run_id, phase, ctx_id, seconds, block_seconds)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    [(run_id, *row) for row in batch.profile],
+                    insert_sql("profile", PROFILE_COLUMNS, "?"), with_run(run_id, batch.profile)
                 )
             for columns in batch.run_updates:
                 assignments = ", ".join(f"{column} = ?" for column in columns)
