@@ -4,6 +4,7 @@ Run from the repository root with the project's venv:
 
     python bench/replay_breakdown.py                  # about 6 minutes on a 2-core machine
     python bench/replay_breakdown.py --reps 1 --epochs 6
+    python bench/replay_breakdown.py --torch-threads default --reps 1   # about 2 minutes
 
 It records the bench_replay workload (3 runs, 2 code versions), re-records each
 run once more into a scratch store (the run-to-run spread of the same run on this
@@ -32,7 +33,12 @@ default threads (one per core) and with the cores shared out
 workers at the default threads oversubscribe the cores: the default is as many
 workers as the cores hold at that count.
 
-Results: bench/results/replay_breakdown.json.
+With ``--torch-threads default`` every script trains at torch's own thread count,
+as a script that never calls ``set_num_threads`` does, and each probe is replayed
+once with the workers retrolog picks.
+
+Results: bench/results/replay_breakdown.json (``--torch-threads default``:
+replay_breakdown_default_threads.json).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from bench_replay import base_env, new_project, run_ids, run_kwargs, timed
 BENCH_DIR = Path(__file__).resolve().parent
 SITE_DIR = BENCH_DIR / "_breakdown_site"
 RESULTS = BENCH_DIR / "results" / "replay_breakdown.json"
+RESULTS_DEFAULT_THREADS = BENCH_DIR / "results" / "replay_breakdown_default_threads.json"
 # (probe, statement, worker counts)
 PROBES = (
     ("outer", workload.OUTER_NAME, (1, 2)),
@@ -83,7 +90,7 @@ def environment(values: dict[str, str], cwd: Path) -> Iterator[None]:
 
 
 def replay_with_timeline(
-    project: Path, env: dict[str, str], name: str, workers: int, timelines: Path
+    project: Path, env: dict[str, str], name: str, workers: int | None, timelines: Path
 ) -> dict[str, Any]:
     """Replay ``name`` in-process; return the plan, each job's span and its worker timeline."""
     from retrolog._replay import execute, replayer
@@ -317,12 +324,20 @@ def recorded_totals(db: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-def one_rep(python: Path, epochs: int, n_train: int, work: Path) -> dict[str, Any]:
+def one_rep(
+    python: Path, epochs: int, n_train: int, work: Path, threads: int | None
+) -> dict[str, Any]:
+    """One repetition; ``threads`` is torch's thread count in every script, None its own
+    default (then each probe is replayed once, with the workers retrolog picks)."""
     env = base_env()
+
+    def script(text: str) -> str:
+        return workload.at_torch_threads(text, threads)
+
     project = work / "project"
     logs = work / "logs"
     logs.mkdir(parents=True)
-    new_project(project, env, workload.V1)
+    new_project(project, env, script(workload.V1))
     db = project / ".retrolog" / "retrolog.db"
     again = work / "again"
     record_timelines = work / "record-timelines"
@@ -333,7 +348,7 @@ def one_rep(python: Path, epochs: int, n_train: int, work: Path) -> dict[str, An
         "REPLAY_BREAKDOWN_DIR": str(record_timelines),
     }
     for index, (version, kwargs) in enumerate(workload.RUNS):
-        (project / "train.py").write_text(workload.VERSIONS[version])
+        (project / "train.py").write_text(script(workload.VERSIONS[version]))
         cmd = [str(python), "train.py", *run_kwargs(kwargs, epochs, n_train)]
         timed(cmd, project, probe_env, logs / f"record-{index}.log")
         # The same code and arguments once more, into a scratch store: the noise floor.
@@ -353,13 +368,13 @@ def one_rep(python: Path, epochs: int, n_train: int, work: Path) -> dict[str, An
                 if a.get(part)
             }
         )
-    (project / "train.py").write_text(workload.NEWEST_WITH_SUFFIX)
+    (project / "train.py").write_text(script(workload.NEWEST_WITH_SUFFIX))
     recorded = work / "recorded-store"
     shutil.copytree(project / ".retrolog", recorded)
 
     replays = {}
     for probe, name, counts in PROBES:
-        for workers in counts:
+        for workers in counts if threads is not None else (None,):
             shutil.rmtree(project / ".retrolog")
             shutil.copytree(recorded, project / ".retrolog")
             result = replay_with_timeline(project, env, name, workers, work / "timelines")
@@ -367,7 +382,7 @@ def one_rep(python: Path, epochs: int, n_train: int, work: Path) -> dict[str, An
             if failed:
                 raise BenchError(f"replay {probe} w={workers} failed: {failed[0].error}")
             rows = breakdown(result)
-            replays[f"{probe}-{workers}"] = rows
+            replays[f"{probe}-{workers or 'auto'}"] = rows
             print(f"  {probe} w={workers}: " + summary_line(rows), file=sys.stderr)
     return {"noise_floor_pct": floor, "record_prefix": record_prefix, "replays": replays}
 
@@ -477,8 +492,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--n-train", type=int, default=6000)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"results JSON file (default {RESULTS.name}, or {RESULTS_DEFAULT_THREADS.name} "
+        "with --torch-threads default)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        choices=("1", "default"),
+        default="1",
+        help="1 (the default): every script trains on one thread, replayed with 1 and 2 "
+        "workers; default: torch's own thread count, replayed with the workers retrolog picks",
+    )
     args = parser.parse_args(argv)
+    threads = 1 if args.torch_threads == "1" else None
+    output = args.output or (RESULTS if threads == 1 else RESULTS_DEFAULT_THREADS)
     workload.check_sources()
     python = Path(sys.executable)
     started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
@@ -488,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rep {rep + 1}/{args.reps}", file=sys.stderr)
             work = Path(tempfile.mkdtemp(prefix="retrolog-breakdown-"))
             try:
-                reps.append(one_rep(python, args.epochs, args.n_train, work))
+                reps.append(one_rep(python, args.epochs, args.n_train, work, threads))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     except BenchError as exc:
@@ -510,15 +540,19 @@ def main(argv: list[str] | None = None) -> int:
             source,
             source_fingerprint(),
         ),
-        "workload": {"epochs": args.epochs, "n_train": args.n_train},
+        "workload": {
+            "epochs": args.epochs,
+            "n_train": args.n_train,
+            "torch_threads": args.torch_threads,
+        },
         "aggregate": aggregate(reps),
         "threads": threads,
         "reps": reps,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"aggregate": result["aggregate"], "threads": threads}, indent=2))
-    print(f"results: {args.output}")
+    print(f"results: {output}")
     return 0
 
 
