@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from retrolog.errors import ArgumentError, UsageError
+from retrolog.errors import ArgumentError, RetrologError, UsageError
 from retrolog.runtime import cli_args
 from retrolog.runtime.args import cast, split_argv
 from retrolog.runtime.run import NO_OVERRIDE
@@ -343,11 +343,34 @@ def _install_hooks() -> None:
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         global _uncaught
         _uncaught = f"{exc_type.__name__}: {exc}"
+        if isinstance(exc, RetrologError) and not os.environ.get("RETROLOG_DEBUG"):
+            # retrolog's own errors say what to do; the user's script needs only where.
+            sys.stderr.write(_script_error(exc, tb))
+            return
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_detach_in_child)
+
+
+def _script_error(exc: BaseException, tb: Any) -> str:
+    """The message of a retrolog error that ended the user's script, and where it came
+    from in the script: the last frame of the traceback outside retrolog's package."""
+    import textwrap
+    import traceback
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    where = ""
+    for frame in reversed(traceback.extract_tb(tb)):
+        if not os.path.abspath(frame.filename).startswith(package + os.sep):
+            code = f": {frame.line}" if frame.line else ""
+            where = f" at {frame.filename}, line {frame.lineno}{code}"
+            break
+    message = textwrap.fill(f"{type(exc).__name__}: {' '.join(str(exc).split())}", width=100)
+    return (
+        f"retrolog stopped the script{where}\n{message}\n(RETROLOG_DEBUG=1 shows the traceback.)\n"
+    )
 
 
 def _detach_in_child() -> None:

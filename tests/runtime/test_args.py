@@ -121,6 +121,10 @@ def test_bad_override_is_a_clear_error(project: Project) -> None:
     assert proc.returncode != 0
     assert "ArgumentError" in proc.stderr
     assert "'many' is not an integer" in proc.stderr
+    # The message and the script's line, not retrolog's frames; RETROLOG_DEBUG shows them.
+    assert "Traceback" not in proc.stderr and "train.py, line" in proc.stderr
+    debug = project.run("train.py", "--kwargs", "epochs=many", check=False, RETROLOG_DEBUG="1")
+    assert "Traceback" in debug.stderr and "ArgumentError" in debug.stderr
 
 
 def test_unused_override_is_reported(project: Project) -> None:
