@@ -420,3 +420,30 @@ def database_url() -> str:
     if not url:
         pytest.fail(DATABASE_HINT, pytrace=False)
     return url
+
+
+@pytest.fixture
+def pg_store_url(database_url: str) -> Iterator[str]:
+    """A URL of the test database whose tables go into a schema of this test's own (its
+    ``search_path``), as a team's retrolog database; the schema is dropped afterwards."""
+    import urllib.parse
+
+    import psycopg
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    parts = urllib.parse.urlsplit(database_url)
+    options = urllib.parse.quote(f"-c search_path={schema}")
+    query = f"{parts.query}&options={options}" if parts.query else f"options={options}"
+    yield urllib.parse.urlunsplit(parts._replace(query=query))
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def read_pg(url: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    """Rows from a PostgreSQL store, read with plain psycopg (independent of our readers)."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        return conn.execute(sql, params).fetchall()

@@ -64,6 +64,14 @@ SETTINGS: tuple[Setting, ...] = (
         "the directory of the store (a relative path in pyproject.toml is from the project root)",
     ),
     Setting(
+        "database_url",
+        "RETROLOG_DATABASE_URL",
+        "<store>/retrolog.db (embedded SQLite)",
+        "where runs' metadata lives: unset for the embedded SQLite store, or a PostgreSQL URL "
+        "such as postgresql://user@host/dbname (the team extra; recording only so far)",
+        secret=True,
+    ),
+    Setting(
         "objects_url",
         "RETROLOG_OBJECTS_URL",
         "<store>/objects",
@@ -189,8 +197,10 @@ _file_values: dict[str, tuple[str, str]] = {}
 
 
 def mask(value: str) -> str:
-    """``value`` with the password of a URL's ``user:password@`` replaced by ``***``."""
-    return re.sub(r"(?<=://)([^:/@\s]*):[^@/\s]*@", r"\1:***@", value)
+    """``value`` with a URL's password replaced by ``***``: in ``user:password@`` and
+    in a ``password=`` parameter (libpq takes one in a PostgreSQL URL's query)."""
+    value = re.sub(r"(?<=://)([^:/@\s]*):[^@/\s]*@", r"\1:***@", value)
+    return re.sub(r"([?&]password=)[^&\s]*", r"\1***", value, flags=re.IGNORECASE)
 
 
 def _text(value: Any, key: str, path: Path) -> str:

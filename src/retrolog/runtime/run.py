@@ -34,7 +34,8 @@ from retrolog.runtime import cli_args, frames, numerics, progress
 from retrolog.runtime.import_clock import ImportClock
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
-from retrolog.store.metadata import learned_restore_ratio, open_store, process_start_marker
+from retrolog.store.metadata import process_start_marker
+from retrolog.store.metastore import MetadataStore, open_metadata
 from retrolog.store.paths import ProjectPaths
 
 NO_OVERRIDE = object()  # arg() had no --kwargs value for this name
@@ -150,46 +151,43 @@ class Run:
         self.numerics: dict[str, Any] = numerics.capture()
         self.parsed_args: dict[str, Any] = {}  # argparse/click values, runtime/cli_args.py
 
-        self.writer = Writer(paths.database, self.run_id)
-        self.values = self.writer.values  # log()'s hot path appends here directly
-        self.events = self.writer.events
         self._code_export: CodeExport | None = None
-        conn = open_store(paths, create=True)
+        metadata = open_metadata(paths)
+        self.store_location = metadata.location
         try:
+            self.writer = Writer(self.store_location, self.run_id, sink=metadata.record_sink())
+            self.values = self.writer.values  # log()'s hot path appends here directly
+            self.events = self.writer.events
             code = capture_code_version(
                 paths, self.run_id, message=f"retrolog run {self.run_id}: {self.filename}"
             )
             tstamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.started_at))
-            conn.execute(
-                "INSERT INTO runs(run_id, projid, tstamp, filename, status, started_at, host, pid,"
-                " pid_start, python, argv, code_ref, code_commit, code_tree, head_commit, git_dir,"
-                " dirty, skipped_files, cwd, numerics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-                " ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    self.run_id,
-                    paths.projid,
-                    tstamp,
-                    self.filename,
-                    Status.RUNNING.value,
-                    self.started_at,
-                    socket.gethostname(),
-                    self._pid,
-                    process_start_marker(self._pid),
-                    platform.python_version(),
-                    json.dumps(argv),
-                    code.ref,
-                    code.commit,
-                    code.tree,
-                    code.head_commit,
-                    str(code.git_dir),
-                    int(code.dirty),
-                    json.dumps(list(code.skipped)),
-                    _relative_cwd(paths.root),
-                    json.dumps(self.numerics),
-                ),
+            metadata.register_run(
+                {
+                    "run_id": self.run_id,
+                    "projid": paths.projid,
+                    "tstamp": tstamp,
+                    "filename": self.filename,
+                    "status": Status.RUNNING.value,
+                    "started_at": self.started_at,
+                    "host": socket.gethostname(),
+                    "pid": self._pid,
+                    "pid_start": process_start_marker(self._pid),
+                    "python": platform.python_version(),
+                    "argv": json.dumps(argv),
+                    "code_ref": code.ref,
+                    "code_commit": code.commit,
+                    "code_tree": code.tree,
+                    "head_commit": code.head_commit,
+                    "git_dir": str(code.git_dir),
+                    "dirty": int(code.dirty),
+                    "skipped_files": json.dumps(list(code.skipped)),
+                    "cwd": _relative_cwd(paths.root),
+                    "numerics": json.dumps(self.numerics),
+                }
             )
-            self._code_export = _start_code_export(paths, conn, self.run_id, code, self.events)
-            learned = learned_restore_ratio(conn, self.filename)
+            self._code_export = _start_code_export(paths, metadata, self.run_id, code, self.events)
+            learned = metadata.learned_restore_ratio(self.filename)
             if learned is not None:
                 self._restore_ratio = (learned, "learned from replays")
         except Exception as exc:
@@ -199,7 +197,7 @@ class Run:
                 f"Cannot register the run in {paths.database}: {exc}.", path=str(paths.database)
             ) from exc
         finally:
-            conn.close()
+            metadata.close()
         self.writer.start()
 
         # Package versions take tens of ms to collect: the writer thread evaluates the lambda.
@@ -582,10 +580,10 @@ class Run:
         failure = self.writer.failure
         if failure is not None:
             raise StoreError(
-                f"retrolog stopped recording run {self.run_id}: writing to {self.paths.database} "
+                f"retrolog stopped recording run {self.run_id}: writing to {self.store_location} "
                 f"failed ({failure}). Values logged since the last successful write are lost; "
                 "fix the store (disk full? permissions?) and run again.",
-                path=str(self.paths.database),
+                path=self.store_location,
             ) from failure
 
     def owned_by_this_process(self) -> bool:
@@ -697,7 +695,7 @@ class CodeExport:
 
 
 def _start_code_export(
-    paths: ProjectPaths, conn: Any, run_id: str, code: Any, events: Any
+    paths: ProjectPaths, metadata: MetadataStore, run_id: str, code: Any, events: Any
 ) -> CodeExport | None:
     """Name the run's code manifest now when its tree was copied before, else start the copy.
 
@@ -706,13 +704,13 @@ def _start_code_export(
     spares re-reading the files that tree shares with this one.
     """
     from retrolog.store.backends import objects_location
-    from retrolog.versions.portable import recent_exports, referenced_manifests
+    from retrolog.versions.portable import recent_exports
 
     recent = recent_exports(paths.store, objects_location(paths.store))
-    live = referenced_manifests(conn, (key for _, key in recent)) if recent else set()
+    live = metadata.live_manifests(key for _, key in recent) if recent else set()
     for tree, key in recent:
         if tree == code.tree and key in live:
-            conn.execute("UPDATE runs SET code_manifest = ? WHERE run_id = ?", (key, run_id))
+            metadata.set_code_manifest(run_id, key)
             return None
     base = next((key for _, key in recent if key in live), None)
     export = CodeExport(paths, run_id, code, events, base)

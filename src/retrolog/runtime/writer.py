@@ -81,7 +81,7 @@ class Writer:
 
     def __init__(
         self,
-        database: Path,
+        database: Path | str,
         run_id: str,
         interval: float = FLUSH_INTERVAL,
         sink: Callable[[], RecordSink] | None = None,
@@ -105,7 +105,7 @@ class Writer:
         self._thread = threading.Thread(target=self._main, name="retrolog-writer", daemon=True)
         self._sink: RecordSink | None = None
         # Made on the writer thread: a connection belongs to the thread that uses it.
-        self._make_sink = sink or (lambda: SqliteRecordSink(database))
+        self._make_sink = sink or (lambda: SqliteRecordSink(Path(database)))
         self._unreachable = False  # what is held is held because the store did not answer
 
     def _queues(self) -> tuple[collections.deque[tuple[Any, ...]], ...]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sqlite3
 import tempfile
 import time
@@ -20,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from retrolog.errors import StoreError
+from retrolog.store.metastore import require_embedded
 from retrolog.store.paths import STORE_DIRNAME, ProjectPaths
 from retrolog.store.schema import LATEST_VERSION, migrate
 
@@ -62,8 +62,10 @@ def open_store(paths: ProjectPaths, *, create: bool, write: bool = True) -> sqli
     Without ``create`` a missing store is a StoreError that says how to make one.
     ``write=False`` (the read commands) opens a store this process cannot write (a
     read-only mount, another user's directory) read-only instead of failing: see
-    :func:`open_readonly`.
+    :func:`open_readonly`. With ``database_url`` naming PostgreSQL, a StoreError
+    says that only recording reads it so far (store/metastore.py).
     """
+    require_embedded(paths)
     if not paths.database.exists():
         if not create:
             raise StoreError(
@@ -155,6 +157,7 @@ def open_readonly(paths: ProjectPaths) -> sqlite3.Connection:
     A schema older than this retrolog's cannot be upgraded here: that is an error
     saying how to upgrade it.
     """
+    require_embedded(paths)
     database = paths.database
     wal = database.with_name(database.name + "-wal")
     shm = database.with_name(database.name + "-shm")
@@ -352,46 +355,6 @@ def process_alive(pid: int, start_marker: str | None) -> bool:
 
 def mark_dead_runs_crashed(conn: sqlite3.Connection) -> int:
     """Mark runs of this host whose process died without ending them as crashed."""
-    host = socket.gethostname()
-    rows = conn.execute(
-        "SELECT run_id, pid, pid_start FROM runs WHERE status = 'running' AND host = ?", (host,)
-    ).fetchall()
-    dead = [run_id for run_id, pid, marker in rows if not process_alive(pid, marker)]
-    if dead:
-        conn.executemany(
-            "UPDATE runs SET status = 'crashed', "
-            "error = COALESCE(error, 'the process died without ending the run (killed?)'), "
-            # Its duration ends at its last record, not whenever this is noticed.
-            "ended_at = COALESCE(ended_at, started_at + (SELECT MAX(COALESCE(l.t_end,"
-            " l.t_start)) FROM loops l WHERE l.run_id = runs.run_id), started_at) "
-            "WHERE run_id = ? AND status = 'running'",
-            [(run_id,) for run_id in dead],
-        )
-    return len(dead)
+    from retrolog.store.metastore import SqliteMetadata
 
-
-def learned_restore_ratio(conn: sqlite3.Connection, filename: str) -> float | None:
-    """Flor's c for runs of ``filename``, learned from past replays; None before any.
-
-    c = restore / materialize: the mean seconds a replay spent restoring one
-    checkpoint of this script's runs, over the mean seconds those runs spent
-    materializing one (capture plus the writer's CPU time). Replays record
-    their restore figures per run in ``replay_runs``.
-    """
-    restore_seconds, restored = conn.execute(
-        "SELECT SUM(rr.restore_seconds), SUM(rr.restored) FROM replay_runs rr"
-        " JOIN runs r ON r.run_id = rr.run_id"
-        " WHERE r.filename = ? AND rr.restored > 0 AND rr.restore_seconds IS NOT NULL",
-        (filename,),
-    ).fetchone()
-    if not restored:
-        return None
-    (materialize,) = conn.execute(
-        "SELECT AVG(c.capture_seconds + COALESCE(c.writer_cpu_seconds, 0)) FROM checkpoints c"
-        " WHERE c.run_id IN (SELECT rr.run_id FROM replay_runs rr JOIN runs r"
-        " ON r.run_id = rr.run_id WHERE r.filename = ? AND rr.restored > 0)",
-        (filename,),
-    ).fetchone()
-    if not materialize or materialize <= 0:
-        return None
-    return float(restore_seconds) / int(restored) / float(materialize)
+    return SqliteMetadata(conn, None).mark_dead_runs_crashed()

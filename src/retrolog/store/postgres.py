@@ -1,9 +1,10 @@
 """PostgreSQL metadata, for a team's shared store: the schema and the record sink.
 
-Stage 2 of docs/metadata-backends.md, in progress: what exists is the schema (the
-SQLite store's schema version 9 in PostgreSQL's types) and the sink a recording
-run's writer thread commits its batches through. Nothing selects this backend yet:
-``database_url`` is not a setting until runs, queries and replays work on it.
+Stage 2 of docs/metadata-backends.md: the schema (the SQLite store's schema version
+9 in PostgreSQL's types), the sink a recording run's writer thread commits its
+batches through, and :class:`PostgresMetadata`, the recording run's other
+operations. ``database_url = "postgresql://..."`` selects it (store/metastore.py);
+queries, replay and gc do not read it yet and say so.
 
 psycopg 3 is imported only here, and only when a PostgreSQL store is opened; the
 core does not need it.
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from retrolog._config import mask
 from retrolog.errors import StoreError
+from retrolog.store.metastore import MetadataStore
 from retrolog.store.records import (
     CHECKPOINT_COLUMNS,
     PROFILE_COLUMNS,
@@ -220,13 +224,14 @@ def _psycopg() -> Any:
 def connect(url: str) -> Any:
     """A psycopg connection to ``url`` (autocommit: transactions are explicit)."""
     psycopg = _psycopg()
-    from retrolog._config import mask
-
     try:
         return psycopg.connect(url, autocommit=True, connect_timeout=30)
     except psycopg.OperationalError as exc:
+        detail = " ".join(str(exc).split())
+        if not detail.endswith((".", "?", "!")):
+            detail += "."
         raise StoreError(
-            f"Cannot reach the PostgreSQL store at {mask(url)}: {str(exc).strip()}. Check "
+            f"Cannot reach the PostgreSQL store at {mask(url)}: {detail} Check "
             "that the server runs and the URL's host, port, database and user are right "
             "(a password can come from ~/.pgpass or PGPASSWORD instead of the URL)."
         ) from exc
@@ -386,3 +391,60 @@ class PostgresRecordSink(RecordSink):
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+def placeholders(sql: str) -> str:
+    """``sql`` written with SQLite's ``?`` placeholders, in psycopg's: each ``?`` outside a
+    quoted string becomes ``%s`` and every ``%`` is doubled."""
+    parts = sql.replace("%", "%%").split("'")
+    # Even parts are outside quotes (SQL escapes a quote inside a string by doubling it,
+    # which leaves an empty odd part: still inside).
+    return "'".join(part.replace("?", "%s") if i % 2 == 0 else part for i, part in enumerate(parts))
+
+
+class PostgresMetadata(MetadataStore):
+    """A team's PostgreSQL database: opened, migrated and crash-checked on creation."""
+
+    def __init__(self, url: str) -> None:
+        self._psycopg = _psycopg()
+        self._url = url
+        self.location = mask(url)
+        self._conn: Any = connect(url)
+        try:
+            self._guarded(lambda: migrate(self._conn))
+            self.mark_dead_runs_crashed()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _guarded(self, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except self._psycopg.Error as exc:
+            raise StoreError(
+                f"The PostgreSQL store at {self.location} failed: {str(exc).strip()}. Check "
+                "that the server runs and that its user may create tables in the database."
+            ) from exc
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        sql = placeholders(sql)
+        rows: list[tuple[Any, ...]] = self._guarded(
+            lambda: self._conn.execute(sql, params).fetchall()
+        )
+        return rows
+
+    def _run_many(self, sql: str, params: Sequence[Sequence[Any]]) -> None:
+        sql = placeholders(sql)
+
+        def run() -> None:
+            with self._conn.transaction():
+                self._conn.cursor().executemany(sql, params)
+
+        self._guarded(run)
+
+    def record_sink(self) -> Callable[[], RecordSink]:
+        url = self._url
+        return lambda: PostgresRecordSink(url)
+
+    def close(self) -> None:
+        self._conn.close()

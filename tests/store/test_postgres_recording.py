@@ -1,0 +1,231 @@
+"""Recording into PostgreSQL chosen by ``database_url`` alone: real scripts, real server.
+
+Each test gets a schema of its own on the test server (``pg_store_url``), and reads
+what landed with plain psycopg.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+
+import pytest
+
+from conftest import Project, read_pg
+
+pytestmark = pytest.mark.slow
+
+# Shaped like a real script: argparse, the loops inside a function, state that is
+# checkpointed, values of every kind the store keeps apart.
+SCRIPT = """\
+import argparse
+
+import numpy as np
+
+import retrolog as rl
+
+
+def train(args):
+    rng = np.random.default_rng(args.seed)
+    w = np.zeros(512)
+    with rl.checkpointing(w=w):
+        for epoch in rl.loop("epoch", range(args.epochs)):
+            for step in rl.loop("step", range(args.steps)):
+                w += rng.random(512) * args.lr
+                rl.log("loss", (args.lr * (step + 1)) / 7.0 + epoch)
+            rl.log("w_sum", float(w.sum()))
+            rl.log("big", 2**70 + epoch)
+            rl.log("nan", float("nan"))
+            rl.log("tag", f"epoch-{epoch}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    train(parser.parse_args())
+"""
+
+
+def _value(row: tuple[object, ...]) -> object:
+    set_ones = [v for v in row if v is not None]
+    assert len(set_ones) <= 1, row  # one column per value, by its type
+    return set_ones[0] if set_ones else None
+
+
+def test_eight_runs_recording_at_once_all_land(project: Project, pg_store_url: str) -> None:
+    project.write("train.py", SCRIPT)
+    env = project.env(RETROLOG_DATABASE_URL=pg_store_url)
+    lrs = [0.1 * (i + 1) for i in range(8)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "train.py", "--lr", repr(lr), "--seed", str(i)],
+            cwd=project.root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, lr in enumerate(lrs)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+
+    runs = read_pg(
+        pg_store_url,
+        "SELECT run_id, status, parsed_args, code_commit, filename FROM runs ORDER BY run_id",
+    )
+    assert len(runs) == 8
+    assert {r[1] for r in runs} == {"finished"}
+    assert all(r[3] and r[4] == "train.py" for r in runs)
+    by_lr = {json.loads(str(r[2]))["lr"]: str(r[0]) for r in runs}
+    assert sorted(by_lr) == lrs  # argparse's flags, parsed, on every run
+    for lr, run_id in by_lr.items():
+        losses = read_pg(
+            pg_store_url,
+            "SELECT l.value_float, l.value_int, l.value_text FROM logs l"
+            " JOIN loops s ON s.run_id = l.run_id AND s.ctx_id = l.ctx_id"
+            " JOIN loops e ON e.run_id = s.run_id AND e.ctx_id = s.parent_ctx"
+            " WHERE l.run_id = %s AND l.name = 'loss' ORDER BY e.iteration, s.iteration",
+            (run_id,),
+        )
+        # Bit for bit what the script computed, each once, in order.
+        expected = [(lr * (step + 1)) / 7.0 + epoch for epoch in range(3) for step in range(200)]
+        assert [_value(r) for r in losses] == expected
+        kinds = dict(
+            read_pg(
+                pg_store_url,
+                "SELECT name, string_agg(DISTINCT value_type, ',') FROM logs"
+                " WHERE run_id = %s GROUP BY name",
+                (run_id,),
+            )
+        )
+        assert kinds == {"loss": "float", "w_sum": "float", "big": "text", "nan": "float",
+                         "tag": "str", "lr": "float", "epochs": "int", "steps": "int",
+                         "seed": "int"}  # fmt: skip
+        big = read_pg(
+            pg_store_url,
+            "SELECT value_float, value_int, value_text FROM logs WHERE run_id = %s"
+            " AND name IN ('big', 'nan') ORDER BY name, log_id",
+            (run_id,),
+        )
+        # Beyond 64 bits an int is kept as its digits; NaN is NULL with value_type float.
+        assert [_value(r) for r in big] == [str(2**70 + e) for e in range(3)] + [None] * 3
+        ((loops, ended),) = read_pg(
+            pg_store_url,
+            "SELECT COUNT(*), COUNT(t_end) FROM loops WHERE run_id = %s",
+            (run_id,),
+        )
+        assert loops == ended == 3 + 3 * 200
+        checkpoints = read_pg(
+            pg_store_url,
+            "SELECT manifest FROM checkpoints WHERE run_id = %s AND manifest IS NOT NULL",
+            (run_id,),
+        )
+        assert checkpoints
+        # Their objects are in the project's object store (the default, beside the metadata).
+        from retrolog.store.objects import LocalObjectStore
+
+        objects = LocalObjectStore(project.root / ".retrolog" / "objects")
+        assert all(objects.has(str(key)) for (key,) in checkpoints)
+    # The embedded store holds no run: the metadata went to PostgreSQL only.
+    assert not (project.root / ".retrolog" / "retrolog.db").exists()
+
+
+def test_a_killed_run_is_marked_crashed_by_the_next_run_on_its_host(
+    project: Project, pg_store_url: str
+) -> None:
+    project.write(
+        "slow.py",
+        """
+        import time
+        import retrolog as rl
+        for step in rl.loop("step", range(100_000)):
+            rl.log("i", step)
+            print(step, flush=True)
+            time.sleep(0.01)
+        """,
+    )
+    env = project.env(RETROLOG_DATABASE_URL=pg_store_url)
+    with subprocess.Popen(
+        [sys.executable, "slow.py"], cwd=project.root, env=env, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        last = -1
+        while last < 150:
+            last = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    ((status,),) = read_pg(pg_store_url, "SELECT status FROM runs")
+    assert status == "running"
+    project.write("quick.py", "import retrolog as rl\nfor i in rl.loop('i', range(2)):\n    pass\n")
+    project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)
+    rows = read_pg(
+        pg_store_url, "SELECT filename, status, error, ended_at - started_at FROM runs ORDER BY 1"
+    )
+    assert [r[:2] for r in rows] == [("quick.py", "finished"), ("slow.py", "crashed")]
+    assert "died" in str(rows[1][2])
+    assert 1.0 < float(rows[1][3]) < 60  # its duration ends at its last record  # type: ignore[arg-type]
+    stored = [
+        v
+        for (v,) in read_pg(
+            pg_store_url, "SELECT value_int FROM logs WHERE name = 'i' ORDER BY log_id"
+        )
+    ]
+    # A prefix, nothing out of order or twice; all but about the last second is there.
+    assert stored == list(range(len(stored)))
+    assert max(stored) >= last - 100  # type: ignore[operator]
+
+
+def test_the_reading_commands_say_they_do_not_read_postgresql_yet(
+    project: Project, pg_store_url: str
+) -> None:
+    project.write("quick.py", "import retrolog as rl\nfor i in rl.loop('i', range(2)):\n    pass\n")
+    project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)
+    password = urllib.parse.urlsplit(pg_store_url).password
+    assert password  # the test server's URL carries one, as a user's may
+    for args in (("runs",), ("dataframe", "i"), ("replay", "x", "--yes"), ("gc", "--yes")):
+        done = project.cli(*args, RETROLOG_DATABASE_URL=pg_store_url)
+        assert done.returncode != 0, args
+        assert "Traceback" not in done.stderr
+        assert "PostgreSQL" in done.stderr and "psql" in done.stderr, done.stderr
+        assert password not in done.stderr + done.stdout
+
+
+def test_retrolog_config_shows_the_database_url_without_its_password(project: Project) -> None:
+    url = "postgresql://team:hunter2@db.example:5432/runs?password=hunter3"
+    done = project.cli("config", RETROLOG_DATABASE_URL=url)
+    assert done.returncode == 0, done.stderr
+    assert "database_url" in done.stdout and "db.example" in done.stdout
+    assert "hunter2" not in done.stdout and "hunter3" not in done.stdout
+
+
+def test_a_database_url_retrolog_cannot_use_stops_the_run_with_what_to_do(
+    project: Project,
+) -> None:
+    project.write("quick.py", "import retrolog as rl\nfor i in rl.loop('i', range(2)):\n    pass\n")
+    done = project.run("quick.py", check=False, RETROLOG_DATABASE_URL="mysql://db/runs")
+    assert done.returncode != 0
+    assert "postgresql://" in done.stderr and "unset" in done.stderr.lower(), done.stderr
+    # What to do, and where in the script, without retrolog's frames.
+    assert "Traceback" not in done.stderr
+    assert "quick.py, line 2" in done.stderr
+    # An unreachable server: the run stops before training, saying where it looked.
+    started = time.monotonic()
+    done = project.run(
+        "quick.py", check=False, RETROLOG_DATABASE_URL="postgresql://nobody@127.0.0.1:1/runs"
+    )
+    assert done.returncode != 0
+    assert "Cannot reach the PostgreSQL store at postgresql://nobody@127.0.0.1:1/runs" in (
+        done.stderr
+    ), done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - started < 60
