@@ -33,6 +33,8 @@ from retrolog.store.records import (
 )
 from retrolog.store.schema import migrate
 
+from conftest import read_pg
+
 RUN = "run-'1"  # a quote in the id: SQLite's hot-path statements carry it as a literal
 
 RUN_ROW = (
@@ -277,3 +279,59 @@ def test_a_postgresql_server_that_goes_away_loses_no_value(
     err = capsys.readouterr().err
     assert "cannot reach the store" in err and "the store answers again" in err
     assert "nothing was lost" in err
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["after-commit", "before-commit"])
+def test_a_connection_lost_around_commit_writes_each_record_once(
+    pg_store_url: str, committed: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The connection drops after the server committed a batch, before its answer came
+    back (or before the commit): the writer's retry leaves out exactly what was committed."""
+    from retrolog.runtime.writer import Writer
+
+    conn = postgres.connect(pg_store_url)
+    postgres.migrate(conn)
+    conn.execute(RUN_ROW.format(p="%s"), (RUN,))
+    conn.close()
+    dropped: list[int] = []
+
+    class DropsOnce(postgres.PostgresRecordSink):
+        def _write(self, run_id: str, batch: RecordBatch) -> None:
+            if dropped or not any(name == "drop-here" for _, name, _ in batch.values):
+                super()._write(run_id, batch)
+                return
+            dropped.append(len(batch.values))
+            if committed:
+                super()._write(run_id, batch)  # the server has it all
+            else:
+                self._conn.execute("BEGIN")
+                (txid,) = self._conn.execute("SELECT txid_current()").fetchone()
+                self._conn.execute(
+                    "INSERT INTO logs(run_id, name, value_float, value_type)"
+                    " VALUES (%s, 'x', -1, 'float')",
+                    (run_id,),
+                )
+                self._attempt = (txid, batch.lengths())
+            self._conn.close()
+            raise psycopg.OperationalError("the connection was lost")
+
+    writer = Writer(Path("unused.db"), RUN, interval=0.05, sink=lambda: DropsOnce(pg_store_url))
+    writer.start()
+    try:
+        writer.loop_starts.append((0, None, "epoch", 0, None, 0, 0.0))
+        writer.values.extend((0, "x", float(i)) for i in range(500))
+        writer.values.append((0, "drop-here", 1.0))
+        writer.values.extend((0, "x", float(i)) for i in range(500, 1000))
+        deadline = time.monotonic() + 20
+        while not writer.flush(1) and time.monotonic() < deadline:
+            pass
+        assert writer.flush(10)
+    finally:
+        writer.close(30)
+    assert writer.failure is None and dropped
+    rows = read_pg(pg_store_url, "SELECT value_float FROM logs WHERE name = 'x'")
+    assert sorted(r[0] for r in rows) == [float(i) for i in range(1000)]  # each once
+    assert read_pg(pg_store_url, "SELECT COUNT(*) FROM logs WHERE name = 'drop-here'") == [(1,)]
+    assert read_pg(pg_store_url, "SELECT COUNT(*) FROM loops") == [(1,)]
+    err = capsys.readouterr().err
+    assert "cannot reach the store" in err and "nothing was lost" in err

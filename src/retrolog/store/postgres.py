@@ -297,6 +297,10 @@ class PostgresRecordSink(RecordSink):
         self._psycopg = _psycopg()
         self._url = url
         self._conn: Any = connect(url)
+        # (transaction id, batch.lengths()) of the batch being written, and of one whose
+        # connection was lost before its COMMIT was answered: committed or not, unknown.
+        self._attempt: tuple[int, tuple[int, ...]] | None = None
+        self._unsure: tuple[int, tuple[int, ...]] | None = None
 
     def write(self, run_id: str, batch: RecordBatch) -> None:
         errors = self._psycopg.errors
@@ -305,7 +309,12 @@ class PostgresRecordSink(RecordSink):
                 self._conn = connect(self._url)
             except StoreError as exc:
                 raise SinkUnavailable(str(exc)) from exc
+        # Set by _write once the server gave the transaction its id, and left set after
+        # the COMMIT: a connection lost while committing leaves its outcome unknown.
+        self._attempt = None
         try:
+            if self._unsure is not None:
+                batch = self._settle(batch)
             self._write(run_id, batch)
         except (UnicodeEncodeError, OverflowError, errors.NumericValueOutOfRange) as exc:
             raise SinkUnstorable(str(exc)) from exc
@@ -319,17 +328,40 @@ class PostgresRecordSink(RecordSink):
             raise SinkBusy(str(exc)) from exc
         except self._psycopg.OperationalError as exc:
             # The server went away (restarted, the network dropped, the connection was
-            # ended): connect again on the next write. A batch whose COMMIT was sent but
-            # not answered may then be written twice; that case is not detected yet.
+            # ended): connect again on the next write, and find out then whether the
+            # batch in flight was committed (_settle).
             if not self._conn.closed and not self._conn.broken:
                 raise
             self._conn.close()
+            if self._attempt is not None:
+                self._unsure = self._attempt
             raise SinkUnavailable(str(exc).strip()) from exc
+
+    def _settle(self, batch: RecordBatch) -> RecordBatch:
+        """``batch`` without what the server committed of the batch whose answer was lost.
+
+        The writer's retry begins with every record of that batch (SinkUnavailable);
+        PostgreSQL keeps each transaction's outcome by its id (``txid_status``).
+        """
+        assert self._unsure is not None
+        txid, lengths = self._unsure
+        (status,) = self._conn.execute("SELECT txid_status(%s)", (txid,)).fetchone()
+        if status == "in progress":
+            # The server has not yet noticed the lost connection: ask again later.
+            raise SinkUnavailable(
+                "the server is still finishing the transaction of a connection it lost"
+            )
+        self._unsure = None
+        if status == "committed":
+            return batch.after(lengths)
+        return batch  # aborted (or, far in the past, unknown): none of it is there
 
     def _write(self, run_id: str, batch: RecordBatch) -> None:
         conn = self._conn
         with conn.transaction():
             cur = conn.cursor()
+            (txid,) = cur.execute("SELECT txid_current()").fetchone()
+            self._attempt = (txid, batch.lengths())
             if batch.loop_starts:
                 cur.executemany(
                     "INSERT INTO loops(run_id, ctx_id, parent_ctx, name, iteration, value_float,"

@@ -50,6 +50,17 @@ class RecordBatch:
     run_updates: list[dict[str, Any]] = field(default_factory=list)  # {column: value}
     module_sets: list[tuple[str, bytes]] = field(default_factory=list)  # (digest, names)
 
+    def lengths(self) -> tuple[int, ...]:
+        """How many records each list holds, in field order."""
+        return tuple(len(getattr(self, name)) for name in self.__slots__)
+
+    def after(self, lengths: tuple[int, ...]) -> RecordBatch:
+        """This batch without the first ``lengths`` records of each list (a batch that
+        begins with one already written: :class:`SinkUnavailable`)."""
+        return RecordBatch(
+            *(getattr(self, name)[n:] for name, n in zip(self.__slots__, lengths, strict=True))
+        )
+
 
 # The columns of the rows a batch carries for these tables, after run_id, in RecordBatch's
 # field order; every sink inserts them in this order, whatever its SQL dialect.
@@ -81,9 +92,13 @@ class SinkFull(Exception):
 
 
 class SinkUnavailable(Exception):
-    """The database cannot be reached (a server that went away): the batch was not written.
+    """The database cannot be reached (a server that went away): retry the batch.
 
-    The sink connects again on the next write.
+    The sink connects again on the next write. The connection may have been lost after
+    the server committed the batch, before its answer came back; so the writer's next
+    batch must begin with every record of this one, in the same order (it holds them
+    ahead of what was queued since), and the sink leaves out those the server did
+    commit.
     """
 
 
