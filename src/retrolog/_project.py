@@ -88,13 +88,27 @@ class Project:
 
     # -- reading ---------------------------------------------------------------------
 
+    def check_readable(self) -> None:
+        """Raise a StoreError that says what to do unless every query can read the store:
+        there is none yet, or its metadata is in PostgreSQL, which only recording and
+        :meth:`runs` read so far."""
+        from retrolog.store.metastore import require_embedded
+
+        require_embedded(self.paths)
+        with self.reader():
+            pass
+
     def runs(self, limit: int | None = None) -> pd.DataFrame:
         """One row per run, oldest first (the newest ``limit`` with it): run_id, tstamp,
         filename, status, duration, args."""
         from retrolog._query.runs import list_runs
+        from retrolog.store.metastore import open_metadata
 
-        with self.reader() as conn:
-            return list_runs(conn, limit)
+        metadata = open_metadata(self.paths, create=False)
+        try:
+            return list_runs(metadata, limit)
+        finally:
+            metadata.close()
 
     def run(self, ref: str) -> dict[str, Any]:
         """Everything known about one run (an id or a unique prefix of one): metadata,

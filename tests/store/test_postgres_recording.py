@@ -81,8 +81,10 @@ def test_eight_runs_recording_at_once_all_land(project: Project, pg_store_url: s
 
     runs = read_pg(
         pg_store_url,
-        "SELECT run_id, status, parsed_args, code_commit, filename FROM runs ORDER BY run_id",
+        "SELECT run_id, status, parsed_args, code_commit, filename FROM runs"
+        " ORDER BY started_at, run_id",
     )
+    runs_order = {str(r[0]): i for i, r in enumerate(runs)}
     assert len(runs) == 8
     assert {r[1] for r in runs} == {"finished"}
     assert all(r[3] and r[4] == "train.py" for r in runs)
@@ -138,6 +140,15 @@ def test_eight_runs_recording_at_once_all_land(project: Project, pg_store_url: s
         assert all(objects.has(str(key)) for (key,) in checkpoints)
     # The embedded store holds no run: the metadata went to PostgreSQL only.
     assert not (project.root / ".retrolog" / "retrolog.db").exists()
+    # `retrolog runs` lists them from there, oldest first, with their arguments.
+    listed = project.cli("runs", "--json", RETROLOG_DATABASE_URL=pg_store_url)
+    assert listed.returncode == 0, listed.stderr
+    shown = json.loads(listed.stdout)
+    assert [r["run_id"] for r in shown] == sorted(by_lr.values(), key=lambda r: runs_order[r])
+    assert {r["status"] for r in shown} == {"finished"}
+    assert all(r["args"].startswith("lr=") for r in shown)
+    newest = project.cli("runs", "--json", "--limit", "3", RETROLOG_DATABASE_URL=pg_store_url)
+    assert [r["run_id"] for r in json.loads(newest.stdout)] == [r["run_id"] for r in shown][-3:]
 
 
 def test_a_killed_run_is_marked_crashed_by_the_next_run_on_its_host(
@@ -185,19 +196,32 @@ def test_a_killed_run_is_marked_crashed_by_the_next_run_on_its_host(
     assert max(stored) >= last - 100  # type: ignore[operator]
 
 
-def test_the_reading_commands_say_they_do_not_read_postgresql_yet(
+def test_the_reading_commands_that_do_not_read_postgresql_yet_say_so(
     project: Project, pg_store_url: str
 ) -> None:
     project.write("quick.py", "import retrolog as rl\nfor i in rl.loop('i', range(2)):\n    pass\n")
     project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)
     password = urllib.parse.urlsplit(pg_store_url).password
     assert password  # the test server's URL carries one, as a user's may
-    for args in (("runs",), ("dataframe", "i"), ("replay", "x", "--yes"), ("gc", "--yes")):
+    commands = (
+        ("show", "quick"), ("dataframe", "i"), ("query", "SELECT 1"), ("replay", "x", "--yes"),
+        ("gc", "--yes"), ("ui", "--no-browser"),
+    )  # fmt: skip
+    for args in commands:
         done = project.cli(*args, RETROLOG_DATABASE_URL=pg_store_url)
         assert done.returncode != 0, args
         assert "Traceback" not in done.stderr
         assert "PostgreSQL" in done.stderr and "psql" in done.stderr, done.stderr
         assert password not in done.stderr + done.stdout
+
+
+def test_runs_on_an_empty_postgresql_database_says_to_record_first(
+    project: Project, pg_store_url: str
+) -> None:
+    done = project.cli("runs", RETROLOG_DATABASE_URL=pg_store_url)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "no retrolog store" in done.stderr and "Record a run first" in done.stderr
+    assert read_pg(pg_store_url, "SELECT to_regclass('runs') IS NULL") == [(True,)]  # untouched
 
 
 def test_retrolog_config_shows_the_database_url_without_its_password(project: Project) -> None:

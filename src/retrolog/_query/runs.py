@@ -14,23 +14,15 @@ import pandas as pd
 
 from retrolog._query.sql import execute_read
 from retrolog.errors import RetrologError, RunNotFoundError
+from retrolog.store.metastore import MetadataStore
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STRING = re.compile(r"'(?:[^']|'')*'")
 
 
-def list_runs(conn: sqlite3.Connection, limit: int | None = None) -> pd.DataFrame:
+def list_runs(metadata: MetadataStore, limit: int | None = None) -> pd.DataFrame:
     """One row per run, newest last: run_id, tstamp, filename, status, duration, args."""
-    sql = (
-        "SELECT run_id, tstamp, filename, status, started_at, ended_at, args, parsed_args"
-        " FROM runs"
-        " ORDER BY started_at DESC, run_id DESC"
-    )
-    params: tuple[Any, ...] = ()
-    if limit is not None:
-        sql += " LIMIT ?"
-        params = (limit,)
-    rows = conn.execute(sql, params).fetchall()[::-1]
+    rows = metadata.run_listing(limit)[::-1]
     now = time.time()
     records = [
         {

@@ -7,9 +7,9 @@ docs/metadata-backends.md has the design. The ``database_url`` setting
 - ``postgresql://...`` (or ``postgres://``): a team's PostgreSQL database
   (store/postgres.py, psycopg 3 from the ``team`` extra).
 
-The interface holds operations, not SQL. So far it holds what a recording run does:
-register itself, name its code manifest, learn the restore ratio, hand its writer
-thread a record sink, and mark this host's dead runs crashed. The operations whose
+The interface holds operations, not SQL. So far it holds what a recording run does
+(register itself, name its code manifest, learn the restore ratio, hand its writer
+thread a record sink, mark this host's dead runs crashed) and the runs listing. The operations whose
 SQL is the same on both backends are written once here, with ``?`` placeholders
 that a backend turns into its own; the rest are each backend's own. Queries,
 replay and gc still take SQLite connections (store/metadata.py): with PostgreSQL
@@ -97,6 +97,17 @@ class MetadataStore(abc.ABC):
         marks = ", ".join("?" for _ in wanted)
         sql = f"SELECT DISTINCT code_manifest FROM runs WHERE code_manifest IN ({marks})"
         return {r[0] for r in self._rows(sql, wanted)}
+
+    def run_listing(self, limit: int | None = None) -> list[tuple[Any, ...]]:
+        """The newest ``limit`` runs (all without it), newest first: (run_id, tstamp,
+        filename, status, started_at, ended_at, args, parsed_args)."""
+        sql = (
+            "SELECT run_id, tstamp, filename, status, started_at, ended_at, args, parsed_args"
+            " FROM runs ORDER BY started_at DESC, run_id DESC"
+        )
+        if limit is None:
+            return self._rows(sql)
+        return self._rows(sql + " LIMIT ?", (limit,))
 
     def mark_dead_runs_crashed(self) -> int:
         """Mark runs of this host whose process died without ending them as crashed.
@@ -192,19 +203,23 @@ def database_url() -> str | None:
     return url
 
 
-def open_metadata(paths: ProjectPaths) -> MetadataStore:
-    """The project's metadata store for recording, created (and migrated) when missing.
+def open_metadata(paths: ProjectPaths, *, create: bool = True) -> MetadataStore:
+    """The project's metadata store, migrated and crash-checked.
 
+    create: make it when missing (recording); without it (the read commands) a missing
+        store is a StoreError that says how to make one, and a SQLite store this process
+        cannot write is opened read-only.
     Raises StoreError when it cannot be opened, with what to do.
     """
     url = database_url()
     if url is None:
         from retrolog.store.metadata import open_store
 
-        return SqliteMetadata(open_store(paths, create=True), paths.database)
+        conn = open_store(paths, create=create, write=create)
+        return SqliteMetadata(conn, paths.database if create else None)
     from retrolog.store.postgres import PostgresMetadata
 
-    return PostgresMetadata(url)
+    return PostgresMetadata(url, create=create)
 
 
 def require_embedded(paths: ProjectPaths) -> None:
@@ -218,8 +233,8 @@ def require_embedded(paths: ProjectPaths) -> None:
         return
     raise StoreError(
         f"This project's runs are recorded into the PostgreSQL database {mask(url)} "
-        f"(database_url). retrolog records runs there, but its queries, replay, gc and "
-        "dashboard read only the embedded SQLite store so far (docs/metadata-backends.md). "
-        f"Query the runs with psql meanwhile, or unset {DATABASE_URL_ENV} to use the "
-        f"embedded store in {paths.store}."
+        f"(database_url). retrolog records runs there and lists them (`retrolog runs`), but "
+        "its other queries, replay, gc and dashboard read only the embedded SQLite store so "
+        "far (docs/metadata-backends.md). Query the runs with psql meanwhile, or unset "
+        f"{DATABASE_URL_ENV} to use the embedded store in {paths.store}."
     )

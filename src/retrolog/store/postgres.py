@@ -271,6 +271,12 @@ def migrate(conn: Any) -> int:
     return SCHEMA_VERSION
 
 
+def _has_store(conn: Any) -> bool:
+    """Whether retrolog's tables are in the database (its search path)."""
+    (found,) = conn.execute("SELECT to_regclass('migrations') IS NOT NULL").fetchone()
+    return bool(found)
+
+
 def typed(value: Any) -> tuple[float | None, int | None, str | None]:
     """``value`` (a float, int, str or None) as (value_float, value_int, value_text)."""
     t = type(value)
@@ -437,12 +443,18 @@ def placeholders(sql: str) -> str:
 class PostgresMetadata(MetadataStore):
     """A team's PostgreSQL database: opened, migrated and crash-checked on creation."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, create: bool = True) -> None:
         self._psycopg = _psycopg()
         self._url = url
         self.location = mask(url)
         self._conn: Any = connect(url)
         try:
+            if not create and not self._guarded(lambda: _has_store(self._conn)):
+                raise StoreError(
+                    f"There is no retrolog store in the PostgreSQL database {self.location} "
+                    "yet. Record a run first: with database_url set to it, run a training "
+                    "script that calls rl.loop or rl.log."
+                )
             self._guarded(lambda: migrate(self._conn))
             self.mark_dead_runs_crashed()
         except BaseException:

@@ -50,7 +50,7 @@ def serve(
             f"({', '.join(assets.missing())} missing from {assets.VENDOR}); run "
             "`python -m retrolog.ui.assets` once, with access to registry.npmjs.org."
         )
-    project.runs(limit=1)  # a clear error now, when there is no store, not in the browser
+    project.check_readable()  # a clear error now, when there is no store, not in the browser
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     settings = Settings(host=host, port=bound)
