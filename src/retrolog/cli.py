@@ -70,7 +70,7 @@ def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
     if as_json and as_csv:
         raise click.UsageError("Choose one of --json and --csv.")
     if as_json:
-        click.echo(_json_safe(frame).to_json(orient="records", force_ascii=False))
+        click.echo(_json_records(_json_safe(frame)))
     elif as_csv:
         click.echo(frame.to_csv(index=False), nl=False)
     elif frame.empty:
@@ -85,6 +85,30 @@ def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
             "display.max_colwidth", 80,
         ):  # fmt: skip
             click.echo(terminal_safe(frame.to_string(index=False, na_rep="")))
+
+
+def _json_records(frame: Any) -> str:
+    """The rows as a JSON list of objects, every float written so that it reads back
+    bit for bit (pandas' ``to_json`` keeps 10 significant digits); NaN, infinities
+    and missing values are null."""
+    import json
+    import math
+
+    import pandas as pd
+
+    def cell(value: Any) -> Any:
+        if value is None or isinstance(value, (str, bool, int, list, dict)):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if value is pd.NA or value is pd.NaT:
+            return None
+        if hasattr(value, "item"):  # a numpy scalar
+            return cell(value.item())
+        return str(value)
+
+    records = [{str(k): cell(v) for k, v in row.items()} for row in frame.to_dict(orient="records")]
+    return json.dumps(records, ensure_ascii=False, allow_nan=False, default=str)
 
 
 def _json_safe(frame: Any) -> Any:

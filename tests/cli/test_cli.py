@@ -84,6 +84,30 @@ def test_dataframe_formats(recorded: Project) -> None:
     assert [r["acc"] for r in filtered] == [0.0, 0.25, 0.5]
 
 
+def test_json_output_keeps_every_float_and_int_exact(project: Project) -> None:
+    project.write(
+        "train.py",
+        """
+        import retrolog as rl
+        for i in rl.loop("i", range(3)):
+            rl.log("x", 1 / 30 + i)
+            rl.log("n", 2**53 + 1 + i)
+        rl.log("odd", float("inf"))
+        """,
+    )
+    project.run("train.py")
+    frame = json.loads(project.cli("dataframe", "x,n", "--json").stdout)
+    assert [(r["x"], r["n"]) for r in frame] == [(1 / 30 + i, 2**53 + 1 + i) for i in range(3)]
+    rows = json.loads(
+        project.cli(
+            "query", "SELECT value FROM logs WHERE name = 'x' ORDER BY log_id", "--json"
+        ).stdout
+    )
+    assert [r["value"] for r in rows] == [1 / 30 + i for i in range(3)]
+    odd = json.loads(project.cli("dataframe", "odd", "--json").stdout)
+    assert [r["odd"] for r in odd] == [None]  # JSON has no infinity: null, as for NaN
+
+
 def test_dataframe_errors(recorded: Project) -> None:
     out = recorded.cli("dataframe", "acuracy")
     assert out.returncode == 1 and "acc" in out.stderr and "Traceback" not in out.stderr
