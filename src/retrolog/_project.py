@@ -148,10 +148,16 @@ class Project:
 
     def query(self, sql: str) -> pd.DataFrame:
         """Read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
-        from retrolog._query.sql import query
+        from retrolog._query.sql import query, query_shared
+        from retrolog.store.metastore import SqliteMetadata, open_metadata
 
-        with self.reader() as conn:
-            return query(conn, sql)
+        metadata = open_metadata(self.paths, create=False)
+        try:
+            if isinstance(metadata, SqliteMetadata):
+                return query(metadata.conn, sql)
+            return query_shared(metadata, sql)
+        finally:
+            metadata.close()
 
     def lineage(self, run: str, name: str, at: dict[str, int] | None = None) -> dict[str, Any]:
         """How a run's values of ``name`` came to be (see ``retrolog.lineage``)."""

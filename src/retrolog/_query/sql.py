@@ -385,6 +385,71 @@ def query(conn: sqlite3.Connection, sql: str) -> pd.DataFrame:
     return frame_from_rows(columns, rows)
 
 
+# A statement that starts so changes something; PostgreSQL's DECLARE reports it only
+# as a syntax error.
+_WRITING_STATEMENT = re.compile(
+    r"^\s*(INSERT|UPDATE|DELETE|MERGE|CREATE|DROP|ALTER|TRUNCATE|GRANT|REVOKE|COPY|VACUUM"
+    r"|ANALYZE|CLUSTER|REINDEX|REFRESH|COMMENT|SET|RESET|LOCK|CALL|DO|BEGIN|START|COMMIT"
+    r"|ROLLBACK|SAVEPOINT|PREPARE|EXECUTE|DEALLOCATE|LISTEN|NOTIFY|UNLISTEN|DISCARD)\b",
+    re.IGNORECASE,
+)
+
+
+def query_shared(metadata: Any, sql: str) -> pd.DataFrame:
+    """``query`` on a PostgreSQL store (``metadata``, a PostgresMetadata): the same
+    budgets and messages, PostgreSQL's SQL (docs/store.md, "Query dialects")."""
+    from retrolog.store.metastore import ReadRefused
+
+    tables = ", ".join(DOCUMENTED_TABLES)
+    seconds = _setting(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+    memory_mb = _setting(MEMORY_ENV, DEFAULT_MEMORY_MB)
+    limits = _Limits(seconds, memory_mb)
+
+    def over_budget() -> bool:
+        return bool(memory_mb) and _resident_bytes() - limits.base > limits.memory
+
+    try:
+        columns, rows = metadata.read_statement(sql, seconds=seconds, over_budget=over_budget)
+    except ReadRefused as refused:
+        said, reason = refused.complaint, refused.reason
+        if reason == "malformed" and _WRITING_STATEMENT.match(sql):
+            reason = "writes"
+        if reason == "privileged":
+            message = (
+                "query() runs only as a PostgreSQL role that cannot read files or run "
+                f"programs on the server, and the role of database_url ({metadata.location}) "
+                "is a superuser or may. A read-only transaction does not stop those: connect "
+                "query() as a role with SELECT on retrolog's tables only (docs/store.md, "
+                '"Query dialects").'
+            )
+        elif reason == "timeout":
+            message = (
+                f"The query {sql!r} ran longer than its time budget of {seconds:g} s and was "
+                "stopped; nothing was changed. Narrow it (a condition on run_id or name, a "
+                f"LIMIT), or give it more time: {TIMEOUT_ENV}=600 (0 for no limit)."
+            )
+        elif reason == "memory":
+            message = (
+                f"The query {sql!r} needs more than its memory budget of {memory_mb:g} MB and "
+                "was stopped; nothing was changed. Narrow it (a condition on run_id or name, a "
+                f"LIMIT, fewer columns), or allow more: {MEMORY_ENV}=4096 (0 for no limit)."
+            )
+        elif reason == "writes":
+            message = (
+                f"query() is read-only: {sql!r} would change the store or the connection "
+                f"(PostgreSQL says {said!r}). Use SELECT (or WITH ... SELECT) to read the "
+                f"tables {tables}; retrolog itself writes runs, logs and checkpoints."
+            )
+        else:
+            message = (
+                f"The query {sql!r} cannot be run: PostgreSQL says {said!r}. Give one SELECT "
+                f"statement over the store's tables: {tables} (values are in value_float, "
+                "value_int and value_text there)."
+            )
+        raise QueryError(message, sql=sql) from None
+    return frame_from_rows(columns, rows)
+
+
 def frame_from_rows(columns: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> pd.DataFrame:
     """A DataFrame whose columns keep the SQLite storage classes of their values."""
     values = [[row[j] for row in rows] for j in range(len(columns))]

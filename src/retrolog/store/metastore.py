@@ -54,6 +54,21 @@ _CRASHED = (
 )
 
 
+class ReadRefused(Exception):
+    """A read-only statement a backend did not run to its end.
+
+    reason: "malformed" (the database could not run it), "writes" (it would change
+    something), "timeout", "memory" (its rows outgrew the budget) or "privileged"
+    (the database role may read files or run programs on the server: no sandbox).
+    complaint: the database's own words.
+    """
+
+    def __init__(self, reason: str, complaint: str) -> None:
+        super().__init__(f"{reason}: {complaint}")
+        self.reason = reason
+        self.complaint = complaint
+
+
 class MetadataStore(abc.ABC):
     """One project's metadata: the operations a recording run needs, on any backend."""
 
@@ -233,8 +248,9 @@ def require_embedded(paths: ProjectPaths) -> None:
         return
     raise StoreError(
         f"This project's runs are recorded into the PostgreSQL database {mask(url)} "
-        f"(database_url). retrolog records runs there and lists them (`retrolog runs`), but "
-        "its other queries, replay, gc and dashboard read only the embedded SQLite store so "
-        "far (docs/metadata-backends.md). Query the runs with psql meanwhile, or unset "
+        f"(database_url). retrolog records runs there, lists them (`retrolog runs`) and answers "
+        "`retrolog query` from there, but its other queries, replay, gc and dashboard read "
+        "only the embedded SQLite store so far (docs/metadata-backends.md). Use `retrolog "
+        "query` meanwhile, or unset "
         f"{DATABASE_URL_ENV} to use the embedded store in {paths.store}."
     )

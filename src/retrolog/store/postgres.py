@@ -25,7 +25,7 @@ from typing import Any
 
 from retrolog._config import mask
 from retrolog.errors import StoreError
-from retrolog.store.metastore import MetadataStore
+from retrolog.store.metastore import MetadataStore, ReadRefused
 from retrolog.store.records import (
     CHECKPOINT_COLUMNS,
     PROFILE_COLUMNS,
@@ -271,6 +271,11 @@ def migrate(conn: Any) -> int:
     return SCHEMA_VERSION
 
 
+def _complaint(exc: BaseException) -> str:
+    """The server's message, on one line, without its final period."""
+    return " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+
+
 def _has_store(conn: Any) -> bool:
     """Whether retrolog's tables are in the database (its search path)."""
     (found,) = conn.execute("SELECT to_regclass('migrations') IS NOT NULL").fetchone()
@@ -441,7 +446,12 @@ def placeholders(sql: str) -> str:
 
 
 class PostgresMetadata(MetadataStore):
-    """A team's PostgreSQL database: opened, migrated and crash-checked on creation."""
+    """A team's PostgreSQL database: opened, migrated and crash-checked on creation.
+
+    create: False for the read commands, which may connect as a role that can only
+    read (docs/store.md): the schema is then only checked, not migrated when it is
+    current, and dead runs are marked crashed only by a role that may update runs.
+    """
 
     def __init__(self, url: str, *, create: bool = True) -> None:
         self._psycopg = _psycopg()
@@ -449,14 +459,24 @@ class PostgresMetadata(MetadataStore):
         self.location = mask(url)
         self._conn: Any = connect(url)
         try:
-            if not create and not self._guarded(lambda: _has_store(self._conn)):
+            if create:
+                self._guarded(lambda: migrate(self._conn))
+                self.mark_dead_runs_crashed()
+                return
+            if not self._guarded(lambda: _has_store(self._conn)):
                 raise StoreError(
                     f"There is no retrolog store in the PostgreSQL database {self.location} "
                     "yet. Record a run first: with database_url set to it, run a training "
                     "script that calls rl.loop or rl.log."
                 )
-            self._guarded(lambda: migrate(self._conn))
-            self.mark_dead_runs_crashed()
+            ((version, may_update),) = self._rows(
+                "SELECT (SELECT MAX(version) FROM migrations),"
+                " has_table_privilege('runs', 'UPDATE')"
+            )
+            if version != SCHEMA_VERSION:
+                self._guarded(lambda: migrate(self._conn))  # says so when it is newer
+            if may_update:
+                self.mark_dead_runs_crashed()
         except BaseException:
             self._conn.close()
             raise
@@ -489,6 +509,69 @@ class PostgresMetadata(MetadataStore):
     def record_sink(self) -> Callable[[], RecordSink]:
         url = self._url
         return lambda: PostgresRecordSink(url)
+
+    def read_statement(
+        self, sql: str, *, seconds: float, over_budget: Callable[[], bool]
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run one user-written statement read-only; its column names and rows.
+
+        One statement only (sent as a prepared ``DECLARE ... CURSOR FOR``, which
+        PostgreSQL refuses to hold two), in a ``REPEATABLE READ READ ONLY``
+        transaction, fetched in batches: ``statement_timeout`` is set to what is left
+        of ``seconds`` (0: no limit) before each, and ``over_budget()`` is asked after
+        each. A role that is a superuser or may read files or run programs on the
+        server is refused first: a read-only transaction does not stop those.
+        Raises :class:`ReadRefused`.
+        """
+        errors = self._psycopg.errors
+        conn = self._conn
+        (privileged,) = self._rows(
+            "SELECT rolsuper OR pg_has_role(current_user, 'pg_read_server_files', 'MEMBER')"
+            " OR pg_has_role(current_user, 'pg_write_server_files', 'MEMBER')"
+            " OR pg_has_role(current_user, 'pg_execute_server_program', 'MEMBER')"
+            " FROM pg_roles WHERE rolname = current_user"
+        )[0]
+        if privileged:
+            raise ReadRefused("privileged", "the role may read files or run programs")
+        # numeric (what SUM and AVG of integers give) as float, as pandas expects a number
+        from psycopg.types.numeric import FloatLoader
+
+        conn.adapters.register_loader("numeric", FloatLoader)
+        deadline = time.monotonic() + seconds if seconds else None
+        rows: list[tuple[Any, ...]] = []
+        columns: list[str] | None = None
+        try:
+            with conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                conn.execute(f"DECLARE retrolog_query NO SCROLL CURSOR FOR {sql}", prepare=True)
+                while True:
+                    left = 0  # ms; 0 is no limit
+                    if deadline is not None:
+                        left = max(1, int((deadline - time.monotonic()) * 1000))
+                    conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(left),))
+                    cursor = conn.execute("FETCH FORWARD 4096 FROM retrolog_query")
+                    if columns is None:
+                        columns = [d.name for d in cursor.description or ()]
+                    batch = cursor.fetchall()
+                    if not batch:
+                        break
+                    rows.extend(batch)
+                    if over_budget():
+                        raise ReadRefused("memory", f"{len(rows):,} rows fetched")
+        except errors.QueryCanceled as exc:
+            raise ReadRefused("timeout", _complaint(exc)) from exc
+        except errors.ReadOnlySqlTransaction as exc:
+            raise ReadRefused("writes", _complaint(exc)) from exc
+        except errors.FeatureNotSupported as exc:  # DECLARE of a WITH that writes
+            reason = "writes" if "data-modifying" in str(exc) else "malformed"
+            raise ReadRefused(reason, _complaint(exc)) from exc
+        except self._psycopg.OperationalError as exc:
+            raise StoreError(
+                f"The PostgreSQL store at {self.location} failed: {_complaint(exc)}."
+            ) from exc
+        except self._psycopg.Error as exc:
+            raise ReadRefused("malformed", _complaint(exc)) from exc
+        return columns or [], rows
 
     def close(self) -> None:
         self._conn.close()

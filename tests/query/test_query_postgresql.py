@@ -1,0 +1,142 @@
+"""``retrolog query`` on a PostgreSQL store: read-only, one statement, within its budgets.
+
+The runs are recorded by real scripts into a schema of the test server; the queries
+run as a role with SELECT on retrolog's tables only, as docs/store.md tells a team
+to set up, and as the server's superuser, which query refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from conftest import Project, database_url, read_pg  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """\
+import argparse
+import retrolog as rl
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=0.1)
+args = parser.parse_args()
+for epoch in rl.loop("epoch", range(3)):
+    for step in rl.loop("step", range(50)):
+        rl.log("loss", args.lr / (step + 1) + epoch)
+    rl.log("acc", 0.5 + epoch / 10)
+"""
+
+
+@pytest.fixture
+def recorded(project: Project, pg_store_url: str) -> Project:
+    project.write("train.py", SCRIPT)
+    for lr in ("0.1", "0.2"):
+        project.run("train.py", "--lr", lr, RETROLOG_DATABASE_URL=pg_store_url)
+    return project
+
+
+@pytest.fixture
+def reader_url(pg_store_url: str, database_url: str) -> Iterator[str]:  # noqa: F811
+    """``pg_store_url`` as a login role with SELECT on the schema's tables, nothing else."""
+    parts = urllib.parse.urlsplit(pg_store_url)
+    schema = urllib.parse.unquote(parts.query).split("search_path=")[1].split("&")[0]
+    role, password = f"reader_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+        admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+        admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role}")
+    netloc = f"{role}:{password}@{parts.hostname}:{parts.port}"
+    yield urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+
+
+def _query(project: Project, url: str, sql: str, **env: str) -> tuple[int, str, str]:
+    done = project.cli("query", sql, "--json", RETROLOG_DATABASE_URL=url, **env)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_query_reads_the_postgresql_store_exactly(recorded: Project, reader_url: str) -> None:
+    code, out, err = _query(
+        recorded,
+        reader_url,
+        "SELECT r.parsed_args, l.value_float FROM logs l JOIN runs r USING (run_id)"
+        " WHERE l.name = 'loss' ORDER BY r.started_at, l.log_id",
+    )
+    assert code == 0, err
+    rows = json.loads(out)
+    expected = [
+        (lr, lr / (step + 1) + epoch)
+        for lr in (0.1, 0.2)
+        for epoch in range(3)
+        for step in range(50)
+    ]
+    got = [(json.loads(r["parsed_args"])["lr"], r["value_float"]) for r in rows]
+    assert got == expected  # bit for bit, through JSON's shortest round-trip repr
+    code, out, err = _query(
+        recorded,
+        reader_url,
+        "SELECT name, COUNT(*) AS n, SUM(value_float) AS total FROM logs"
+        " WHERE name IN ('loss', 'acc') GROUP BY name ORDER BY name",
+    )
+    assert code == 0, err
+    assert [(r["name"], r["n"]) for r in json.loads(out)] == [("acc", 6), ("loss", 300)]
+
+
+@pytest.mark.parametrize(
+    ("sql", "said"),
+    [
+        ("DELETE FROM logs", "read-only"),
+        ("UPDATE runs SET status = 'x'", "read-only"),
+        ("WITH d AS (DELETE FROM logs RETURNING 1) SELECT * FROM d", "read-only"),
+        ("SELECT 1; DELETE FROM logs", "cannot be run"),
+        ("SELECT pg_read_file('/etc/hostname')", "cannot be run"),
+        ("SELECT nextval('logs_log_id_seq')", "permission denied"),
+        ("CREATE TABLE mine(a int)", "read-only"),
+        ("SELEC 1", "cannot be run"),
+    ],
+)
+def test_query_on_postgresql_refuses_what_is_not_one_read(
+    recorded: Project, reader_url: str, pg_store_url: str, sql: str, said: str
+) -> None:
+    before = read_pg(pg_store_url, "SELECT COUNT(*) FROM logs")
+    code, _, err = _query(recorded, reader_url, sql)
+    assert code != 0 and "Traceback" not in err
+    assert said in " ".join(err.split()), err  # the message is wrapped to the terminal
+    assert read_pg(pg_store_url, "SELECT COUNT(*) FROM logs") == before
+    assert read_pg(pg_store_url, "SELECT to_regclass('mine') IS NULL") == [(True,)]
+
+
+def test_query_on_postgresql_keeps_its_time_and_memory_budgets(
+    recorded: Project, reader_url: str
+) -> None:
+    started = time.monotonic()
+    code, _, err = _query(recorded, reader_url, "SELECT pg_sleep(30)", RETROLOG_QUERY_TIMEOUT="1")
+    assert code != 0 and "time budget of 1 s" in err, err
+    assert time.monotonic() - started < 20
+    code, _, err = _query(
+        recorded,
+        reader_url,
+        "SELECT repeat('x', 1000) FROM generate_series(1, 2000000)",
+        RETROLOG_QUERY_MEMORY_MB="50",
+    )
+    assert code != 0 and "memory budget of 50 MB" in err, err
+
+
+def test_query_refuses_a_role_that_can_read_the_servers_files(
+    recorded: Project, pg_store_url: str
+) -> None:
+    code, _, err = _query(recorded, pg_store_url, "SELECT COUNT(*) FROM runs")
+    assert code != 0 and "Traceback" not in err
+    said = " ".join(err.split())
+    assert "superuser" in said and "SELECT on retrolog's tables" in said, err
+    password = urllib.parse.urlsplit(pg_store_url).password
+    assert password and password not in err
