@@ -24,6 +24,10 @@ What is measured, each repetition in a fresh git project and a fresh process
   its calls takes about a hundred times longer, and the per-value figures are
   what is compared.
 
+With ``--postgresql`` retrolog also records into PostgreSQL (``database_url``, a
+schema of its own per run on the server ``scripts/services.sh`` starts), read back
+the same way, and each figure is also given as PostgreSQL / SQLite per repetition.
+
 Repetitions are interleaved (every configuration once, then again) so that load
 from other processes on a shared machine spreads over all of them; figures are
 medians with min and max. Results: bench/results/log.json.
@@ -46,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import uuid
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -58,6 +64,7 @@ FLORDB_VERSION = "4.0.1"
 TARGET_US = 1.0  # the issue's target: at most 1 microsecond per logged value
 TARGET_LOOP_US = 1.5  # a loop iteration carrying one value: at most 1.5 microseconds
 SHAPES = ("inner", "loop")
+POSTGRESQL = "retrolog_postgresql"  # retrolog recording into PostgreSQL (--postgresql)
 WARMUP_N = 1000  # one untimed run per configuration first: cold caches, .pyc files
 CHILD_TIMEOUT = 900  # seconds; a run that never ends is a failure, not a figure
 
@@ -167,9 +174,16 @@ def installed_version(python: Path) -> str | None:
 # -- one measurement ---------------------------------------------------------------------
 
 
-def measure(python: Path, lib: str, shape: str, n: int) -> dict[str, Any]:
-    """Run one workload in a fresh git project; return its timings after checking the store."""
+def measure(
+    python: Path, lib: str, shape: str, n: int, database_url: str | None = None
+) -> dict[str, Any]:
+    """Run one workload in a fresh git project; return its timings after checking the store.
+
+    database_url: a PostgreSQL database the run records into (``database_url``), in a
+        schema of its own that is dropped afterwards; None for the embedded store.
+    """
     work = Path(tempfile.mkdtemp(prefix=f"retrolog-bench-log-{lib}-"))
+    schema_url = None if database_url is None else fresh_schema(database_url)
     try:
         project = work / f"bench-{lib}-{shape}"
         project.mkdir()
@@ -181,6 +195,8 @@ def measure(python: Path, lib: str, shape: str, n: int) -> dict[str, Any]:
         git(project, env, "commit", "-q", "-m", "benchmark script")
         out = work / "timings.json"
         env.update(BENCH_LIB=lib, BENCH_SHAPE=shape, BENCH_N=str(n), BENCH_OUT=str(out))
+        if schema_url is not None:
+            env["RETROLOG_DATABASE_URL"] = schema_url
         stderr = work / "stderr.txt"
         with stderr.open("w") as err:
             # stdout to /dev/null: flor.log echoes every value there, the cheapest sink.
@@ -199,10 +215,74 @@ def measure(python: Path, lib: str, shape: str, n: int) -> dict[str, Any]:
                 f"{tail(stderr.read_text(errors='replace'))}"
             )
         timings: dict[str, Any] = json.loads(out.read_text())
-        timings["stored"] = verify_store(project, lib, shape, n)
+        if schema_url is not None:
+            timings["stored"] = verify_postgresql(schema_url, shape, n)
+        else:
+            timings["stored"] = verify_store(project, lib, shape, n)
         return timings
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if schema_url is not None:
+            drop_schema(schema_url)
+
+
+def fresh_schema(database_url: str) -> str:
+    """``database_url`` with a new schema first in its search path."""
+    import psycopg
+
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    parts = urllib.parse.urlsplit(database_url)
+    option = "options=" + urllib.parse.quote(f"-c search_path={schema}")
+    query = f"{parts.query}&{option}" if parts.query else option
+    return urllib.parse.urlunsplit(parts._replace(query=query))
+
+
+def drop_schema(schema_url: str) -> None:
+    import psycopg
+
+    schema = urllib.parse.unquote(schema_url).rsplit("search_path=", 1)[1].split("&")[0]
+    with psycopg.connect(schema_url, autocommit=True) as admin:
+        admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def verify_postgresql(schema_url: str, shape: str, n: int) -> int:
+    """verify_store, for a run recorded into PostgreSQL."""
+    import psycopg
+
+    expected_sum = 0.5 * n * (n - 1) / 2
+    with psycopg.connect(schema_url) as conn:
+        count, total = conn.execute(
+            "SELECT COUNT(*), SUM(value_float) FROM logs WHERE name = 'x'"
+        ).fetchone()
+        statuses = [row[0] for row in conn.execute("SELECT status FROM runs")]
+        (steps,) = conn.execute("SELECT COUNT(*) FROM loops WHERE name = 'step'").fetchone()
+    problems = []
+    if count != n or total != expected_sum:
+        problems.append(f"{count} values named 'x' summing to {total}")
+    if statuses != ["finished"]:
+        problems.append(f"run statuses {statuses}")
+    if shape == "loop" and steps != n:
+        problems.append(f"{steps} 'step' loop contexts")
+    if problems:
+        raise BenchError(
+            f"retrolog into PostgreSQL, {shape}: the store does not hold what was logged "
+            f"(expected {n} values summing to {expected_sum}): {'; '.join(problems)}"
+        )
+    return int(count)
+
+
+def test_database_url() -> str | None:
+    """The loopback PostgreSQL server scripts/services.sh starts, if it runs."""
+    found = os.environ.get("RETROLOG_TEST_DATABASE_URL", "").strip()
+    services = BENCH_DIR.parent / ".services" / "env"
+    if not found and services.exists():
+        for line in services.read_text().splitlines():
+            name, _, value = line.partition("=")
+            if name == "RETROLOG_TEST_DATABASE_URL":
+                found = value.strip()
+    return found or None
 
 
 def verify_store(project: Path, lib: str, shape: str, n: int) -> int:
@@ -383,7 +463,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-flordb", type=int, default=20_000, help="values per FlorDB run")
     parser.add_argument("--no-flordb", action="store_true", help="skip the FlorDB anchor")
     parser.add_argument("--output", type=Path, default=RESULTS, help="results JSON file")
+    parser.add_argument(
+        "--postgresql",
+        action="store_true",
+        help="also record into PostgreSQL (database_url): the server of "
+        "`bash scripts/services.sh start`, or RETROLOG_TEST_DATABASE_URL",
+    )
     args = parser.parse_args(argv)
+    database_url = None
+    if args.postgresql:
+        database_url = test_database_url()
+        if database_url is None:
+            print(
+                "--postgresql needs a server: run `bash scripts/services.sh start`, or set "
+                "RETROLOG_TEST_DATABASE_URL to a database this benchmark may write.",
+                file=sys.stderr,
+            )
+            return 1
     if args.reps < 5:
         print(
             f"note: {args.reps} repetitions; figures for the record use at least 5.",
@@ -405,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         flor_python, flordb_note = flordb_python()
     n_ours = {"inner": args.n_inner, "loop": args.n_loop}
     configs: list[tuple[str, Path, int, str]] = [("retrolog", ours, n_ours[s], s) for s in SHAPES]
+    if database_url is not None:
+        configs += [(POSTGRESQL, ours, n_ours[s], s) for s in SHAPES]
     if flor_python is not None:
         configs += [("flordb", flor_python, args.n_flordb, s) for s in SHAPES]
     else:
@@ -415,12 +513,17 @@ def main(argv: list[str] | None = None) -> int:
     source = source_fingerprint()
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {(c[0], c[3]): [] for c in configs}
     try:
+        def run(label: str, python: Path, shape: str, n: int) -> dict[str, Any]:
+            if label == POSTGRESQL:
+                return measure(python, "retrolog", shape, n, database_url)
+            return measure(python, label, shape, n)
+
         for lib, python, _, shape in configs:
-            measure(python, lib, shape, WARMUP_N)
+            run(lib, python, shape, WARMUP_N)
         for rep in range(args.reps):
             for lib, python, n, shape in configs:
                 print(f"rep {rep + 1}/{args.reps}: {lib} {shape} N={n}", file=sys.stderr)
-                raw[lib, shape].append(measure(python, lib, shape, n))
+                raw[lib, shape].append(run(lib, python, shape, n))
     except (BenchError, subprocess.SubprocessError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -462,6 +565,26 @@ def main(argv: list[str] | None = None) -> int:
         "retrolog": figures["retrolog"],
         "flordb": {"available": flor_python is not None, "note": flordb_note},
     }
+    if database_url is not None:
+        # Per repetition: the PostgreSQL run and the SQLite run of the same repetition.
+        result[POSTGRESQL] = figures[POSTGRESQL]
+        result["ratio_postgresql_over_sqlite"] = {
+            shape: {
+                key: spread(
+                    [
+                        pg[key] / sq[key]
+                        for pg, sq in zip(
+                            [per_sample(t, n_ours[shape]) for t in raw[POSTGRESQL, shape]],
+                            [per_sample(t, n_ours[shape]) for t in raw["retrolog", shape]],
+                            strict=True,
+                        )
+                        if sq[key] > 0
+                    ]
+                )
+                for key in ("cost_us_per_value", "flush_s", "end_to_end_us_per_value", "start_s")
+            }
+            for shape in SHAPES
+        }
     if flor_python is not None:
         result["flordb"].update(figures["flordb"], version=FLORDB_VERSION)
         result["ratio_flordb_over_retrolog"] = {
@@ -497,7 +620,9 @@ def print_report(result: dict[str, Any]) -> None:
     print(header)
     print("-" * len(header))
     rss: list[str] = []
-    for lib in ("retrolog", "flordb"):
+    for lib in ("retrolog", POSTGRESQL, "flordb"):
+        if lib not in result:
+            continue
         figures = result[lib]
         if lib == "flordb" and not figures["available"]:
             print(f"flordb    unavailable: {figures['note']}")
@@ -511,6 +636,13 @@ def print_report(result: dict[str, Any]) -> None:
             )
             rss.append(f"{lib} {shape} {f['max_rss_mb']['median']:.0f}")
     print(f"peak memory, MB (median): {', '.join(rss)}")
+    for shape, ratios in result.get("ratio_postgresql_over_sqlite", {}).items():
+        print(
+            f"PostgreSQL / SQLite, {shape}: cost "
+            f"{cell(ratios['cost_us_per_value'], '.2f')}, flush {cell(ratios['flush_s'], '.2f')},"
+            f" end-to-end {cell(ratios['end_to_end_us_per_value'], '.2f')}, run start "
+            f"{cell(ratios['start_s'], '.2f')}"
+        )
     verdict = "met" if result["target_met"] else "MISSED"
     head = result["retrolog"]["inner"]["cost_us_per_value"]
     print(
