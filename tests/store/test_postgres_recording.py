@@ -253,3 +253,40 @@ def test_a_database_url_retrolog_cannot_use_stops_the_run_with_what_to_do(
     ), done.stderr
     assert "Traceback" not in done.stderr
     assert time.monotonic() - started < 60
+
+
+def test_a_role_that_may_only_write_retrologs_tables_records(
+    project: Project, pg_store_url: str, database_url: str
+) -> None:
+    """What a team gives its training machines: no CREATE, once the tables exist."""
+    import uuid
+
+    import psycopg
+
+    project.write(
+        "quick.py",
+        "import retrolog as rl\nfor i in rl.loop('i', range(3)):\n    rl.log('x', i / 3)\n",
+    )
+    project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)  # an admin's first run
+    parts = urllib.parse.urlsplit(pg_store_url)
+    schema = urllib.parse.unquote(parts.query).split("search_path=")[1].split("&")[0]
+    role, password = f"rec_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+        admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+        admin.execute(f"GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA {schema} TO {role}")
+    try:
+        url = urllib.parse.urlunsplit(
+            parts._replace(netloc=f"{role}:{password}@{parts.hostname}:{parts.port}")
+        )
+        project.run("quick.py", RETROLOG_DATABASE_URL=url)
+        rows = read_pg(
+            pg_store_url,
+            "SELECT r.status, COUNT(l.log_id) FROM runs r JOIN logs l USING (run_id)"
+            " WHERE l.name = 'x' GROUP BY r.run_id, r.status",
+        )
+        assert rows == [("finished", 3), ("finished", 3)]
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")

@@ -241,8 +241,14 @@ def migrate(conn: Any) -> int:
     """Bring the database to :data:`SCHEMA_VERSION`; returns the version.
 
     A new database gets the whole schema in one transaction, under an advisory lock
-    that a second process opening it at the same time waits for.
+    that a second process opening it at the same time waits for. A current one is
+    only read: a role that may write retrolog's tables but not create any (what a
+    team gives the machines that record) opens it.
     """
+    if _has_store(conn):
+        (newest,) = conn.execute("SELECT MAX(version) FROM migrations").fetchone()
+        if newest == SCHEMA_VERSION:
+            return SCHEMA_VERSION
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         conn.execute(
