@@ -9,11 +9,12 @@ docs/metadata-backends.md has the design. The ``database_url`` setting
 
 The interface holds operations, not SQL. So far it holds what a recording run does
 (register itself, name its code manifest, learn the restore ratio, hand its writer
-thread a record sink, mark this host's dead runs crashed) and the runs listing. The operations whose
-SQL is the same on both backends are written once here, with ``?`` placeholders
-that a backend turns into its own; the rest are each backend's own. Queries,
-replay and gc still take SQLite connections (store/metadata.py): with PostgreSQL
-selected they stop with an error that says so (:func:`require_embedded`).
+thread a record sink, mark this host's dead runs crashed), the runs listing, and,
+on PostgreSQL, ``query``'s read-only statement. The operations whose SQL is the
+same on both backends are written once here, with ``?`` placeholders that a
+backend turns into its own; the rest are each backend's own. ``show``, the
+dataframe, replay and gc still take SQLite connections (store/metadata.py): with
+PostgreSQL selected they stop with an error that says so (:func:`require_embedded`).
 """
 
 from __future__ import annotations
