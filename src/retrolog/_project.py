@@ -114,9 +114,13 @@ class Project:
         """Everything known about one run (an id or a unique prefix of one): metadata,
         code version, arguments, names, loops, checkpoints, backfills, timing profile."""
         from retrolog._query.runs import run_details
+        from retrolog.store.metastore import open_metadata
 
-        with self.reader() as conn:
-            return run_details(conn, ref)
+        metadata = open_metadata(self.paths, create=False)
+        try:
+            return run_details(metadata.reader(), ref)
+        finally:
+            metadata.close()
 
     def names(self) -> list[str]:
         """Every name logged in the store (recorded or backfilled), sorted."""

@@ -204,9 +204,11 @@ def test_the_reading_commands_that_do_not_read_postgresql_yet_say_so(
     password = urllib.parse.urlsplit(pg_store_url).password
     assert password  # the test server's URL carries one, as a user's may
     commands = (
-        ("show", "quick"), ("dataframe", "i"), ("replay", "x", "--yes"), ("gc", "--yes"),
+        ("dataframe", "i"),
+        ("replay", "x", "--yes"),
+        ("gc", "--yes"),
         ("ui", "--no-browser"),
-    )  # fmt: skip
+    )
     for args in commands:
         done = project.cli(*args, RETROLOG_DATABASE_URL=pg_store_url)
         assert done.returncode != 0, args
@@ -290,3 +292,30 @@ def test_a_role_that_may_only_write_retrologs_tables_records(
         with psycopg.connect(database_url, autocommit=True) as admin:
             admin.execute(f"DROP OWNED BY {role}")
             admin.execute(f"DROP ROLE {role}")
+
+
+def test_show_says_the_same_of_a_run_on_either_backend(project: Project, pg_store_url: str) -> None:
+    """The same script recorded into the embedded store and into PostgreSQL: `retrolog
+    show` gives the same account of each run."""
+    project.write("train.py", SCRIPT)
+    args = ("train.py", "--epochs", "2", "--steps", "20", "--lr", "0.5")
+    project.run(*args, RETROLOG_CHECKPOINTS="adaptive")
+    project.run(*args, RETROLOG_DATABASE_URL=pg_store_url, RETROLOG_CHECKPOINTS="adaptive")
+    shown = []
+    for env in ({}, {"RETROLOG_DATABASE_URL": pg_store_url}):
+        done = project.cli("show", "2", "--json", **env)  # every run id starts with the year
+        assert done.returncode == 0, done.stderr
+        shown.append(json.loads(done.stdout))
+    sqlite, pg = shown
+    same = ("filename", "status", "args", "parsed_args", "names", "loops", "definitions",
+            "dirty", "code_tree")  # fmt: skip
+    for key in same:
+        assert pg[key] == sqlite[key], key
+    assert pg["run_id"] != sqlite["run_id"]
+    assert [n["name"] for n in pg["names"]][:5] == ["lr", "epochs", "steps", "seed", "loss"]
+    statements = {d["name"]: d["statement"] for d in pg["definitions"]}
+    assert statements["loss"] == "log('loss', args.lr * (step + 1) / 7.0 + epoch)"
+    for key in ("count", "blocks", "chosen", "written"):
+        assert pg["checkpoints"][key] == sqlite["checkpoints"][key], key
+    assert isinstance(pg["checkpoints"]["bytes"], int) and pg["checkpoints"]["bytes"] > 0
+    assert set(pg["profile"]) == set(sqlite["profile"])

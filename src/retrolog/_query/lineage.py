@@ -104,20 +104,19 @@ def keep(
     conn.executemany(
         "INSERT OR IGNORE INTO definitions(lineage, name, text, dependencies, coarse,"
         " first_seen, first_run, first_replay) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [
-            (
-                d.key,
-                d.name,
-                d.text,
-                json.dumps(list(d.dependencies)),
-                d.coarse,
-                time.time(),
-                run_id,
-                replay_id,
-            )
-            for d in found
-        ],
+        _definition_rows(found, run_id, replay_id),
     )
+
+
+def _definition_rows(
+    found: Iterable[Definition], run_id: str | None, replay_id: str | None
+) -> list[tuple[Any, ...]]:
+    """Rows of the definitions table, in its column order."""
+    now = time.time()
+    return [
+        (d.key, d.name, d.text, json.dumps(list(d.dependencies)), d.coarse, now, run_id, replay_id)
+        for d in found
+    ]
 
 
 def recorded_definitions(conn: sqlite3.Connection, run_id: str) -> dict[str, str]:
@@ -179,6 +178,12 @@ def _from_version(
 
 def _write(conn: sqlite3.Connection, found: Mapping[str, Definition], run_id: str) -> None:
     """Keep computed definitions; a store that cannot be written (read-only) just does not."""
+    if not isinstance(conn, sqlite3.Connection):  # a MetadataStore's reader (PostgreSQL)
+        conn.keep_definitions(
+            _definition_rows(found.values(), run_id, None),
+            [(run_id, name, d.key) for name, d in found.items()],
+        )
+        return
     # Computed again next time: the code version does not change.
     with contextlib.suppress(sqlite3.OperationalError):
         _insert(conn, found, run_id)

@@ -39,7 +39,7 @@ def list_runs(metadata: MetadataStore, limit: int | None = None) -> pd.DataFrame
     return pd.DataFrame.from_records(records, columns=columns)
 
 
-def resolve_run(conn: sqlite3.Connection, ref: str) -> str:
+def resolve_run(conn: Any, ref: str) -> str:
     """The run id ``ref`` names: an exact id or a unique prefix of one."""
     ref = ref.strip()
     if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (ref,)).fetchone():
@@ -70,61 +70,52 @@ def resolve_run(conn: sqlite3.Connection, ref: str) -> str:
     )
 
 
-def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
-    """Everything known about one run: metadata, code version, names, loops, checkpoints."""
+def run_details(conn: Any, ref: str) -> dict[str, Any]:
+    """Everything known about one run: metadata, code version, names, loops, checkpoints.
+
+    conn: a SQLite connection or a MetadataStore's ``reader()`` (PostgreSQL): the
+        statements here are standard SQL that both run.
+    """
     run_id = resolve_run(conn, ref)
-    conn.row_factory = sqlite3.Row
-    try:
-        row = dict(conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone())
-        names = [
-            dict(r)
-            for r in conn.execute(
-                "SELECT name, COUNT(*) AS count, MIN(origin) AS origin,"
-                " CASE WHEN MAX(ctx_id IS NULL) = 1 AND MIN(ctx_id IS NULL) = 1"
-                " THEN 'run' ELSE 'loop' END AS level"
-                " FROM logs WHERE run_id = ? GROUP BY name ORDER BY MIN(log_id)",
-                (run_id,),
-            )
-        ]
-        loops = [
-            dict(r)
-            for r in conn.execute(
-                "SELECT name, depth, COUNT(*) AS iterations FROM loops WHERE run_id = ?"
-                " GROUP BY name, depth ORDER BY depth, MIN(ctx_id)",
-                (run_id,),
-            )
-        ]
-        ckpt = dict(
-            conn.execute(
-                "SELECT COUNT(*) AS count, COALESCE(SUM(nbytes), 0) AS bytes,"
-                " COALESCE(SUM(capture_seconds), 0) AS capture_seconds,"
-                " COALESCE(SUM(kind = 'block'), 0) AS blocks"
-                " FROM checkpoints WHERE run_id = ?",
-                (run_id,),
-            ).fetchone()
+
+    def dicts(sql: str) -> list[dict[str, Any]]:
+        # Standard SQL only: both backends run these (MetadataStore.reader).
+        cursor = conn.execute(sql, (run_id,))
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, r, strict=True)) for r in cursor.fetchall()]
+
+    (row,) = dicts("SELECT * FROM runs WHERE run_id = ?")
+    row.pop("run_key", None)  # PostgreSQL's compact run key (SQLite's rowid)
+    names = dicts(
+        "SELECT name, COUNT(*) AS count, MIN(origin) AS origin,"
+        " CASE WHEN COUNT(ctx_id) = 0 THEN 'run' ELSE 'loop' END AS level"
+        " FROM logs WHERE run_id = ? GROUP BY name ORDER BY MIN(log_id)"
+    )
+    loops = dicts(
+        "SELECT name, depth, COUNT(*) AS iterations FROM loops WHERE run_id = ?"
+        " GROUP BY name, depth ORDER BY depth, MIN(ctx_id)"
+    )
+    (ckpt,) = dicts(
+        "SELECT COUNT(*) AS count, COALESCE(SUM(nbytes), 0) AS bytes,"
+        " COALESCE(SUM(capture_seconds), 0) AS capture_seconds,"
+        " COUNT(CASE WHEN kind = 'block' THEN 1 END) AS blocks"
+        " FROM checkpoints WHERE run_id = ?"
+    )
+    backfills = dicts(
+        "SELECT l.name, l.replay_id, COUNT(*) AS count, l.inexact,"
+        " r.inexact AS reason FROM logs l LEFT JOIN replay_runs r"
+        " ON r.replay_id = l.replay_id AND r.run_id = l.run_id"
+        " WHERE l.run_id = ? AND l.origin = 'backfilled'"
+        " GROUP BY l.name, l.replay_id, l.inexact, r.inexact ORDER BY MIN(l.log_id)"
+    )
+    ckpt.update(_checkpoint_outcome(conn, run_id, row.get("checkpointing"), ckpt["blocks"]))
+    profile = {
+        r["phase"]: {"count": r["n"], "seconds": r["s"], "block_seconds": r["b"]}
+        for r in dicts(
+            "SELECT phase, COUNT(*) AS n, SUM(seconds) AS s, SUM(block_seconds) AS b"
+            " FROM profile WHERE run_id = ? GROUP BY phase"
         )
-        backfills = [
-            dict(r)
-            for r in conn.execute(
-                "SELECT l.name, l.replay_id, COUNT(*) AS count, l.inexact,"
-                " r.inexact AS reason FROM logs l LEFT JOIN replay_runs r"
-                " ON r.replay_id = l.replay_id AND r.run_id = l.run_id"
-                " WHERE l.run_id = ? AND l.origin = 'backfilled'"
-                " GROUP BY l.name, l.replay_id, l.inexact ORDER BY MIN(l.log_id)",
-                (run_id,),
-            )
-        ]
-        ckpt.update(_checkpoint_outcome(conn, run_id, row.get("checkpointing"), ckpt["blocks"]))
-        profile = {
-            r["phase"]: {"count": r["n"], "seconds": r["s"], "block_seconds": r["b"]}
-            for r in conn.execute(
-                "SELECT phase, COUNT(*) AS n, SUM(seconds) AS s, SUM(block_seconds) AS b"
-                " FROM profile WHERE run_id = ? GROUP BY phase",
-                (run_id,),
-            )
-        }
-    finally:
-        conn.row_factory = None
+    }
     for key in (
         "args",
         "packages",
@@ -148,7 +139,7 @@ def run_details(conn: sqlite3.Connection, ref: str) -> dict[str, Any]:
     return row
 
 
-def _definitions(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
+def _definitions(conn: Any, run_id: str) -> list[dict[str, Any]]:
     """Each logged name's definition(s): recorded ones from the code version, backfilled ones
     from the replay that computed them."""
     from retrolog._query.lineage import recorded_definitions, stored
@@ -179,7 +170,7 @@ def _definitions(conn: sqlite3.Connection, run_id: str) -> list[dict[str, Any]]:
 
 
 def _checkpoint_outcome(
-    conn: sqlite3.Connection, run_id: str, summary_json: str | None, written: int
+    conn: Any, run_id: str, summary_json: str | None, written: int
 ) -> dict[str, Any]:
     """Block checkpoints the adaptive rule chose, and what became of them.
 

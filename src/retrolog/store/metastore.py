@@ -9,12 +9,13 @@ docs/metadata-backends.md has the design. The ``database_url`` setting
 
 The interface holds operations, not SQL. So far it holds what a recording run does
 (register itself, name its code manifest, learn the restore ratio, hand its writer
-thread a record sink, mark this host's dead runs crashed), the runs listing, and,
-on PostgreSQL, ``query``'s read-only statement. The operations whose SQL is the
-same on both backends are written once here, with ``?`` placeholders that a
-backend turns into its own; the rest are each backend's own. ``show``, the
-dataframe, replay and gc still take SQLite connections (store/metadata.py): with
-PostgreSQL selected they stop with an error that says so (:func:`require_embedded`).
+thread a record sink, mark this host's dead runs crashed), the runs listing, a
+portable reader for ``show``'s queries, and, on PostgreSQL, ``query``'s read-only
+statement. The operations whose SQL is the same on both backends are written once,
+with ``?`` placeholders that a backend turns into its own; the rest are each
+backend's own. The dataframe, replay and gc still take SQLite connections
+(store/metadata.py): with PostgreSQL selected they stop with an error that says so
+(:func:`require_embedded`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class MetadataStore(abc.ABC):
     def record_sink(self) -> Callable[[], RecordSink]:
         """What makes a sink for a recording run's writer thread (called on that thread:
         a connection belongs to the thread that uses it)."""
+
+    @abc.abstractmethod
+    def reader(self) -> Any:
+        """A connection-like object for the queries whose SQL both backends run:
+        ``execute(sql, params)`` with ``?`` placeholders returns a cursor (``fetchone``,
+        ``fetchall``, iteration, ``description``); ``origin`` is the project's
+        ``retrolog.db`` path, whose directory is the store directory
+        (store/metadata.py's ``store_directory``)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -191,6 +200,9 @@ class SqliteMetadata(MetadataStore):
             raise
         self.conn.execute("COMMIT")
 
+    def reader(self) -> Any:
+        return self.conn
+
     def record_sink(self) -> Callable[[], RecordSink]:
         from retrolog.store.records import SqliteRecordSink
 
@@ -235,7 +247,7 @@ def open_metadata(paths: ProjectPaths, *, create: bool = True) -> MetadataStore:
         return SqliteMetadata(conn, paths.database if create else None)
     from retrolog.store.postgres import PostgresMetadata
 
-    return PostgresMetadata(url, create=create)
+    return PostgresMetadata(url, create=create, origin=paths.database)
 
 
 def require_embedded(paths: ProjectPaths) -> None:
@@ -249,9 +261,9 @@ def require_embedded(paths: ProjectPaths) -> None:
         return
     raise StoreError(
         f"This project's runs are recorded into the PostgreSQL database {mask(url)} "
-        f"(database_url). retrolog records runs there, lists them (`retrolog runs`) and answers "
-        "`retrolog query` from there, but its other queries, replay, gc and dashboard read "
-        "only the embedded SQLite store so far (docs/metadata-backends.md). Use `retrolog "
-        "query` meanwhile, or unset "
+        f"(database_url). retrolog records runs there and answers `retrolog runs`, `show` and "
+        "`query` from there, but the dataframe, replay, gc and the dashboard read only the "
+        "embedded SQLite store so far (docs/metadata-backends.md). Use `retrolog query` "
+        "meanwhile, or unset "
         f"{DATABASE_URL_ENV} to use the embedded store in {paths.store}."
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from retrolog._config import mask
@@ -483,6 +484,53 @@ def placeholders(sql: str) -> str:
     return "'".join(part.replace("?", "%s") if i % 2 == 0 else part for i, part in enumerate(parts))
 
 
+class _Reader:
+    """A PostgreSQL connection as the portable queries use one (MetadataStore.reader):
+    SQLite's ``?`` placeholders, and numeric results (what SUM of integers gives) as
+    int or float, as SQLite returns them."""
+
+    def __init__(self, conn: Any, origin: Path | None) -> None:
+        from psycopg.types.numeric import NumericLoader
+
+        class Numbers(NumericLoader):
+            def load(self, data: Any) -> Any:
+                number = super().load(data)
+                if number.is_finite() and number == number.to_integral_value():
+                    return int(number)
+                return float(number)
+
+        conn.adapters.register_loader("numeric", Numbers)
+        self._conn = conn
+        self.origin = origin
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        return self._conn.execute(placeholders(sql), params)
+
+    def keep_definitions(
+        self, definitions: list[tuple[Any, ...]], run_definitions: list[tuple[Any, ...]]
+    ) -> None:
+        """Store computed definitions (rows of ``definitions``, each kept once) and a run's
+        (``run_definitions``); a role that may only read leaves them to be computed again."""
+        import psycopg
+
+        try:
+            with self._conn.transaction():
+                cur = self._conn.cursor()
+                cur.executemany(
+                    "INSERT INTO definitions(lineage, name, text, dependencies, coarse,"
+                    " first_seen, first_run, first_replay)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (lineage) DO NOTHING",
+                    definitions,
+                )
+                cur.executemany(
+                    "INSERT INTO run_definitions(run_id, name, lineage) VALUES (%s, %s, %s)"
+                    " ON CONFLICT (run_id, name) DO UPDATE SET lineage = EXCLUDED.lineage",
+                    run_definitions,
+                )
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction):
+            pass
+
+
 class PostgresMetadata(MetadataStore):
     """A team's PostgreSQL database: opened, migrated and crash-checked on creation.
 
@@ -491,10 +539,11 @@ class PostgresMetadata(MetadataStore):
     current, and dead runs are marked crashed only by a role that may update runs.
     """
 
-    def __init__(self, url: str, *, create: bool = True) -> None:
+    def __init__(self, url: str, *, create: bool = True, origin: Path | None = None) -> None:
         self._psycopg = _psycopg()
         self._url = url
         self.location = mask(url)
+        self.origin = origin
         self._conn: Any = connect(url)
         try:
             if create:
@@ -547,6 +596,9 @@ class PostgresMetadata(MetadataStore):
     def record_sink(self) -> Callable[[], RecordSink]:
         url = self._url
         return lambda: PostgresRecordSink(url)
+
+    def reader(self) -> Any:
+        return _Reader(self._conn, self.origin)
 
     def read_statement(
         self, sql: str, *, seconds: float, over_budget: Callable[[], bool]
