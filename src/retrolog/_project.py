@@ -86,6 +86,18 @@ class Project:
         finally:
             conn.close()
 
+    @contextlib.contextmanager
+    def _portable(self) -> Iterator[Any]:
+        """The store's reader for the queries whose SQL both backends run (SQLite's
+        connection, or PostgreSQL's through store/metastore.py)."""
+        from retrolog.store.metastore import open_metadata
+
+        metadata = open_metadata(self.paths, create=False)
+        try:
+            yield metadata.reader()
+        finally:
+            metadata.close()
+
     # -- reading ---------------------------------------------------------------------
 
     def check_readable(self) -> None:
@@ -114,19 +126,15 @@ class Project:
         """Everything known about one run (an id or a unique prefix of one): metadata,
         code version, arguments, names, loops, checkpoints, backfills, timing profile."""
         from retrolog._query.runs import run_details
-        from retrolog.store.metastore import open_metadata
 
-        metadata = open_metadata(self.paths, create=False)
-        try:
-            return run_details(metadata.reader(), ref)
-        finally:
-            metadata.close()
+        with self._portable() as conn:
+            return run_details(conn, ref)
 
     def names(self) -> list[str]:
         """Every name logged in the store (recorded or backfilled), sorted."""
         from retrolog._query.dataframe import logged_names
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             return logged_names(conn)
 
     def matching(self, where: str) -> list[str]:
@@ -174,7 +182,7 @@ class Project:
         """A run's checkpoints: kind, loop and iteration, size, capture and write time."""
         from retrolog._query.runs import checkpoint_list
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             return checkpoint_list(conn, run)
 
     def code(self, run: str, path: str | None = None) -> dict[str, Any]:
@@ -182,7 +190,7 @@ class Project:
         (default: its script), uncommitted edits included."""
         from retrolog._query.runs import run_code
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             return run_code(conn, run, path)
 
     def compare(self, runs: Sequence[str]) -> dict[str, Any]:
@@ -190,7 +198,7 @@ class Project:
         run's version to each other's."""
         from retrolog._query.runs import compare_runs
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             return compare_runs(conn, list(runs))
 
     def script_names(self, script: str) -> list[dict[str, Any]]:
@@ -208,7 +216,7 @@ class Project:
             found = definitions(path.read_text(), filename=script)
         except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
             raise UsageError(f"Cannot read the names {script} logs today: {exc}.") from exc
-        with self.reader() as conn:
+        with self._portable() as conn:
             known = set(logged_names(conn))
         return [{"name": name, "new": name not in known} for name in found]
 

@@ -319,3 +319,36 @@ def test_show_says_the_same_of_a_run_on_either_backend(project: Project, pg_stor
         assert pg["checkpoints"][key] == sqlite["checkpoints"][key], key
     assert isinstance(pg["checkpoints"]["bytes"], int) and pg["checkpoints"]["bytes"] > 0
     assert set(pg["profile"]) == set(sqlite["profile"])
+
+
+READER = """\
+import json
+import retrolog as rl
+
+p = rl.Project()
+runs = list(p.runs()["run_id"])
+print(json.dumps({
+    "names": p.names(),
+    "checkpoints": [(c["kind"], c["loop"], c["iteration"]) for c in p.checkpoints(runs[0])],
+    "code": p.code(runs[0])["path"],
+    "differ": p.compare(runs)["args_differ"],
+    "script": p.script_names("train.py"),
+}))
+"""
+
+
+def test_the_projects_run_readers_answer_alike_from_either_backend(
+    project: Project, pg_store_url: str
+) -> None:
+    project.write("train.py", SCRIPT)
+    project.write("read.py", READER)
+    answers = []
+    for env in ({}, {"RETROLOG_DATABASE_URL": pg_store_url}):
+        for lr in ("0.5", "0.25"):
+            project.run("train.py", "--epochs", "2", "--steps", "5", "--lr", lr, **env)
+        answers.append(json.loads(project.run("read.py", **env).stdout))
+    sqlite, pg = answers
+    assert pg == sqlite
+    assert pg["names"] == sorted(pg["names"]) and "loss" in pg["names"]
+    assert pg["differ"] == {"lr": [0.5, 0.25]}
+    assert ("block", "epoch", 0) in [tuple(c) for c in pg["checkpoints"]]

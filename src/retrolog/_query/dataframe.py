@@ -101,8 +101,9 @@ class _Dims:
     sparse: bool = False
 
 
-def logged_names(conn: sqlite3.Connection) -> list[str]:
-    """The distinct names logged in the store, sorted."""
+def logged_names(conn: Any) -> list[str]:
+    """The distinct names logged in the store, sorted (conn: a SQLite connection or a
+    MetadataStore's reader: the statement is standard SQL)."""
     # Hops from name to name along the logs_by_name index instead of reading every record.
     sql = (
         "WITH RECURSIVE n(name) AS ("
@@ -111,7 +112,8 @@ def logged_names(conn: sqlite3.Connection) -> list[str]:
         " SELECT (SELECT min(name) FROM logs WHERE name > n.name) FROM n WHERE n.name IS NOT NULL"
         ") SELECT name FROM n WHERE name IS NOT NULL"
     )
-    return [row[0] for row in conn.execute(sql)]
+    # Sorted here too: PostgreSQL's min() follows the database's collation.
+    return sorted(row[0] for row in conn.execute(sql))
 
 
 def dataframe(

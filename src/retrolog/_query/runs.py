@@ -314,7 +314,7 @@ def _quoted(text: str) -> str:
     return '"' + text.replace('"', '""') + '"'
 
 
-def checkpoint_list(conn: sqlite3.Connection, ref: str) -> list[dict[str, Any]]:
+def checkpoint_list(conn: Any, ref: str) -> list[dict[str, Any]]:
     """A run's checkpoints in the order written: kind (block or end), the loop and its
     iteration, stored bytes, capture and write seconds."""
     run_id = resolve_run(conn, ref)
@@ -330,7 +330,7 @@ def checkpoint_list(conn: sqlite3.Connection, ref: str) -> list[dict[str, Any]]:
 
 
 def _version(
-    conn: sqlite3.Connection, run_id: str, *, from_store: bool = False
+    conn: Any, run_id: str, *, from_store: bool = False
 ) -> tuple[str, str, bool, str, str]:
     """(git_dir, revision, dirty, tree, filename) of a run's code version: where it can be
     read (versions/portable.py: its recording clone, this one, or the store's copy)."""
@@ -357,7 +357,7 @@ def _version(
     return str(found.git_dir), found.rev, bool(dirty), tree, filename
 
 
-def run_code(conn: sqlite3.Connection, ref: str, path: str | None = None) -> dict[str, Any]:
+def run_code(conn: Any, ref: str, path: str | None = None) -> dict[str, Any]:
     """The code a run executed: its version's files, and the text of ``path`` (default: the
     run's script) as it was, uncommitted edits included."""
     from pathlib import Path
@@ -374,7 +374,7 @@ def run_code(conn: sqlite3.Connection, ref: str, path: str | None = None) -> dic
             "path": shown, "text": text}  # fmt: skip
 
 
-def compare_runs(conn: sqlite3.Connection, refs: list[str]) -> dict[str, Any]:
+def compare_runs(conn: Any, refs: list[str]) -> dict[str, Any]:
     """Two or more runs side by side, oldest first: the arguments that differ (and those that
     do not), and the code diff from the oldest run's version to each other's."""
     from pathlib import Path
