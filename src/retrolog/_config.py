@@ -68,8 +68,8 @@ SETTINGS: tuple[Setting, ...] = (
         "RETROLOG_DATABASE_URL",
         "<store>/retrolog.db (embedded SQLite)",
         "where runs' metadata lives: unset for the embedded SQLite store, or a PostgreSQL URL "
-        "such as postgresql://user@host/dbname (the team extra; recording, `runs`, `show` "
-        "and `query` only so far)",
+        "such as postgresql://user@host/dbname (the team extra; recording, `runs`, `show`, "
+        "`lineage` and `query` only so far)",
         secret=True,
     ),
     Setting(

@@ -175,7 +175,7 @@ class Project:
         """How a run's values of ``name`` came to be (see ``retrolog.lineage``)."""
         from retrolog._query.lineage import explain
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             return explain(conn, run, name, at)
 
     def checkpoints(self, run: str) -> list[dict[str, Any]]:

@@ -351,4 +351,17 @@ def test_the_projects_run_readers_answer_alike_from_either_backend(
     assert pg == sqlite
     assert pg["names"] == sorted(pg["names"]) and "loss" in pg["names"]
     assert pg["differ"] == {"lr": [0.5, 0.25]}
+    # How a run's values came to be, value by value.
+    explained = []
+    for env in ({}, {"RETROLOG_DATABASE_URL": pg_store_url}):
+        newest = json.loads(project.cli("runs", "--json", "--limit", "1", **env).stdout)
+        done = project.cli("lineage", newest[0]["run_id"], "w_sum", "--json", **env)
+        assert done.returncode == 0, done.stderr
+        explained.append(json.loads(done.stdout))
+    keep = ("context", "value", "value_type", "origin", "lineage")
+    sqlite_values, pg_values = ([{k: v[k] for k in keep} for v in e["values"]] for e in explained)
+    assert pg_values == sqlite_values and len(pg_values) == 2
+    assert [v["context"] for v in pg_values] == [{"epoch": 0}, {"epoch": 1}]
+    assert all(isinstance(v["value"], float) for v in pg_values)
+    assert explained[1]["definitions"] == explained[0]["definitions"]
     assert ("block", "epoch", 0) in [tuple(c) for c in pg["checkpoints"]]

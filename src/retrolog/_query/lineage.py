@@ -119,7 +119,7 @@ def _definition_rows(
     ]
 
 
-def recorded_definitions(conn: sqlite3.Connection, run_id: str) -> dict[str, str]:
+def recorded_definitions(conn: Any, run_id: str) -> dict[str, str]:
     """The definition key of each name the run recorded (arguments excepted), computed once.
 
     Names whose definition cannot be computed (the code version is gone) are left out.
@@ -176,7 +176,7 @@ def _from_version(
         return {}
 
 
-def _write(conn: sqlite3.Connection, found: Mapping[str, Definition], run_id: str) -> None:
+def _write(conn: Any, found: Mapping[str, Definition], run_id: str) -> None:
     """Keep computed definitions; a store that cannot be written (read-only) just does not."""
     if not isinstance(conn, sqlite3.Connection):  # a MetadataStore's reader (PostgreSQL)
         conn.keep_definitions(
@@ -207,7 +207,7 @@ def _insert(conn: sqlite3.Connection, found: Mapping[str, Definition], run_id: s
         raise
 
 
-def stored(conn: sqlite3.Connection, key: str) -> StoredDefinition | None:
+def stored(conn: Any, key: str) -> StoredDefinition | None:
     row = conn.execute(
         "SELECT lineage, name, text, dependencies, coarse FROM definitions WHERE lineage = ?",
         (key,),
@@ -244,9 +244,7 @@ def value_keys(
     return result
 
 
-def explain(
-    conn: sqlite3.Connection, ref: str, name: str, at: Mapping[str, int] | None = None
-) -> dict[str, Any]:
+def explain(conn: Any, ref: str, name: str, at: Mapping[str, int] | None = None) -> dict[str, Any]:
     """How the values of ``name`` in a run came to be: definition, code, replay, checkpoint.
 
     at: loop iterations to narrow to, e.g. ``{"epoch": 3}`` (every value otherwise).
@@ -280,12 +278,20 @@ def explain(
             strict=True,
         )
     )
-    rows = conn.execute(
-        "SELECT l.log_id, l.ctx_id, l.value, l.value_type, l.origin, l.replay_id,"
-        " l.code_object, l.checkpoint, l.inexact, l.lineage FROM logs l"
-        " WHERE l.run_id = ? AND l.name = ? ORDER BY l.log_id",
-        (run_id, name),
-    ).fetchall()
+    # SQLite keeps a value in one column; PostgreSQL's reader names its typed columns, of
+    # which at most one is set (store/postgres.py).
+    value_columns = getattr(conn, "value_columns", ("value",))
+    width = len(value_columns)
+    rows = [
+        (r[0], r[1], next((v for v in r[2 : 2 + width] if v is not None), None), *r[2 + width :])
+        for r in conn.execute(
+            "SELECT l.log_id, l.ctx_id, "
+            + ", ".join(f"l.{c}" for c in value_columns)
+            + ", l.value_type, l.origin, l.replay_id, l.code_object, l.checkpoint, l.inexact,"
+            " l.lineage FROM logs l WHERE l.run_id = ? AND l.name = ? ORDER BY l.log_id",
+            (run_id, name),
+        ).fetchall()
+    ]
     contexts = _contexts(conn, run_id)
     values = []
     for log_id, ctx, value, kind, origin, replay, code, checkpoint, inexact, key in rows:
@@ -339,7 +345,7 @@ def _definition_dict(found: StoredDefinition | None) -> dict[str, Any] | None:
     }
 
 
-def _replay_dict(conn: sqlite3.Connection, replay_id: str, run_id: str) -> dict[str, Any]:
+def _replay_dict(conn: Any, replay_id: str, run_id: str) -> dict[str, Any]:
     row = conn.execute(
         "SELECT r.started_at, r.kind, p.scan, p.status, p.compared, p.mismatches, p.inexact,"
         " p.environment, r.executor, r.executor_address, p.hosts"
@@ -368,7 +374,7 @@ def _replay_dict(conn: sqlite3.Connection, replay_id: str, run_id: str) -> dict[
     }
 
 
-def _contexts(conn: sqlite3.Connection, run_id: str) -> dict[int, dict[str, int]]:
+def _contexts(conn: Any, run_id: str) -> dict[int, dict[str, int]]:
     """Each context's loop iterations, outermost first: {ctx: {"epoch": 3, "step": 7}}."""
     rows = conn.execute(
         "SELECT ctx_id, parent_ctx, name, iteration FROM loops WHERE run_id = ? ORDER BY ctx_id",
@@ -381,7 +387,7 @@ def _contexts(conn: sqlite3.Connection, run_id: str) -> dict[int, dict[str, int]
 
 
 def _checkpoint_place(
-    conn: sqlite3.Connection,
+    conn: Any,
     run_id: str,
     manifest: str | None,
     value_ctx: int | None,
@@ -396,7 +402,8 @@ def _checkpoint_place(
         return None
     rows = conn.execute(
         "SELECT kind, ctx_id FROM checkpoints WHERE run_id = ? AND manifest = ?"
-        " ORDER BY kind = 'block' DESC, ctx_id DESC",
+        # NULLs sort first on SQLite and last on PostgreSQL: none here.
+        " ORDER BY kind = 'block' DESC, COALESCE(ctx_id, -1) DESC",
         (run_id, manifest),
     ).fetchall()
     before = [r for r in rows if r[0] == "block" and (value_ctx is None or r[1] <= value_ctx)]

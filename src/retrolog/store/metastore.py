@@ -261,9 +261,9 @@ def require_embedded(paths: ProjectPaths) -> None:
         return
     raise StoreError(
         f"This project's runs are recorded into the PostgreSQL database {mask(url)} "
-        f"(database_url). retrolog records runs there and answers `retrolog runs`, `show` and "
-        "`query` from there, but the dataframe, replay, gc and the dashboard read only the "
-        "embedded SQLite store so far (docs/metadata-backends.md). Use `retrolog query` "
-        "meanwhile, or unset "
-        f"{DATABASE_URL_ENV} to use the embedded store in {paths.store}."
+        "(database_url). retrolog records runs there and answers `retrolog runs`, `show`, "
+        "`lineage` and `query` from there, but the dataframe, replay, gc and the dashboard "
+        "read only the embedded SQLite store so far (docs/metadata-backends.md). Use "
+        f"`retrolog query` meanwhile, or unset {DATABASE_URL_ENV} to use the embedded store "
+        f"in {paths.store}."
     )

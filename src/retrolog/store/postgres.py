@@ -489,6 +489,9 @@ class _Reader:
     SQLite's ``?`` placeholders, and numeric results (what SUM of integers gives) as
     int or float, as SQLite returns them."""
 
+    # A logged value is in one of these (none for NULL and NaN), by its type.
+    value_columns = ("value_float", "value_int", "value_text")
+
     def __init__(self, conn: Any, origin: Path | None) -> None:
         from psycopg.types.numeric import NumericLoader
 
