@@ -60,9 +60,15 @@ def _value(row: tuple[object, ...]) -> object:
     return set_ones[0] if set_ones else None
 
 
-def test_eight_runs_recording_at_once_all_land(project: Project, pg_store_url: str) -> None:
+@pytest.mark.parametrize("objects", ["local", "s3"])
+def test_eight_runs_recording_at_once_all_land(
+    project: Project, pg_store_url: str, objects: str, request: pytest.FixtureRequest
+) -> None:
+    """Metadata in PostgreSQL; checkpoints in the project's store, or on the S3 server."""
     project.write("train.py", SCRIPT)
-    env = project.env(RETROLOG_DATABASE_URL=pg_store_url)
+    # The S3 fixture puts the server's address and credentials in the environment first.
+    s3 = {"RETROLOG_OBJECTS_URL": request.getfixturevalue("s3_url")} if objects == "s3" else {}
+    env = project.env(RETROLOG_DATABASE_URL=pg_store_url, **s3)
     lrs = [0.1 * (i + 1) for i in range(8)]
     procs = [
         subprocess.Popen(
@@ -133,11 +139,13 @@ def test_eight_runs_recording_at_once_all_land(project: Project, pg_store_url: s
             (run_id,),
         )
         assert checkpoints
-        # Their objects are in the project's object store (the default, beside the metadata).
-        from retrolog.store.objects import LocalObjectStore
+        # Their objects are where objects_url says (the store directory by default).
+        from retrolog.store.backends import open_object_store
 
-        objects = LocalObjectStore(project.root / ".retrolog" / "objects")
-        assert all(objects.has(str(key)) for (key,) in checkpoints)
+        store = open_object_store(
+            env.get("RETROLOG_OBJECTS_URL") or str(project.root / ".retrolog" / "objects")
+        )
+        assert all(store.has(str(key)) for (key,) in checkpoints)
     # The embedded store holds no run: the metadata went to PostgreSQL only.
     assert not (project.root / ".retrolog" / "retrolog.db").exists()
     # `retrolog runs` lists them from there, oldest first, with their arguments.
