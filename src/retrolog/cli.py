@@ -70,6 +70,12 @@ def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
     if as_json and as_csv:
         raise click.UsageError("Choose one of --json and --csv.")
     if as_json:
+        if not frame.columns.is_unique:
+            twice = sorted({str(c) for c in frame.columns[frame.columns.duplicated()]})
+            raise click.UsageError(
+                f"The result has more than one column named {', '.join(twice)}; a JSON object "
+                "cannot hold both. Name them apart (SELECT ... AS another_name), or use --csv."
+            )
         click.echo(_json_records(_json_safe(frame)))
     elif as_csv:
         click.echo(frame.to_csv(index=False), nl=False)

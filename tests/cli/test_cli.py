@@ -106,6 +106,9 @@ def test_json_output_keeps_every_float_and_int_exact(project: Project) -> None:
     assert [r["value"] for r in rows] == [1 / 30 + i for i in range(3)]
     odd = json.loads(project.cli("dataframe", "odd", "--json").stdout)
     assert [r["odd"] for r in odd] == [None]  # JSON has no infinity: null, as for NaN
+    twice = project.cli("query", "SELECT 1 AS a, 2 AS a", "--json")
+    assert twice.returncode != 0 and "Traceback" not in twice.stderr
+    assert "more than one column named a" in twice.stderr
 
 
 def test_dataframe_errors(recorded: Project) -> None:
