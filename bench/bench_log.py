@@ -513,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     source = source_fingerprint()
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {(c[0], c[3]): [] for c in configs}
     try:
+
         def run(label: str, python: Path, shape: str, n: int) -> dict[str, Any]:
             if label == POSTGRESQL:
                 return measure(python, "retrolog", shape, n, database_url)

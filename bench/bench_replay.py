@@ -961,6 +961,20 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
 # -- main ----------------------------------------------------------------------------------
 
 
+def add_thread_options(
+    parser: argparse.ArgumentParser, results: Path, default_threads: Path, threads_help: str
+) -> None:
+    """--output and --torch-threads, as the replay benchmarks take them."""
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"results JSON file (default {results.name}, or {default_threads.name} "
+        "with --torch-threads default)",
+    )
+    parser.add_argument("--torch-threads", choices=("1", "default"), default="1", help=threads_help)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3, help="repetitions of record/retrain/replay")
@@ -973,18 +987,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-flordb", action="store_true", help="skip the FlorDB anchor")
     parser.add_argument("--flordb-reps", type=int, default=1, help="FlorDB repetitions")
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help=f"results JSON file (default {RESULTS.name}, or {RESULTS_DEFAULT_THREADS.name} "
-        "with --torch-threads default)",
-    )
-    parser.add_argument(
-        "--torch-threads",
-        choices=("1", "default"),
-        default="1",
-        help="1 (the default): every process trains on one thread, replayed with 1 and with 2 "
+    add_thread_options(
+        parser,
+        RESULTS,
+        RESULTS_DEFAULT_THREADS,
+        "1 (the default): every process trains on one thread, replayed with 1 and with 2 "
         "workers; default: torch's own thread count, as a script that never sets it, replayed "
         "with the workers retrolog picks by itself (no --workers); FlorDB is skipped",
     )

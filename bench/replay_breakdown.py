@@ -60,7 +60,7 @@ from typing import Any
 
 import _replay_workload as workload
 from bench_log import BenchError, conditions, source_fingerprint
-from bench_replay import base_env, new_project, run_ids, run_kwargs, timed
+from bench_replay import add_thread_options, base_env, new_project, run_ids, run_kwargs, timed
 
 BENCH_DIR = Path(__file__).resolve().parent
 SITE_DIR = BENCH_DIR / "_breakdown_site"
@@ -492,18 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--n-train", type=int, default=6000)
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help=f"results JSON file (default {RESULTS.name}, or {RESULTS_DEFAULT_THREADS.name} "
-        "with --torch-threads default)",
-    )
-    parser.add_argument(
-        "--torch-threads",
-        choices=("1", "default"),
-        default="1",
-        help="1 (the default): every script trains on one thread, replayed with 1 and 2 "
+    add_thread_options(
+        parser,
+        RESULTS,
+        RESULTS_DEFAULT_THREADS,
+        "1 (the default): every script trains on one thread, replayed with 1 and 2 "
         "workers; default: torch's own thread count, replayed with the workers retrolog picks",
     )
     args = parser.parse_args(argv)

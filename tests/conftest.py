@@ -441,6 +441,30 @@ def pg_store_url(database_url: str) -> Iterator[str]:
         admin.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
+@contextlib.contextmanager
+def pg_role(admin_url: str, store_url: str, privileges: str) -> Iterator[str]:
+    """``store_url`` as a new login role that has ``privileges`` (e.g. "SELECT") on the
+    tables of the URL's schema and nothing more; the role is dropped afterwards."""
+    import urllib.parse
+
+    import psycopg
+
+    parts = urllib.parse.urlsplit(store_url)
+    schema = urllib.parse.unquote(parts.query).split("search_path=")[1].split("&")[0]
+    role, password = f"role_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+        admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+        admin.execute(f"GRANT {privileges} ON ALL TABLES IN SCHEMA {schema} TO {role}")
+    try:
+        netloc = f"{role}:{password}@{parts.hostname}:{parts.port}"
+        yield urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
+
+
 def read_pg(url: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
     """Rows from a PostgreSQL store, read with plain psycopg (independent of our readers)."""
     import psycopg

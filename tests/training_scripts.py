@@ -37,6 +37,17 @@ with rl.checkpointing(w=w):
 """
 
 
+# 100 steps a second, each step's number logged and printed: a test kills it mid-run.
+STEPPING = """\
+import time
+import retrolog as rl
+for step in rl.loop("step", range(100_000)):
+    rl.log("i", step)
+    print(step, flush=True)
+    time.sleep(0.01)
+"""
+
+
 # A script shaped like a real one: argparse, loops inside a function, a DataLoader, a
 # scheduler. "# HINDSIGHT" marks where a test inserts a statement (W_NORM) at the end of
 # each epoch.

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
-import uuid
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 
-from conftest import Project, database_url, read_pg  # noqa: F401  (a fixture)
+from conftest import Project, database_url, pg_role, read_pg  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +43,8 @@ def recorded(project: Project, pg_store_url: str) -> Project:
 @pytest.fixture
 def reader_url(pg_store_url: str, database_url: str) -> Iterator[str]:  # noqa: F811
     """``pg_store_url`` as a login role with SELECT on the schema's tables, nothing else."""
-    parts = urllib.parse.urlsplit(pg_store_url)
-    schema = urllib.parse.unquote(parts.query).split("search_path=")[1].split("&")[0]
-    role, password = f"reader_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
-        admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
-        admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role}")
-    netloc = f"{role}:{password}@{parts.hostname}:{parts.port}"
-    yield urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(f"DROP OWNED BY {role}")
-        admin.execute(f"DROP ROLE {role}")
+    with pg_role(database_url, pg_store_url, "SELECT") as url:
+        yield url
 
 
 def _query(project: Project, url: str, sql: str, **env: str) -> tuple[int, str, str]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from training_scripts import STEPPING
+
 from conftest import Project, read_db
 
 pytestmark = pytest.mark.slow
@@ -20,17 +22,7 @@ pytestmark = pytest.mark.slow
 def test_sigkill_loses_at_most_the_last_second_and_the_run_shows_crashed(
     project: Project,
 ) -> None:
-    project.write(
-        "train.py",
-        """
-        import sys, time
-        import retrolog as rl
-        for step in rl.loop("step", range(100_000)):
-            rl.log("i", step)
-            print(step, flush=True)
-            time.sleep(0.01)
-        """,
-    )
+    project.write("train.py", STEPPING)
     with subprocess.Popen(
         [sys.executable, "train.py"],
         cwd=project.root,

@@ -16,7 +16,9 @@ import urllib.parse
 
 import pytest
 
-from conftest import Project, read_pg
+from training_scripts import STEPPING
+
+from conftest import Project, pg_role, read_pg
 
 pytestmark = pytest.mark.slow
 
@@ -162,17 +164,7 @@ def test_eight_runs_recording_at_once_all_land(
 def test_a_killed_run_is_marked_crashed_by_the_next_run_on_its_host(
     project: Project, pg_store_url: str
 ) -> None:
-    project.write(
-        "slow.py",
-        """
-        import time
-        import retrolog as rl
-        for step in rl.loop("step", range(100_000)):
-            rl.log("i", step)
-            print(step, flush=True)
-            time.sleep(0.01)
-        """,
-    )
+    project.write("slow.py", STEPPING)
     env = project.env(RETROLOG_DATABASE_URL=pg_store_url)
     with subprocess.Popen(
         [sys.executable, "slow.py"], cwd=project.root, env=env, stdout=subprocess.PIPE, text=True
@@ -269,37 +261,19 @@ def test_a_role_that_may_only_write_retrologs_tables_records(
     project: Project, pg_store_url: str, database_url: str
 ) -> None:
     """What a team gives its training machines: no CREATE, once the tables exist."""
-    import uuid
-
-    import psycopg
-
     project.write(
         "quick.py",
         "import retrolog as rl\nfor i in rl.loop('i', range(3)):\n    rl.log('x', i / 3)\n",
     )
     project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)  # an admin's first run
-    parts = urllib.parse.urlsplit(pg_store_url)
-    schema = urllib.parse.unquote(parts.query).split("search_path=")[1].split("&")[0]
-    role, password = f"rec_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
-        admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
-        admin.execute(f"GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA {schema} TO {role}")
-    try:
-        url = urllib.parse.urlunsplit(
-            parts._replace(netloc=f"{role}:{password}@{parts.hostname}:{parts.port}")
-        )
+    with pg_role(database_url, pg_store_url, "SELECT, INSERT, UPDATE") as url:
         project.run("quick.py", RETROLOG_DATABASE_URL=url)
-        rows = read_pg(
-            pg_store_url,
-            "SELECT r.status, COUNT(l.log_id) FROM runs r JOIN logs l USING (run_id)"
-            " WHERE l.name = 'x' GROUP BY r.run_id, r.status",
-        )
-        assert rows == [("finished", 3), ("finished", 3)]
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            admin.execute(f"DROP OWNED BY {role}")
-            admin.execute(f"DROP ROLE {role}")
+    rows = read_pg(
+        pg_store_url,
+        "SELECT r.status, COUNT(l.log_id) FROM runs r JOIN logs l USING (run_id)"
+        " WHERE l.name = 'x' GROUP BY r.run_id, r.status",
+    )
+    assert rows == [("finished", 3), ("finished", 3)]
 
 
 def test_show_says_the_same_of_a_run_on_either_backend(project: Project, pg_store_url: str) -> None:
