@@ -281,12 +281,17 @@ def test_a_postgresql_server_that_goes_away_loses_no_value(
     assert "nothing was lost" in err
 
 
-@pytest.mark.parametrize("committed", [True, False], ids=["after-commit", "before-commit"])
+@pytest.mark.parametrize(
+    "losses",
+    [("after",), ("before",), ("after", "before"), ("after", "after")],
+    ids=["after-commit", "before-commit", "after-then-before", "after-twice"],
+)
 def test_a_connection_lost_around_commit_writes_each_record_once(
-    pg_store_url: str, committed: bool, capsys: pytest.CaptureFixture[str]
+    pg_store_url: str, losses: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The connection drops after the server committed a batch, before its answer came
-    back (or before the commit): the writer's retry leaves out exactly what was committed."""
+    back (or before the commit), once or again on the retry: the writer's retries leave
+    out exactly what was committed."""
     from retrolog.runtime.writer import Writer
 
     conn = postgres.connect(pg_store_url)
@@ -296,13 +301,15 @@ def test_a_connection_lost_around_commit_writes_each_record_once(
     dropped: list[int] = []
 
     class DropsOnce(postgres.PostgresRecordSink):
-        def _write(self, run_id: str, batch: RecordBatch) -> None:
-            if dropped or not any(name == "drop-here" for _, name, _ in batch.values):
-                super()._write(run_id, batch)
+        def _write(self, run_id: str, batch: RecordBatch, whole: RecordBatch) -> None:
+            marked = any(name == "drop-here" for _, name, _ in whole.values)
+            if len(dropped) == len(losses) or not marked:
+                super()._write(run_id, batch, whole)
                 return
+            loss = losses[len(dropped)]
             dropped.append(len(batch.values))
-            if committed:
-                super()._write(run_id, batch)  # the server has it all
+            if loss == "after":
+                super()._write(run_id, batch, whole)  # the server has it all
             else:
                 self._conn.execute("BEGIN")
                 (txid,) = self._conn.execute("SELECT txid_current()").fetchone()
@@ -311,7 +318,7 @@ def test_a_connection_lost_around_commit_writes_each_record_once(
                     " VALUES (%s, 'x', -1, 'float')",
                     (run_id,),
                 )
-                self._attempt = (txid, batch.lengths())
+                self._attempt = (txid, whole.lengths())
             self._conn.close()
             raise psycopg.OperationalError("the connection was lost")
 
@@ -322,15 +329,17 @@ def test_a_connection_lost_around_commit_writes_each_record_once(
         writer.values.extend((0, "x", float(i)) for i in range(500))
         writer.values.append((0, "drop-here", 1.0))
         writer.values.extend((0, "x", float(i)) for i in range(500, 1000))
+        time.sleep(0.3)  # a later batch, which the retries carry behind the first
+        writer.values.extend((0, "x", float(i)) for i in range(1000, 1500))
         deadline = time.monotonic() + 20
         while not writer.flush(1) and time.monotonic() < deadline:
             pass
         assert writer.flush(10)
     finally:
         writer.close(30)
-    assert writer.failure is None and dropped
+    assert writer.failure is None and len(dropped) == len(losses)
     rows = read_pg(pg_store_url, "SELECT value_float FROM logs WHERE name = 'x'")
-    assert sorted(r[0] for r in rows) == [float(i) for i in range(1000)]  # each once
+    assert sorted(r[0] for r in rows) == [float(i) for i in range(1500)]  # each once
     assert read_pg(pg_store_url, "SELECT COUNT(*) FROM logs WHERE name = 'drop-here'") == [(1,)]
     assert read_pg(pg_store_url, "SELECT COUNT(*) FROM loops") == [(1,)]
     err = capsys.readouterr().err

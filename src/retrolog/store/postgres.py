@@ -315,10 +315,11 @@ class PostgresRecordSink(RecordSink):
         self._psycopg = _psycopg()
         self._url = url
         self._conn: Any = connect(url)
-        # (transaction id, batch.lengths()) of the batch being written, and of one whose
-        # connection was lost before its COMMIT was answered: committed or not, unknown.
+        # (transaction id, lengths of the writer's batch it completes) of the transaction
+        # being written, and of each whose connection was lost before its COMMIT was
+        # answered (committed or not, unknown) since the last write that succeeded.
         self._attempt: tuple[int, tuple[int, ...]] | None = None
-        self._unsure: tuple[int, tuple[int, ...]] | None = None
+        self._unsure: list[tuple[int, tuple[int, ...]]] = []
         self._staged: Any = None  # the connection whose staging tables exist
 
     def write(self, run_id: str, batch: RecordBatch) -> None:
@@ -333,9 +334,9 @@ class PostgresRecordSink(RecordSink):
         self._attempt = None
         try:
             self._staging()
-            if self._unsure is not None:
-                batch = self._settle(batch)
-            self._write(run_id, batch)
+            written = self._settle() if self._unsure else None
+            self._write(run_id, batch if written is None else batch.after(written), batch)
+            self._unsure = []
         except (UnicodeEncodeError, OverflowError, errors.NumericValueOutOfRange) as exc:
             raise SinkUnstorable(str(exc)) from exc
         except errors.DataError as exc:
@@ -354,34 +355,37 @@ class PostgresRecordSink(RecordSink):
                 raise
             self._conn.close()
             if self._attempt is not None:
-                self._unsure = self._attempt
+                self._unsure.append(self._attempt)
             raise SinkUnavailable(str(exc).strip()) from exc
 
-    def _settle(self, batch: RecordBatch) -> RecordBatch:
-        """``batch`` without what the server committed of the batch whose answer was lost.
+    def _settle(self) -> tuple[int, ...] | None:
+        """How much of the writer's batch the server already has: the lengths its lists
+        begin with, from the transactions whose answers were lost; None for nothing.
 
-        The writer's retry begins with every record of that batch (SinkUnavailable);
-        PostgreSQL keeps each transaction's outcome by its id (``txid_status``).
+        The writer's retry begins with every record of the batch it was given then
+        (SinkUnavailable), and each such transaction wrote that batch to its end; so the
+        last of them that committed says how far it is written. PostgreSQL keeps each
+        transaction's outcome by its id (``txid_status``).
         """
-        assert self._unsure is not None
-        txid, lengths = self._unsure
-        (status,) = self._conn.execute("SELECT txid_status(%s)", (txid,)).fetchone()
-        if status == "in progress":
-            # The server has not yet noticed the lost connection: ask again later.
-            raise SinkUnavailable(
-                "the server is still finishing the transaction of a connection it lost"
-            )
-        self._unsure = None
-        if status == "committed":
-            return batch.after(lengths)
-        return batch  # aborted (or, far in the past, unknown): none of it is there
+        written = None
+        for txid, upto in self._unsure:
+            (status,) = self._conn.execute("SELECT txid_status(%s)", (txid,)).fetchone()
+            if status == "in progress":
+                # The server has not yet noticed the lost connection: ask again later.
+                raise SinkUnavailable(
+                    "the server is still finishing the transaction of a connection it lost"
+                )
+            if status == "committed":  # aborted (or, far in the past, unknown): not there
+                written = upto
+        return written
 
-    def _write(self, run_id: str, batch: RecordBatch) -> None:
+    def _write(self, run_id: str, batch: RecordBatch, whole: RecordBatch) -> None:
+        """Write ``batch``, the end of the writer's ``whole`` batch, in one transaction."""
         conn = self._conn
         with conn.transaction():
             cur = conn.cursor()
             (txid,) = cur.execute("SELECT txid_current()").fetchone()
-            self._attempt = (txid, batch.lengths())
+            self._attempt = (txid, whole.lengths())
             # Loop rows go in with COPY as values do (a loop of 200,000 short iterations
             # is 200,000 starts and ends): into this connection's staging tables, then one
             # statement each into loops.
