@@ -8,9 +8,9 @@ Run from the repository root with the project's venv, the loopback services star
 
 Issue 16 asks for log throughput into PostgreSQL against SQLite, sustained by one
 run and by eight concurrent runs. A run's values reach the store through its writer
-thread's record sink (store/records.py), one transaction per batch; PostgreSQL is
-not yet selectable as a project's store (docs/metadata-backends.md), so this drives
-the two sinks directly, as the writer does:
+thread's record sink (store/records.py), one transaction per batch. This drives the
+two sinks directly, as the writer does, to measure the sinks alone
+(``bench_log.py --postgresql`` measures a recording into PostgreSQL end to end):
 
 - each run is a process with its own sink and run id, writing ``--values`` hot-path
   values (floats, ``(ctx, name, value)``) in batches of ``--batch``, each batch with
