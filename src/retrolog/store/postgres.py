@@ -28,16 +28,13 @@ from retrolog._config import mask
 from retrolog.errors import StoreError
 from retrolog.store.metastore import MetadataStore, ReadRefused
 from retrolog.store.records import (
-    CHECKPOINT_COLUMNS,
-    PROFILE_COLUMNS,
     RecordBatch,
     RecordSink,
     SinkBusy,
     SinkFull,
     SinkUnavailable,
     SinkUnstorable,
-    insert_sql,
-    with_run,
+    write_run_rows,
 )
 
 # The version SQLite's store/schema.py reaches with the same tables; a later migration
@@ -434,21 +431,7 @@ class PostgresRecordSink(RecordSink):
                         copy.write_row((run_id, ctx, name, *typed(value), _VALUE_TYPE[type(value)]))
                     for ctx, name, value, kind in batch.logs:
                         copy.write_row((run_id, ctx, name, *typed(value), kind))
-            if batch.checkpoints:
-                cur.executemany(
-                    insert_sql("checkpoints", CHECKPOINT_COLUMNS, "%s"),
-                    with_run(run_id, batch.checkpoints),
-                )
-            if batch.profile:
-                cur.executemany(
-                    insert_sql("profile", PROFILE_COLUMNS, "%s"), with_run(run_id, batch.profile)
-                )
-            for columns in batch.run_updates:
-                assignments = ", ".join(f"{column} = %s" for column in columns)
-                cur.execute(
-                    f"UPDATE runs SET {assignments} WHERE run_id = %s",
-                    (*columns.values(), run_id),
-                )
+            write_run_rows(cur, run_id, batch, "%s")
             for digest, blob in batch.module_sets:
                 cur.execute(
                     "INSERT INTO module_sets(digest, names) VALUES (%s, %s)"

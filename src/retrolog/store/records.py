@@ -83,6 +83,24 @@ def with_run(run_id: str, rows: list[Row]) -> list[Row]:
     return [(run_id, *row) for row in rows]
 
 
+def write_run_rows(cursor: Any, run_id: str, batch: RecordBatch, mark: str) -> None:
+    """A batch's checkpoints, profile rows and run updates, in a sink's transaction: the
+    same statements on every backend but for the placeholder ``mark`` (``?``, ``%s``)."""
+    if batch.checkpoints:
+        cursor.executemany(
+            insert_sql("checkpoints", CHECKPOINT_COLUMNS, mark), with_run(run_id, batch.checkpoints)
+        )
+    if batch.profile:
+        cursor.executemany(
+            insert_sql("profile", PROFILE_COLUMNS, mark), with_run(run_id, batch.profile)
+        )
+    for columns in batch.run_updates:
+        assignments = ", ".join(f"{column} = {mark}" for column in columns)
+        cursor.execute(
+            f"UPDATE runs SET {assignments} WHERE run_id = {mark}", (*columns.values(), run_id)
+        )
+
+
 class SinkBusy(Exception):
     """Another process held the database longer than the sink waits: retry the batch."""
 
@@ -191,21 +209,7 @@ class SqliteRecordSink(RecordSink):
                     insert_sql("logs", ("ctx_id", "name", "value", "value_type"), "?"),
                     with_run(run_id, batch.logs),
                 )
-            if batch.checkpoints:
-                conn.executemany(
-                    insert_sql("checkpoints", CHECKPOINT_COLUMNS, "?"),
-                    with_run(run_id, batch.checkpoints),
-                )
-            if batch.profile:
-                conn.executemany(
-                    insert_sql("profile", PROFILE_COLUMNS, "?"), with_run(run_id, batch.profile)
-                )
-            for columns in batch.run_updates:
-                assignments = ", ".join(f"{column} = ?" for column in columns)
-                conn.execute(
-                    f"UPDATE runs SET {assignments} WHERE run_id = ?",
-                    (*columns.values(), run_id),
-                )
+            write_run_rows(conn, run_id, batch, "?")
             for digest, blob in batch.module_sets:
                 conn.execute(
                     "INSERT OR IGNORE INTO module_sets(digest, names) VALUES (?, ?)", (digest, blob)
