@@ -327,22 +327,11 @@ def execute_read(
             if limits.interrupted:
                 raise KeyboardInterrupt from exc
             if limits.expired:
-                raise QueryError(
-                    f"{_what(subject)} ran longer than its time budget of {seconds:g} s and was "
-                    "stopped; nothing was changed. Narrow it (a condition on run_id or name, a "
-                    f"LIMIT), or give it more time: {TIMEOUT_ENV}=600 (0 for no limit).",
-                    sql=subject,
-                ) from exc
+                raise QueryError(_over_time(subject, seconds), sql=subject) from exc
             # "string or blob too big": one value over _value_cap, made in a single step
             # (randomblob) that the progress handler cannot interrupt.
             if limits.too_big or isinstance(exc, MemoryError) or "too big" in str(exc):
-                raise QueryError(
-                    f"{_what(subject)} needs more than its memory budget of {memory_mb:g} MB "
-                    "and was stopped; nothing was changed. Narrow it (a condition on run_id or "
-                    f"name, a LIMIT, fewer columns), or allow more: {MEMORY_ENV}=4096 (0 for "
-                    "no limit).",
-                    sql=subject,
-                ) from exc
+                raise QueryError(_over_memory(subject, memory_mb), sql=subject) from exc
             if refusal.action is not None:
                 raise QueryError(writes(refusal.action, _complaint(exc)), sql=subject) from exc
             raise QueryError(malformed(_complaint(exc)), sql=subject) from exc
@@ -352,6 +341,23 @@ def execute_read(
 
 def _what(subject: str | None) -> str:
     return "The query" if subject is None else f"The query {subject!r}"
+
+
+def _over_time(subject: str | None, seconds: float) -> str:
+    return (
+        f"{_what(subject)} ran longer than its time budget of {seconds:g} s and was "
+        "stopped; nothing was changed. Narrow it (a condition on run_id or name, a "
+        f"LIMIT), or give it more time: {TIMEOUT_ENV}=600 (0 for no limit)."
+    )
+
+
+def _over_memory(subject: str | None, memory_mb: float) -> str:
+    return (
+        f"{_what(subject)} needs more than its memory budget of {memory_mb:g} MB "
+        "and was stopped; nothing was changed. Narrow it (a condition on run_id or "
+        f"name, a LIMIT, fewer columns), or allow more: {MEMORY_ENV}=4096 (0 for "
+        "no limit)."
+    )
 
 
 def query(conn: sqlite3.Connection, sql: str) -> pd.DataFrame:
@@ -423,17 +429,9 @@ def query_shared(metadata: Any, sql: str) -> pd.DataFrame:
                 '"Query dialects").'
             )
         elif reason == "timeout":
-            message = (
-                f"The query {sql!r} ran longer than its time budget of {seconds:g} s and was "
-                "stopped; nothing was changed. Narrow it (a condition on run_id or name, a "
-                f"LIMIT), or give it more time: {TIMEOUT_ENV}=600 (0 for no limit)."
-            )
+            message = _over_time(sql, seconds)
         elif reason == "memory":
-            message = (
-                f"The query {sql!r} needs more than its memory budget of {memory_mb:g} MB and "
-                "was stopped; nothing was changed. Narrow it (a condition on run_id or name, a "
-                f"LIMIT, fewer columns), or allow more: {MEMORY_ENV}=4096 (0 for no limit)."
-            )
+            message = _over_memory(sql, memory_mb)
         elif reason == "writes":
             message = (
                 f"query() is read-only: {sql!r} would change the store or the connection "
