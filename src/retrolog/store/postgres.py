@@ -18,6 +18,7 @@ is stored as NULL, as SQLite stores it, so both backends give NaN the same meani
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -471,6 +472,21 @@ def placeholders(sql: str) -> str:
     return "'".join(part.replace("?", "%s") if i % 2 == 0 else part for i, part in enumerate(parts))
 
 
+@functools.cache
+def _numbers_loader() -> type:
+    """psycopg's loader of numeric, giving an int for a whole number, else a float."""
+    from psycopg.types.numeric import NumericLoader
+
+    class Numbers(NumericLoader):
+        def load(self, data: Any) -> Any:
+            number = super().load(data)
+            if number.is_finite() and number == number.to_integral_value():
+                return int(number)
+            return float(number)
+
+    return Numbers
+
+
 class _Reader:
     """A PostgreSQL connection as the portable queries use one (MetadataStore.reader):
     SQLite's ``?`` placeholders, and numeric results (what SUM of integers gives) as
@@ -480,16 +496,7 @@ class _Reader:
     value_columns = ("value_float", "value_int", "value_text")
 
     def __init__(self, conn: Any, origin: Path | None) -> None:
-        from psycopg.types.numeric import NumericLoader
-
-        class Numbers(NumericLoader):
-            def load(self, data: Any) -> Any:
-                number = super().load(data)
-                if number.is_finite() and number == number.to_integral_value():
-                    return int(number)
-                return float(number)
-
-        conn.adapters.register_loader("numeric", Numbers)
+        conn.adapters.register_loader("numeric", _numbers_loader())
         self._conn = conn
         self.origin = origin
 
