@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
-import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,14 +77,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
         yield _sqlite(tmp_path)
         return
     # A schema of its own per test, on the test server's database.
-    server = request.getfixturevalue("database_url")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server, autocommit=True) as admin:
-        admin.execute(f"CREATE SCHEMA {schema}")
-    parts = urllib.parse.urlsplit(server)
-    url = urllib.parse.urlunsplit(
-        parts._replace(query="options=" + urllib.parse.quote(f"-c search_path={schema}"))
-    )
+    url = request.getfixturevalue("pg_store_url")
     conn = postgres.connect(url)
     postgres.migrate(conn)
     conn.execute(RUN_ROW.format(p="%s"), (RUN,))
@@ -108,11 +100,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
             merged.append((*row[:at], one, *row[at + 3 :]))
         return merged
 
-    try:
-        yield Backend("postgresql", lambda: postgres.PostgresRecordSink(url), query)
-    finally:
-        with psycopg.connect(server, autocommit=True) as admin:
-            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+    yield Backend("postgresql", lambda: postgres.PostgresRecordSink(url), query)
 
 
 def a_batch() -> RecordBatch:
@@ -223,22 +211,13 @@ def test_another_process_holding_sqlite_is_busy_not_a_failure(
 
 
 def test_a_postgresql_server_that_goes_away_loses_no_value(
-    database_url: str, capsys: pytest.CaptureFixture[str]
+    database_url: str, pg_store_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The writer holds what the server did not take and writes it once it answers."""
     from retrolog.runtime.writer import Writer
 
-    schema, name = f"t_{uuid.uuid4().hex[:12]}", f"retrolog-test-{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(f"CREATE SCHEMA {schema}")
-    parts = urllib.parse.urlsplit(database_url)
-    url = urllib.parse.urlunsplit(
-        parts._replace(
-            query="options="
-            + urllib.parse.quote(f"-c search_path={schema}")
-            + f"&application_name={name}"
-        )
-    )
+    name = f"retrolog-test-{uuid.uuid4().hex[:8]}"
+    url = f"{pg_store_url}&application_name={name}"
     conn = postgres.connect(url)
     postgres.migrate(conn)
     conn.close()
@@ -269,11 +248,7 @@ def test_a_postgresql_server_that_goes_away_loses_no_value(
             time.sleep(0.2)
     finally:
         writer.close(30)
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            rows = admin.execute(
-                f"SELECT value_float FROM {schema}.logs ORDER BY value_float"
-            ).fetchall()
-            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+    rows = read_pg(url, "SELECT value_float FROM logs ORDER BY value_float")
     assert writer.failure is None
     assert [r[0] for r in rows] == [float(i) for i in range(2000)]  # each once, none lost
     err = capsys.readouterr().err
