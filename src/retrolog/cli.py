@@ -316,7 +316,9 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
 
     A query stops after RETROLOG_QUERY_TIMEOUT seconds (default 120) or when it needs
     more than RETROLOG_QUERY_MEMORY_MB (default 1024), and on Ctrl-C; 0 means no limit.
-    --json writes blob columns as base64.
+    --json writes blob columns as base64. With database_url naming PostgreSQL, the SQL
+    is PostgreSQL's, values are in value_float, value_int and value_text, and the role
+    must not be a superuser (docs/store.md, "Query dialects").
 
     \b
     Example:
