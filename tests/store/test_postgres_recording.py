@@ -16,7 +16,7 @@ import urllib.parse
 
 import pytest
 
-from training_scripts import STEPPING
+from training_scripts import REAL_SHAPED, STEPPING
 
 from conftest import Project, pg_role, read_pg
 
@@ -66,11 +66,12 @@ def _value(row: tuple[object, ...]) -> object:
 def test_eight_runs_recording_at_once_all_land(
     project: Project, pg_store_url: str, objects: str, request: pytest.FixtureRequest
 ) -> None:
-    """Metadata in PostgreSQL; checkpoints in the project's store, or on the S3 server."""
+    """Metadata in PostgreSQL; checkpoints in the project's store, or on the S3 server.
+    Default settings: the adaptive checkpoint rule (the suite pins "every"; users don't)."""
     project.write("train.py", SCRIPT)
     # The S3 fixture puts the server's address and credentials in the environment first.
     s3 = {"RETROLOG_OBJECTS_URL": request.getfixturevalue("s3_url")} if objects == "s3" else {}
-    env = project.env(RETROLOG_DATABASE_URL=pg_store_url, **s3)
+    env = project.env(RETROLOG_DATABASE_URL=pg_store_url, RETROLOG_CHECKPOINTS="", **s3)
     lrs = [0.1 * (i + 1) for i in range(8)]
     procs = [
         subprocess.Popen(
@@ -347,3 +348,32 @@ def test_the_projects_run_readers_answer_alike_from_either_backend(
     assert all(isinstance(v["value"], float) for v in pg_values)
     assert explained[1]["definitions"] == explained[0]["definitions"]
     assert ("block", "epoch", 0) in [tuple(c) for c in pg["checkpoints"]]
+
+
+@pytest.mark.usefixtures("whole_machine")
+def test_a_torch_script_at_default_settings_records_into_postgresql_and_keeps_its_checkpoints(
+    project: Project, pg_store_url: str
+) -> None:
+    """torch's own threads, the adaptive rule, an argparse script with its loops in a
+    function, a DataLoader and a scheduler: every checkpoint the rule chose is written,
+    and the run's values are all there."""
+    project.write("train.py", REAL_SHAPED)
+    project.run(
+        "train.py", "--epochs", "3", RETROLOG_DATABASE_URL=pg_store_url, RETROLOG_CHECKPOINTS=""
+    )
+    done = project.cli("show", "2", "--json", RETROLOG_DATABASE_URL=pg_store_url)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["status"] == "finished"
+    assert shown["parsed_args"] == {"lr": 0.05, "epochs": 3, "seed": 0}
+    checkpoints = shown["checkpoints"]
+    assert checkpoints["chosen"] >= 1  # the first block's, at least
+    assert checkpoints["written"] == checkpoints["chosen"]
+    assert checkpoints["abandoned"] == 0 and checkpoints["lost"] == 0
+    assert {n["name"]: n["count"] for n in shown["names"]}["loss"] == 3 * 8192 // 32
+    ((finite,),) = read_pg(
+        pg_store_url,
+        "SELECT COUNT(*) FROM logs WHERE name = 'loss' AND value_float IS NOT NULL"
+        " AND value_type = 'float'",
+    )
+    assert finite == 3 * 8192 // 32
