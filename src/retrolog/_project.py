@@ -154,7 +154,7 @@ class Project:
         from retrolog._query.dataframe import dataframe
         from retrolog._query.lineage import today_keys
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             today = today_keys(self.paths.root) if definitions == "current" else None
             return dataframe(conn, list(names), where, definitions=definitions, today=today)
 

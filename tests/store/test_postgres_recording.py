@@ -205,7 +205,6 @@ def test_the_reading_commands_that_do_not_read_postgresql_yet_say_so(
     password = urllib.parse.urlsplit(pg_store_url).password
     assert password  # the test server's URL carries one, as a user's may
     commands = (
-        ("dataframe", "i"),
         ("replay", "x", "--yes"),
         ("gc", "--yes"),
         ("ui", "--no-browser"),
@@ -214,7 +213,7 @@ def test_the_reading_commands_that_do_not_read_postgresql_yet_say_so(
         done = project.cli(*args, RETROLOG_DATABASE_URL=pg_store_url)
         assert done.returncode != 0, args
         assert "Traceback" not in done.stderr
-        assert "PostgreSQL" in done.stderr and "retrolog query" in done.stderr, done.stderr
+        assert "PostgreSQL" in done.stderr and "retrolog dataframe" in done.stderr, done.stderr
         assert password not in done.stderr + done.stdout
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from retrolog._query.sql import execute_read
+from retrolog._query.sql import execute_read, execute_read_shared
 from retrolog.errors import QueryError, UnknownNameError
 from retrolog.store.metadata import activity_stamp, read_snapshot, storable_text
 
@@ -75,8 +76,44 @@ _NAMES_PER_MASK = 8
 # Recorded values outrank backfilled ones: this rank is added above any log_id.
 _RECORDED_FIRST = 1 << 62
 _NO_SUCH_COLUMN = re.compile(r"no such column: (.+)$")
+_UNDEFINED_COLUMN = re.compile(r'column "((?:[^"]|"")+)" does not exist')
 # A double-quoted identifier, skipping single-quoted strings and comments.
 _DOUBLE_QUOTED = re.compile(r"'(?:[^']|'')*'|--[^\n]*|/\*.*?\*/|\"((?:[^\"]|\"\")*)\"", re.S)
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """What the view's SQL says differently on SQLite and on PostgreSQL."""
+
+    name: str  # in messages: "SQLite says ..."
+    # The columns a value is kept in: SQLite's untyped ``value``, or PostgreSQL's
+    # value_float, value_int and value_text, exactly one of them set (none for NULL).
+    parts: tuple[str, ...]
+    run_key: str  # the runs table's compact integer key
+    false: str
+
+    @property
+    def split(self) -> bool:
+        return len(self.parts) > 1
+
+    def any_of(self, condition: str) -> str:
+        """An aggregate: whether ``condition`` holds in some row of the group."""
+        return f"bool_or({condition})" if self.split else f"max({condition})"
+
+    def in_looped(self, run_id: str) -> str:
+        return f"{run_id} IN (SELECT run_id FROM looped)" if self.split else f"{run_id} IN looped"
+
+    def bigint(self, expr: str) -> str:
+        return f"CAST({expr} AS bigint)" if self.split else expr
+
+
+_SQLITE = _Dialect("SQLite", ("value",), "rowid", "0")
+_POSTGRES = _Dialect("PostgreSQL", ("value_float", "value_int", "value_text"), "run_key", "false")
+
+
+def _dialect(conn: Any) -> _Dialect:
+    """SQLite's connection, or a PostgreSQL store's reader (which names its value columns)."""
+    return _POSTGRES if getattr(conn, "value_columns", None) else _SQLITE
 
 
 @dataclass(frozen=True)
@@ -88,6 +125,9 @@ class _Name:
     in_loops: bool  # logged inside some loop
     at_run: bool  # logged outside every loop somewhere
     repeated: bool = False  # logged more than once in some (run, context)
+    # The value types it has in the store, known where a predicate can name it on
+    # PostgreSQL: its column there takes one SQL type (see _typed_value).
+    types: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +157,7 @@ def logged_names(conn: Any) -> list[str]:
 
 
 def dataframe(
-    conn: sqlite3.Connection,
+    conn: Any,
     names: Sequence[str],
     where: str | None = None,
     *,
@@ -222,13 +262,14 @@ class _WideQuery:
 
     def __init__(
         self,
-        conn: sqlite3.Connection,
+        conn: Any,
         columns: list[_Name],
         dims: _Dims,
         where: str | None,
         requested: list[str],
     ) -> None:
         self.conn = conn
+        self.dialect = _dialect(conn)
         self.columns = columns
         self.dims = dims
         self.where = where
@@ -251,25 +292,32 @@ class _WideQuery:
         A logged name the predicate uses without requesting it (sqlite reports
         "no such column") becomes a hidden column, and the query runs again.
         """
-        return _columns(*self._with_hidden(lambda: _rows_sql(
-            self.columns, self.dims, self.where, self.per_cell)))  # fmt: skip
+        found = _columns(*self._with_hidden(lambda: _rows_sql(
+            self.columns, self.dims, self.where, self.per_cell, self.dialect)))  # fmt: skip
+        names = [c.name for c in self.per_row]
+        return _whole_values(found, names, len(self.dialect.parts))
 
     def run_ids(self) -> set[str]:
         """The runs that have a row of the view (which passes the predicate)."""
         predicate = "" if self.where is None else f" WHERE (\n{self.where}\n)"
-        _, found = self._with_hidden(
-            lambda: (
-                _ctes(self.columns, self.dims) + f"\nSELECT DISTINCT run_id FROM wide{predicate}"
-            )
-        )
+
+        def sql() -> tuple[str, list[str]]:
+            ctes = _ctes(self.columns, self.dims, self.dialect)
+            return ctes + f"\nSELECT DISTINCT run_id FROM wide{predicate}", ["run_id"]
+
+        _, found = self._with_hidden(sql)
         return {run_id for (run_id,) in found}
 
-    def _with_hidden(self, sql: Callable[[], str]) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """``sql()`` read; a logged name the predicate uses without requesting it becomes a
-        hidden column, and it is read again."""
+    def _with_hidden(
+        self, sql: Callable[[], tuple[str, list[str]]]
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """``sql()`` read (its text, and the keys of its columns); a logged name the
+        predicate uses without requesting it becomes a hidden column, and it is read
+        again."""
         while True:
+            text, keys = sql()
             try:
-                return self._read(sql())
+                return keys, self._read(text)[1]
             except QueryError as exc:
                 missing = _missing_column(exc)
                 if (
@@ -279,39 +327,60 @@ class _WideQuery:
                     or not _is_logged(self.conn, missing)
                 ):
                     raise
-                hidden = _describe(self.conn, missing, shown=False, check_repeats=True)
+                hidden = _describe(self.conn, missing, shown=False, check_repeats=True, typed=True)
                 self.columns.append(hidden)
 
     def runs(self) -> dict[str, tuple[Any, ...]]:
         """The runs that have rows: their run columns and run-level values, by name."""
-        return _columns(*self._read(_runs_sql(self.columns)))
+        sql, keys = _runs_sql(self.columns, self.dialect)
+        found = _columns(keys, self._read(sql)[1])
+        names = [c.name for c in self.per_run]
+        return _whole_values(found, names, len(self.dialect.parts))
 
     def _read(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Execute ``sql`` read-only; a failure is explained in terms of the predicate."""
         where = self.where
+        said = f"{self.dialect.name} says"
 
         def usage() -> str:
             visible = _listing([*META_COLUMNS, *self.dims.names, *self.requested])
+            folded = (
+                " PostgreSQL reads an unquoted name in lower case: double-quote a name "
+                'with capitals ("Loss" > 0.5).'
+                if self.dialect.split
+                else ""
+            )
             return (
                 f"It must be one SQL expression over the columns {visible}, or over any logged "
                 f'name ({_listing(logged_names(self.conn))}), e.g. "lr > 0.005 AND epoch = 4".'
+                + folded
             )
 
         def malformed(complaint: str) -> str:
             if where is None:
                 # Without a predicate the SQL is ours alone: a failure is a bug or a damaged store.
-                return f"The dataframe query failed: SQLite says {complaint!r}."
+                return f"The dataframe query failed: {said} {complaint!r}."
             return (
-                f"The where-predicate {where!r} cannot be applied: SQLite says {complaint!r}. "
-                + usage()
+                f"The where-predicate {where!r} cannot be applied: {said} {complaint!r}. " + usage()
             )
 
         def writes(action: str, complaint: str) -> str:
+            tries = f"tries to {action}" if action else "would change the store"
             return (
-                f"dataframe() is read-only: the where-predicate {where!r} tries to {action} "
-                f"(SQLite says {complaint!r}). " + usage()
+                f"dataframe() is read-only: the where-predicate {where!r} {tries} "
+                f"({said} {complaint!r}). " + usage()
             )
 
+        if self.dialect.split:
+            # Without a predicate the SQL is ours alone: any role may run it.
+            return execute_read_shared(
+                functools.partial(self.conn.read, trusted=where is None),
+                sql,
+                subject=where,
+                location=self.conn.location,
+                malformed=malformed,
+                writes=writes,
+            )
         return execute_read(self.conn, sql, subject=where, malformed=malformed, writes=writes)
 
 
@@ -321,10 +390,17 @@ def _columns(header: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str
     return {h: tuple([row[j] for row in rows]) for j, h in enumerate(header)}
 
 
-def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
-    """The common table expressions of the view; ``wide`` is the view itself."""
+def _ctes(columns: Sequence[_Name], dims: _Dims, dialect: _Dialect) -> str:
+    """The common table expressions of the view; ``wide`` is the view itself.
+
+    ``wide`` holds each name's value as ``__retrolog_v{i}_{k}``, one column per part
+    of ``dialect`` (i: the name's place in ``columns``), the type of a shown loop-level
+    name's value as ``__retrolog_t{i}``, and the name itself as a column for the
+    predicate (on PostgreSQL, only for names whose ``types`` are known).
+    """
     at_run = [(i, c) for i, c in enumerate(columns) if c.at_run]
     shown_in_loops = [(i, c) for i, c in enumerate(columns) if c.in_loops and c.shown]
+    parts = dialect.parts
 
     # A run's run-level records (ctx_id NULL) come first in the index and are skipped.
     seeds = "\n  UNION ALL ".join(
@@ -334,7 +410,7 @@ def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
     )
     hop = (
         "hop(name, run_id) AS (\n  "
-        + (seeds or "SELECT NULL, NULL WHERE 0")
+        + (seeds or f"SELECT CAST(NULL AS text), CAST(NULL AS text) WHERE {dialect.false}")
         + "\n  UNION ALL\n  SELECT name, (SELECT min(run_id) FROM logs"
         " WHERE name = hop.name AND run_id > hop.run_id AND ctx_id IS NOT NULL)"
         "\n  FROM hop WHERE run_id IS NOT NULL\n)"
@@ -342,29 +418,47 @@ def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
     looped = "looped AS (SELECT DISTINCT run_id FROM hop WHERE run_id IS NOT NULL)"
 
     run_in = ", ".join(_literal(c.name) for _, c in at_run) or "NULL"
-    run_shown = " OR ".join(f"name = {_literal(c.name)}" for _, c in at_run if c.shown) or "0"
+    run_shown = (
+        " OR ".join(f"name = {_literal(c.name)}" for _, c in at_run if c.shown) or dialect.false
+    )
     run_pivot = "".join(
-        f",\n    max(CASE WHEN name = {_literal(c.name)} THEN value END) AS v{i}"
-        f",\n    max(CASE WHEN name = {_literal(c.name)} THEN value_type END) AS t{i}"
+        "".join(
+            f",\n    max(CASE WHEN name = {_literal(c.name)} THEN {part} END) AS v{i}_{k}"
+            for k, part in enumerate(parts)
+        )
+        + f",\n    max(CASE WHEN name = {_literal(c.name)} THEN value_type END) AS t{i}"
         for i, c in at_run
     )
+    if dialect.split:
+        # The record that counts of each (run, name): the newest recorded, else the newest.
+        latest = (
+            f"SELECT DISTINCT ON (run_id, name) run_id, name, {', '.join(parts)}, value_type\n"
+            f"        FROM logs WHERE name IN ({run_in}) AND ctx_id IS NULL\n"
+            "        ORDER BY run_id, name, (origin = 'recorded') DESC, log_id DESC"
+        )
+    else:  # SQLite takes the other columns from the row of the bare max()
+        latest = (
+            "SELECT run_id, name, value, value_type,"
+            f" max((origin = 'recorded') * {_RECORDED_FIRST} + log_id)\n"
+            f"        FROM logs WHERE name IN ({run_in}) AND ctx_id IS NULL GROUP BY name, run_id"
+        )
     run_values = (
         "run_values AS (\n"
-        f"  SELECT run_id, max({run_shown}) AS shown{run_pivot}\n"
-        "  FROM (SELECT run_id, name, value, value_type,"
-        f" max((origin = 'recorded') * {_RECORDED_FIRST} + log_id)\n"
-        f"        FROM logs WHERE name IN ({run_in}) AND ctx_id IS NULL GROUP BY name, run_id)\n"
+        f"  SELECT run_id, {dialect.any_of(run_shown)} AS shown{run_pivot}\n"
+        f"  FROM ({latest}) AS latest\n"
         "  GROUP BY run_id\n)"
     )
 
-    run_columns = "".join(f", r.v{i}, r.t{i}" for i, _ in at_run)
+    run_columns = "".join(
+        "".join(f", r.v{i}_{k}" for k in range(len(parts))) + f", r.t{i}" for i, _ in at_run
+    )
     chosen = (
         "chosen AS MATERIALIZED (\n"
-        "  SELECT u.rowid AS run_key, u.run_id, u.projid, u.tstamp, u.filename,\n"
+        f"  SELECT u.{dialect.run_key} AS run_key, u.run_id, u.projid, u.tstamp, u.filename,\n"
         "    row_number() OVER (ORDER BY u.started_at, u.run_id) AS run_order,\n"
-        f"    u.run_id IN looped AS looped{run_columns}\n"
+        f"    {dialect.in_looped('u.run_id')} AS looped{run_columns}\n"
         "  FROM runs u LEFT JOIN run_values r ON r.run_id = u.run_id\n"
-        "  WHERE u.run_id IN looped OR r.shown\n)"
+        f"  WHERE {dialect.in_looped('u.run_id')} OR r.shown\n)"
     )
 
     levels = [(f"a{j}.name", f"a{j}.iteration") for j in range(dims.depth + 1)]
@@ -397,15 +491,24 @@ def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
             )
         # A name logged both in and outside loops in one run: the loop value wins in its row.
         if c.in_loops and c.at_run:
-            value = f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.value ELSE h.v{i} END"
+            values = [
+                f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.{part} ELSE h.v{i}_{k} END"
+                for k, part in enumerate(parts)
+            ]
             vtype = f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.value_type ELSE h.t{i} END"
         elif c.in_loops:
-            value, vtype = f"v{i}.value", f"v{i}.value_type"
+            values = [f"v{i}.{part}" for part in parts]
+            vtype = f"v{i}.value_type"
         else:
-            value, vtype = f"h.v{i}", f"h.t{i}"
-        select.append(f"{value} AS {_ident(c.name)}")
+            values = [f"h.v{i}_{k}" for k in range(len(parts))]
+            vtype = f"h.t{i}"
+        select += [f"{value} AS {_value_column(i, k)}" for k, value in enumerate(values)]
+        if not dialect.split:
+            select.append(f"{values[0]} AS {_ident(c.name)}")
+        elif c.types is not None:
+            select.append(f"{_typed_value(values, c.types)} AS {_ident(c.name)}")
         if c.shown and c.in_loops:
-            select.append(f"{vtype} AS {_ident(_type_column(c.name))}")
+            select.append(f"{vtype} AS {_type_column(i)}")
     joins += [
         f"LEFT JOIN loops a{j} ON a{j}.run_id = a0.run_id AND a{j}.ctx_id = a{j - 1}.parent_ctx"
         for j in range(1, dims.depth + 1)
@@ -422,7 +525,25 @@ def _ctes(columns: Sequence[_Name], dims: _Dims) -> str:
     return "WITH RECURSIVE\n" + ",\n".join([hop, looped, run_values, chosen, wide])
 
 
-def matching_run_ids(conn: sqlite3.Connection, names: Sequence[str], where: str) -> set[str]:
+def _typed_value(parts: Sequence[str], types: frozenset[str]) -> str:
+    """PostgreSQL: a name's value (its ``parts``: float, int, text) as one column of the
+    SQL type its ``types`` call for, so a predicate compares it as on SQLite: floats
+    (ints among them cast) as double precision, ints as bigint, bools as boolean,
+    strings and JSON as text, and a mix of numbers and text as text."""
+    real, whole, text = parts
+    present = types - {"none"}
+    if present == {"bool"}:
+        return f"({whole} <> 0)"
+    if present and present <= {"int", "bool"}:
+        return whole
+    if present and present <= {"float", "int", "bool"}:
+        return f"COALESCE({real}, CAST({whole} AS double precision))"
+    if present <= {"str", "text", "json"}:
+        return text
+    return f"COALESCE({text}, CAST({real} AS text), CAST({whole} AS text))"
+
+
+def matching_run_ids(conn: Any, names: Sequence[str], where: str) -> set[str]:
     """The runs with at least one row of ``dataframe(conn, names, where)``, found without
     building the frame: the same view and predicate, asked only for its distinct runs
     (what ``--where`` chooses for replay, gc and the dashboard's table)."""
@@ -433,7 +554,7 @@ def matching_run_ids(conn: sqlite3.Connection, names: Sequence[str], where: str)
         return _wide_query(conn, requested, where).run_ids()
 
 
-def _wide_query(conn: sqlite3.Connection, requested: list[Any], where: str | None) -> _WideQuery:
+def _wide_query(conn: Any, requested: list[Any], where: str | None) -> _WideQuery:
     """The view of ``requested`` (checked: logged, not loop names) filtered by ``where``:
     its columns, dimensions and the way its rows are found. Inside a read snapshot."""
     for name in requested:
@@ -441,7 +562,9 @@ def _wide_query(conn: sqlite3.Connection, requested: list[Any], where: str | Non
     dims = _dimensions(conn)
     _check_collisions(requested, dims.names)
     check = where is not None  # see dataframe(): with a predicate, repeats are asked first
-    columns = [_describe(conn, name, shown=True, check_repeats=check) for name in requested]
+    columns = [
+        _describe(conn, name, shown=True, check_repeats=check, typed=check) for name in requested
+    ]
     dims = dataclasses.replace(dims, sparse=_sparse(conn, columns))
     if where is not None:
         columns += _quoted_names(conn, where, columns, dims)
@@ -449,42 +572,85 @@ def _wide_query(conn: sqlite3.Connection, requested: list[Any], where: str | Non
 
 
 def _rows_sql(
-    columns: Sequence[_Name], dims: _Dims, where: str | None, per_cell: Sequence[str]
-) -> str:
-    """The rows of the view that pass ``where``, in order, as Python reads them.
+    columns: Sequence[_Name],
+    dims: _Dims,
+    where: str | None,
+    per_cell: Sequence[str],
+    dialect: _Dialect,
+) -> tuple[str, list[str]]:
+    """The rows of the view that pass ``where``, in order, as Python reads them, and the
+    key Python gives each column read.
 
     That is the row key, the dimensions (-1 for empty), the shown loop-level
-    names, and their types as bit masks; names logged outside loops only come
-    from :func:`_runs_sql`.
+    names (the parts of their values, see :func:`_whole_values`), and their types as
+    bit masks; names logged outside loops only come from :func:`_runs_sql`.
     """
     outer = [_ROW_KEY]
-    outer += [f"COALESCE({_ident(d)}, -1) AS {_ident(d)}" for d in dims.names]
+    keys = [_ROW_KEY]
+    for d in dims.names:
+        outer.append(f"COALESCE({_ident(d)}, -1)")
+        keys.append(d)
     masks: dict[int, list[str]] = {}
-    for slot, c in enumerate(c for c in columns if c.shown and c.in_loops):
-        outer.append(_ident(c.name))
+    shown = [(i, c) for i, c in enumerate(columns) if c.shown and c.in_loops]
+    for slot, (i, c) in enumerate(shown):
+        for k in range(len(dialect.parts)):
+            outer.append(_value_column(i, k))
+            keys.append(_part_key(c.name, k))
         if c.name in per_cell:
-            outer.append(_ident(_type_column(c.name)))
+            outer.append(_type_column(i))
+            keys.append(_type_key(c.name))
         group, place = divmod(slot, _NAMES_PER_MASK)
-        bit = _type_bit(_ident(_type_column(c.name)))
+        bit = dialect.bigint(_type_bit(_type_column(i)))
         masks.setdefault(group, []).append(f"({bit} << {8 * place})")
-    outer += [f"{' | '.join(bits)} AS {_mask_column(g)}" for g, bits in masks.items()]
+    for g, bits in masks.items():
+        outer.append(" | ".join(bits))
+        keys.append(_mask_column(g))
     predicate = "" if where is None else f"WHERE (\n{where}\n)\n"
-    return (
-        _ctes(columns, dims)
+    nulls = " NULLS FIRST" if dialect.split else ""  # SQLite's order of NULL
+    sql = (
+        _ctes(columns, dims, dialect)
         + "\nSELECT "
         + ",\n  ".join(outer)
-        + f"\nFROM wide\n{predicate}ORDER BY __retrolog_run_order, __retrolog_ctx_id"
+        + f"\nFROM wide\n{predicate}ORDER BY __retrolog_run_order, __retrolog_ctx_id{nulls}"
     )
+    return sql, keys
 
 
-def _runs_sql(columns: Sequence[_Name]) -> str:
-    """The runs of the view with their run columns and their run-only names and types."""
+def _runs_sql(columns: Sequence[_Name], dialect: _Dialect) -> tuple[str, list[str]]:
+    """The runs of the view with their run columns and their run-only names and types,
+    and the key Python gives each column read."""
     select = ["run_key", *META_COLUMNS]
+    keys = list(select)
     for i, c in enumerate(columns):
         if c.shown and not c.in_loops:
-            select += [f"v{i} AS {_ident(c.name)}", f"t{i} AS {_ident(_type_column(c.name))}"]
+            for k in range(len(dialect.parts)):
+                select.append(f"v{i}_{k}")
+                keys.append(_part_key(c.name, k))
+            select.append(f"t{i}")
+            keys.append(_type_key(c.name))
     # The rows' dimensions do not matter here: no self-join is written.
-    return _ctes(columns, _Dims([], 0)) + f"\nSELECT {', '.join(select)} FROM chosen"
+    sql = _ctes(columns, _Dims([], 0), dialect) + f"\nSELECT {', '.join(select)} FROM chosen"
+    return sql, keys
+
+
+def _whole_values(
+    found: dict[str, tuple[Any, ...]], names: Iterable[str], parts: int
+) -> dict[str, tuple[Any, ...]]:
+    """``found`` with each of ``names``' values made whole from its parts (PostgreSQL
+    keeps a value in one of three columns by its type, SQLite in one)."""
+    for name in names:
+        split = [found.pop(_part_key(name, k)) for k in range(parts)]
+        if parts == 1:
+            found[name] = split[0]
+            continue
+        real, whole, text = split
+        found[name] = tuple(
+            [
+                f if f is not None else i if i is not None else t
+                for f, i, t in zip(real, whole, text, strict=True)
+            ]
+        )
+    return found
 
 
 def _not_superseded(alias: str) -> str:
@@ -510,7 +676,7 @@ def _type_bit(vtype: str) -> str:
     return f"(CASE {vtype} {cases} ELSE 0 END)"
 
 
-def _sparse(conn: sqlite3.Connection, columns: Sequence[_Name]) -> bool:
+def _sparse(conn: Any, columns: Sequence[_Name]) -> bool:
     """Whether the shown loop-level names have values in under half of the loop contexts.
 
     Then the view's rows are found from those values (an index lookup per value), else by
@@ -540,7 +706,7 @@ _KEPT_DIMS: dict[tuple[Any, ...], _Dims] = {}
 _KEPT_DIMS_LOCK = threading.Lock()
 
 
-def _dimensions(conn: sqlite3.Connection) -> _Dims:
+def _dimensions(conn: Any) -> _Dims:
     """The store's loop names, outermost first then by first occurrence, and the max depth.
 
     A loop name outside the ancestry of every row of a view is left out of it
@@ -560,9 +726,11 @@ def _dimensions(conn: sqlite3.Connection) -> _Dims:
     return dims
 
 
-def _quiet_store_key(conn: sqlite3.Connection) -> tuple[Any, ...] | None:
+def _quiet_store_key(conn: Any) -> tuple[Any, ...] | None:
     """The database file and its runs' and replays' stamp, when no run is recording and no
-    replay running (None otherwise, or for a database with no file)."""
+    replay running (None otherwise, or for a database with no file, as PostgreSQL's)."""
+    if _dialect(conn).split:
+        return None
     path = conn.execute("PRAGMA database_list").fetchone()[2]
     if not path:
         return None
@@ -576,7 +744,7 @@ def _quiet_store_key(conn: sqlite3.Connection) -> tuple[Any, ...] | None:
     return (path, st.st_dev, st.st_ino, *runs, *replays)
 
 
-def _find_dimensions(conn: sqlite3.Connection) -> _Dims:
+def _find_dimensions(conn: Any) -> _Dims:
     # DISTINCT keeps the few pairs in a small b-tree, far cheaper than GROUP BY's sort.
     pairs = conn.execute("SELECT DISTINCT name, depth FROM loops").fetchall()
     names: list[str] = []
@@ -586,11 +754,15 @@ def _find_dimensions(conn: sqlite3.Connection) -> _Dims:
     return _Dims(names, max((depth for _, depth in pairs), default=0))
 
 
-def _describe(conn: sqlite3.Connection, name: str, *, shown: bool, check_repeats: bool) -> _Name:
+def _describe(
+    conn: Any, name: str, *, shown: bool, check_repeats: bool, typed: bool = False
+) -> _Name:
     """Where ``name`` was logged: inside loops, outside them, or both.
 
     check_repeats: also find out whether it was logged twice in one context (a
         scan of its index entries); otherwise it is assumed not to be.
+    typed: a predicate may name it: on PostgreSQL, find the value types it has
+        (its column's SQL type follows them).
     """
     # These probes read only the logs_by_name index (ctx_id is in it). A name's
     # run-level records are few, so that probe hops from run to run rather than
@@ -600,20 +772,21 @@ def _describe(conn: sqlite3.Connection, name: str, *, shown: bool, check_repeats
     ).fetchone()
     at_run = conn.execute(
         "WITH RECURSIVE r(run_id) AS ("
-        " SELECT min(run_id) FROM logs WHERE name = ?1"
+        " SELECT min(run_id) FROM logs WHERE name = ?"
         " UNION ALL"
-        " SELECT (SELECT min(run_id) FROM logs WHERE name = ?1 AND run_id > r.run_id)"
+        " SELECT (SELECT min(run_id) FROM logs WHERE name = ? AND run_id > r.run_id)"
         " FROM r WHERE run_id IS NOT NULL)"
         " SELECT 1 FROM r WHERE run_id IS NOT NULL AND EXISTS"
-        " (SELECT 1 FROM logs WHERE name = ?1 AND run_id = r.run_id AND ctx_id IS NULL)"
+        " (SELECT 1 FROM logs WHERE name = ? AND run_id = r.run_id AND ctx_id IS NULL)"
         " LIMIT 1",
-        (name,),
+        (name, name, name),
     ).fetchone()
     repeated = check_repeats and in_loops is not None and _repeated(conn, name)
-    return _Name(name, shown, in_loops is not None, at_run is not None, repeated)
+    types = frozenset(_store_types(conn, name)) if typed and _dialect(conn).split else None
+    return _Name(name, shown, in_loops is not None, at_run is not None, repeated, types)
 
 
-def _repeated(conn: sqlite3.Connection, name: str) -> bool:
+def _repeated(conn: Any, name: str) -> bool:
     """Whether ``name`` was logged more than once in some (run, context)."""
     row = conn.execute(
         "SELECT 1 FROM logs WHERE name = ? GROUP BY run_id, ctx_id HAVING count(*) > 1 LIMIT 1",
@@ -628,9 +801,7 @@ def _has_repeats(row_keys: Sequence[int]) -> bool:
     return bool(len(keys) > 1 and (keys[1:] == keys[:-1]).any())
 
 
-def _quoted_names(
-    conn: sqlite3.Connection, where: str, columns: Sequence[_Name], dims: _Dims
-) -> list[_Name]:
+def _quoted_names(conn: Any, where: str, columns: Sequence[_Name], dims: _Dims) -> list[_Name]:
     """Hidden columns for the double-quoted logged names of ``where`` that are not columns.
 
     SQLite reads an unknown double-quoted name as a string literal, which would
@@ -652,7 +823,7 @@ def _quoted_names(
                 "e.g. filename = 'train.py'.",
                 sql=where,
             )
-        hidden.append(_describe(conn, name, shown=False, check_repeats=True))
+        hidden.append(_describe(conn, name, shown=False, check_repeats=True, typed=True))
         taken.add(name.casefold())
     return hidden
 
@@ -681,12 +852,12 @@ def _types_in(
     present = np.unique(take)
     for c in columns:
         if c.shown and not c.in_loops:
-            run_types = runs[_type_column(c.name)]
+            run_types = runs[_type_key(c.name)]
             types[c.name] = {run_types[k] for k in present if run_types[k] is not None}
     return types
 
 
-def _store_types(conn: sqlite3.Connection, name: str) -> set[str]:
+def _store_types(conn: Any, name: str) -> set[str]:
     """The value types ``name`` has anywhere in the store."""
     sql = "SELECT DISTINCT value_type FROM logs WHERE name = ?"
     return {row[0] for row in conn.execute(sql, (name,))}
@@ -707,7 +878,7 @@ def _dtype_for(types: set[str]) -> str | None:
 
 
 def _inexact_column(
-    conn: sqlite3.Connection, rows: dict[str, tuple[Any, ...]], requested: Sequence[str]
+    conn: Any, rows: dict[str, tuple[Any, ...]], requested: Sequence[str]
 ) -> pd.Series | None:
     """Per row, the requested names whose value there is marked inexact; None if none is.
 
@@ -717,8 +888,8 @@ def _inexact_column(
     """
     marks = ", ".join(_literal(name) for name in requested)
     found = conn.execute(
-        "SELECT l.name, u.rowid, l.ctx_id FROM logs l JOIN runs u ON u.run_id = l.run_id"
-        f" WHERE l.inexact IS NOT NULL AND l.name IN ({marks})"
+        f"SELECT l.name, u.{_dialect(conn).run_key}, l.ctx_id FROM logs l"
+        f" JOIN runs u ON u.run_id = l.run_id WHERE l.inexact IS NOT NULL AND l.name IN ({marks})"
     ).fetchall()
     if not found:
         return None
@@ -737,9 +908,7 @@ def _inexact_column(
     return pd.Series(labels, dtype=object)
 
 
-def _cell_keys(
-    conn: sqlite3.Connection, rows: dict[str, tuple[Any, ...]], name: str
-) -> list[str | None]:
+def _cell_keys(conn: Any, rows: dict[str, tuple[Any, ...]], name: str) -> list[str | None]:
     """Per row, the definition key of the value of ``name`` shown there (None: no value)."""
     from retrolog._query.lineage import recorded_definitions
 
@@ -748,7 +917,8 @@ def _cell_keys(
     if not run_keys:
         return []
     marks = ", ".join(str(k) for k in run_keys)
-    run_ids = dict(conn.execute(f"SELECT rowid, run_id FROM runs WHERE rowid IN ({marks})"))
+    run_key = _dialect(conn).run_key
+    run_ids = dict(conn.execute(f"SELECT {run_key}, run_id FROM runs WHERE {run_key} IN ({marks})"))
     recorded = {
         key: recorded_definitions(conn, run_id).get(name) for key, run_id in run_ids.items()
     }
@@ -756,8 +926,9 @@ def _cell_keys(
     whole_run: dict[int, str | None] = {}  # run key -> key of its run-level value
     recorded_at: set[int] = set()
     found = conn.execute(
-        "SELECT u.rowid, l.ctx_id, l.origin, l.lineage FROM logs l JOIN runs u"
-        f" ON u.run_id = l.run_id WHERE l.name = ? AND u.rowid IN ({marks}) ORDER BY l.log_id",
+        f"SELECT u.{run_key}, l.ctx_id, l.origin, l.lineage FROM logs l JOIN runs u"
+        f" ON u.run_id = l.run_id WHERE l.name = ? AND u.{run_key} IN ({marks})"
+        " ORDER BY l.log_id",
         (name,),
     )
     # As the view chooses: the newest recorded value of a place, else the newest backfilled.
@@ -796,10 +967,10 @@ def _typed_frame(
     per_run = {c.name for c in query.per_run}
     for name in query.requested:
         if name in per_run:
-            column = _typed(runs[name], runs[_type_column(name)], types[name])
+            column = _typed(runs[name], runs[_type_key(name)], types[name])
             data[name] = column.take(take).reset_index(drop=True)
         else:
-            cell_types = rows.get(_type_column(name))
+            cell_types = rows.get(_type_key(name))
             data[name] = _typed(rows[name], cell_types, types[name])
     return pd.DataFrame(data)
 
@@ -843,15 +1014,29 @@ def _mask_column(group: int) -> str:
     return f"__retrolog_types_{group}"
 
 
-def _type_column(name: str) -> str:
+def _value_column(index: int, part: int) -> str:
+    """The view's column holding part ``part`` of the values of ``columns[index]``."""
+    return f"__retrolog_v{index}_{part}"
+
+
+def _type_column(index: int) -> str:
+    """The view's column holding the value type of ``columns[index]``."""
+    return f"__retrolog_t{index}"
+
+
+def _part_key(name: str, part: int) -> str:
+    return f"__retrolog_part{part}_of_{name}"
+
+
+def _type_key(name: str) -> str:
     return f"__retrolog_type_of_{name}"
 
 
-def _is_logged(conn: sqlite3.Connection, name: str) -> bool:
+def _is_logged(conn: Any, name: str) -> bool:
     return conn.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone() is not None
 
 
-def _require_logged(conn: sqlite3.Connection, name: str) -> None:
+def _require_logged(conn: Any, name: str) -> None:
     """Raise UnknownNameError, with the closest logged names, unless ``name`` was logged."""
     if _is_logged(conn, name):
         return
@@ -871,11 +1056,14 @@ def _require_logged(conn: sqlite3.Connection, name: str) -> None:
 
 
 def _missing_column(exc: QueryError) -> str | None:
-    """The column sqlite said does not exist, if that was the complaint."""
+    """The column the database said does not exist, if that was the complaint."""
     cause = exc.__cause__
-    if not isinstance(cause, sqlite3.OperationalError):
+    if isinstance(cause, sqlite3.OperationalError):
+        match = _NO_SUCH_COLUMN.search(str(cause))
+    elif getattr(cause, "sqlstate", None) == "42703":  # PostgreSQL's undefined_column
+        match = _UNDEFINED_COLUMN.search(str(cause))
+    else:
         return None
-    match = _NO_SUCH_COLUMN.search(str(cause))
     return match.group(1) if match else None
 
 

@@ -404,9 +404,53 @@ _WRITING_STATEMENT = re.compile(
 def query_shared(metadata: Any, sql: str) -> pd.DataFrame:
     """``query`` on a PostgreSQL store (``metadata``, a PostgresMetadata): the same
     budgets and messages, PostgreSQL's SQL (docs/store.md, "Query dialects")."""
+    tables = ", ".join(DOCUMENTED_TABLES)
+
+    def malformed(complaint: str) -> str:
+        if _WRITING_STATEMENT.match(sql):  # PostgreSQL's DECLARE calls it a syntax error
+            return writes("", complaint)
+        return (
+            f"The query {sql!r} cannot be run: PostgreSQL says {complaint!r}. Give one SELECT "
+            f"statement over the store's tables: {tables} (values are in value_float, "
+            "value_int and value_text there)."
+        )
+
+    def writes(_: str, complaint: str) -> str:
+        return (
+            f"query() is read-only: {sql!r} would change the store or the connection "
+            f"(PostgreSQL says {complaint!r}). Use SELECT (or WITH ... SELECT) to read the "
+            f"tables {tables}; retrolog itself writes runs, logs and checkpoints."
+        )
+
+    columns, rows = execute_read_shared(
+        metadata.read_statement,
+        sql,
+        subject=sql,
+        location=metadata.location,
+        malformed=malformed,
+        writes=writes,
+    )
+    return frame_from_rows(columns, rows)
+
+
+def execute_read_shared(
+    read: Callable[..., tuple[list[str], list[tuple[Any, ...]]]],
+    sql: str,
+    *,
+    subject: str | None,
+    location: str,
+    malformed: Callable[[str], str],
+    writes: Callable[[str, str], str],
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """:func:`execute_read` for a PostgreSQL store: ``read`` (a PostgreSQL reader's
+    ``read``) runs ``sql`` under the same time and memory budgets; its refusals become
+    the same QueryErrors, caused by PostgreSQL's error where there is one.
+
+    malformed and writes take PostgreSQL's complaint (writes is given no action:
+    PostgreSQL does not name one).
+    """
     from retrolog.store.metastore import ReadRefused
 
-    tables = ", ".join(DOCUMENTED_TABLES)
     seconds = _setting(TIMEOUT_ENV, DEFAULT_TIMEOUT)
     memory_mb = _setting(MEMORY_ENV, DEFAULT_MEMORY_MB)
     limits = _Limits(seconds, memory_mb)
@@ -415,37 +459,26 @@ def query_shared(metadata: Any, sql: str) -> pd.DataFrame:
         return bool(memory_mb) and _resident_bytes() - limits.base > limits.memory
 
     try:
-        columns, rows = metadata.read_statement(sql, seconds=seconds, over_budget=over_budget)
+        return read(sql, seconds=seconds, over_budget=over_budget)
     except ReadRefused as refused:
         said, reason = refused.complaint, refused.reason
-        if reason == "malformed" and _WRITING_STATEMENT.match(sql):
-            reason = "writes"
         if reason == "privileged":
             message = (
-                "query() runs only as a PostgreSQL role that cannot read files or run "
-                f"programs on the server, and the role of database_url ({metadata.location}) "
-                "is a superuser or may. A read-only transaction does not stop those: connect "
-                "query() as a role with SELECT on retrolog's tables only (docs/store.md, "
-                '"Query dialects").'
+                "SQL written by a user (a query, a where-predicate) runs only as a PostgreSQL "
+                "role that cannot read files or run programs on the server, and the role of "
+                f"database_url ({location}) is a superuser or may. A read-only transaction "
+                "does not stop those: connect as a role with SELECT on retrolog's tables only "
+                '(docs/store.md, "Query dialects").'
             )
         elif reason == "timeout":
-            message = _over_time(sql, seconds)
+            message = _over_time(subject, seconds)
         elif reason == "memory":
-            message = _over_memory(sql, memory_mb)
+            message = _over_memory(subject, memory_mb)
         elif reason == "writes":
-            message = (
-                f"query() is read-only: {sql!r} would change the store or the connection "
-                f"(PostgreSQL says {said!r}). Use SELECT (or WITH ... SELECT) to read the "
-                f"tables {tables}; retrolog itself writes runs, logs and checkpoints."
-            )
+            message = writes("", said)
         else:
-            message = (
-                f"The query {sql!r} cannot be run: PostgreSQL says {said!r}. Give one SELECT "
-                f"statement over the store's tables: {tables} (values are in value_float, "
-                "value_int and value_text there)."
-            )
-        raise QueryError(message, sql=sql) from None
-    return frame_from_rows(columns, rows)
+            message = malformed(said)
+        raise QueryError(message, sql=subject) from refused.__cause__
 
 
 def frame_from_rows(columns: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> pd.DataFrame:

@@ -17,6 +17,7 @@ import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from retrolog.errors import StoreError
 from retrolog.store.metastore import require_embedded
@@ -294,13 +295,19 @@ def rollback(conn: sqlite3.Connection) -> None:
 
 
 @contextmanager
-def read_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+def read_snapshot(conn: Any) -> Iterator[None]:
     """Run the reads inside the block against one snapshot of the store.
 
     A training process may add runs, logs and checkpoints meanwhile; in WAL mode the
     read transaction sees none of them and does not block the writer. Inside a
-    transaction already, the block joins it.
+    transaction already, the block joins it. ``conn`` may also be a PostgreSQL
+    store's reader (MetadataStore.reader), which takes its own snapshot.
     """
+    snapshot = getattr(conn, "snapshot", None)
+    if snapshot is not None:
+        with snapshot():
+            yield
+        return
     if conn.in_transaction:
         yield
         return

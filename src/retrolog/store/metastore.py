@@ -262,8 +262,8 @@ def require_embedded(paths: ProjectPaths) -> None:
     raise StoreError(
         f"This project's runs are recorded into the PostgreSQL database {mask(url)} "
         "(database_url). retrolog records runs there and answers `retrolog runs`, `show`, "
-        "`lineage` and `query` from there, but the dataframe, replay, gc and the dashboard "
+        "`lineage`, `query` and `dataframe` from there, but replay, gc and the dashboard "
         "read only the embedded SQLite store so far (docs/metadata-backends.md). Use "
-        f"`retrolog query` meanwhile, or unset {DATABASE_URL_ENV} to use the embedded store "
-        f"in {paths.store}."
+        f"`retrolog dataframe` and `query` meanwhile, or unset {DATABASE_URL_ENV} to use "
+        f"the embedded store in {paths.store}."
     )

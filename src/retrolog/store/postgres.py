@@ -18,10 +18,11 @@ is stored as NULL, as SQLite stores it, so both backends give NaN the same meani
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -495,13 +496,100 @@ class _Reader:
     # A logged value is in one of these (none for NULL and NaN), by its type.
     value_columns = ("value_float", "value_int", "value_text")
 
-    def __init__(self, conn: Any, origin: Path | None) -> None:
+    def __init__(self, conn: Any, origin: Path | None, location: str) -> None:
         conn.adapters.register_loader("numeric", _numbers_loader())
         self._conn = conn
+        self._psycopg = _psycopg()
+        self._privileged: bool | None = None
         self.origin = origin
+        self.location = location
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         return self._conn.execute(placeholders(sql), params)
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Run the reads inside the block against one snapshot of the database (a
+        ``REPEATABLE READ READ ONLY`` transaction); inside one already, join it."""
+        if self._conn.info.transaction_status != self._psycopg.pq.TransactionStatus.IDLE:
+            yield
+            return
+        with self._conn.transaction():
+            self._conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            yield
+
+    def read(
+        self,
+        sql: str,
+        *,
+        seconds: float,
+        over_budget: Callable[[], bool],
+        trusted: bool = False,
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run one statement that holds user-written SQL, read-only; its column names
+        and rows.
+
+        One statement only (sent as a prepared ``DECLARE ... CURSOR FOR``, which
+        PostgreSQL refuses to hold two), in a ``REPEATABLE READ READ ONLY``
+        transaction (inside :meth:`snapshot`, a savepoint of its transaction), fetched
+        in batches: ``statement_timeout`` is set to what is left of ``seconds`` (0: no
+        limit) before each, and ``over_budget()`` is asked after each. A role that is a
+        superuser or may read files or run programs on the server is refused first: a
+        read-only transaction does not stop those (``trusted``: ``sql`` holds no text a
+        user wrote, and any role may run it). Raises :class:`ReadRefused`, caused by
+        psycopg's error when PostgreSQL refused the statement.
+        """
+        psycopg = self._psycopg
+        errors = psycopg.errors
+        conn = self._conn
+        if self._privileged is None and not trusted:
+            (self._privileged,) = conn.execute(
+                "SELECT rolsuper OR pg_has_role(current_user, 'pg_read_server_files', 'MEMBER')"
+                " OR pg_has_role(current_user, 'pg_write_server_files', 'MEMBER')"
+                " OR pg_has_role(current_user, 'pg_execute_server_program', 'MEMBER')"
+                " FROM pg_roles WHERE rolname = current_user"
+            ).fetchone()
+        if self._privileged and not trusted:
+            raise ReadRefused("privileged", "the role may read files or run programs")
+        deadline = time.monotonic() + seconds if seconds else None
+        rows: list[tuple[Any, ...]] = []
+        columns: list[str] | None = None
+        nested = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+        try:
+            with conn.transaction():
+                if not nested:
+                    conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                conn.execute(f"DECLARE retrolog_query NO SCROLL CURSOR FOR {sql}", prepare=True)
+                while True:
+                    left = 0  # ms; 0 is no limit
+                    if deadline is not None:
+                        left = max(1, int((deadline - time.monotonic()) * 1000))
+                    conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(left),))
+                    cursor = conn.execute("FETCH FORWARD 4096 FROM retrolog_query")
+                    if columns is None:
+                        columns = [d.name for d in cursor.description or ()]
+                    batch = cursor.fetchall()
+                    if not batch:
+                        break
+                    rows.extend(batch)
+                    if over_budget():
+                        raise ReadRefused("memory", f"{len(rows):,} rows fetched")
+                conn.execute("CLOSE retrolog_query")
+                conn.execute("SELECT set_config('statement_timeout', '0', true)")
+        except errors.QueryCanceled as exc:
+            raise ReadRefused("timeout", _complaint(exc)) from exc
+        except errors.ReadOnlySqlTransaction as exc:
+            raise ReadRefused("writes", _complaint(exc)) from exc
+        except errors.FeatureNotSupported as exc:  # DECLARE of a WITH that writes
+            reason = "writes" if "data-modifying" in str(exc) else "malformed"
+            raise ReadRefused(reason, _complaint(exc)) from exc
+        except psycopg.OperationalError as exc:
+            raise StoreError(
+                f"The PostgreSQL store at {self.location} failed: {_complaint(exc)}."
+            ) from exc
+        except psycopg.Error as exc:
+            raise ReadRefused("malformed", _complaint(exc)) from exc
+        return columns or [], rows
 
     def keep_definitions(
         self, definitions: list[tuple[Any, ...]], run_definitions: list[tuple[Any, ...]]
@@ -595,70 +683,22 @@ class PostgresMetadata(MetadataStore):
         return lambda: PostgresRecordSink(url)
 
     def reader(self) -> Any:
-        return _Reader(self._conn, self.origin)
+        return _Reader(self._conn, self.origin, self.location)
 
     def read_statement(
         self, sql: str, *, seconds: float, over_budget: Callable[[], bool]
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """Run one user-written statement read-only; its column names and rows.
-
-        One statement only (sent as a prepared ``DECLARE ... CURSOR FOR``, which
-        PostgreSQL refuses to hold two), in a ``REPEATABLE READ READ ONLY``
-        transaction, fetched in batches: ``statement_timeout`` is set to what is left
-        of ``seconds`` (0: no limit) before each, and ``over_budget()`` is asked after
-        each. A role that is a superuser or may read files or run programs on the
-        server is refused first: a read-only transaction does not stop those.
-        Raises :class:`ReadRefused`.
-        """
-        errors = self._psycopg.errors
-        conn = self._conn
-        (privileged,) = self._rows(
-            "SELECT rolsuper OR pg_has_role(current_user, 'pg_read_server_files', 'MEMBER')"
-            " OR pg_has_role(current_user, 'pg_write_server_files', 'MEMBER')"
-            " OR pg_has_role(current_user, 'pg_execute_server_program', 'MEMBER')"
-            " FROM pg_roles WHERE rolname = current_user"
-        )[0]
-        if privileged:
-            raise ReadRefused("privileged", "the role may read files or run programs")
-        # numeric (what SUM and AVG of integers give) as float, as pandas expects a number
+        """Run one user-written statement read-only: :meth:`_Reader.read`, with numeric
+        results (what SUM and AVG of integers give) as floats, as pandas expects a
+        number. Raises :class:`ReadRefused`."""
         from psycopg.types.numeric import FloatLoader
 
-        conn.adapters.register_loader("numeric", FloatLoader)
-        deadline = time.monotonic() + seconds if seconds else None
-        rows: list[tuple[Any, ...]] = []
-        columns: list[str] | None = None
+        reader = _Reader(self._conn, self.origin, self.location)
+        self._conn.adapters.register_loader("numeric", FloatLoader)
         try:
-            with conn.transaction():
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-                conn.execute(f"DECLARE retrolog_query NO SCROLL CURSOR FOR {sql}", prepare=True)
-                while True:
-                    left = 0  # ms; 0 is no limit
-                    if deadline is not None:
-                        left = max(1, int((deadline - time.monotonic()) * 1000))
-                    conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(left),))
-                    cursor = conn.execute("FETCH FORWARD 4096 FROM retrolog_query")
-                    if columns is None:
-                        columns = [d.name for d in cursor.description or ()]
-                    batch = cursor.fetchall()
-                    if not batch:
-                        break
-                    rows.extend(batch)
-                    if over_budget():
-                        raise ReadRefused("memory", f"{len(rows):,} rows fetched")
-        except errors.QueryCanceled as exc:
-            raise ReadRefused("timeout", _complaint(exc)) from exc
-        except errors.ReadOnlySqlTransaction as exc:
-            raise ReadRefused("writes", _complaint(exc)) from exc
-        except errors.FeatureNotSupported as exc:  # DECLARE of a WITH that writes
-            reason = "writes" if "data-modifying" in str(exc) else "malformed"
-            raise ReadRefused(reason, _complaint(exc)) from exc
-        except self._psycopg.OperationalError as exc:
-            raise StoreError(
-                f"The PostgreSQL store at {self.location} failed: {_complaint(exc)}."
-            ) from exc
-        except self._psycopg.Error as exc:
-            raise ReadRefused("malformed", _complaint(exc)) from exc
-        return columns or [], rows
+            return reader.read(sql, seconds=seconds, over_budget=over_budget)
+        finally:
+            self._conn.adapters.register_loader("numeric", _numbers_loader())
 
     def close(self) -> None:
         self._conn.close()
