@@ -51,7 +51,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,27 +75,15 @@ COVERING_INDEX = (
 )
 
 
-def build_store(path: Path) -> sqlite3.Connection:
-    """A store holding the shape in the module docstring."""
-    conn = connect(path)
-    migrate(conn)
+def shape() -> Iterator[tuple[tuple[Any, ...], list[tuple[Any, ...]], list[tuple[Any, ...]]]]:
+    """Per run, in the module docstring's shape: its runs row (run_id, tstamp,
+    started_at), its loop rows and its log records (in execution order)."""
     rng = random.Random(0)
-    conn.execute("BEGIN")
     for r in range(RUNS):
         run_id = f"20240101-{r:06d}-{rng.getrandbits(24):06x}"
         # Start times are not in run id order, so ordering by start is visible.
         started_at = 1_700_000_000.0 + ((r * 7) % RUNS) * 3600
-        conn.execute(
-            "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at, ended_at,"
-            " host, pid, python, argv, args) VALUES (?, 'proj', ?, 'train.py', 'finished', ?, ?,"
-            " 'host', 1, '3.11', '[]', '{}')",
-            (
-                run_id,
-                time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started_at)),
-                started_at,
-                started_at + 3000,
-            ),
-        )
+        run = (run_id, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started_at)), started_at)
         lr = rng.choice([0.001, 0.003, 0.01, 0.03])
         logs: list[tuple[Any, ...]] = [
             (run_id, None, "lr", lr, "float"),
@@ -115,6 +105,23 @@ def build_store(path: Path) -> sqlite3.Connection:
                         logs.append((run_id, step_ctx, name, rng.random(), "float"))
             logs.append((run_id, epoch_ctx, "acc", rng.random(), "float"))
         logs.append((run_id, None, "test_acc", rng.random(), "float"))
+        yield run, loops, logs
+
+
+_RUN_ROW = (
+    "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at, ended_at,"
+    " host, pid, python, argv, args) VALUES (?, 'proj', ?, 'train.py', 'finished', ?, ?,"
+    " 'host', 1, '3.11', '[]', '{}')"
+)
+
+
+def build_store(path: Path) -> sqlite3.Connection:
+    """A store holding the shape in the module docstring."""
+    conn = connect(path)
+    migrate(conn)
+    conn.execute("BEGIN")
+    for (run_id, tstamp, started_at), loops, logs in shape():
+        conn.execute(_RUN_ROW, (run_id, tstamp, started_at, started_at + 3000))
         conn.executemany(
             "INSERT INTO loops (run_id, ctx_id, parent_ctx, name, iteration, depth, t_start)"
             " VALUES (?, ?, ?, ?, ?, ?, 0)",
@@ -126,6 +133,40 @@ def build_store(path: Path) -> sqlite3.Connection:
         )
     conn.execute("COMMIT")
     return conn
+
+
+def build_postgresql(url: str) -> None:
+    """The same store in the PostgreSQL database (schema) ``url`` names, by retrolog's
+    own migration; rows copied in, then ``VACUUM ANALYZE``, as autovacuum would leave a
+    table this size."""
+    from retrolog.store.postgres import connect as pg_connect
+    from retrolog.store.postgres import migrate as pg_migrate
+    from retrolog.store.postgres import placeholders, typed
+
+    conn = pg_connect(url)
+    try:
+        pg_migrate(conn)
+        with conn.transaction():
+            for (run_id, tstamp, started_at), loops, logs in shape():
+                conn.execute(
+                    placeholders(_RUN_ROW), (run_id, tstamp, started_at, started_at + 3000)
+                )
+                cur = conn.cursor()
+                with cur.copy(
+                    "COPY loops (run_id, ctx_id, parent_ctx, name, iteration, depth, t_start)"
+                    " FROM STDIN"
+                ) as copy:
+                    for row in loops:
+                        copy.write_row((*row, 0.0))
+                with cur.copy(
+                    "COPY logs (run_id, ctx_id, name, value_float, value_int, value_text,"
+                    " value_type) FROM STDIN"
+                ) as copy:
+                    for run, ctx, name, value, kind in logs:
+                        copy.write_row((run, ctx, name, *typed(value), kind))
+        conn.execute("VACUUM ANALYZE")
+    finally:
+        conn.close()
 
 
 def pandas_baseline(conn: sqlite3.Connection, names: list[str]) -> pd.DataFrame:
@@ -256,15 +297,171 @@ def measure(conn: sqlite3.Connection, reps: int, baseline: bool) -> dict[str, An
 def query_plan(conn: sqlite3.Connection) -> list[str]:
     """EXPLAIN QUERY PLAN of the statement that builds the rows."""
     columns = [wide._describe(conn, n, shown=True, check_repeats=False) for n in NAMES]
-    sql = wide._rows_sql(columns, wide._dimensions(conn), None, [])
+    sql, _ = wide._rows_sql(columns, wide._dimensions(conn), None, [], wide._SQLITE)
     return [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+
+
+WHERE = "lr > 0.002 AND epoch >= 2"
+"""The predicate of the PostgreSQL comparison's second call (a run-level and a loop name)."""
+
+
+def _server_cpu(pid: int) -> float:
+    """CPU seconds of the PostgreSQL backend process ``pid`` (the server is local)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def compare_postgresql(admin_url: str, sqlite_path: Path, reps: int) -> dict[str, Any]:
+    """dataframe() over the same store in SQLite and in PostgreSQL, side by side.
+
+    Interleaved repetitions, alternating which goes first; every PostgreSQL frame must
+    equal SQLite's (the shape is generated the same way into both: same run ids,
+    values and order). Without a predicate, and with ``WHERE`` (run as a role with
+    SELECT only: retrolog refuses a user's predicate as a superuser).
+    """
+    import psycopg
+    from bench_log import drop_schema, fresh_schema
+
+    from retrolog.store.postgres import PostgresMetadata
+
+    url = fresh_schema(admin_url)
+    schema = urllib.parse.unquote(url).rsplit("search_path=", 1)[1].split("&")[0]
+    role, password = f"bench_reader_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    try:
+        build_s, _ = timed(lambda: build_postgresql(url))
+        print(f"PostgreSQL store built in {build_s:.1f} s", file=sys.stderr)
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+            admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+            admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role}")
+        parts = urllib.parse.urlsplit(url)
+        netloc = f"{role}:{password}@{parts.hostname}:{parts.port}"
+        reader_url = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        sqlite = connect(sqlite_path, readonly=True)
+        pg = PostgresMetadata(reader_url, create=False)
+        pg_reader = pg.reader()
+        backend = pg_reader._conn.info.backend_pid
+        out: dict[str, Any] = {"build_s": build_s, "where": WHERE}
+        for label, where in (("no_predicate", None), ("with_predicate", WHERE)):
+            kinds = ("sqlite", "sqlite_cpu", "postgresql", "postgresql_cpu")
+            kinds += ("postgresql_server_cpu",)
+            samples: dict[str, list[float]] = {k: [] for k in kinds}
+            first = {
+                "sqlite": timed(lambda w=where: wide.dataframe(sqlite, NAMES, w))[0],
+                "postgresql": timed(lambda w=where: wide.dataframe(pg_reader, NAMES, w))[0],
+            }
+            rows = 0
+            for rep in range(reps):
+                frames = {}
+                for side in ("sqlite", "postgresql") if rep % 2 == 0 else ("postgresql", "sqlite"):
+                    conn = sqlite if side == "sqlite" else pg_reader
+                    cpu, server = time.process_time(), _server_cpu(backend)
+                    seconds, frames[side] = timed(
+                        lambda c=conn, w=where: wide.dataframe(c, NAMES, w)
+                    )
+                    samples[side].append(seconds)
+                    samples[f"{side}_cpu"].append(time.process_time() - cpu)
+                    if side == "postgresql":
+                        samples["postgresql_server_cpu"].append(_server_cpu(backend) - server)
+                pd.testing.assert_frame_equal(frames["postgresql"], frames["sqlite"])
+                rows = len(frames["sqlite"])
+            if rows == 0:
+                raise SystemExit(f"the {label} view has no rows: it would compare nothing")
+            out[label] = {
+                "rows": rows,
+                "first_call_s": first,
+                **{f"{k}_s": spread(v) for k, v in samples.items()},
+                "ratio_postgresql_over_sqlite": spread(
+                    [a / b for a, b in zip(samples["postgresql"], samples["sqlite"], strict=True)]
+                ),
+            }
+        pg.close()
+        sqlite.close()
+        return out
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE IF EXISTS {role}")
+        drop_schema(url)
+
+
+def main_postgresql(args: argparse.Namespace) -> None:
+    """--postgresql: the SQLite store and the same store in PostgreSQL, side by side."""
+    from bench_log import test_database_url
+
+    admin_url = test_database_url()
+    if admin_url is None:
+        raise SystemExit(
+            "--postgresql needs a server: run `bash scripts/services.sh start`, or set "
+            "RETROLOG_TEST_DATABASE_URL to a database this benchmark may write."
+        )
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="retrolog-bench-") as tmp:
+        path = Path(tmp) / "retrolog.db"
+        build_s, conn = timed(lambda: build_store(path))
+        records = conn.execute("SELECT count(*) FROM logs").fetchone()[0]
+        conn.close()
+        compared = compare_postgresql(admin_url, path, args.reps)
+    import psycopg
+
+    with psycopg.connect(admin_url) as admin:
+        server = admin.execute("SHOW server_version").fetchone()[0]
+    results = {
+        "benchmark": "dataframe_postgresql",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.perf_counter() - started, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nproc": os.cpu_count(),
+        "sqlite": sqlite3.sqlite_version,
+        "postgresql": server,
+        "psycopg": psycopg.__version__,
+        "retrolog_version": retrolog.__version__,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        "repetitions": args.reps,
+        "log_records": records,
+        "sqlite_build_s": build_s,
+        "call": f"dataframe(conn, {NAMES!r}, where)",
+        "results_equal": True,
+        **compared,
+    }
+    output = args.output or Path("bench/results/dataframe_postgresql.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=1) + "\n")
+
+    def line(label: str, s: dict[str, Any]) -> str:
+        return f"{label:44s} {s['median']:7.3f}  (min {s['min']:.3f}, max {s['max']:.3f})"
+
+    print(f"dataframe(conn, {NAMES!r}) over {records:,} records, {args.reps} repetitions:")
+    for label in ("no_predicate", "with_predicate"):
+        figures = compared[label]
+        print(f"{label.replace('_', ' ')} ({figures['rows']:,} rows):")
+        print(line("  SQLite, s", figures["sqlite_s"]))
+        print(line("  PostgreSQL, s", figures["postgresql_s"]))
+        print(line("  ratio PostgreSQL / SQLite (paired)", figures["ratio_postgresql_over_sqlite"]))
+        print(line("  client CPU s: SQLite", figures["sqlite_cpu_s"]))
+        print(line("  client CPU s: PostgreSQL", figures["postgresql_cpu_s"]))
+        print(line("  server CPU s: PostgreSQL", figures["postgresql_server_cpu_s"]))
+    print(f"-> {output}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--output", type=Path, default=Path("bench/results/dataframe.json"))
+    parser.add_argument("--output", type=Path)
+    parser.add_argument(
+        "--postgresql",
+        action="store_true",
+        help="compare with the same store in PostgreSQL (the server `bash scripts/services.sh "
+        "start` starts, or RETROLOG_TEST_DATABASE_URL) -> bench/results/dataframe_postgresql.json",
+    )
     args = parser.parse_args()
+    if args.postgresql:
+        main_postgresql(args)
+        return
+    args.output = args.output or Path("bench/results/dataframe.json")
     load_before = os.getloadavg()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="retrolog-bench-") as tmp:
