@@ -22,20 +22,23 @@ writes after the copy would be missing from the target.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrolog._config import BY_KEY, STORE_FILE, read_file
+from retrolog._config import BY_KEY, STORE_FILE, mask, read_file
 from retrolog.errors import StoreError, VersionError
 from retrolog.store.backends import open_object_store
 from retrolog.store.metadata import mark_dead_runs_crashed
 from retrolog.store.objects import ObjectStore, in_order
 from retrolog.store.paths import ProjectPaths
+from retrolog.store.transfer import TransferReport
 
 OBJECTS_URL = BY_KEY["objects_url"]
 
@@ -148,7 +151,7 @@ def migrate_objects(
             )
         report.verified += 1
         report.verified_bytes += len(data)
-    report.config_file = str(_set_objects_url(paths.store, target_url))
+    report.config_file = str(_set_setting(paths.store, "objects_url", target_url))
     override = _environment_override(target_url)
     if override:
         report.still_overridden = override
@@ -193,25 +196,23 @@ def _same_place(a: ObjectStore, b: ObjectStore) -> bool:
     return a.location.rstrip("/") == b.location.rstrip("/")
 
 
-_LINE = re.compile(r"^\s*objects_url\s*=.*$", re.MULTILINE)
-
-
-def _set_objects_url(store_dir: Path, location: str) -> Path:
-    """Set ``objects_url`` in the store's config.toml (keeping the rest); the file's path."""
+def _set_setting(store_dir: Path, key: str, value: str) -> Path:
+    """Set ``key`` in the store's config.toml (keeping the rest); the file's path."""
     path = store_dir / STORE_FILE
     before = path.read_text(encoding="utf-8") if path.exists() else ""
-    line = f"objects_url = {json.dumps(location)}"  # a TOML basic string
-    if _LINE.search(before):
-        after = _LINE.sub(lambda _: line, before, count=1)
+    line = f"{key} = {json.dumps(value)}"  # a TOML basic string
+    existing = re.compile(rf"^\s*{re.escape(key)}\s*=.*$", re.MULTILINE)
+    if existing.search(before):
+        after = existing.sub(lambda _: line, before, count=1)
     else:
         after = before + ("" if not before or before.endswith("\n") else "\n") + line + "\n"
     temp = path.with_name(f".{path.name}.migrate.tmp")
     temp.write_text(after, encoding="utf-8")
     try:
-        if read_file(temp, None).get("objects_url") != location:
+        if read_file(temp, None).get(key) != value:
             raise StoreError(
-                f"Could not set objects_url in {path} (the edited file does not read back "
-                f"as {location!r}). Set `objects_url = {json.dumps(location)}` there by hand."
+                f"Could not set {key} in {path} (the edited file does not read back as "
+                f"{mask(value)!r}). Set `{key} = ...` there by hand."
             )
     except BaseException:
         temp.unlink(missing_ok=True)
@@ -226,3 +227,115 @@ def _environment_override(location: str) -> str | None:
 
     value = os.environ.get(OBJECTS_URL.env, "").strip()
     return OBJECTS_URL.env if value and value != location else None
+
+
+def migrate_database(
+    paths: ProjectPaths,
+    conn: sqlite3.Connection,
+    url: str,
+    *,
+    dry_run: bool = False,
+    confirm: Callable[[TransferReport], bool] | None = None,
+    say: Callable[[str], None] = lambda _: None,
+) -> TransferReport:
+    """Copy the embedded store's runs into the PostgreSQL database ``url``, verify each,
+    then set ``database_url`` in the store's config.toml (store/transfer.py).
+
+    dry_run: only say which runs would be copied (a database with no retrolog store
+    yet is left without one). confirm: called with that plan first; False stops.
+    Raises StoreError, the setting unchanged, while a run records, when a run is in
+    the database with other rows than here, or when a copy does not read back.
+    """
+    from retrolog.store.metastore import DATABASE_URL_ENV
+    from retrolog.store.postgres import PostgresMetadata, has_store
+    from retrolog.store.transfer import copy_into_postgresql
+
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in ("postgresql", "postgres"):
+        raise StoreError(
+            f"--to takes a PostgreSQL URL such as postgresql://user@host:5432/dbname, not "
+            f"{mask(url)!r}."
+        )
+    mark_dead_runs_crashed(conn)
+    running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
+    if running:
+        raise StoreError(
+            f"Run(s) {', '.join(running)} are still recording into {paths.database}; what "
+            f"they write after the copy would be missing from {mask(url)}. Let them finish "
+            "(or stop them), then run `retrolog migrate` again. Nothing was copied."
+        )
+    empty = not has_store(url)
+    if empty:  # a plan that writes nothing: every run would be copied
+        plan = TransferReport(source=str(paths.database), target=mask(url))
+        plan.runs = _all_runs(conn)
+    else:
+        with _opened(PostgresMetadata(url, create=False)) as target:
+            plan = copy_into_postgresql(conn, target, source=str(paths.database), dry_run=True)
+    _refuse_differing(plan)
+    if dry_run or (confirm is not None and not confirm(plan)):
+        return plan
+    with _opened(PostgresMetadata(url, create=True)) as target:
+        report = copy_into_postgresql(conn, target, source=str(paths.database), say=say)
+    _refuse_differing(report)
+    if _has_password(url):
+        report.password_kept_out = True
+    else:
+        report.config_file = str(_set_setting(paths.store, "database_url", url))
+    override = os.environ.get(DATABASE_URL_ENV, "").strip()
+    if override and override != url:
+        report.still_overridden = DATABASE_URL_ENV
+    return report
+
+
+@contextlib.contextmanager
+def _opened(metadata: Any) -> Iterator[Any]:
+    try:
+        yield metadata
+    finally:
+        metadata.close()
+
+
+def _all_runs(conn: sqlite3.Connection) -> list[Any]:
+    """Every local run, as a plan to copy it, with its rows in the per-run tables."""
+    from retrolog.store.transfer import PER_RUN, RunTransfer
+
+    rows: dict[str, int] = {}
+    for table in PER_RUN:
+        for run_id, count in conn.execute(f"SELECT run_id, count(*) FROM {table} GROUP BY run_id"):
+            rows[run_id] = rows.get(run_id, 0) + count
+    order = conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")
+    return [RunTransfer(r, "copied", rows.get(r, 0)) for (r,) in order]
+
+
+def _refuse_differing(report: Any) -> None:
+    differing = [r.run_id for r in report.runs if r.outcome == "differs"]
+    if differing:
+        raise StoreError(
+            f"Run(s) {', '.join(differing)} are in {report.target} already with other rows "
+            f"than in {report.source} (recorded there under the same id, or changed here "
+            "since they were copied, e.g. by a replay). retrolog never overwrites a run "
+            "there: compare them with `retrolog show RUN --json` against each store. "
+            "Nothing was switched."
+        )
+
+
+def _has_password(url: str) -> bool:
+    """Whether ``url`` holds a password (which retrolog never writes into a file)."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    return bool(parts.password) or "password=" in parts.query.lower()
+
+
+def require_embedded_source(paths: ProjectPaths) -> None:
+    """Refuse ``migrate --to`` when the metadata is not in the embedded store."""
+    from retrolog.store.metastore import DATABASE_URL_ENV, database_url
+
+    current = database_url()
+    if current is not None:
+        raise StoreError(
+            f"This project's metadata is in {mask(current)} already (database_url), not in "
+            f"the embedded store; `retrolog migrate --to` copies the embedded store "
+            f"{paths.database} into PostgreSQL. Unset {DATABASE_URL_ENV} (or database_url in "
+            "the settings files) to copy it."
+        )

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from retrolog._migrate import MigrationPlan, MigrationReport
     from retrolog._query.series import Group, Series, SeriesCache
     from retrolog._replay.replayer import ReplayResult
+    from retrolog.store.transfer import TransferReport
 
 
 _CACHE_LOCK = threading.Lock()
@@ -420,3 +421,34 @@ class Project:
             if dry_run or (confirm is not None and not confirm(plan)):
                 return plan
             return migrate_objects(self.paths, conn, source, url, say=echo or (lambda _: None))
+
+    def migrate_database(
+        self,
+        url: str,
+        *,
+        dry_run: bool = False,
+        confirm: Callable[[TransferReport], bool] | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> TransferReport:
+        """Copy this project's embedded store (runs, loops, logs, checkpoints' records,
+        replays, definitions) into the PostgreSQL database ``url``, verify every run
+        there, then set ``database_url`` in the store's config.toml (not when ``url``
+        holds a password: put that in ~/.pgpass). Nothing is deleted; running it again
+        copies only runs that are not there (see ``retrolog migrate --help``).
+
+        dry_run: the plan only. confirm: called with the plan before anything is
+        written; False stops. Raises StoreError, the setting unchanged, while a run
+        records, or when a run is there already with other rows.
+        """
+        from retrolog._migrate import migrate_database, require_embedded_source
+
+        require_embedded_source(self.paths)
+        with self.reader() as conn:
+            return migrate_database(
+                self.paths,
+                conn,
+                url,
+                dry_run=dry_run,
+                confirm=confirm,
+                say=echo or (lambda _: None),
+            )

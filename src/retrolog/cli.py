@@ -635,30 +635,81 @@ def ui_command(port: int | None, host: str, no_browser: bool, no_index: bool) ->
 @click.option(
     "--objects",
     "url",
-    required=True,
     help="Where the objects go: s3://bucket/prefix, another fsspec URL, or a directory.",
+)
+@click.option(
+    "--to",
+    "database",
+    help="Where the metadata goes: a PostgreSQL URL, postgresql://user@host:5432/dbname.",
 )
 @click.option("--dry-run", is_flag=True, help="Print what would be copied; copy nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--json", "as_json", is_flag=True, help="Write the report as JSON.")
 @_handle_errors
-def migrate_command(url: str, dry_run: bool, yes: bool, as_json: bool) -> None:
-    """Move the store's objects (checkpoints, code copies) to another object store.
+def migrate_command(
+    url: str | None, database: str | None, dry_run: bool, yes: bool, as_json: bool
+) -> None:
+    """Move the store's objects (checkpoints, code copies) to another object store,
+    and its metadata (runs, logs) to a PostgreSQL database a team shares.
 
-    Runs recorded without a copy of their code in the objects get one first.
+    --objects: runs recorded without a copy of their code in the objects get one first.
     Then every object is copied, read back from the target and verified against
     its key, and only when all verified is objects_url set in the store's
     config.toml, so later recordings, replays and gc use the target. Nothing is
     deleted: the local objects stay until you remove them, and running it again
     copies only what is missing and verifies everything again. It refuses while
-    a run is recording. The metadata (runs, logs) stays where it is.
+    a run is recording.
+
+    --to: every run of the embedded store that the database lacks is copied (its
+    loops, logs, checkpoints' records, profile and definitions, with the replays
+    and definitions runs share), each in one transaction, read back and compared
+    row by row (counts and a sha256); a run already there is compared the same way
+    and never overwritten. Then database_url is set in the store's config.toml,
+    unless the URL holds a password (put that in ~/.pgpass). Nothing is deleted;
+    running it again copies only what is missing. With both, the objects go first.
 
     \b
     Example:
       retrolog migrate --objects s3://team-bucket/retrolog --dry-run
       retrolog migrate --objects s3://team-bucket/retrolog --yes
+      retrolog migrate --to postgresql://trainer@db.internal/retrolog --objects s3://team/rl
     """
+    if url is None and database is None:
+        raise click.UsageError(
+            "Say where to move: --objects URL (checkpoints and code copies), --to "
+            "postgresql://... (runs and logs), or both."
+        )
     project = _project()
+    reports: dict[str, Any] = {}
+    if url is not None:
+        reports["objects"] = _migrate_objects(project, url, dry_run, yes, as_json)
+    if database is not None:
+        reports["database"] = _migrate_database(project, database, dry_run, yes, as_json)
+    if as_json:
+        only = reports["objects"] if database is None else reports["database"]
+        click.echo(json.dumps(reports if len(reports) > 1 else only, indent=2))
+
+
+def _ask(question: str, yes: bool, as_json: bool, plan_text: str) -> bool:
+    """Whether to go on: --yes, else the user's answer on a terminal."""
+    if yes:
+        return True
+    if not as_json:
+        click.echo(terminal_safe(plan_text))
+    if not sys.stdin.isatty():
+        raise click.UsageError(
+            "Not asking on a non-interactive input: pass --yes to migrate, or --dry-run."
+        )
+    if click.confirm(question, default=False, err=True):
+        return True
+    click.echo("Nothing copied.", err=True)
+    return False
+
+
+def _migrate_objects(
+    project: Any, url: str, dry_run: bool, yes: bool, as_json: bool
+) -> dict[str, Any] | None:
+    """``migrate --objects``: its report as a dict for --json, else printed."""
 
     def describe(plan: Any) -> str:
         mb = plan.nbytes / 1e6
@@ -671,18 +722,7 @@ def migrate_command(url: str, dry_run: bool, yes: bool, as_json: bool) -> None:
         return text + ", then set objects_url in the store's config.toml."
 
     def confirm(plan: Any) -> bool:
-        if yes:
-            return True
-        if not as_json:
-            click.echo(terminal_safe(describe(plan)))
-        if not sys.stdin.isatty():
-            raise click.UsageError(
-                "Not asking on a non-interactive input: pass --yes to migrate, or --dry-run."
-            )
-        if click.confirm("Migrate?", default=False, err=True):
-            return True
-        click.echo("Nothing copied.", err=True)
-        return False
+        return _ask("Migrate the objects?", yes, as_json, describe(plan))
 
     def say(line: str) -> None:
         if not as_json:
@@ -690,13 +730,12 @@ def migrate_command(url: str, dry_run: bool, yes: bool, as_json: bool) -> None:
 
     result = project.migrate_objects(url, dry_run=dry_run, confirm=confirm, echo=say)
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
+        return dict(result.to_dict())
     if dry_run:
         click.echo(terminal_safe(describe(result)))
-        return
+        return None
     if not hasattr(result, "verified"):
-        return  # not confirmed
+        return None  # not confirmed
     lines = [
         f"Copied {result.copied} object(s) ({result.copied_bytes / 1e6:.1f} MB) to "
         f"{result.target}; {result.objects - result.copied} were there already. Verified "
@@ -719,6 +758,64 @@ def migrate_command(url: str, dry_run: bool, yes: bool, as_json: bool) -> None:
         )
     for line in lines:
         click.echo(terminal_safe(line))
+    return None
+
+
+def _migrate_database(
+    project: Any, url: str, dry_run: bool, yes: bool, as_json: bool
+) -> dict[str, Any] | None:
+    """``migrate --to``: its report as a dict for --json, else printed."""
+    from retrolog._config import mask
+
+    def describe(plan: Any) -> str:
+        copy = [r for r in plan.runs if r.outcome == "copied"]
+        rows = sum(r.rows for r in copy)
+        return (
+            f"Copy {len(copy)} of {len(plan.runs)} run(s) ({rows:,} rows) from {plan.source} "
+            f"to {plan.target}, verify every run there, then set database_url in the store's "
+            "config.toml."
+        )
+
+    def confirm(plan: Any) -> bool:
+        return _ask("Migrate the runs?", yes, as_json, describe(plan))
+
+    def say(line: str) -> None:
+        if not as_json:
+            click.echo(terminal_safe(f"retrolog: {line}"), err=True)
+
+    result = project.migrate_database(url, dry_run=dry_run, confirm=confirm, echo=say)
+    if as_json:
+        return dict(result.to_dict())
+    if dry_run:
+        click.echo(terminal_safe(describe(result)))
+        return None
+    if not result.done:
+        return None  # not confirmed
+    copied = [r for r in result.runs if r.outcome == "copied"]
+    lines = [
+        f"Copied {len(copied)} run(s) ({sum(r.rows for r in copied):,} rows) to "
+        f"{result.target}; {len(result.runs) - len(copied)} were there already. Verified "
+        f"{result.verified} of {len(result.runs)}.",
+    ]
+    if result.config_file:
+        lines.append(
+            f"database_url is now {mask(url)} in {result.config_file}; the embedded store "
+            f"{result.source} was left as it was."
+        )
+    else:
+        lines.append(
+            "The URL holds a password, which retrolog does not write into a file: put it in "
+            "~/.pgpass (or PGPASSWORD) and set database_url = "
+            f"{mask(url).replace(':***@', '@')!r} in .retrolog/config.toml or [tool.retrolog]."
+        )
+    if result.still_overridden:
+        lines.append(
+            f"{result.still_overridden} is set in this environment and still points "
+            "elsewhere; unset it (or set it to the new database) to use it."
+        )
+    for line in lines:
+        click.echo(terminal_safe(line))
+    return None
 
 
 @cli.command("config")

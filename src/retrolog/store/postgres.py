@@ -282,6 +282,15 @@ def _complaint(exc: BaseException) -> str:
     return " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
 
 
+def has_store(url: str) -> bool:
+    """Whether the database ``url`` names holds a retrolog store (its tables)."""
+    conn = connect(url)
+    try:
+        return _has_store(conn)
+    finally:
+        conn.close()
+
+
 def _has_store(conn: Any) -> bool:
     """Whether retrolog's tables are in the database (its search path)."""
     (found,) = conn.execute("SELECT to_regclass('migrations') IS NOT NULL").fetchone()
@@ -677,6 +686,11 @@ class PostgresMetadata(MetadataStore):
                 self._conn.cursor().executemany(sql, params)
 
         self._guarded(run)
+
+    @property
+    def connection(self) -> Any:
+        """The psycopg connection (autocommit; transactions are explicit)."""
+        return self._conn
 
     def record_sink(self) -> Callable[[], RecordSink]:
         url = self._url

@@ -1,0 +1,289 @@
+"""Copying the embedded store's metadata into a PostgreSQL store (``retrolog migrate --to``).
+
+Run by run, each in one PostgreSQL transaction: its ``runs`` row, then its loops,
+logs, checkpoints, profile and run definitions with COPY, logs and checkpoints in
+the order SQLite holds them (so PostgreSQL's identities keep that order: "the
+newest record counts" means the same there). A value goes to ``value_float``,
+``value_int`` or ``value_text`` by its type, as the PostgreSQL record sink writes
+it. The tables runs share (definitions, replays and their runs, module sets) are
+copied first, keeping rows that are there already.
+
+Verifiably: every run is read back from PostgreSQL and its fingerprint compared
+with the local one (row counts and a sha256 over every copied table's rows, values
+compared bit for bit: floats by their hex form). Safe to re-run: a run that is
+there with the same fingerprint is left alone; one that is there with another
+(recorded into PostgreSQL under the same id, or changed locally since, e.g. by a
+replay) is reported and never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sqlite3
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from retrolog.errors import StoreError
+from retrolog.store.postgres import PostgresMetadata, placeholders, typed
+
+# The tables holding one run's rows, copied with it, and how SQLite orders them
+# (None: no order of their own; their fingerprint sorts them).
+PER_RUN: dict[str, str | None] = {
+    "loops": "ctx_id",
+    "logs": "log_id",
+    "checkpoints": "checkpoint_id",
+    "profile": None,
+    "run_definitions": None,  # PostgreSQL orders names by its collation
+}
+# The tables runs share, and the key a row that is there already is known by.
+SHARED: dict[str, str] = {
+    "definitions": "lineage",
+    "replays": "replay_id",
+    "replay_runs": "replay_id, run_id",
+    "module_sets": "digest",
+}
+# Identities each database numbers itself.
+_IDENTITY = {"run_key", "log_id", "checkpoint_id"}
+# Tables whose SQLite ``value`` is split into three typed columns on PostgreSQL.
+_SPLIT = {"loops", "logs"}
+_PARTS = ("value_float", "value_int", "value_text")
+
+
+@dataclass
+class RunTransfer:
+    """One run's copy: ``copied``, ``present`` (there with the same rows) or ``differs``."""
+
+    run_id: str
+    outcome: str
+    rows: int = 0  # its rows in the per-run tables, here
+
+
+@dataclass
+class TransferReport:
+    source: str
+    target: str
+    runs: list[RunTransfer] = field(default_factory=list)
+    shared_rows: dict[str, int] = field(default_factory=dict)  # table -> rows here
+    verified: int = 0  # runs whose fingerprint matched after the copy (or already)
+    done: bool = False  # copied and verified (False: a plan)
+    config_file: str | None = None  # where database_url was set
+    password_kept_out: bool = False  # the URL holds a password: not written into a file
+    still_overridden: str | None = None  # a variable that keeps pointing elsewhere
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for r in self.runs if r.outcome == outcome)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def copy_into_postgresql(
+    conn: sqlite3.Connection,
+    target: PostgresMetadata,
+    *,
+    source: str,
+    dry_run: bool = False,
+    say: Callable[[str], None] = lambda _: None,
+) -> TransferReport:
+    """Copy every run of ``conn`` (the embedded store) that ``target`` lacks, and verify
+    every run there. dry_run: only find which runs would be copied (``copied`` in the
+    report means "would be")."""
+    pg = target.connection
+    report = TransferReport(source=source, target=target.location)
+    columns = {t: _common_columns(conn, pg, t) for t in ("runs", *PER_RUN, *SHARED)}
+    there = {r for (r,) in pg.execute("SELECT run_id FROM runs")}
+    local = [r for (r,) in conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")]
+    for table in SHARED:
+        (report.shared_rows[table],) = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
+    if not dry_run:
+        say(f"copying what {len(local)} run(s) share: definitions, replays, module sets")
+        _copy_shared(conn, pg, columns)
+    for number, run_id in enumerate(local, 1):
+        mine = _fingerprint(_local_rows(conn, run_id, columns))
+        rows = sum(len(v) for k, v in mine[1].items() if k != "runs")
+        if run_id in there:
+            theirs = _fingerprint(_remote_rows(pg, run_id, columns))
+            outcome = "present" if theirs[0] == mine[0] else "differs"
+            report.runs.append(RunTransfer(run_id, outcome, rows))
+            report.verified += outcome == "present"
+            continue
+        report.runs.append(RunTransfer(run_id, "copied", rows))
+        if dry_run:
+            continue
+        say(f"run {number} of {len(local)}: {run_id}, {rows:,} rows")
+        _copy_run(conn, pg, run_id, columns)
+        if _fingerprint(_remote_rows(pg, run_id, columns))[0] != mine[0]:
+            raise StoreError(
+                f"Run {run_id} reads back from {target.location} differently from the local "
+                "store after its copy. Nothing was switched; report this, with `retrolog show "
+                f"{run_id} --json` from both stores."
+            )
+        report.verified += 1
+    if not dry_run:
+        for table, key in SHARED.items():
+            _check_shared(conn, pg, table, key, target.location)
+        report.done = True
+    return report
+
+
+def _common_columns(conn: sqlite3.Connection, pg: Any, table: str) -> list[str]:
+    """The columns ``table`` has in both stores (``value`` for PostgreSQL's three parts),
+    identities left out: each database numbers those itself."""
+    here = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+    there = {
+        name
+        for (name,) in pg.execute(
+            "SELECT column_name FROM information_schema.columns"
+            " WHERE table_name = %s AND table_schema = current_schema()",
+            (table,),
+        )
+    }
+    if table in _SPLIT:
+        there.add("value")
+    return [c for c in here if c in there and c not in _IDENTITY]
+
+
+def _copy_shared(conn: sqlite3.Connection, pg: Any, columns: dict[str, list[str]]) -> None:
+    with pg.transaction():
+        for table, key in SHARED.items():
+            names = columns[table]
+            rows = conn.execute(f"SELECT {', '.join(names)} FROM {table}").fetchall()
+            if not rows:
+                continue
+            marks = ", ".join(["%s"] * len(names))
+            pg.cursor().executemany(
+                f"INSERT INTO {table} ({', '.join(names)}) VALUES ({marks})"
+                f" ON CONFLICT ({key}) DO NOTHING",
+                rows,
+            )
+
+
+def _check_shared(conn: sqlite3.Connection, pg: Any, table: str, key: str, location: str) -> None:
+    """Every local row of a shared table has its key there (what is there already is
+    the team's, and may hold more)."""
+    keys = key.split(", ")
+    here = set(conn.execute(f"SELECT {key} FROM {table}").fetchall())
+    there = {tuple(row) for row in pg.execute(f"SELECT {key} FROM {table}")}
+    missing = here - there
+    if missing:
+        raise StoreError(
+            f"{len(missing)} row(s) of {table} (by {', '.join(keys)}) are not in {location} "
+            "after the copy. Nothing was switched; run `retrolog migrate` again."
+        )
+
+
+def _copy_run(
+    conn: sqlite3.Connection, pg: Any, run_id: str, columns: dict[str, list[str]]
+) -> None:
+    """One run's rows into PostgreSQL, in one transaction."""
+    names = columns["runs"]
+    (row,) = conn.execute(
+        f"SELECT {', '.join(names)} FROM runs WHERE run_id = ?", (run_id,)
+    ).fetchall()
+    with pg.transaction():
+        pg.execute(
+            placeholders(f"INSERT INTO runs ({', '.join(names)}) VALUES ({_marks(names)})"), row
+        )
+        cursor = pg.cursor()
+        for table, order in PER_RUN.items():
+            names = columns[table]
+            found = _select(conn, table, names, order, run_id)
+            targets = [p for n in names for p in (_PARTS if n == "value" else (n,))]
+            with cursor.copy(f"COPY {table} ({', '.join(targets)}) FROM STDIN") as copy:
+                for values in found:
+                    copy.write_row(_split(names, values))
+
+
+def _split(names: Sequence[str], values: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for name, value in zip(names, values, strict=True):
+        if name == "value":
+            out.extend(typed(value))
+        else:
+            out.append(value)
+    return out
+
+
+def _select(
+    conn: sqlite3.Connection, table: str, names: list[str], order: str | None, run_id: str
+) -> list[tuple[Any, ...]]:
+    ordered = f" ORDER BY {order}" if order else ""
+    sql = f"SELECT {', '.join(names)} FROM {table} WHERE run_id = ?{ordered}"
+    return conn.execute(sql, (run_id,)).fetchall()
+
+
+def _local_rows(
+    conn: sqlite3.Connection, run_id: str, columns: dict[str, list[str]]
+) -> dict[str, list[tuple[Any, ...]]]:
+    rows = {"runs": _select(conn, "runs", columns["runs"], None, run_id)}
+    for table, order in PER_RUN.items():
+        rows[table] = _select(conn, table, columns[table], order, run_id)
+    return rows
+
+
+def _remote_rows(
+    pg: Any, run_id: str, columns: dict[str, list[str]]
+) -> dict[str, list[tuple[Any, ...]]]:
+    """A run's rows in PostgreSQL, as the local store holds them (a value whole again)."""
+    rows: dict[str, list[tuple[Any, ...]]] = {}
+    for table in ("runs", *PER_RUN):
+        names = columns[table]
+        select = ", ".join(", ".join(_PARTS) if n == "value" else n for n in names)
+        by = PER_RUN.get(table)
+        ordered = f" ORDER BY {by}" if by else ""
+        found = pg.execute(f"SELECT {select} FROM {table} WHERE run_id = %s{ordered}", (run_id,))
+        rows[table] = [_whole(names, row) for row in found]
+    return rows
+
+
+def _whole(names: Sequence[str], row: Sequence[Any]) -> tuple[Any, ...]:
+    """A PostgreSQL row with its three value parts as the one value SQLite holds."""
+    if "value" not in names:
+        return tuple(row)
+    out: list[Any] = []
+    it = iter(row)
+    for name in names:
+        if name == "value":
+            real, whole, text = next(it), next(it), next(it)
+            out.append(real if real is not None else whole if whole is not None else text)
+        else:
+            out.append(next(it))
+    return tuple(out)
+
+
+def _fingerprint(rows: dict[str, list[tuple[Any, ...]]]) -> tuple[str, dict[str, list[str]]]:
+    """A sha256 over a run's rows, table by table (rows of a table without an order of
+    its own sorted), and the rows as the text it hashed."""
+    digest = hashlib.sha256()
+    texts: dict[str, list[str]] = {}
+    for table, found in rows.items():
+        lines = [_canonical(row) for row in found]
+        if table in PER_RUN and PER_RUN[table] is None:
+            lines.sort()
+        texts[table] = lines
+        digest.update(f"{table}:{len(lines)}\n".encode())
+        for line in lines:
+            digest.update(line.encode("utf-8", "surrogatepass") + b"\n")
+    return digest.hexdigest(), texts
+
+
+def _canonical(row: Iterable[Any]) -> str:
+    """A row as text that tells apart what the stores tell apart: a float by its bits,
+    an int from a float, bytes from text."""
+    parts = []
+    for v in row:
+        if isinstance(v, float):
+            parts.append("nan" if math.isnan(v) else v.hex())
+        elif isinstance(v, bool):
+            parts.append(repr(int(v)))
+        elif isinstance(v, (bytes, memoryview)):
+            parts.append("b" + bytes(v).hex())
+        else:
+            parts.append(repr(v))
+    return "\t".join(parts)
+
+
+def _marks(names: Sequence[str]) -> str:
+    return ", ".join("?" * len(names))
