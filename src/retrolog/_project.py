@@ -378,9 +378,20 @@ class Project:
         Returns the replay's result: per run its outcome, the runs found inexact.
         """
         from retrolog._replay.replayer import replay
+        from retrolog.store.metastore import database_url
 
         wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
         extra: dict[str, Any] = {} if echo is None else {"echo": echo}
+        url = database_url()
+        if url is not None:  # through a working copy of the runs (_replay/shared.py)
+            from retrolog._replay.shared import replay_shared
+
+            return replay_shared(
+                self.paths, url, [n for n in wanted if n], where, script=script,
+                workers=workers, threads=threads, dry_run=dry_run, force=force,
+                verify=verify, reuse=reuse, confirm=confirm, progress=progress,
+                executor=executor, ray_address=ray_address, **extra,
+            )  # fmt: skip
         with self.reader() as conn:
             return replay(
                 conn, self.paths, [n for n in wanted if n], where, script=script,

@@ -205,7 +205,6 @@ def test_the_reading_commands_that_do_not_read_postgresql_yet_say_so(
     password = urllib.parse.urlsplit(pg_store_url).password
     assert password  # the test server's URL carries one, as a user's may
     commands = (
-        ("replay", "x", "--yes"),
         ("gc", "--yes"),
         ("ui", "--no-browser"),
     )

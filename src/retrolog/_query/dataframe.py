@@ -117,6 +117,11 @@ def _dialect(conn: Any) -> _Dialect:
     return _POSTGRES if getattr(conn, "value_columns", None) else _SQLITE
 
 
+def shared_store(conn: Any) -> bool:
+    """Whether ``conn`` is a PostgreSQL store's reader (else a SQLite connection)."""
+    return _dialect(conn).split
+
+
 @dataclass(frozen=True)
 class _Name:
     """A log name that becomes a column of the view (shown, or used by ``where`` only)."""

@@ -246,12 +246,16 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
 
     ``where`` is the predicate `retrolog dataframe`, `replay`, `gc` and the UI take.
     """
-    from retrolog._query.dataframe import logged_names, matching_run_ids
+    from retrolog._query.dataframe import logged_names, matching_run_ids, shared_store
 
     logged = set(logged_names(conn))
     # Words inside string literals ('adam') are not names.
     identifiers = list(dict.fromkeys(_IDENTIFIER.findall(_STRING.sub("''", where))))
     referenced = [n for n in identifiers if n in logged]
+    if shared_store(conn):  # PostgreSQL: the view's own predicate, in its dialect
+        if referenced:
+            return matching_run_ids(conn, referenced, where)
+        return _matching_by_run_columns(conn, where)
     if referenced and not _run_level_only(conn, identifiers, referenced):
         return matching_run_ids(conn, referenced, where)
 
@@ -278,6 +282,31 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
         f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename{columns} FROM runs r)"
         f" WHERE {where}",
         subject=where, malformed=malformed, writes=writes,
+    )  # fmt: skip
+    return {r[0] for r in rows}
+
+
+def _matching_by_run_columns(reader: Any, where: str) -> set[str]:
+    """PostgreSQL: the runs ``where`` chooses when it names only their own columns."""
+    from retrolog._query.sql import execute_read_shared
+
+    def malformed(complaint: str) -> str:
+        return (
+            f"The predicate {where!r} cannot be used to choose runs (PostgreSQL says "
+            f"{complaint!r}). It may use projid, run_id, tstamp, filename and the names "
+            "logged in this store."
+        )
+
+    def writes(_: str, complaint: str) -> str:
+        return (
+            f"The predicate {where!r} would change the store ({complaint}); a predicate only reads."
+        )
+
+    _, rows = execute_read_shared(
+        reader.read,
+        f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) AS r"
+        f" WHERE (\n{where}\n)",
+        subject=where, location=reader.location, malformed=malformed, writes=writes,
     )  # fmt: skip
     return {r[0] for r in rows}
 

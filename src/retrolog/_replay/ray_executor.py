@@ -346,6 +346,7 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
             _write_worker_store(store, task.spec["run_id"], rows)
             spec = WorkerSpec(**task.spec)
             spec.store = str(store)
+            spec.database = None  # the node's own store, just written
             spec.output = str(base / "out.json")
             spec.checkout = str(checkout)
             spec.project = str(root) if root is not None else None

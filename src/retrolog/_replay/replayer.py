@@ -136,6 +136,7 @@ def replay(
     progress: bool = True,
     executor: str | None = None,
     ray_address: str | None = None,
+    choose: Callable[[str], set[str]] | None = None,
 ) -> ReplayResult:
     """Replay past runs of a script to backfill the values of ``names``.
 
@@ -152,6 +153,8 @@ def replay(
     executor: "local" (worker processes here) or "ray" (a Ray task per segment:
         docs/replay-on-ray.md); default the ``executor`` setting, else local.
     ray_address: the Ray cluster's address (default: RAY_ADDRESS); only with Ray.
+    choose: the runs ``where`` matches, when ``conn`` is a working copy of a store that
+        judges it in its own dialect (_replay/shared.py); default: matched on ``conn``.
     """
     kind, address = choose_executor(executor, ray_address)
     if kind is Executor.RAY:
@@ -179,7 +182,7 @@ def replay(
     if threads is not None and threads < 1:
         raise UsageError(f"--threads needs a positive number of threads, not {threads}.")
     filename = _script(conn, paths, script)
-    candidates = _candidates(conn, filename, where)
+    candidates = _candidates(conn, filename, where, choose)
     if not candidates:
         raise UsageError(
             f"No finished or crashed run of {filename} matches"
@@ -724,7 +727,12 @@ def _read_newest(paths: ProjectPaths, filename: str) -> str:
         ) from exc
 
 
-def _candidates(conn: sqlite3.Connection, filename: str, where: str | None) -> list[str]:
+def _candidates(
+    conn: sqlite3.Connection,
+    filename: str,
+    where: str | None,
+    choose: Callable[[str], set[str]] | None = None,
+) -> list[str]:
     rows = [
         r[0]
         for r in conn.execute(
@@ -735,7 +743,7 @@ def _candidates(conn: sqlite3.Connection, filename: str, where: str | None) -> l
     ]
     if not where or not rows:
         return rows
-    matching = matching_runs(conn, where)
+    matching = choose(where) if choose is not None else matching_runs(conn, where)
     return [r for r in rows if r in matching]
 
 
@@ -784,6 +792,15 @@ def _run_rows(
         else:
             row.update(code_git_dir=str(version.git_dir), code_rev=version.rev, code_error=None)
     return found
+
+
+def _database_file(conn: sqlite3.Connection) -> str | None:
+    """The file ``conn`` reads (a working copy, when the store is in PostgreSQL), which
+    the workers read too; None for one with no file."""
+    for _, name, file in conn.execute("PRAGMA database_list"):
+        if name == "main" and file:
+            return str(file)
+    return None
 
 
 def _code(row: dict[str, Any]) -> tuple[Path, str]:
@@ -1064,6 +1081,7 @@ def _jobs(
                 replay_id=replay_id,
                 run_id=run_plan.run_id,
                 store=str(paths.store),
+                database=_database_file(conn),
                 objects=objects_location(paths.store),
                 names=list(names),
                 check_names=check_names,

@@ -73,6 +73,9 @@ class WorkerSpec:
     # The worker's checkout and the user's project: writes through the checkout's links
     # into the project are made private to the checkout (runtime/isolation.py).
     checkout: str | None = None
+    # The database the coordinator reads, when it is not <store>/retrolog.db: a replay of
+    # a PostgreSQL store reads a working copy of the runs it replays (_replay/shared.py).
+    database: str | None = None
     project: str | None = None
     # Where the checkpoint objects are: the coordinator's RETROLOG_OBJECTS_URL, which the
     # worker's environment (RETROLOG_ variables removed) does not carry; None: objects/.
@@ -148,8 +151,9 @@ class ReplayRun:
         atexit.register(gc.freeze)
         self._restore_seconds = 0.0
         self._restored = 0
-        self._contexts = _load_contexts(Path(spec.store) / "retrolog.db", spec.run_id)
-        self._frame_locals = _load_frame_locals(Path(spec.store) / "retrolog.db", spec.run_id)
+        database = Path(spec.database or Path(spec.store) / "retrolog.db")
+        self._contexts = _load_contexts(database, spec.run_id)
+        self._frame_locals = _load_frame_locals(database, spec.run_id)
         self._fallbacks: list[list[str]] = []  # [manifest, why] of checkpoints executed instead
         self._reads = set(spec.reads)
         self._occurrences: dict[tuple[int | None, str], int] = {}

@@ -30,11 +30,18 @@ BUSY_TIMEOUT_MS = 60_000
 _STORE_GITIGNORE = "# retrolog's store: never part of the project's history\n*\n"
 
 
-def connect(database: Path, *, readonly: bool = False) -> sqlite3.Connection:
-    """Open ``database`` with the pragmas every retrolog connection uses."""
+def connect(
+    database: Path, *, readonly: bool = False, factory: type[sqlite3.Connection] | None = None
+) -> sqlite3.Connection:
+    """Open ``database`` with the pragmas every retrolog connection uses (factory: a
+    subclass of sqlite3.Connection to make it)."""
     try:
         conn = sqlite3.connect(
-            database, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            database,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            isolation_level=None,
+            check_same_thread=False,
+            factory=factory or sqlite3.Connection,
         )
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         if readonly:

@@ -688,6 +688,12 @@ class PostgresMetadata(MetadataStore):
         self._guarded(run)
 
     @property
+    def errors(self) -> type[Exception]:
+        """psycopg's base class of the errors the database reports."""
+        error: type[Exception] = self._psycopg.Error
+        return error
+
+    @property
     def connection(self) -> Any:
         """The psycopg connection (autocommit; transactions are explicit)."""
         return self._conn

@@ -287,3 +287,185 @@ def _canonical(row: Iterable[Any]) -> str:
 
 def _marks(names: Sequence[str]) -> str:
     return ", ".join("?" * len(names))
+
+
+# -- a working copy for replay, and what the replay wrote, back --------------------------------
+
+
+def copy_into_sqlite(
+    target: sqlite3.Connection, source: PostgresMetadata, scripts: Sequence[str] | None
+) -> int:
+    """A working copy of ``source`` in the embedded store ``target`` (migrated, empty),
+    for a replay: every run, replay and definition, and the loops, logs, checkpoints
+    and profile of the runs of ``scripts`` (None: of every run). Logs keep their order.
+    Returns the log records copied."""
+    pg = source.connection
+    columns = {t: _common_columns(target, pg, t) for t in ("runs", *PER_RUN, *SHARED)}
+    chosen = (
+        None
+        if scripts is None
+        else [
+            r
+            for (r,) in pg.execute(
+                "SELECT run_id FROM runs WHERE filename = ANY(%s) ORDER BY run_key",
+                (list(scripts),),
+            )
+        ]
+    )
+    copied = 0
+    with pg.transaction():
+        pg.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        target.execute("BEGIN IMMEDIATE")
+        try:
+            for table in ("runs", *SHARED, "run_definitions"):
+                first = " ORDER BY run_key" if table == "runs" else ""
+                _copy_rows(pg, target, table, columns[table], f"SELECT * FROM {table}{first}")
+            for table, order in PER_RUN.items():
+                if table == "run_definitions":
+                    continue
+                where = "" if chosen is None else " WHERE run_id = ANY(%s)"
+                by = f" ORDER BY {order}" if order else ""
+                copied += _copy_rows(
+                    pg, target, table, columns[table], f"SELECT * FROM {table}{where}{by}",
+                    () if chosen is None else (chosen,),
+                )  # fmt: skip
+        except BaseException:
+            target.execute("ROLLBACK")
+            raise
+        target.execute("COMMIT")
+    return copied
+
+
+def _copy_rows(
+    pg: Any,
+    target: sqlite3.Connection,
+    table: str,
+    names: list[str],
+    select: str,
+    params: Sequence[Any] = (),
+) -> int:
+    parts = [p for n in names for p in (_PARTS if n == "value" else (n,))]
+    select = select.replace("SELECT *", f"SELECT {', '.join(parts)}", 1)
+    insert = f"INSERT INTO {table} ({', '.join(names)}) VALUES ({_marks(names)})"
+    count = 0
+    cursor = pg.cursor(name=f"rl_copy_{table}")  # a server-side cursor: rows in batches
+    cursor.execute(select, params)
+    while batch := cursor.fetchmany(20_000):
+        target.executemany(insert, [_whole(names, row) for row in batch])
+        count += len(batch)
+    cursor.close()
+    return count
+
+
+def write_back(
+    copy: sqlite3.Connection,
+    target: PostgresMetadata,
+    before: set[str],
+    *,
+    names: Sequence[str],
+    force: bool,
+) -> int:
+    """What a replay on the working copy ``copy`` wrote, into ``target``: replays not
+    in ``before`` (the replay ids the copy started with) and their runs, the values
+    they backfilled, the definitions and module sets they kept, and replays the copy
+    marked interrupted. Returns the values written.
+
+    Each run's values go in one transaction under an advisory lock on the run, so two
+    replays of one run, from two machines, never both write a value: as on SQLite, a
+    backfilled value is only inserted where (run, context, name) has none, and
+    ``force`` first removes the run's backfilled values of ``names``.
+    """
+    pg = target.connection
+    columns = {t: _common_columns(copy, pg, t) for t in ("logs", *SHARED, "run_definitions")}
+    replays = [r for (r,) in copy.execute("SELECT replay_id FROM replays")]
+    new = [r for r in replays if r not in before]
+    written = 0
+    with pg.transaction():
+        for table in ("definitions", "module_sets", "run_definitions"):
+            keys = SHARED.get(table, "run_id, name")
+            names_ = columns[table]
+            rows = copy.execute(f"SELECT {', '.join(names_)} FROM {table}").fetchall()
+            if rows:
+                pg.cursor().executemany(
+                    placeholders(
+                        f"INSERT INTO {table} ({', '.join(names_)}) VALUES ({_marks(names_)})"
+                        f" ON CONFLICT ({keys}) DO NOTHING"
+                    ),
+                    rows,
+                )
+        warm = copy.execute(
+            "SELECT digest, warm_seconds FROM module_sets WHERE warm_seconds IS NOT NULL"
+        ).fetchall()
+        pg.cursor().executemany(
+            "UPDATE module_sets SET warm_seconds = %s WHERE digest = %s",
+            [(seconds, digest) for digest, seconds in warm],
+        )
+        for table in ("replays", "replay_runs"):
+            names_ = columns[table]
+            marks = ", ".join("?" * len(new))
+            rows = copy.execute(
+                f"SELECT {', '.join(names_)} FROM {table} WHERE replay_id IN ({marks})", new
+            ).fetchall()
+            if rows:
+                pg.cursor().executemany(
+                    placeholders(
+                        f"INSERT INTO {table} ({', '.join(names_)}) VALUES ({_marks(names_)})"
+                    ),
+                    rows,
+                )
+        interrupted = copy.execute(
+            "SELECT replay_id, ended_at FROM replays WHERE status = 'interrupted'"
+        ).fetchall()
+        pg.cursor().executemany(
+            "UPDATE replays SET status = 'interrupted', ended_at = COALESCE(ended_at, %s)"
+            " WHERE replay_id = %s AND status = 'running'",
+            [(ended, replay_id) for replay_id, ended in interrupted if replay_id in before],
+        )
+    if not new:
+        return 0
+    marks = ", ".join("?" * len(new))
+    runs = [
+        r
+        for (r,) in copy.execute(
+            f"SELECT DISTINCT run_id FROM replay_runs WHERE replay_id IN ({marks})", new
+        )
+    ]
+    log_columns = columns["logs"]
+    parts = [p for n in log_columns for p in (_PARTS if n == "value" else (n,))]
+    for run_id in runs:
+        if force:  # the copy's backfilled values of names for this run replace the database's
+            found = copy.execute(
+                f"SELECT {', '.join(log_columns)} FROM logs WHERE run_id = ? AND origin ="
+                f" 'backfilled' AND name IN ({', '.join('?' * len(names))}) ORDER BY log_id",
+                (run_id, *names),
+            ).fetchall()
+        else:
+            found = copy.execute(
+                f"SELECT {', '.join(log_columns)} FROM logs WHERE run_id = ?"
+                f" AND replay_id IN ({marks}) ORDER BY log_id",
+                (run_id, *new),
+            ).fetchall()
+        with pg.transaction():
+            pg.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (run_id,))
+            if force:
+                pg.execute(
+                    "DELETE FROM logs WHERE run_id = %s AND origin = 'backfilled'"
+                    " AND name = ANY(%s)",
+                    (run_id, list(names)),
+                )
+            pg.execute(
+                "CREATE TEMPORARY TABLE IF NOT EXISTS rl_backfill ON COMMIT DELETE ROWS AS"
+                f" SELECT {', '.join(parts)}, CAST(0 AS bigint) AS seq FROM logs WITH NO DATA"
+            )
+            cursor = pg.cursor()
+            with cursor.copy(f"COPY rl_backfill ({', '.join(parts)}, seq) FROM STDIN") as rows:
+                for seq, row in enumerate(found):
+                    rows.write_row([*_split(log_columns, row), seq])
+            inserted = pg.execute(
+                f"INSERT INTO logs ({', '.join(parts)}) SELECT {', '.join(parts)}"
+                " FROM rl_backfill b WHERE NOT EXISTS (SELECT 1 FROM logs l WHERE"
+                " l.name = b.name AND l.run_id = b.run_id"
+                " AND l.ctx_id IS NOT DISTINCT FROM b.ctx_id) ORDER BY seq"
+            )
+            written += inserted.rowcount
+    return written

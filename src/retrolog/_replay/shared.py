@@ -1,0 +1,123 @@
+"""Replay when the metadata is in PostgreSQL (``database_url``): through a working copy.
+
+The replay machinery (plan, workers, backfill, reuse, lineage) reads and writes an
+embedded store. With the metadata in PostgreSQL, the coordinator copies what the
+replay reads into a working copy, an embedded store file of its own under
+``.retrolog/working/`` (every run, replay and definition, and the loops, logs,
+checkpoints and profile of the runs of the script replayed), replays there
+exactly as it would locally (workers read the copy's contexts and frame locals,
+checkpoints come from the object store), and then writes what the replay added
+back into PostgreSQL (store/transfer.py, ``write_back``): the replay and its
+runs, the backfilled values (each run's in one transaction under an advisory lock
+on the run, only where the run has no value at that place, so two replays of one
+run from two machines never both write one), the definitions and module sets it
+kept. It writes back also when the replay stops with an error, as a local
+replay keeps what it finished. The copy is deleted afterwards.
+
+Exactness is the local replay's own: the same code runs on the same rows. A
+``where`` predicate is judged by PostgreSQL, in its dialect, as ``dataframe --where``
+is: the working copy is only told which runs it chose.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import uuid
+from pathlib import Path
+from typing import Any
+
+from retrolog.store.paths import ProjectPaths
+
+
+class _WorkingCopy(sqlite3.Connection):
+    """A working copy's connection: the store directory it belongs to is the project's
+    (``store_directory`` reads ``origin``), not the directory the copy's file is in."""
+
+    origin: Path
+
+
+def replay_shared(
+    paths: ProjectPaths,
+    url: str,
+    names: list[str],
+    where: str | None = None,
+    *,
+    script: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    **options: Any,
+) -> Any:
+    """:func:`retrolog._replay.replayer.replay` for the PostgreSQL store at ``url``."""
+    from retrolog._replay.replayer import replay
+    from retrolog.store.metadata import connect
+    from retrolog.store.postgres import PostgresMetadata
+    from retrolog.store.schema import migrate
+    from retrolog.store.transfer import copy_into_sqlite
+
+    metadata = PostgresMetadata(url, create=False, origin=paths.database)
+    directory = paths.store / "working"
+    file = directory / f"{uuid.uuid4().hex}.db"
+    conn: Any = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        conn = connect(file, factory=_WorkingCopy)
+        conn.origin = paths.database
+        migrate(conn)
+        copy_into_sqlite(conn, metadata, _scripts(metadata, paths, script))
+        before = {r for (r,) in conn.execute("SELECT replay_id FROM replays")}
+        try:
+            return replay(
+                conn, paths, names, where, script=script, dry_run=dry_run, force=force,
+                choose=lambda predicate: _matching(metadata, predicate), **options,
+            )  # fmt: skip
+        finally:
+            if not dry_run:
+                _write_back(conn, metadata, before, names, force)
+    finally:
+        if conn is not None:
+            conn.close()
+        metadata.close()
+        for leftover in (file, Path(f"{file}-wal"), Path(f"{file}-shm")):
+            leftover.unlink(missing_ok=True)
+
+
+def _matching(metadata: Any, where: str) -> set[str]:
+    """The runs ``where`` chooses, judged by PostgreSQL in its dialect, as `retrolog
+    dataframe --where` judges it (the working copy would judge it in SQLite's)."""
+    from retrolog._query.runs import matching_runs
+
+    return matching_runs(metadata.reader(), where)
+
+
+def _write_back(
+    conn: sqlite3.Connection, metadata: Any, before: set[str], names: list[str], force: bool
+) -> None:
+    from retrolog.errors import StoreError
+    from retrolog.store.transfer import write_back
+
+    try:
+        write_back(conn, metadata, before, names=names, force=force)
+    except metadata.errors as exc:
+        raise StoreError(
+            f"The replay's values could not be written into {metadata.location}: "
+            f"{' '.join(str(exc).split())}. They were computed but are not stored; run the "
+            "replay again as a role that may INSERT into logs, replays and replay_runs "
+            '(docs/store.md, "Query dialects", says which roles a team sets up).'
+        ) from exc
+
+
+def _scripts(metadata: Any, paths: ProjectPaths, script: str | None) -> list[str] | None:
+    """The scripts whose runs' rows the copy needs: the one named, else the only one
+    recorded (none when several were and none is named: the replay then stops, asking
+    which)."""
+    found = [f for (f,) in metadata.connection.execute("SELECT DISTINCT filename FROM runs")]
+    if script is None:
+        return found if len(found) == 1 else []
+    given = Path(script)
+    resolved = (given if given.is_absolute() else Path.cwd() / given).resolve()
+    try:
+        relative = os.path.relpath(resolved, paths.root)
+    except ValueError:
+        relative = script
+    return [script, Path(relative).as_posix()]

@@ -1,0 +1,231 @@
+"""``retrolog replay`` when the runs are in PostgreSQL, chosen by configuration alone.
+
+The replayed values must be exactly what a fresh run of today's script logs; a second
+replay adds nothing; ``--force`` recomputes in place; two replays of the same runs at
+once store each value once; a role that may only read is told why nothing was stored.
+The team path end to end (PostgreSQL + S3 + Ray, a torch script at default settings)
+is the last test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training_scripts import REAL_SHAPED, W_NORM, new_project
+
+from conftest import Project, pg_role, ray_env, read_pg, values_by_run
+
+pytestmark = pytest.mark.slow
+
+# An argparse script with its loops in a function; each epoch's randomness comes from a
+# generator seeded by the epoch, so a restored checkpoint of ``w`` is all a block needs.
+SCRIPT = """\
+import argparse
+
+import numpy as np
+
+import retrolog as rl
+
+
+def train(args):
+    w = np.zeros(256)
+    with rl.checkpointing(w=w):
+        for epoch in rl.loop("epoch", range(args.epochs)):
+            rng = np.random.default_rng(args.seed * 100 + epoch)
+            for step in rl.loop("step", range(20)):
+                w += rng.random(256) * args.lr
+                rl.log("loss", float(w.sum()) / (step + 1))
+            # HINDSIGHT
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    train(parser.parse_args())
+"""
+STATEMENT = 'rl.log("w_norm", float(np.linalg.norm(w)))'
+ARGS = (("--lr", "0.1", "--seed", "1"), ("--lr", "0.3", "--seed", "2"), ("--lr", "0.2"))
+
+
+def _pg_values(url: str, name: str) -> dict[str, list[float]]:
+    found: dict[str, list[float]] = {}
+    for run_id, value in read_pg(
+        url,
+        "SELECT run_id, value_float FROM logs WHERE name = %s ORDER BY run_id, ctx_id",
+        (name,),
+    ):
+        found.setdefault(str(run_id), []).append(float(value))  # type: ignore[arg-type]
+    return found
+
+
+def _argv_of(url: str) -> dict[str, tuple[str, ...]]:
+    """Each run's command-line arguments (after the script), by run id."""
+    return {
+        str(run_id): tuple(json.loads(str(argv))[1:])
+        for run_id, argv in read_pg(url, "SELECT run_id, argv FROM runs")
+    }
+
+
+@pytest.fixture
+def recorded(project: Project, pg_store_url: str) -> Project:
+    project.write("train.py", SCRIPT)
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "train")
+    for args in ARGS:
+        project.run("train.py", *args, RETROLOG_DATABASE_URL=pg_store_url)
+    project.write("train.py", SCRIPT.replace("# HINDSIGHT", STATEMENT))
+    return project
+
+
+def test_a_replay_of_postgresql_runs_is_exact_and_idempotent(
+    recorded: Project, pg_store_url: str, tmp_path: Path
+) -> None:
+    done = recorded.cli("replay", "w_norm", "--yes", RETROLOG_DATABASE_URL=pg_store_url)
+    assert done.returncode == 0, done.stderr
+    assert "Replayed 3 run(s); backfilled 12 value(s)" in done.stderr, done.stderr
+    replayed = _pg_values(pg_store_url, "w_norm")
+    argv = _argv_of(pg_store_url)
+    for run_id, values in replayed.items():
+        fresh = tmp_path / f"fresh-{run_id}"
+        recorded.run("train.py", *argv[run_id], RETROLOG_STORE=str(fresh / ".retrolog"))
+        (expected,) = values_by_run(fresh, "w_norm").values()
+        assert values == expected and len(values) == 4, run_id  # bit for bit
+    assert len(replayed) == 3
+    # Checkpoints were restored, not retrained: the replay's own record says so.
+    restored = read_pg(pg_store_url, "SELECT sum(restored) FROM replay_runs")[0][0]
+    assert restored and int(str(restored)) > 0
+    # The working copy is gone; the project holds no store file of its own.
+    assert not list((recorded.root / ".retrolog" / "working").glob("*"))
+    assert not (recorded.root / ".retrolog" / "retrolog.db").exists()
+    # The values are in the team's view, marked as what they are.
+    view = recorded.cli("dataframe", "w_norm", "--json", RETROLOG_DATABASE_URL=pg_store_url)
+    assert view.returncode == 0, view.stderr
+    assert len([r for r in json.loads(view.stdout) if r["w_norm"] is not None]) == 12
+    lineage = read_pg(
+        pg_store_url,
+        "SELECT count(*) FROM logs l JOIN replays r USING (replay_id)"
+        " WHERE l.name = 'w_norm' AND l.origin = 'backfilled' AND r.status = 'finished'",
+    )
+    assert lineage == [(12,)]
+
+    again = recorded.cli("replay", "w_norm", "--yes", RETROLOG_DATABASE_URL=pg_store_url)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to replay" in again.stderr
+    forced = recorded.cli(
+        "replay", "w_norm", "--yes", "--force", RETROLOG_DATABASE_URL=pg_store_url
+    )
+    assert forced.returncode == 0, forced.stderr
+    assert _pg_values(pg_store_url, "w_norm") == replayed  # recomputed in place, once
+    assert read_pg(pg_store_url, "SELECT count(DISTINCT replay_id) FROM logs"
+                   " WHERE name = 'w_norm'") == [(1,)]  # fmt: skip
+
+
+def test_a_predicate_chooses_the_runs_in_postgresqls_dialect(
+    recorded: Project, pg_store_url: str, database_url: str
+) -> None:
+    """As a team's replaying role (may write retrolog's tables, is no superuser): the
+    predicate is judged by PostgreSQL, as `dataframe --where` judges it."""
+    with pg_role(database_url, pg_store_url, "SELECT, INSERT, UPDATE, DELETE") as role:
+        done = recorded.cli(
+            "replay", "w_norm", "lr > 0.15 AND seed > 0", "--yes", RETROLOG_DATABASE_URL=role
+        )
+        assert done.returncode == 0, done.stderr
+        assert "Replayed 1 run(s); backfilled 4 value(s)" in done.stderr, done.stderr
+        # An int is bigint there: a predicate PostgreSQL cannot apply is explained.
+        wrong = recorded.cli("replay", "w_norm", "seed = 'two'", "--yes",
+                             RETROLOG_DATABASE_URL=role)  # fmt: skip
+        assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
+        assert "PostgreSQL says" in wrong.stderr, wrong.stderr
+    argv = _argv_of(pg_store_url)
+    (run_id,) = _pg_values(pg_store_url, "w_norm")
+    assert argv[run_id] == ("--lr", "0.3", "--seed", "2")
+    assert read_pg(pg_store_url, "SELECT where_sql FROM replays") == [("lr > 0.15 AND seed > 0",)]
+
+
+def test_two_replays_of_the_same_runs_at_once_store_each_value_once(
+    recorded: Project, pg_store_url: str
+) -> None:
+    """As from two machines: each coordinator replays on its own working copy; their
+    values meet in the database under a lock per run."""
+    env = recorded.env(RETROLOG_DATABASE_URL=pg_store_url)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "retrolog", "replay", "w_norm", "--yes"],
+            cwd=recorded.root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    rows = read_pg(
+        pg_store_url,
+        "SELECT run_id, ctx_id, count(*) FROM logs WHERE name = 'w_norm' GROUP BY run_id, ctx_id",
+    )
+    assert len(rows) == 12 and all(count == 1 for _, _, count in rows), rows
+
+
+def test_a_role_that_may_only_read_is_told_why_nothing_was_stored(
+    recorded: Project, pg_store_url: str, database_url: str
+) -> None:
+    with pg_role(database_url, pg_store_url, "SELECT") as reader:
+        done = recorded.cli("replay", "w_norm", "--yes", RETROLOG_DATABASE_URL=reader)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "could not be written" in done.stderr and "INSERT" in done.stderr, done.stderr
+    assert read_pg(pg_store_url, "SELECT count(*) FROM logs WHERE name = 'w_norm'") == [(0,)]
+    assert read_pg(pg_store_url, "SELECT count(*) FROM replays") == [(0,)]
+
+
+@pytest.mark.usefixtures("whole_machine")
+def test_the_team_setup_records_and_replays_by_configuration_alone(
+    tmp_path: Path, pg_store_url: str, s3_url: str, ray_address: str
+) -> None:
+    """PostgreSQL for the metadata, S3 for the objects, Ray for the replay, all chosen in
+    the project's pyproject.toml; a torch script shaped like a real one, at torch's own
+    threads and the adaptive rule. The backfilled values are exactly a fresh run's."""
+    project = new_project(tmp_path / "proj")
+    project.write(
+        "pyproject.toml",
+        f'[tool.retrolog]\ndatabase_url = "{pg_store_url}"\nobjects_url = "{s3_url}"\n'
+        'executor = "ray"\n',
+    )
+    project.write("train.py", REAL_SHAPED)
+    project.git("add", "-A")
+    project.git("commit", "-qm", "train")
+    defaults = {"RETROLOG_CHECKPOINTS": ""}  # the suite pins "every"; users don't
+    for lr in ("0.1", "0.05"):
+        project.run("train.py", "--lr", lr, **defaults)
+    assert not (project.root / ".retrolog" / "objects").exists()  # objects went to S3
+    chosen = [
+        json.loads(str(c)) for (c,) in read_pg(pg_store_url, "SELECT checkpointing FROM runs")
+    ]
+    assert len(chosen) == 2 and all(c["written"] == c["chosen"] for c in chosen), chosen
+
+    project.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+    out = project.cli("replay", "w_norm", "--yes", **ray_env(ray_address), **defaults)
+    assert out.returncode == 0, out.stderr
+    assert f"workers run as Ray tasks on the cluster at {ray_address}" in out.stderr
+    assert "Replayed 2 run(s)" in out.stderr, out.stderr
+    replayed = _pg_values(pg_store_url, "w_norm")
+    argv = _argv_of(pg_store_url)
+    for run_id, values in replayed.items():
+        fresh = new_project(tmp_path / f"fresh-{run_id}")  # no settings: the embedded store
+        fresh.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+        fresh.run("train.py", *argv[run_id], **defaults)
+        (expected,) = values_by_run(fresh.root, "w_norm").values()
+        assert values == expected and len(values) == 4, run_id
+    assert len(replayed) == 2
+    # The nodes restored checkpoints the rule kept (from S3), rather than retraining.
+    restored = read_pg(pg_store_url, "SELECT sum(restored) FROM replay_runs")[0][0]
+    assert restored and int(str(restored)) > 0, out.stderr
