@@ -36,17 +36,17 @@ Why this is safe beside runs that are recording (docs/store.md):
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import json
 import math
 import re
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrolog._query.dataframe import logged_names
+from retrolog._query.dataframe import logged_names, shared_store
 from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
@@ -282,7 +282,7 @@ def plan_gc(
             kept_rows = [row for row in _all_rows(conn) if row[0] not in dropped]
             code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, grace_seconds)
-    except sqlite3.Error as exc:
+    except _errors(conn) as exc:
         raise StoreError(f"Cannot read the checkpoints from the store: {exc}.") from exc
     report = GcReport(
         policy=policy,
@@ -309,26 +309,22 @@ def collect_garbage(
     ids = [ref.checkpoint_id for ref in plan.dropped]
     deleted = 0
     try:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with _writing(conn):
             for start in range(0, len(ids), _CHUNK):
+                chunk = ids[start : start + _CHUNK]
+                marks = ", ".join("?" * len(chunk))
                 cursor = conn.execute(
-                    "DELETE FROM checkpoints WHERE checkpoint_id IN"
-                    " (SELECT value FROM json_each(?)) AND run_id NOT IN"
-                    " (SELECT run_id FROM runs WHERE status = 'running')",
-                    (json.dumps(ids[start : start + _CHUNK]),),
+                    f"DELETE FROM checkpoints WHERE checkpoint_id IN ({marks})"
+                    " AND run_id NOT IN (SELECT run_id FROM runs WHERE status = 'running')",
+                    chunk,
                 )
                 deleted += max(cursor.rowcount, 0)
-            conn.execute("COMMIT")
-        except BaseException:
-            rollback(conn)
-            raise
         now = time.time() if now is None else now
         with read_snapshot(conn):
             kept_rows = _all_rows(conn)
             code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, plan.grace_seconds)
-    except sqlite3.Error as exc:
+    except _errors(conn) as exc:
         raise StoreError(f"Cannot delete checkpoint rows from the store: {exc}.") from exc
     done = GcReport(
         policy=plan.policy,
@@ -435,8 +431,10 @@ def _metric_values(
 
     best_rank: dict[int, tuple[bool, bool, int]] = {}
     values: dict[int, float] = {}
+    # A number: SQLite's value, or PostgreSQL's float or int column.
+    number_of = "COALESCE(value_float, value_int)" if shared_store(conn) else "value"
     for ctx, value, value_type, origin, log_id in conn.execute(
-        "SELECT ctx_id, value, value_type, origin, log_id FROM logs"
+        f"SELECT ctx_id, {number_of}, value_type, origin, log_id FROM logs"
         " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL",
         (metric, run_id),
     ):
@@ -474,6 +472,28 @@ def _require_metric(conn: sqlite3.Connection, name: str) -> None:
 # -- reading the store -------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _writing(conn: Any) -> Iterator[None]:
+    """One write transaction: SQLite's ``BEGIN IMMEDIATE``, or PostgreSQL's."""
+    if shared_store(conn):
+        with conn.transaction():
+            yield
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        rollback(conn)
+        raise
+    conn.execute("COMMIT")
+
+
+def _errors(conn: Any) -> tuple[type[BaseException], ...]:
+    """The errors the store's database reports."""
+    found: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    return (*found, conn.errors) if shared_store(conn) else found
+
+
 def _checkpoints_by_run(
     conn: sqlite3.Connection, runs: Sequence[str] | None
 ) -> list[tuple[str, str, list[CheckpointRef]]]:
@@ -485,8 +505,8 @@ def _checkpoints_by_run(
     )
     params: tuple[Any, ...] = ()
     if runs is not None:
-        sql += " WHERE c.run_id IN (SELECT value FROM json_each(?))"
-        params = (json.dumps(list(runs)),)
+        sql += f" WHERE c.run_id IN ({', '.join('?' * len(runs)) or 'NULL'})"
+        params = tuple(runs)
     # Execution order: ctx ids grow as loops run; the end checkpoint comes last.
     sql += " ORDER BY r.started_at, c.run_id, c.ctx_id IS NULL, c.ctx_id, c.checkpoint_id"
     grouped: dict[str, tuple[str, list[CheckpointRef]]] = {}

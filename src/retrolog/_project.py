@@ -20,6 +20,7 @@ from retrolog.store.paths import ProjectPaths, locate
 if TYPE_CHECKING:
     import pandas as pd
 
+    from retrolog._gc import GcReport, RetentionPolicy
     from retrolog._migrate import MigrationPlan, MigrationReport
     from retrolog._query.series import Group, Series, SeriesCache
     from retrolog._replay.replayer import ReplayResult
@@ -399,6 +400,68 @@ class Project:
                 verify=verify, reuse=reuse, confirm=confirm, progress=progress,
                 executor=executor, ray_address=ray_address, **extra,
             )  # fmt: skip
+
+    # -- collecting ------------------------------------------------------------------
+
+    def gc(
+        self,
+        runs: Sequence[str] = (),
+        *,
+        keep: str | RetentionPolicy = "all",
+        where: str | None = None,
+        grace_seconds: float | None = None,
+        dry_run: bool = False,
+        confirm: Callable[[GcReport], bool] | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> GcReport:
+        """Delete the checkpoints the retention policy ``keep`` drops (``all``, ``last:N``,
+        ``best:NAME[:max|min]``) among ``runs`` (ids or prefixes) and/or those ``where``
+        chooses, then the objects nothing references (see ``retrolog gc --help``).
+
+        grace_seconds: objects written this recently are never deleted (default an
+        hour). dry_run: the plan only. confirm: called with a plan that deletes
+        something before anything is; False stops (the plan is returned). Returns
+        the report; ``done`` says whether it deleted.
+        """
+        from retrolog._gc import (
+            GRACE_SECONDS,
+            RetentionPolicy,
+            collect_garbage,
+            plan_gc,
+            select_runs,
+        )
+        from retrolog._replay.execute import sweep_stale
+        from retrolog.errors import StoreError
+        from retrolog.store.backends import object_store_for
+        from retrolog.store.metadata import is_readonly, read_only_error
+
+        policy = keep if isinstance(keep, RetentionPolicy) else RetentionPolicy.parse(keep)
+        with self._portable() as conn:
+            may_delete = getattr(conn, "may_write", None)
+            if may_delete is not None:  # PostgreSQL: what the role may do
+                readonly = not may_delete("checkpoints", "DELETE")
+                if readonly and not dry_run:
+                    raise StoreError(
+                        "gc deletes checkpoint rows, and the PostgreSQL role of database_url "
+                        "may not DELETE from checkpoints. Run it as a role that may (`gc "
+                        "--dry-run` shows the plan with this one)."
+                    )
+            else:
+                readonly = is_readonly(conn)
+                if readonly and not dry_run:
+                    raise read_only_error(self.paths, "gc")
+            if not readonly:
+                # A replay whose coordinator was killed no longer holds runs back.
+                sweep_stale(conn, self.paths.store)
+            store = object_store_for(self.paths.store)
+            chosen = select_runs(conn, runs, where)
+            if chosen == [] and echo is not None:
+                echo(f"No run matches {where!r}: no checkpoint is dropped.")
+            grace = GRACE_SECONDS if grace_seconds is None else grace_seconds
+            plan = plan_gc(conn, store, policy, chosen, grace_seconds=grace)
+            if dry_run or plan.empty or (confirm is not None and not confirm(plan)):
+                return plan
+            return collect_garbage(conn, store, plan)
 
     # -- moving ----------------------------------------------------------------------
 

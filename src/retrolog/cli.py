@@ -544,8 +544,7 @@ def gc_command(
       retrolog gc --keep last:2 --dry-run
       retrolog gc --keep best:val_acc:max --where "lr > 0.005" --yes
     """
-    from retrolog._gc import collect_garbage, format_report, plan_gc, select_runs
-    from retrolog.store.backends import object_store_for
+    from retrolog._gc import format_report
 
     def emit(report: Any, *, table: bool = True) -> None:
         if as_json:
@@ -559,40 +558,37 @@ def gc_command(
                 err=True,
             )
 
-    project = _project()
-    with project.reader() as conn:
-        from retrolog._replay.execute import sweep_stale
-        from retrolog.store.metadata import is_readonly, read_only_error
+    asked = declined = False
 
-        readonly = is_readonly(conn)
-        if readonly and not dry_run:
-            raise read_only_error(project.paths, "gc")
-        if not readonly:
-            # A replay whose coordinator was killed no longer holds runs back.
-            sweep_stale(conn, project.paths.store)
-        store = object_store_for(project.paths.store)
-        chosen = select_runs(conn, runs, where)
-        if chosen == []:
-            click.echo(f"No run matches {where!r}: no checkpoint is dropped.", err=True)
-        plan = plan_gc(conn, store, keep, chosen, grace_seconds=grace)
-        if dry_run or plan.empty:
-            emit(plan)
-            if plan.empty and not as_json:
-                click.echo("Nothing to collect.", err=True)
-            return
-        asked = False
-        if not yes:
-            if not as_json:
-                click.echo(format_report(plan))
-            if not sys.stdin.isatty():
-                raise click.UsageError(
-                    "Not asking on a non-interactive input: pass --yes to delete, or --dry-run."
-                )
-            if not click.confirm("Delete these?", default=False, err=True):
-                click.echo("Nothing deleted.", err=True)
-                return
-            asked = True
-        done = collect_garbage(conn, store, plan)
+    def confirm(plan: Any) -> bool:
+        nonlocal asked, declined
+        if yes:
+            return True
+        if not as_json:
+            click.echo(format_report(plan))
+        if not sys.stdin.isatty():
+            raise click.UsageError(
+                "Not asking on a non-interactive input: pass --yes to delete, or --dry-run."
+            )
+        asked = True
+        declined = not click.confirm("Delete these?", default=False, err=True)
+        return not declined
+
+    def say(line: str) -> None:
+        click.echo(line, err=True)
+
+    done = _project().gc(
+        runs, keep=keep, where=where, grace_seconds=grace, dry_run=dry_run,
+        confirm=confirm, echo=say,
+    )  # fmt: skip
+    if declined:
+        click.echo("Nothing deleted.", err=True)
+        return
+    if not done.done:
+        emit(done)
+        if done.empty and not as_json:
+            click.echo("Nothing to collect.", err=True)
+        return
     emit(done, table=not asked)
 
 

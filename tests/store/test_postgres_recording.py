@@ -204,10 +204,7 @@ def test_the_reading_commands_that_do_not_read_postgresql_yet_say_so(
     project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)
     password = urllib.parse.urlsplit(pg_store_url).password
     assert password  # the test server's URL carries one, as a user's may
-    commands = (
-        ("gc", "--yes"),
-        ("ui", "--no-browser"),
-    )
+    commands = (("ui", "--no-browser"),)
     for args in commands:
         done = project.cli(*args, RETROLOG_DATABASE_URL=pg_store_url)
         assert done.returncode != 0, args

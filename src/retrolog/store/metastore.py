@@ -261,9 +261,9 @@ def require_embedded(paths: ProjectPaths) -> None:
         return
     raise StoreError(
         f"This project's runs are recorded into the PostgreSQL database {mask(url)} "
-        "(database_url). retrolog records and replays runs there and answers `retrolog "
-        "runs`, `show`, `lineage`, `query` and `dataframe` from there, but gc and the "
-        "dashboard read only the embedded SQLite store so far (docs/metadata-backends.md). "
+        "(database_url). retrolog records, replays and collects runs there and answers "
+        "`retrolog runs`, `show`, `lineage`, `query` and `dataframe` from there, but the "
+        "dashboard reads only the embedded SQLite store so far (docs/metadata-backends.md). "
         f"Use `retrolog dataframe` and `query` meanwhile, or unset {DATABASE_URL_ENV} to "
         f"use the embedded store in {paths.store}."
     )

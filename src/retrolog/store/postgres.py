@@ -600,6 +600,25 @@ class _Reader:
             raise ReadRefused("malformed", _complaint(exc)) from exc
         return columns or [], rows
 
+    @property
+    def errors(self) -> type[Exception]:
+        """psycopg's base class of the errors the database reports."""
+        error: type[Exception] = self._psycopg.Error
+        return error
+
+    def transaction(self) -> Any:
+        """A write transaction (psycopg's context manager; a savepoint inside one)."""
+        return self._conn.transaction()
+
+    def commit(self) -> None:
+        """Nothing to do: the connection commits each statement outside a transaction
+        (for code written for SQLite's connection, which commits explicitly)."""
+
+    def may_write(self, table: str, privilege: str) -> bool:
+        """Whether this role has ``privilege`` (e.g. "DELETE") on ``table``."""
+        row = self._conn.execute("SELECT has_table_privilege(%s, %s)", (table, privilege))
+        return bool(row.fetchone()[0])
+
     def keep_definitions(
         self, definitions: list[tuple[Any, ...]], run_definitions: list[tuple[Any, ...]]
     ) -> None:
