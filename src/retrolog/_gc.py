@@ -46,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrolog._query.dataframe import logged_names, shared_store
+from retrolog._query.dataframe import logged_names, number_of, shared_store
 from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
@@ -431,10 +431,8 @@ def _metric_values(
 
     best_rank: dict[int, tuple[bool, bool, int]] = {}
     values: dict[int, float] = {}
-    # A number: SQLite's value, or PostgreSQL's float or int column.
-    number_of = "COALESCE(value_float, value_int)" if shared_store(conn) else "value"
     for ctx, value, value_type, origin, log_id in conn.execute(
-        f"SELECT ctx_id, {number_of}, value_type, origin, log_id FROM logs"
+        f"SELECT ctx_id, {number_of(conn)}, value_type, origin, log_id FROM logs"
         " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL",
         (metric, run_id),
     ):

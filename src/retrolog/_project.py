@@ -103,14 +103,21 @@ class Project:
     # -- reading ---------------------------------------------------------------------
 
     def check_readable(self) -> None:
-        """Raise a StoreError that says what to do unless every query can read the store:
-        there is none yet, or its metadata is in PostgreSQL, which only recording and
-        :meth:`runs` read so far."""
-        from retrolog.store.metastore import require_embedded
-
-        require_embedded(self.paths)
-        with self.reader():
+        """Raise a StoreError that says what to do unless the store can be read: there is
+        none yet, or its database cannot be reached."""
+        with self._portable():
             pass
+
+    def scripts(self) -> list[dict[str, Any]]:
+        """The scripts that have runs, most recently run first, each with its run count."""
+        with self._portable() as conn:
+            return [
+                {"filename": filename, "runs": count}
+                for filename, count in conn.execute(
+                    "SELECT filename, COUNT(*) FROM runs GROUP BY filename"
+                    " ORDER BY MAX(started_at) DESC"
+                )
+            ]
 
     def runs(self, limit: int | None = None) -> pd.DataFrame:
         """One row per run, oldest first (the newest ``limit`` with it): run_id, tstamp,
@@ -143,7 +150,7 @@ class Project:
         """The ids of the runs ``where`` (a dataframe predicate) chooses, oldest first."""
         from retrolog._query.runs import matching_runs
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             chosen = matching_runs(conn, where)
             order = conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")
             return [r for (r,) in order if r in chosen]
@@ -237,7 +244,7 @@ class Project:
         from retrolog._query.table import Column, runs_table
 
         picked = [Column.parse(c) for c in columns]
-        with self.reader() as conn:
+        with self._portable() as conn:
             return runs_table(
                 conn, where=where, columns=picked, sort=sort, descending=descending,
                 offset=offset, limit=limit,
@@ -259,7 +266,7 @@ class Project:
         from retrolog._query.runs import resolve_run
         from retrolog._query.series import series
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             run_ids = [resolve_run(conn, r) for r in runs]
             return series(conn, name, run_ids, x=x, lo=lo, hi=hi, width=width,
                           cache=self._cache())  # fmt: skip
@@ -296,7 +303,7 @@ class Project:
 
         # Nothing is kept in this process's memory: the charts are drawn by another one.
         cache = SeriesCache(max_bytes=0, directory=self._cache().directory)
-        with self.reader() as conn:
+        with self._portable() as conn:
             return index_series(conn, cache, min_values=min_values, skip=skip,
                                 should_stop=should_stop, progress=progress)  # fmt: skip
 
@@ -305,7 +312,7 @@ class Project:
         waits for before it looks for new series)."""
         from retrolog.store.metadata import activity_stamp
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             return activity_stamp(conn)
 
     @property
@@ -330,7 +337,7 @@ class Project:
         from retrolog._query.series import group_series, series
         from retrolog._query.table import argument_values
 
-        with self.reader() as conn:
+        with self._portable() as conn:
             run_ids = [resolve_run(conn, r) for r in runs]
             found = series(conn, name, run_ids, x=x, lo=lo, hi=hi, cache=self._cache())
             keys = argument_values(conn, run_ids, by)

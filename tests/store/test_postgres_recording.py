@@ -197,20 +197,18 @@ def test_a_killed_run_is_marked_crashed_by_the_next_run_on_its_host(
     assert max(stored) >= last - 100  # type: ignore[operator]
 
 
-def test_the_reading_commands_that_do_not_read_postgresql_yet_say_so(
-    project: Project, pg_store_url: str
+def test_the_command_that_reads_only_the_embedded_store_says_so(
+    project: Project, pg_store_url: str, s3_url: str
 ) -> None:
+    """Moving the objects reads and writes the embedded store's runs only, so far."""
     project.write("quick.py", "import retrolog as rl\nfor i in rl.loop('i', range(2)):\n    pass\n")
     project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)
     password = urllib.parse.urlsplit(pg_store_url).password
     assert password  # the test server's URL carries one, as a user's may
-    commands = (("ui", "--no-browser"),)
-    for args in commands:
-        done = project.cli(*args, RETROLOG_DATABASE_URL=pg_store_url)
-        assert done.returncode != 0, args
-        assert "Traceback" not in done.stderr
-        assert "PostgreSQL" in done.stderr and "retrolog dataframe" in done.stderr, done.stderr
-        assert password not in done.stderr + done.stdout
+    done = project.cli("migrate", "--objects", s3_url, "--yes", RETROLOG_DATABASE_URL=pg_store_url)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "PostgreSQL" in done.stderr and "reads only the embedded" in done.stderr, done.stderr
+    assert password not in done.stderr + done.stdout
 
 
 def test_runs_on_an_empty_postgresql_database_says_to_record_first(

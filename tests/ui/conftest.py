@@ -9,6 +9,7 @@ them, so that a machine without them cannot pass the suite while testing no UI;
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -154,10 +155,10 @@ class Dashboard:
     token: str
 
 
-@pytest.fixture
-def dashboard(recorded: Any) -> Iterator[Dashboard]:
+@contextlib.contextmanager
+def serving(project: Any, **env: str) -> Iterator[Dashboard]:
     """``retrolog ui --no-browser --port 0`` started in the project, as a user would."""
-    process = recorded.start_cli("ui", "--no-browser", "--port", "0")
+    process = project.start_cli("ui", "--no-browser", "--port", "0", **env)
     assert process.stderr is not None
     deadline = time.monotonic() + 60
     url = None
@@ -181,3 +182,33 @@ def dashboard(recorded: Any) -> Iterator[Dashboard]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.communicate()
+
+
+@pytest.fixture
+def dashboard(recorded: Any) -> Iterator[Dashboard]:
+    """``retrolog ui --no-browser --port 0`` started in the project, as a user would."""
+    with serving(recorded) as started:
+        yield started
+
+
+@pytest.fixture
+def team_dashboard(project: Any, pg_store_url: str, database_url: str) -> Iterator[Dashboard]:
+    """The runs of ``recorded``, recorded into PostgreSQL under the adaptive rule; the
+    dashboard connects as a team member's role (may read and write retrolog's tables,
+    is no superuser)."""
+    from conftest import pg_role
+
+    project.write("train.py", TRAIN.format(decay="0.001"))
+    project.git("add", "train.py")
+    project.git("commit", "--quiet", "-m", "train")
+    env = {"RETROLOG_CHECKPOINTS": "adaptive", "RETROLOG_DATABASE_URL": pg_store_url}
+    project.run("train.py", "--lr", "0.1", **env)
+    project.run("train.py", "--lr", "0.2", **env)
+    project.write("train.py", TRAIN.format(decay="0.002"))
+    project.git("commit", "--quiet", "-am", "faster decay")
+    project.run("train.py", "--lr", "0.3", **env)
+    with (
+        pg_role(database_url, pg_store_url, "SELECT, INSERT, UPDATE, DELETE") as member,
+        serving(project, RETROLOG_DATABASE_URL=member) as started,
+    ):
+        yield started

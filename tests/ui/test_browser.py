@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from conftest import read_db, values_by_run
+from conftest import read_db, read_pg, values_by_run
 
 READY = "body[data-ready='1']"
 
@@ -218,3 +218,75 @@ def test_a_running_run_updates_without_reloading(page: Any, dashboard: Any, reco
     finally:
         proc.kill()
         proc.wait()
+
+
+def _pg_values(url: str, name: str) -> dict[str, list[float]]:
+    found: dict[str, list[float]] = {}
+    for run_id, value in read_pg(
+        url,
+        "SELECT run_id, COALESCE(value_float, value_int) FROM logs WHERE name = %s"
+        " ORDER BY run_id, ctx_id, log_id",
+        (name,),
+    ):
+        found.setdefault(str(run_id), []).append(float(str(value)))
+    return found
+
+
+def test_the_dashboard_reads_and_replays_a_postgresql_store(
+    page: Any, team_dashboard: Any, project: Any, pg_store_url: str
+) -> None:
+    """The team's store: the runs table with a predicate (judged by PostgreSQL) and
+    picked columns, a chart of stored values, and a replay started from the page that
+    backfills into the database."""
+    assert not (project.root / ".retrolog" / "retrolog.db").exists()  # nothing local
+    page.goto(team_dashboard.url)
+    page.wait_for_selector(READY)
+    assert page.locator("#runs tbody tr").count() == 3
+    page.fill("#where", "lr > 0.15")
+    page.fill("#columns", "loss:max, acc")
+    page.click("#filter button[type=submit]")
+    page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 2")
+    loss = _pg_values(pg_store_url, "loss")
+    shown = page.locator("#runs tbody tr").evaluate_all(
+        "rows => rows.map(r => [r.dataset.run, r.lastElementChild.previousElementSibling.title])"
+    )
+    assert len(shown) == 2
+    for run_id, loss_max in shown:
+        assert float(loss_max) == max(loss[run_id])
+
+    # Chart loss for both: every drawn point is a stored value.
+    page.set_viewport_size({"width": 300, "height": 900})
+    for box in page.locator("#runs tbody input[type=checkbox]").all():
+        box.check()
+    page.select_option("#chart-name", "loss")
+    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 2")
+    for series in drawn(page):
+        stored = loss[series["run_id"]]
+        assert max(series["y"]) == max(stored)
+        assert all(stored[int(x)] == y for x, y in zip(series["x"], series["y"], strict=True))
+
+    # Today's script logs a new name; a replay from the page backfills it into PostgreSQL.
+    path = project.root / "train.py"
+    line = '            rl.log("acc", 1 - state["w"])\n'
+    source = path.read_text()
+    assert line in source
+    path.write_text(source.replace(line, line + '            rl.log("w_sq", state["w"] ** 2)\n'))
+    page.fill("#replay-names", "w_sq")
+    page.click("#replay-plan")
+    page.wait_for_selector("#replay-start:not([disabled])", timeout=120_000)
+    assert "w_sq" in page.inner_text("#replay-output")
+    page.click("#replay-start")
+    page.wait_for_function(
+        "document.getElementById('status').textContent.startsWith('replay')", timeout=240_000
+    )
+    assert page.inner_text("#status") == "replay finished", page.inner_text("#replay-output")
+    page.select_option("#chart-name", "w_sq")
+    page.wait_for_function(
+        "window.__retrolog.series.length === 2"
+        " && window.__retrolog.series.every(s => s.x.length === 3)"
+    )
+    w_sq = _pg_values(pg_store_url, "w_sq")
+    for series in drawn(page):
+        assert set(series["origin"]) == {1}  # backfilled
+        assert series["y"] == w_sq[series["run_id"]]
+    assert not (project.root / ".retrolog" / "retrolog.db").exists()

@@ -122,6 +122,28 @@ def shared_store(conn: Any) -> bool:
     return _dialect(conn).split
 
 
+def value_parts(conn: Any, alias: str = "") -> list[str]:
+    """The columns a logged value is read from, for :func:`whole_value`: SQLite's
+    ``value``, or PostgreSQL's ``value_float``, ``value_int`` and ``value_text``."""
+    prefix = f"{alias}." if alias else ""
+    return [prefix + part for part in _dialect(conn).parts]
+
+
+def whole_value(parts: Sequence[Any]) -> Any:
+    """A value read as :func:`value_parts`: the one part that is set (None for NULL)."""
+    return next((part for part in parts if part is not None), None)
+
+
+def number_of(conn: Any, alias: str = "") -> str:
+    """SQL for a logged number (float, int or bool) as one column, for MIN, MAX and
+    arithmetic: SQLite's ``value``; PostgreSQL's float or int column (an int as
+    double precision there)."""
+    prefix = f"{alias}." if alias else ""
+    if _dialect(conn).split:
+        return f"COALESCE({prefix}value_float, {prefix}value_int)"
+    return f"{prefix}value"
+
+
 @dataclass(frozen=True)
 class _Name:
     """A log name that becomes a column of the view (shown, or used by ``where`` only)."""

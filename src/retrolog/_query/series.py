@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from retrolog._query.dataframe import logged_names
+from retrolog._query.dataframe import logged_names, value_parts, whole_value
 from retrolog.errors import UnknownNameError, UsageError
 
 X_AXES: tuple[str, ...] = ("step", "time")
@@ -393,7 +393,8 @@ def _stamps(
     for run_id in dict.fromkeys(run_ids):
         row = conn.execute(
             "SELECT r.status, r.code_commit, COUNT(p.replay_id), MAX(p.ended_at),"
-            " COALESCE(SUM(p.replay_id IS NOT NULL AND p.ended_at IS NULL), 0) FROM runs r"
+            " COUNT(CASE WHEN p.replay_id IS NOT NULL AND p.ended_at IS NULL THEN 1 END)"
+            " FROM runs r"
             " LEFT JOIN replay_runs rr ON rr.run_id = r.run_id"
             " LEFT JOIN replays p ON p.replay_id = rr.replay_id"
             " WHERE r.run_id = ? GROUP BY r.run_id",
@@ -408,13 +409,16 @@ def _stamps(
 
 def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | None:
     """``name``'s whole series in ``run_id``, from the store (None: no numeric value)."""
-    rows = conn.execute(
-        "SELECT ctx_id, value, origin, inexact, replay_id, value_type FROM logs"
-        " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL ORDER BY ctx_id",
+    parts = value_parts(conn)
+    found = conn.execute(
+        f"SELECT ctx_id, origin, inexact, replay_id, value_type, {', '.join(parts)} FROM logs"
+        " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL ORDER BY ctx_id, log_id",
         (name, run_id),
     ).fetchall()
-    if not rows:
+    if not found:
         return None
+    # (ctx, value, origin, inexact, replay_id, value_type), the value whole again
+    rows = [(r[0], whole_value(r[5:]), r[1], r[2], r[3], r[4]) for r in found]
     ctx_ids, values, origins, _, _, types = zip(*rows, strict=True)
     n = len(rows)
     ctx = np.array(ctx_ids, dtype=np.int64)

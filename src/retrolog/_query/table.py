@@ -19,7 +19,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from retrolog._query.dataframe import _not_superseded, logged_names
+from retrolog._query.dataframe import (
+    _not_superseded,
+    logged_names,
+    number_of,
+    value_parts,
+    whole_value,
+)
 from retrolog._query.runs import arguments, matching_runs
 from retrolog.errors import UnknownNameError, UsageError
 
@@ -199,8 +205,9 @@ def _column_values(
         else:
             fn = "MIN" if column.aggregate == "min" else "MAX"
             row = conn.execute(
-                f"SELECT {fn}(l.value) FROM logs l WHERE l.name = ? AND l.run_id = ?"
-                " AND l.value_type IN ('float', 'int', 'bool')" + _not_superseded("l"),
+                f"SELECT {fn}({number_of(conn, 'l')}) FROM logs l WHERE l.name = ?"
+                " AND l.run_id = ? AND l.value_type IN ('float', 'int', 'bool')"
+                + _not_superseded("l"),
                 (column.name, run_id),
             ).fetchone()
             value = row[0] if row else None
@@ -218,15 +225,17 @@ def _last(conn: sqlite3.Connection, name: str, run_id: str) -> Any:
     ).fetchone()
     where = "l.ctx_id = ?" if ctx else "l.ctx_id IS NULL"
     params = (name, run_id, ctx[0]) if ctx else (name, run_id)
+    parts = value_parts(conn, "l")
     row = conn.execute(
-        "SELECT l.value, l.value_type FROM logs l WHERE l.name = ? AND l.run_id = ? AND "
+        f"SELECT l.value_type, {', '.join(parts)} FROM logs l WHERE l.name = ?"
+        " AND l.run_id = ? AND "
         + where
         + " ORDER BY (l.origin = 'recorded') DESC, l.log_id DESC LIMIT 1",
         params,
     ).fetchone()
     if row is None:
         return None
-    value, value_type = row
+    value_type, value = row[0], whole_value(row[1:])
     if value_type == "float":
         return None if value is None else float(value)  # a NaN is stored as NULL
     if value_type == "bool":

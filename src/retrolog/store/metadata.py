@@ -273,21 +273,20 @@ def storable_text(text: str) -> str:
     return text
 
 
-def activity_stamp(conn: sqlite3.Connection) -> tuple[tuple[object, ...], tuple[object, ...]]:
+def activity_stamp(conn: Any) -> tuple[tuple[object, ...], tuple[object, ...]]:
     """The runs' and the replays' (count, how many running, last start, last end).
 
     It changes whenever a run or a replay starts or ends, so a reader that keeps
     something computed from the store (the dataframe's loop names, the dashboard's
     indexer) compares stamps to know when to compute it again.
     """
-    runs = conn.execute(
-        "SELECT COUNT(*), COALESCE(SUM(status = 'running'), 0), MAX(started_at), MAX(ended_at)"
-        " FROM runs"
-    ).fetchone()
-    replays = conn.execute(
-        "SELECT COUNT(*), COALESCE(SUM(status = 'running'), 0), MAX(started_at), MAX(ended_at)"
-        " FROM replays"
-    ).fetchone()
+    # Standard SQL: ``conn`` may also be a PostgreSQL store's reader.
+    stamp = (
+        "SELECT COUNT(*), COUNT(CASE WHEN status = 'running' THEN 1 END), MAX(started_at),"
+        " MAX(ended_at) FROM "
+    )
+    runs = conn.execute(stamp + "runs").fetchone()
+    replays = conn.execute(stamp + "replays").fetchone()
     return tuple(runs), tuple(replays)
 
 

@@ -251,19 +251,15 @@ def open_metadata(paths: ProjectPaths, *, create: bool = True) -> MetadataStore:
 
 
 def require_embedded(paths: ProjectPaths) -> None:
-    """Stop, saying why, when ``database_url`` names a database only recording can use yet.
-
-    Queries, replay, gc and the dashboard read the SQLite store; with PostgreSQL
-    selected they would read an empty or stale local file and answer wrongly.
-    """
+    """Stop, saying why, when ``database_url`` names PostgreSQL and a command that reads
+    only the embedded SQLite store opens it (``retrolog migrate --objects`` so far): it
+    would read an empty or stale local file and answer wrongly."""
     url = database_url()
     if url is None:
         return
     raise StoreError(
-        f"This project's runs are recorded into the PostgreSQL database {mask(url)} "
-        "(database_url). retrolog records, replays and collects runs there and answers "
-        "`retrolog runs`, `show`, `lineage`, `query` and `dataframe` from there, but the "
-        "dashboard reads only the embedded SQLite store so far (docs/metadata-backends.md). "
-        f"Use `retrolog dataframe` and `query` meanwhile, or unset {DATABASE_URL_ENV} to "
-        f"use the embedded store in {paths.store}."
+        f"This project's runs are in the PostgreSQL database {mask(url)} (database_url), "
+        "and this command reads only the embedded SQLite store so far; every other "
+        "command reads the runs there (docs/metadata-backends.md). Unset "
+        f"{DATABASE_URL_ENV} to use the embedded store in {paths.store}."
     )

@@ -157,14 +157,7 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         return endpoint
 
     def project_info(request: Request) -> dict[str, Any]:
-        with project.reader() as conn:
-            scripts = [
-                {"filename": f, "runs": n}
-                for f, n in conn.execute(
-                    "SELECT filename, COUNT(*) FROM runs GROUP BY filename ORDER BY MAX(started_at)"
-                    " DESC"
-                )
-            ]
+        scripts = project.scripts()
         return {"root": str(project.root), "store": str(project.paths.store), "scripts": scripts,
                 "indexer": None if indexer is None else indexer.state}  # fmt: skip
 
