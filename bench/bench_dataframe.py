@@ -375,6 +375,7 @@ def compare_postgresql(admin_url: str, sqlite_path: Path, reps: int) -> dict[str
                     [a / b for a, b in zip(samples["postgresql"], samples["sqlite"], strict=True)]
                 ),
             }
+        out["working_copy"] = working_copy_seconds(url, reps=3)
         pg.close()
         sqlite.close()
         return out
@@ -383,6 +384,29 @@ def compare_postgresql(admin_url: str, sqlite_path: Path, reps: int) -> dict[str
             admin.execute(f"DROP OWNED BY {role}")
             admin.execute(f"DROP ROLE IF EXISTS {role}")
         drop_schema(url)
+
+
+def working_copy_seconds(url: str, reps: int) -> dict[str, Any]:
+    """What a replay of this store's runs pays before its plan (_replay/shared.py): a
+    working copy of every run's rows (the script's: all of them here), into a fresh
+    embedded store file, timed whole (migration, copy, commit)."""
+    from retrolog._replay.shared import _WorkingCopy
+    from retrolog.store.postgres import PostgresMetadata
+    from retrolog.store.transfer import copy_into_sqlite
+
+    samples: list[float] = []
+    copied = 0
+    for _ in range(reps):
+        with tempfile.TemporaryDirectory(prefix="retrolog-bench-copy-") as tmp:
+            source = PostgresMetadata(url, create=False)
+            start = time.perf_counter()
+            conn = connect(Path(tmp) / "copy.db", factory=_WorkingCopy)
+            migrate(conn)
+            copied = copy_into_sqlite(conn, source, ["train.py"])
+            samples.append(time.perf_counter() - start)
+            conn.close()
+            source.close()
+    return {"rows": copied, "seconds": spread(samples)}
 
 
 def main_postgresql(args: argparse.Namespace) -> None:
@@ -444,6 +468,8 @@ def main_postgresql(args: argparse.Namespace) -> None:
         print(line("  client CPU s: SQLite", figures["sqlite_cpu_s"]))
         print(line("  client CPU s: PostgreSQL", figures["postgresql_cpu_s"]))
         print(line("  server CPU s: PostgreSQL", figures["postgresql_server_cpu_s"]))
+    copy = compared["working_copy"]
+    print(line(f"a replay's working copy, {copy['rows']:,} rows, s", copy["seconds"]))
     print(f"-> {output}")
 
 
