@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._config import BY_KEY, STORE_FILE, mask, read_file
+from retrolog._query.dataframe import shared_store
 from retrolog.errors import StoreError, VersionError
 from retrolog.store.backends import open_object_store
 from retrolog.store.metadata import mark_dead_runs_crashed
@@ -82,7 +83,8 @@ def plan_migration(
             f"The objects are already at {target.location}: nothing to migrate. "
             "`retrolog config` shows where they are read from and why."
         )
-    mark_dead_runs_crashed(conn)
+    if not shared_store(conn):  # PostgreSQL's store marks them when it is opened
+        mark_dead_runs_crashed(conn)
     running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
     if running:
         raise StoreError(
@@ -167,26 +169,24 @@ def _backfill_code(
 ) -> None:
     from retrolog.versions.portable import export_code, readable_version
 
-    conn.row_factory = sqlite3.Row
-    try:
-        for run_id in runs:
-            row = dict(conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone())
-            try:
-                version = readable_version(row, store_dir=paths.store, root=paths.root)
-                key, manifest = export_code(version.git_dir, version.rev, store)
-            except VersionError as exc:
-                report.code_unavailable[run_id] = str(exc)
-                continue
-            if manifest.tree != row.get("code_tree"):
-                report.code_unavailable[run_id] = (
-                    f"its code version {row['code_commit']} has tree {manifest.tree}, the run "
-                    f"recorded {row.get('code_tree')}"
-                )
-                continue
-            conn.execute("UPDATE runs SET code_manifest = ? WHERE run_id = ?", (key, run_id))
-            report.code_backfilled.append(run_id)
-    finally:
-        conn.row_factory = None
+    for run_id in runs:
+        cursor = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+        names = [column[0] for column in cursor.description]
+        row = dict(zip(names, cursor.fetchone(), strict=True))
+        try:
+            version = readable_version(row, store_dir=paths.store, root=paths.root)
+            key, manifest = export_code(version.git_dir, version.rev, store)
+        except VersionError as exc:
+            report.code_unavailable[run_id] = str(exc)
+            continue
+        if manifest.tree != row.get("code_tree"):
+            report.code_unavailable[run_id] = (
+                f"its code version {row['code_commit']} has tree {manifest.tree}, the run "
+                f"recorded {row.get('code_tree')}"
+            )
+            continue
+        conn.execute("UPDATE runs SET code_manifest = ? WHERE run_id = ?", (key, run_id))
+        report.code_backfilled.append(run_id)
 
 
 def _same_place(a: ObjectStore, b: ObjectStore) -> bool:

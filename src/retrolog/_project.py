@@ -491,11 +491,20 @@ class Project:
         verified; the setting is then unchanged.
         """
         from retrolog._migrate import migrate_objects, plan_migration
+        from retrolog.errors import StoreError
         from retrolog.store.backends import object_store_for, open_object_store
         from retrolog.store.metadata import is_readonly, read_only_error
 
-        with self.reader() as conn:
-            if is_readonly(conn) and not dry_run:
+        with self._portable() as conn:
+            may_write = getattr(conn, "may_write", None)
+            if may_write is not None:  # PostgreSQL: what the role may do
+                if not dry_run and not may_write("runs", "UPDATE"):
+                    raise StoreError(
+                        "migrate --objects records each run's code copy in the runs table, "
+                        "and the PostgreSQL role of database_url may not UPDATE it. Run it "
+                        "as a role that may (`--dry-run` shows the plan with this one)."
+                    )
+            elif is_readonly(conn) and not dry_run:
                 raise read_only_error(self.paths, "migrate")
             source = object_store_for(self.paths.store)
             plan = plan_migration(self.paths, conn, source, open_object_store(url))

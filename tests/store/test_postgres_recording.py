@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from pathlib import Path
 
 import pytest
 
@@ -197,18 +198,54 @@ def test_a_killed_run_is_marked_crashed_by_the_next_run_on_its_host(
     assert max(stored) >= last - 100  # type: ignore[operator]
 
 
-def test_the_command_that_reads_only_the_embedded_store_says_so(
-    project: Project, pg_store_url: str, s3_url: str
+# Epochs long enough that replay restores their checkpoints rather than rerunning them,
+# each epoch's randomness seeded by the epoch (a restored ``w`` is all a block needs).
+SLOW_EPOCHS = """\
+import time
+
+import numpy as np
+
+import retrolog as rl
+
+lr = rl.arg("lr", 0.1)
+w = np.zeros(4096)
+with rl.checkpointing(w=w):
+    for epoch in rl.loop("epoch", range(3)):
+        rng = np.random.default_rng(epoch)
+        for step in rl.loop("step", range(10)):
+            w += rng.random(4096) * lr
+            time.sleep(0.03)
+        # HINDSIGHT
+"""
+
+
+def test_objects_move_to_s3_when_the_runs_are_in_postgresql(
+    project: Project, pg_store_url: str, s3_url: str, tmp_path: Path
 ) -> None:
-    """Moving the objects reads and writes the embedded store's runs only, so far."""
-    project.write("quick.py", "import retrolog as rl\nfor i in rl.loop('i', range(2)):\n    pass\n")
-    project.run("quick.py", RETROLOG_DATABASE_URL=pg_store_url)
+    """`migrate --objects` on a team's store: the runs' objects go to S3, the setting
+    follows, and a replay then restores from S3 alone (the local objects set aside)."""
+    project.write("train.py", SLOW_EPOCHS)
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "train")
+    env = {"RETROLOG_DATABASE_URL": pg_store_url}
+    for lr in ("0.1", "0.2"):
+        project.run("train.py", "--kwargs", f"lr={lr}", **env)
     password = urllib.parse.urlsplit(pg_store_url).password
     assert password  # the test server's URL carries one, as a user's may
-    done = project.cli("migrate", "--objects", s3_url, "--yes", RETROLOG_DATABASE_URL=pg_store_url)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "PostgreSQL" in done.stderr and "reads only the embedded" in done.stderr, done.stderr
+    done = project.cli("migrate", "--objects", s3_url, "--yes", **env)
+    assert done.returncode == 0, done.stderr
+    assert "Copied" in done.stdout and f"objects_url is now {s3_url}" in done.stdout
     assert password not in done.stderr + done.stdout
+    objects = project.root / ".retrolog" / "objects"
+    objects.rename(tmp_path / "objects-aside")
+    statement = 'rl.log("w_norm", float(np.linalg.norm(w)))'
+    project.write("train.py", SLOW_EPOCHS.replace("# HINDSIGHT", statement))
+    out = project.cli("replay", "w_norm", "--yes", **env)
+    assert out.returncode == 0, out.stderr
+    assert "Replayed 2 run(s); backfilled 6 value(s)" in out.stderr, out.stderr
+    restored = read_pg(pg_store_url, "SELECT sum(restored) FROM replay_runs")[0][0]
+    assert restored and int(str(restored)) > 0, out.stderr  # from S3: the local copy is gone
+    assert not objects.exists()
 
 
 def test_runs_on_an_empty_postgresql_database_says_to_record_first(

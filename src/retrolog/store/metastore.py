@@ -251,9 +251,10 @@ def open_metadata(paths: ProjectPaths, *, create: bool = True) -> MetadataStore:
 
 
 def require_embedded(paths: ProjectPaths) -> None:
-    """Stop, saying why, when ``database_url`` names PostgreSQL and a command that reads
-    only the embedded SQLite store opens it (``retrolog migrate --objects`` so far): it
-    would read an empty or stale local file and answer wrongly."""
+    """Stop, saying why, when ``database_url`` names PostgreSQL and something opens the
+    embedded SQLite store (no command does; ``Project`` reads through
+    :func:`open_metadata`): it would read an empty or stale local file and answer
+    wrongly."""
     url = database_url()
     if url is None:
         return
