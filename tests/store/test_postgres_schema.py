@@ -142,3 +142,22 @@ def test_an_unreachable_server_is_one_clear_error_without_the_password(
     text = str(caught.value)
     assert "Cannot reach the PostgreSQL store at postgresql://retrolog:***@127.0.0.1:1" in text
     assert "s3cret" not in text
+
+
+def test_the_embedded_store_is_not_opened_while_postgresql_is_selected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guard under every command: with database_url naming PostgreSQL, opening the local
+    file (which holds none of the team's runs) is refused in one paragraph, the password
+    masked, and no file is made."""
+    from retrolog.errors import StoreError
+    from retrolog.store.metadata import open_store
+    from retrolog.store.paths import ProjectPaths
+
+    monkeypatch.setenv("RETROLOG_DATABASE_URL", "postgresql://team:secret@db.example/runs")
+    paths = ProjectPaths(root=tmp_path, store=tmp_path / ".retrolog", in_git=False)
+    with pytest.raises(StoreError) as refused:
+        open_store(paths, create=True)
+    said = str(refused.value)
+    assert "PostgreSQL" in said and "secret" not in said and "\n" not in said
+    assert not (tmp_path / ".retrolog").exists()
