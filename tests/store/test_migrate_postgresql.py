@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import urllib.parse
+from pathlib import Path
 
 import pytest
 
-from conftest import Project, read_pg
+from training_scripts import new_project
+
+from conftest import Project, read_pg, values_by_run
 
 pytestmark = pytest.mark.slow
 
@@ -199,3 +202,50 @@ def test_migrate_to_a_url_that_is_not_postgresql_says_what_to_give(project: Proj
         done = project.cli(*args)
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
         assert "postgresql://" in done.stderr
+
+
+def test_the_whole_move_in_one_command_then_replay_from_the_team_stores(
+    project: Project, pg_store_url: str, s3_url: str, tmp_path: Path
+) -> None:
+    """`retrolog migrate --to postgresql://... --objects s3://...`, as the team setup
+    says: afterwards, with the local store set aside, the same commands answer from
+    PostgreSQL and S3 alone, and a replay backfills exactly what it backfills locally."""
+    _recorded_and_replayed(project)
+    local = _views(project)
+    done = project.cli("migrate", "--to", pg_store_url, "--objects", s3_url, "--yes")
+    assert done.returncode == 0, done.stderr
+    assert f"objects_url is now {s3_url}" in done.stdout and "Copied 2 run(s)" in done.stdout
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for part in ("objects", "retrolog.db", "retrolog.db-wal", "retrolog.db-shm"):
+        path = project.root / ".retrolog" / part
+        if path.exists():
+            path.rename(aside / part)
+    team = _views(project, RETROLOG_DATABASE_URL=pg_store_url)
+    assert team["runs"] == local["runs"] and team["dataframe"] == local["dataframe"]
+    # A name neither store has, replayed from the team's stores: exactly what a fresh run
+    # of today's script logs.
+    source = (project.root / "train.py").read_text()
+    today = source.replace(
+        '            rl.log("w_norm"', '            rl.log("w_max", float(w.max()))\n'
+        '            rl.log("w_norm"')  # fmt: skip
+    project.write("train.py", today)
+    out = project.cli("replay", "w_max", "--yes", RETROLOG_DATABASE_URL=pg_store_url)
+    assert out.returncode == 0, out.stderr
+    assert "Replayed 2 run(s); backfilled 6 value(s)" in out.stderr, out.stderr
+    assert not (project.root / ".retrolog" / "objects").exists()  # S3 alone served them
+    argv = {
+        str(r): tuple(json.loads(str(a))[1:])
+        for r, a in read_pg(pg_store_url, "SELECT run_id, argv FROM runs")
+    }
+    for run_id, args in argv.items():
+        fresh = new_project(tmp_path / f"fresh-{run_id}")
+        fresh.write("train.py", today)
+        fresh.run("train.py", *args)
+        (expected,) = values_by_run(fresh.root, "w_max").values()
+        replayed = read_pg(
+            pg_store_url,
+            "SELECT value_float FROM logs WHERE name = 'w_max' AND run_id = %s ORDER BY ctx_id",
+            (run_id,),
+        )
+        assert [v for (v,) in replayed] == expected and len(expected) == 3, run_id
