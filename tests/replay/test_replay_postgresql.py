@@ -10,6 +10,7 @@ is the last test.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,44 @@ def test_the_team_setup_records_and_replays_by_configuration_alone(
     # The nodes restored checkpoints the rule kept (from S3), rather than retraining.
     restored = read_pg(pg_store_url, "SELECT sum(restored) FROM replay_runs")[0][0]
     assert restored and int(str(restored)) > 0, out.stderr
+
+
+def test_another_clone_replays_the_teams_runs_from_postgresql_and_s3_alone(
+    tmp_path: Path, pg_store_url: str, s3_url: str
+) -> None:
+    """Machine A records (metadata in PostgreSQL, objects on S3, both set in the
+    committed pyproject.toml), with an uncommitted edit, and is gone; machine B, a
+    fresh clone without A's private refs, replays: the code comes from S3's copy of
+    A's version, edit included, and the values are exactly a fresh run's."""
+    a = new_project(tmp_path / "a")
+    a.write(
+        "pyproject.toml",
+        f'[tool.retrolog]\ndatabase_url = "{pg_store_url}"\nobjects_url = "{s3_url}"\n',
+    )
+    a.write("train.py", SCRIPT)
+    a.git("add", "-A")
+    a.git("commit", "-qm", "train")
+    edited = SCRIPT.replace("range(20)", "range(15)")  # A's uncommitted edit, recorded
+    a.write("train.py", edited)
+    for args in ARGS[:2]:
+        a.run("train.py", *args)
+    bare = tmp_path / "origin.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(a.root), str(bare)], check=True)
+    b = Project(tmp_path / "b")
+    subprocess.run(["git", "clone", "-q", str(bare), str(b.root)], check=True)
+    assert b.git("for-each-ref", "refs/retrolog/") == ""  # B lacks A's code refs
+    shutil.rmtree(a.root)  # machine A is gone
+    today = edited.replace("# HINDSIGHT", STATEMENT)
+    b.write("train.py", today)
+    done = b.cli("replay", "w_norm", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "Replayed 2 run(s); backfilled 8 value(s)" in done.stderr, done.stderr
+    replayed = _pg_values(pg_store_url, "w_norm")
+    argv = _argv_of(pg_store_url)
+    for run_id, values in replayed.items():
+        fresh = new_project(tmp_path / f"fresh-{run_id}")
+        fresh.write("train.py", today)
+        fresh.run("train.py", *argv[run_id])
+        (expected,) = values_by_run(fresh.root, "w_norm").values()
+        assert values == expected and len(values) == 4, run_id
+    assert len(replayed) == 2

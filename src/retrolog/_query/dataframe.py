@@ -1,6 +1,8 @@
 """The wide view: one row per (run, loop context), one column per requested name.
 
-FlorDB's dataframe, computed by SQLite (see :func:`_ctes`, :func:`_rows_sql`):
+FlorDB's dataframe, computed by the store's database, SQLite or PostgreSQL (see
+:func:`_ctes`, :func:`_rows_sql`; :class:`_Dialect` holds what their SQL says
+differently):
 
 ==============  ===============================================================
 ``hop``         the runs that logged a requested loop-level name, found by
@@ -21,7 +23,7 @@ outer query     the user's ``where`` predicate, then the order
 Of several records for one (run, context, name) the value is the newest
 recorded one, else the newest backfilled one.
 
-Python writes the SQL text and gives each column its dtype. sqlite3 builds a
+Python writes the SQL text and gives each column its dtype. The driver builds a
 Python object per cell, which at 100,000 rows costs as much as the query, so
 some columns travel in a cheaper form than the view shows them: the run columns
 come once per run (spread over the rows with one vectorized take), an empty
@@ -67,7 +69,7 @@ INEXACT_COLUMN = "inexact"
 It is there only when some value of the result is marked (``logs.inexact``)."""
 """The values of ``logs.value_type``, in the order of their bit in a type mask."""
 
-# A row key is (runs.rowid << 32) + ctx_id + 1: it names the run for the run
+# A row key is (the run's compact key << 32) + ctx_id + 1: it names the run for the run
 # columns and, since rows come in (run, ctx) order, shows a (run, ctx) seen twice.
 # ctx_id stays far below 2**32 - 1: that many loop iterations would not fit a store.
 _ROW_KEY = "__retrolog_row"

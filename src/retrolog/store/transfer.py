@@ -298,7 +298,7 @@ def copy_into_sqlite(
     """A working copy of ``source`` in the embedded store ``target`` (migrated, empty),
     for a replay: every run, replay and definition, and the loops, logs, checkpoints
     and profile of the runs of ``scripts`` (None: of every run). Logs keep their order.
-    Returns the log records copied."""
+    Returns how many rows of those four tables it copied."""
     pg = source.connection
     columns = {t: _common_columns(target, pg, t) for t in ("runs", *PER_RUN, *SHARED)}
     chosen = (
