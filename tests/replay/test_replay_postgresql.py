@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 # generator seeded by the epoch, so a restored checkpoint of ``w`` is all a block needs.
 SCRIPT = """\
 import argparse
+import time
 
 import numpy as np
 
@@ -41,6 +42,7 @@ def train(args):
             for step in rl.loop("step", range(20)):
                 w += rng.random(256) * args.lr
                 rl.log("loss", float(w.sum()) / (step + 1))
+                time.sleep(0.005)  # a block worth restoring rather than rerunning
             # HINDSIGHT
 
 

@@ -580,7 +580,7 @@ def _snapshot(conn: Any) -> Iterator[None]:
     On PostgreSQL they are also planned without Memoize: it caches the lookups of a
     name's value per (run, context), which never repeat, and over a million records
     (bench/bench_dataframe.py --postgresql, medians of 7) the view took 0.80 s with it,
-    0.44 s without.
+    0.43 s without.
     """
     with read_snapshot(conn):
         if _dialect(conn).split:

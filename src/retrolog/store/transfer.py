@@ -313,10 +313,17 @@ def copy_into_sqlite(
         ]
     )
     copied = 0
+    # The indexes of logs are built after its rows are in, not row by row.
+    indexes = target.execute(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'logs'"
+        " AND sql IS NOT NULL"
+    ).fetchall()
     with pg.transaction():
         pg.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         target.execute("BEGIN IMMEDIATE")
         try:
+            for name, _ in indexes:
+                target.execute(f'DROP INDEX "{name}"')
             for table in ("runs", *SHARED, "run_definitions"):
                 first = " ORDER BY run_key" if table == "runs" else ""
                 _copy_rows(pg, target, table, columns[table], f"SELECT * FROM {table}{first}")
@@ -329,6 +336,8 @@ def copy_into_sqlite(
                     pg, target, table, columns[table], f"SELECT * FROM {table}{where}{by}",
                     () if chosen is None else (chosen,),
                 )  # fmt: skip
+            for _, sql in indexes:
+                target.execute(sql)
         except BaseException:
             target.execute("ROLLBACK")
             raise
@@ -346,12 +355,15 @@ def _copy_rows(
 ) -> int:
     parts = [p for n in names for p in (_PARTS if n == "value" else (n,))]
     select = select.replace("SELECT *", f"SELECT {', '.join(parts)}", 1)
-    insert = f"INSERT INTO {table} ({', '.join(names)}) VALUES ({_marks(names)})"
+    # SQLite makes a value whole from its three parts (the one that is set, with its
+    # type): no Python per row, which took 40% of the copy.
+    marks = ", ".join("COALESCE(?, ?, ?)" if n == "value" else "?" for n in names)
+    insert = f"INSERT INTO {table} ({', '.join(names)}) VALUES ({marks})"
     count = 0
     cursor = pg.cursor(name=f"rl_copy_{table}")  # a server-side cursor: rows in batches
     cursor.execute(select, params)
     while batch := cursor.fetchmany(20_000):
-        target.executemany(insert, [_whole(names, row) for row in batch])
+        target.executemany(insert, batch)
         count += len(batch)
     cursor.close()
     return count
