@@ -85,11 +85,12 @@ def restore(
     if at is not None:
         at = _position(at)
     project = _project()
-    with project.reader() as conn:
+    with project._portable() as conn:  # the embedded store, or PostgreSQL's reader
+        errors = (sqlite3.Error, getattr(conn, "errors", sqlite3.Error))
         try:
             run_id = resolve_run(conn, ref)
             rows = _checkpoint_rows(conn, run_id)
-        except sqlite3.Error as exc:
+        except errors as exc:
             raise StoreError(
                 f"Cannot read the checkpoints of run {ref} from the store: {exc}."
             ) from exc
@@ -188,7 +189,7 @@ def _position_from_row(row: Any, loop_name: str) -> int | str | None:
     return _position(value)
 
 
-def _checkpoint_rows(conn: sqlite3.Connection, run_id: str) -> list[_Row]:
+def _checkpoint_rows(conn: Any, run_id: str) -> list[_Row]:
     return [
         _Row(ctx, kind, iteration, loop_name, manifest)
         for ctx, kind, iteration, loop_name, manifest in conn.execute(

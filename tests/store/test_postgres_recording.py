@@ -248,6 +248,39 @@ def test_objects_move_to_s3_when_the_runs_are_in_postgresql(
     assert not objects.exists()
 
 
+RESTORE = """\
+import sys
+
+import numpy as np
+
+import retrolog as rl
+
+w = np.zeros(512)
+done = rl.restore(sys.argv[1], at=1, w=w)
+print(done.at, float(w.sum()))
+"""
+
+
+def test_restore_loads_a_checkpoint_of_a_postgresql_run(
+    project: Project, pg_store_url: str
+) -> None:
+    """rl.restore by run id and iteration: the state at the end of epoch 1's block,
+    which the run logged as w_sum right after it."""
+    project.write("train.py", SCRIPT)
+    project.write("load.py", RESTORE)
+    env = {"RETROLOG_DATABASE_URL": pg_store_url}
+    project.run("train.py", "--epochs", "3", "--steps", "20", **env)
+    ((run_id,),) = read_pg(pg_store_url, "SELECT run_id FROM runs")
+    ((w_sum,),) = read_pg(
+        pg_store_url,
+        "SELECT l.value_float FROM logs l JOIN loops p ON p.run_id = l.run_id"
+        " AND p.ctx_id = l.ctx_id WHERE l.name = 'w_sum' AND p.iteration = 1",
+    )
+    out = project.run("load.py", str(run_id), **env)
+    at, restored = out.stdout.split()
+    assert at == "1" and float(restored) == w_sum
+
+
 def test_runs_on_an_empty_postgresql_database_says_to_record_first(
     project: Project, pg_store_url: str
 ) -> None:
