@@ -290,9 +290,8 @@ def replay(
     runs = sorted(set(result.outcomes) | set(result.skipped))
     if dry_run or not runs:
         return pd.DataFrame()
-    quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in runs)
     try:
-        return project.dataframe(*wanted, where=f"run_id IN ({quoted})")
+        return project.dataframe(*wanted, runs=runs)
     except UnknownNameError:  # no run produced a value
         return pd.DataFrame()
 

@@ -156,16 +156,22 @@ class Project:
             return [r for (r,) in order if r in chosen]
 
     def dataframe(
-        self, *names: str, where: str | None = None, definitions: str = "any"
+        self,
+        *names: str,
+        where: str | None = None,
+        definitions: str = "any",
+        runs: Sequence[str] | None = None,
     ) -> pd.DataFrame:
         """The wide view: one row per run and loop context, one column per name
-        (see ``retrolog.dataframe``)."""
+        (see ``retrolog.dataframe``); ``runs``: only these run ids."""
         from retrolog._query.dataframe import dataframe
         from retrolog._query.lineage import today_keys
 
         with self._portable() as conn:
             today = today_keys(self.paths.root) if definitions == "current" else None
-            return dataframe(conn, list(names), where, definitions=definitions, today=today)
+            return dataframe(
+                conn, list(names), where, definitions=definitions, today=today, only=runs
+            )
 
     def query(self, sql: str) -> pd.DataFrame:
         """Read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""

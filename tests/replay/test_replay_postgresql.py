@@ -273,3 +273,26 @@ def test_another_clone_replays_the_teams_runs_from_postgresql_and_s3_alone(
         (expected,) = values_by_run(fresh.root, "w_norm").values()
         assert values == expected and len(values) == 4, run_id
     assert len(replayed) == 2
+
+
+REPLAY_API = """\
+import json
+
+import retrolog as rl
+
+frame = rl.replay("w_norm")
+print(json.dumps({"rows": len(frame), "runs": sorted(set(frame["run_id"])),
+                  "values": int(frame["w_norm"].notna().sum())}))
+"""
+
+
+def test_rl_replay_returns_the_replayed_runs_view_on_postgresql(
+    recorded: Project, pg_store_url: str
+) -> None:
+    """The Python API, as the schema's owner (a superuser, whose predicates retrolog
+    refuses): the view it returns is chosen by run id in retrolog's own SQL."""
+    recorded.write("api.py", REPLAY_API)
+    out = recorded.run("api.py", RETROLOG_DATABASE_URL=pg_store_url)
+    shown = json.loads(out.stdout.splitlines()[-1])
+    assert shown["values"] == 12 and len(shown["runs"]) == 3
+    assert shown["runs"] == sorted(_argv_of(pg_store_url))

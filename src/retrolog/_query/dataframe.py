@@ -193,6 +193,7 @@ def dataframe(
     *,
     definitions: str = "any",
     today: Callable[[str, Sequence[str]], dict[str, str]] | None = None,
+    only: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """The wide view of ``names``: a row per (run, loop context) where one of them has a value.
 
@@ -213,6 +214,7 @@ def dataframe(
         one column ``<name>:definition`` per name with each value's key).
     today: for "current", the keys of today's statements of some names in a
         script: ``today(filename, names) -> {name: key}``.
+    only: only these runs (ids), chosen in the view's own SQL, not by a predicate.
 
     Raises UnknownNameError for a name never logged in the store and QueryError
     for a predicate that is malformed, uses an unknown column, or tries to write.
@@ -240,6 +242,7 @@ def dataframe(
         # predicate could drop one of the two, so then the names are checked first.
         check = where is not None
         query = _wide_query(conn, requested, where)
+        query.only = None if only is None else tuple(only)
         rows = query.rows()
         if not check and _has_repeats(rows[_ROW_KEY]):
             query.columns = [
@@ -305,6 +308,7 @@ class _WideQuery:
         self.where = where
         self.requested = requested
         self.per_cell: list[str] = []  # shown loop-level names whose cells carry their type
+        self.only: tuple[str, ...] | None = None  # only these runs (dataframe(runs=...))
 
     @property
     def per_row(self) -> list[_Name]:
@@ -323,7 +327,8 @@ class _WideQuery:
         "no such column") becomes a hidden column, and the query runs again.
         """
         found = _columns(*self._with_hidden(lambda: _rows_sql(
-            self.columns, self.dims, self.where, self.per_cell, self.dialect)))  # fmt: skip
+            self.columns, self.dims, self.where, self.per_cell, self.dialect,
+            self.only)))  # fmt: skip
         names = [c.name for c in self.per_row]
         return _whole_values(found, names, len(self.dialect.parts))
 
@@ -332,7 +337,7 @@ class _WideQuery:
         predicate = "" if self.where is None else f" WHERE (\n{self.where}\n)"
 
         def sql() -> tuple[str, list[str]]:
-            ctes = _ctes(self.columns, self.dims, self.dialect)
+            ctes = _ctes(self.columns, self.dims, self.dialect, self.only)
             return ctes + f"\nSELECT DISTINCT run_id FROM wide{predicate}", ["run_id"]
 
         _, found = self._with_hidden(sql)
@@ -362,7 +367,7 @@ class _WideQuery:
 
     def runs(self) -> dict[str, tuple[Any, ...]]:
         """The runs that have rows: their run columns and run-level values, by name."""
-        sql, keys = _runs_sql(self.columns, self.dialect)
+        sql, keys = _runs_sql(self.columns, self.dialect, self.only)
         found = _columns(keys, self._read(sql)[1])
         names = [c.name for c in self.per_run]
         return _whole_values(found, names, len(self.dialect.parts))
@@ -420,7 +425,12 @@ def _columns(header: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str
     return {h: tuple([row[j] for row in rows]) for j, h in enumerate(header)}
 
 
-def _ctes(columns: Sequence[_Name], dims: _Dims, dialect: _Dialect) -> str:
+def _ctes(
+    columns: Sequence[_Name],
+    dims: _Dims,
+    dialect: _Dialect,
+    only: Sequence[str] | None = None,
+) -> str:
     """The common table expressions of the view; ``wide`` is the view itself.
 
     ``wide`` holds each name's value as ``__retrolog_v{i}_{k}``, one column per part
@@ -488,7 +498,7 @@ def _ctes(columns: Sequence[_Name], dims: _Dims, dialect: _Dialect) -> str:
         "    row_number() OVER (ORDER BY u.started_at, u.run_id) AS run_order,\n"
         f"    {dialect.in_looped('u.run_id')} AS looped{run_columns}\n"
         "  FROM runs u LEFT JOIN run_values r ON r.run_id = u.run_id\n"
-        f"  WHERE {dialect.in_looped('u.run_id')} OR r.shown\n)"
+        f"  WHERE ({dialect.in_looped('u.run_id')} OR r.shown){_only(only)}\n)"
     )
 
     levels = [(f"a{j}.name", f"a{j}.iteration") for j in range(dims.depth + 1)]
@@ -553,6 +563,13 @@ def _ctes(columns: Sequence[_Name], dims: _Dims, dialect: _Dialect) -> str:
         + f"\n  WHERE NOT h.looped{has_value}\n)"
     )
     return "WITH RECURSIVE\n" + ",\n".join([hop, looped, run_values, chosen, wide])
+
+
+def _only(runs: Sequence[str] | None) -> str:
+    """The condition keeping only ``runs`` (none: every run), as literals: run ids."""
+    if runs is None:
+        return ""
+    return f" AND u.run_id IN ({', '.join(_literal(r) for r in runs) or 'NULL'})"
 
 
 def _typed_value(parts: Sequence[str], types: frozenset[str]) -> str:
@@ -622,6 +639,7 @@ def _rows_sql(
     where: str | None,
     per_cell: Sequence[str],
     dialect: _Dialect,
+    only: Sequence[str] | None = None,
 ) -> tuple[str, list[str]]:
     """The rows of the view that pass ``where``, in order, as Python reads them, and the
     key Python gives each column read.
@@ -653,7 +671,7 @@ def _rows_sql(
     predicate = "" if where is None else f"WHERE (\n{where}\n)\n"
     nulls = " NULLS FIRST" if dialect.split else ""  # SQLite's order of NULL
     sql = (
-        _ctes(columns, dims, dialect)
+        _ctes(columns, dims, dialect, only)
         + "\nSELECT "
         + ",\n  ".join(outer)
         + f"\nFROM wide\n{predicate}ORDER BY __retrolog_run_order, __retrolog_ctx_id{nulls}"
@@ -661,7 +679,9 @@ def _rows_sql(
     return sql, keys
 
 
-def _runs_sql(columns: Sequence[_Name], dialect: _Dialect) -> tuple[str, list[str]]:
+def _runs_sql(
+    columns: Sequence[_Name], dialect: _Dialect, only: Sequence[str] | None = None
+) -> tuple[str, list[str]]:
     """The runs of the view with their run columns and their run-only names and types,
     and the key Python gives each column read."""
     select = ["run_key", *META_COLUMNS]
@@ -674,7 +694,8 @@ def _runs_sql(columns: Sequence[_Name], dialect: _Dialect) -> tuple[str, list[st
             select.append(f"t{i}")
             keys.append(_type_key(c.name))
     # The rows' dimensions do not matter here: no self-join is written.
-    sql = _ctes(columns, _Dims([], 0), dialect) + f"\nSELECT {', '.join(select)} FROM chosen"
+    sql = _ctes(columns, _Dims([], 0), dialect, only)
+    sql += f"\nSELECT {', '.join(select)} FROM chosen"
     return sql, keys
 
 
