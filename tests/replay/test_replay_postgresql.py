@@ -264,6 +264,8 @@ def test_another_clone_replays_the_teams_runs_from_postgresql_and_s3_alone(
     done = b.cli("replay", "w_norm", "--yes")
     assert done.returncode == 0, done.stderr
     assert "Replayed 2 run(s); backfilled 8 value(s)" in done.stderr, done.stderr
+    # B's git status shows its edit and nothing of retrolog's (.retrolog/ ignores itself).
+    assert b.git("status", "--porcelain").splitlines() == [" M train.py"]
     replayed = _pg_values(pg_store_url, "w_norm")
     argv = _argv_of(pg_store_url)
     for run_id, values in replayed.items():

@@ -279,6 +279,8 @@ def test_restore_loads_a_checkpoint_of_a_postgresql_run(
     out = project.run("load.py", str(run_id), **env)
     at, restored = out.stdout.split()
     assert at == "1" and float(restored) == w_sum
+    # The local part of the store (objects, caches) stays out of the user's git status.
+    assert ".retrolog" not in project.git("status", "--porcelain")
 
 
 def test_runs_on_an_empty_postgresql_database_says_to_record_first(

@@ -50,12 +50,13 @@ def replay_shared(
 ) -> Any:
     """:func:`retrolog._replay.replayer.replay` for the PostgreSQL store at ``url``."""
     from retrolog._replay.replayer import replay
-    from retrolog.store.metadata import connect
+    from retrolog.store.metadata import connect, make_store_dir
     from retrolog.store.postgres import PostgresMetadata
     from retrolog.store.schema import migrate
     from retrolog.store.transfer import copy_into_sqlite
 
     metadata = PostgresMetadata(url, create=False, origin=paths.database)
+    make_store_dir(paths, objects=False)  # with its .gitignore: out of the user's git status
     directory = paths.store / "working"
     file = directory / f"{uuid.uuid4().hex}.db"
     conn: Any = None
@@ -107,7 +108,7 @@ def _write_back(
         ) from exc
 
 
-def _scripts(metadata: Any, paths: ProjectPaths, script: str | None) -> list[str] | None:
+def _scripts(metadata: Any, paths: ProjectPaths, script: str | None) -> list[str]:
     """The scripts whose runs' rows the copy needs: the one named, else the only one
     recorded (none when several were and none is named: the replay then stops, asking
     which)."""

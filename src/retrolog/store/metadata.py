@@ -82,7 +82,7 @@ def open_store(paths: ProjectPaths, *, create: bool, write: bool = True) -> sqli
                 "training script and run it from this project.",
                 path=str(paths.database),
             )
-        _make_store_dir(paths)
+        make_store_dir(paths)
     elif not write and not store_writable(paths):
         return open_readonly(paths)
     elif _stale_empty(paths.database):
@@ -324,10 +324,15 @@ def read_snapshot(conn: Any) -> Iterator[None]:
         conn.execute("COMMIT")
 
 
-def _make_store_dir(paths: ProjectPaths) -> None:
+def make_store_dir(paths: ProjectPaths, *, objects: bool = True) -> None:
+    """The store directory, made with a .gitignore that keeps it out of the project's
+    git status (its database, or with PostgreSQL its objects, caches and working
+    copies); ``objects``: with its objects directory. Raises StoreError when it
+    cannot be made."""
     try:
         paths.store.mkdir(parents=True, exist_ok=True)
-        paths.objects.mkdir(exist_ok=True)
+        if objects:
+            paths.objects.mkdir(exist_ok=True)
         if paths.store.name == STORE_DIRNAME or paths.store.parent == paths.root:
             ignore = paths.store / ".gitignore"
             if not ignore.exists():

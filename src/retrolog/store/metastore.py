@@ -21,6 +21,7 @@ backend's own. The dataframe, replay and gc still take SQLite connections
 from __future__ import annotations
 
 import abc
+import contextlib
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -245,9 +246,18 @@ def open_metadata(paths: ProjectPaths, *, create: bool = True) -> MetadataStore:
 
         conn = open_store(paths, create=create, write=create)
         return SqliteMetadata(conn, paths.database if create else None)
+    from retrolog.store.metadata import make_store_dir
     from retrolog.store.postgres import PostgresMetadata
 
-    return PostgresMetadata(url, create=create, origin=paths.database)
+    metadata = PostgresMetadata(url, create=create, origin=paths.database)
+    # The project's store directory still holds what is local (objects, caches, working
+    # copies, replay logs): kept out of the project's git status like an embedded one.
+    if create:
+        make_store_dir(paths, objects=False)
+    else:
+        with contextlib.suppress(StoreError):  # a reader on a read-only checkout
+            make_store_dir(paths, objects=False)
+    return metadata
 
 
 def require_embedded(paths: ProjectPaths) -> None:
