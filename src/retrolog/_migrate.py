@@ -83,15 +83,7 @@ def plan_migration(
             f"The objects are already at {target.location}: nothing to migrate. "
             "`retrolog config` shows where they are read from and why."
         )
-    if not shared_store(conn):  # PostgreSQL's store marks them when it is opened
-        mark_dead_runs_crashed(conn)
-    running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
-    if running:
-        raise StoreError(
-            f"Run(s) {', '.join(running)} are still recording into {source.location}; what "
-            f"they write after the copy would be missing from {target.location}. Let them "
-            "finish (or stop them), then run `retrolog migrate` again. Nothing was copied."
-        )
+    _refuse_while_recording(conn, source.location, target.location)
     plan = MigrationPlan(source=source.location, target=target.location)
     plan.code_to_backfill = [
         r
@@ -158,6 +150,20 @@ def migrate_objects(
     if override:
         report.still_overridden = override
     return report
+
+
+def _refuse_while_recording(conn: Any, source: str, target: str) -> None:
+    """Stop, nothing copied, while a run records into ``source``: what it wrote after
+    the copy would be missing from ``target``."""
+    if not shared_store(conn):  # PostgreSQL's store marks them when it is opened
+        mark_dead_runs_crashed(conn)
+    running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
+    if running:
+        raise StoreError(
+            f"Run(s) {', '.join(running)} are still recording into {source}; what they "
+            f"write after the copy would be missing from {target}. Let them finish (or stop "
+            "them), then run `retrolog migrate` again. Nothing was copied."
+        )
 
 
 def _backfill_code(
@@ -256,14 +262,7 @@ def migrate_database(
             f"--to takes a PostgreSQL URL such as postgresql://user@host:5432/dbname, not "
             f"{mask(url)!r}."
         )
-    mark_dead_runs_crashed(conn)
-    running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
-    if running:
-        raise StoreError(
-            f"Run(s) {', '.join(running)} are still recording into {paths.database}; what "
-            f"they write after the copy would be missing from {mask(url)}. Let them finish "
-            "(or stop them), then run `retrolog migrate` again. Nothing was copied."
-        )
+    _refuse_while_recording(conn, str(paths.database), mask(url))
     empty = not has_store(url)
     if empty:  # a plan that writes nothing: every run would be copied
         plan = TransferReport(source=str(paths.database), target=mask(url))

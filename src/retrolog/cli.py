@@ -686,6 +686,16 @@ def migrate_command(
         click.echo(json.dumps(reports if len(reports) > 1 else only, indent=2))
 
 
+def _progress(as_json: bool) -> Callable[[str], None]:
+    """Where a migration says what it is doing: stderr, unless the output is JSON."""
+
+    def say(line: str) -> None:
+        if not as_json:
+            click.echo(terminal_safe(f"retrolog: {line}"), err=True)
+
+    return say
+
+
 def _ask(question: str, yes: bool, as_json: bool, plan_text: str) -> bool:
     """Whether to go on: --yes, else the user's answer on a terminal."""
     if yes:
@@ -720,11 +730,7 @@ def _migrate_objects(
     def confirm(plan: Any) -> bool:
         return _ask("Migrate the objects?", yes, as_json, describe(plan))
 
-    def say(line: str) -> None:
-        if not as_json:
-            click.echo(terminal_safe(f"retrolog: {line}"), err=True)
-
-    result = project.migrate_objects(url, dry_run=dry_run, confirm=confirm, echo=say)
+    result = project.migrate_objects(url, dry_run=dry_run, confirm=confirm, echo=_progress(as_json))
     if as_json:
         return dict(result.to_dict())
     if dry_run:
@@ -775,11 +781,9 @@ def _migrate_database(
     def confirm(plan: Any) -> bool:
         return _ask("Migrate the runs?", yes, as_json, describe(plan))
 
-    def say(line: str) -> None:
-        if not as_json:
-            click.echo(terminal_safe(f"retrolog: {line}"), err=True)
-
-    result = project.migrate_database(url, dry_run=dry_run, confirm=confirm, echo=say)
+    result = project.migrate_database(
+        url, dry_run=dry_run, confirm=confirm, echo=_progress(as_json)
+    )
     if as_json:
         return dict(result.to_dict())
     if dry_run:

@@ -7,7 +7,7 @@ import json
 import re
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -259,15 +259,7 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
     if referenced and not _run_level_only(conn, identifiers, referenced):
         return matching_run_ids(conn, referenced, where)
 
-    def malformed(complaint: str) -> str:
-        return (
-            f"The predicate {where!r} cannot be used to choose runs (SQLite says "
-            f"{complaint!r}). It may use projid, run_id, tstamp, filename and the names "
-            "logged in this store."
-        )
-
-    def writes(action: str, complaint: str) -> str:
-        return f"The predicate {where!r} tries to {action}; a predicate only reads."
+    malformed, writes = _choosing_messages(where, "SQLite")
 
     # Run-level names (arguments, final metrics) are one value per run: a column each, the
     # record that counts (the newest recorded one, else the newest backfilled one).
@@ -286,21 +278,33 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
     return {r[0] for r in rows}
 
 
-def _matching_by_run_columns(reader: Any, where: str) -> set[str]:
-    """PostgreSQL: the runs ``where`` chooses when it names only their own columns."""
-    from retrolog._query.sql import execute_read_shared
+def _choosing_messages(
+    where: str, database: str
+) -> tuple[Callable[[str], str], Callable[[str, str], str]]:
+    """What a predicate that chooses runs is told when ``database`` cannot apply it, and
+    when it would write (PostgreSQL names no action: it is then "change the store")."""
 
     def malformed(complaint: str) -> str:
         return (
-            f"The predicate {where!r} cannot be used to choose runs (PostgreSQL says "
+            f"The predicate {where!r} cannot be used to choose runs ({database} says "
             f"{complaint!r}). It may use projid, run_id, tstamp, filename and the names "
             "logged in this store."
         )
 
-    def writes(_: str, complaint: str) -> str:
+    def writes(action: str, complaint: str) -> str:
         return (
-            f"The predicate {where!r} would change the store ({complaint}); a predicate only reads."
+            f"The predicate {where!r} tries to {action or 'change the store'} ({complaint}); "
+            "a predicate only reads."
         )
+
+    return malformed, writes
+
+
+def _matching_by_run_columns(reader: Any, where: str) -> set[str]:
+    """PostgreSQL: the runs ``where`` chooses when it names only their own columns."""
+    from retrolog._query.sql import execute_read_shared
+
+    malformed, writes = _choosing_messages(where, "PostgreSQL")
 
     _, rows = execute_read_shared(
         reader.read,

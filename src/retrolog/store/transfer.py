@@ -148,16 +148,8 @@ def _common_columns(conn: sqlite3.Connection, pg: Any, table: str) -> list[str]:
 def _copy_shared(conn: sqlite3.Connection, pg: Any, columns: dict[str, list[str]]) -> None:
     with pg.transaction():
         for table, key in SHARED.items():
-            names = columns[table]
-            rows = conn.execute(f"SELECT {', '.join(names)} FROM {table}").fetchall()
-            if not rows:
-                continue
-            marks = ", ".join(["%s"] * len(names))
-            pg.cursor().executemany(
-                f"INSERT INTO {table} ({', '.join(names)}) VALUES ({marks})"
-                f" ON CONFLICT ({key}) DO NOTHING",
-                rows,
-            )
+            rows = conn.execute(f"SELECT {', '.join(columns[table])} FROM {table}").fetchall()
+            _insert(pg, table, columns[table], rows, f" ON CONFLICT ({key}) DO NOTHING")
 
 
 def _check_shared(conn: sqlite3.Connection, pg: Any, table: str, key: str, location: str) -> None:
@@ -285,6 +277,15 @@ def _canonical(row: Iterable[Any]) -> str:
     return "\t".join(parts)
 
 
+def _insert(
+    pg: Any, table: str, names: Sequence[str], rows: list[tuple[Any, ...]], tail: str = ""
+) -> None:
+    """``rows`` (of ``names``) into ``table`` of PostgreSQL; ``tail``: e.g. ON CONFLICT."""
+    if rows:
+        sql = f"INSERT INTO {table} ({', '.join(names)}) VALUES ({_marks(names)}){tail}"
+        pg.cursor().executemany(placeholders(sql), rows)
+
+
 def _marks(names: Sequence[str]) -> str:
     return ", ".join("?" * len(names))
 
@@ -395,16 +396,8 @@ def write_back(
     with pg.transaction():
         for table in ("definitions", "module_sets", "run_definitions"):
             keys = SHARED.get(table, "run_id, name")
-            names_ = columns[table]
-            rows = copy.execute(f"SELECT {', '.join(names_)} FROM {table}").fetchall()
-            if rows:
-                pg.cursor().executemany(
-                    placeholders(
-                        f"INSERT INTO {table} ({', '.join(names_)}) VALUES ({_marks(names_)})"
-                        f" ON CONFLICT ({keys}) DO NOTHING"
-                    ),
-                    rows,
-                )
+            rows = copy.execute(f"SELECT {', '.join(columns[table])} FROM {table}").fetchall()
+            _insert(pg, table, columns[table], rows, f" ON CONFLICT ({keys}) DO NOTHING")
         warm = copy.execute(
             "SELECT digest, warm_seconds FROM module_sets WHERE warm_seconds IS NOT NULL"
         ).fetchall()
@@ -413,18 +406,12 @@ def write_back(
             [(seconds, digest) for digest, seconds in warm],
         )
         for table in ("replays", "replay_runs"):
-            names_ = columns[table]
-            marks = ", ".join("?" * len(new))
             rows = copy.execute(
-                f"SELECT {', '.join(names_)} FROM {table} WHERE replay_id IN ({marks})", new
+                f"SELECT {', '.join(columns[table])} FROM {table}"
+                f" WHERE replay_id IN ({_marks(new)})",
+                new,
             ).fetchall()
-            if rows:
-                pg.cursor().executemany(
-                    placeholders(
-                        f"INSERT INTO {table} ({', '.join(names_)}) VALUES ({_marks(names_)})"
-                    ),
-                    rows,
-                )
+            _insert(pg, table, columns[table], rows)
         interrupted = copy.execute(
             "SELECT replay_id, ended_at FROM replays WHERE status = 'interrupted'"
         ).fetchall()
