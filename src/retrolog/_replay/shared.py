@@ -53,7 +53,7 @@ def replay_shared(
     from retrolog.store.metadata import connect, make_store_dir
     from retrolog.store.postgres import PostgresMetadata
     from retrolog.store.schema import migrate
-    from retrolog.store.transfer import copy_into_sqlite
+    from retrolog.store.transfer import copy_into_sqlite, copy_state
 
     metadata = PostgresMetadata(url, create=False, origin=paths.database)
     make_store_dir(paths, objects=False)  # with its .gitignore: out of the user's git status
@@ -66,7 +66,7 @@ def replay_shared(
         conn.origin = paths.database
         migrate(conn)
         copy_into_sqlite(conn, metadata, _scripts(metadata, paths, script))
-        before = {r for (r,) in conn.execute("SELECT replay_id FROM replays")}
+        before = copy_state(conn, metadata)
         try:
             return replay(
                 conn, paths, names, where, script=script, dry_run=dry_run, force=force,
@@ -92,7 +92,7 @@ def _matching(metadata: Any, where: str) -> set[str]:
 
 
 def _write_back(
-    conn: sqlite3.Connection, metadata: Any, before: set[str], names: list[str], force: bool
+    conn: sqlite3.Connection, metadata: Any, before: Any, names: list[str], force: bool
 ) -> None:
     from retrolog.errors import StoreError
     from retrolog.store.transfer import write_back

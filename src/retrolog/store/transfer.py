@@ -370,18 +370,52 @@ def _copy_rows(
     return count
 
 
+# The tables a replay may add rows to, besides its own replays and values; each row
+# that is new (or changed) after the replay is written back.
+_KEPT: dict[str, str] = {
+    "definitions": "lineage",
+    "run_definitions": "run_id, name",
+    "module_sets": "digest",
+}
+
+
+@dataclass
+class CopyState:
+    """What a working copy held when its replay began: write_back sends only what the
+    replay added or changed, not the rows the copy was made of."""
+
+    columns: dict[str, list[str]]  # the columns both stores have, by table
+    replays: dict[str, str]  # replay id -> status
+    rows: dict[str, set[tuple[Any, ...]]]  # rows of _KEPT's tables
+
+
+def copy_state(copy: sqlite3.Connection, target: PostgresMetadata) -> CopyState:
+    """The state of the working copy ``copy`` of ``target``, before its replay."""
+    tables = ("logs", "replays", "replay_runs", *_KEPT)
+    columns = {t: _common_columns(copy, target.connection, t) for t in tables}
+    return CopyState(
+        columns=columns,
+        replays=dict(copy.execute("SELECT replay_id, status FROM replays").fetchall()),
+        rows={t: set(_kept_rows(copy, t, columns[t])) for t in _KEPT},
+    )
+
+
+def _kept_rows(copy: sqlite3.Connection, table: str, names: list[str]) -> list[tuple[Any, ...]]:
+    return copy.execute(f"SELECT {', '.join(names)} FROM {table}").fetchall()
+
+
 def write_back(
     copy: sqlite3.Connection,
     target: PostgresMetadata,
-    before: set[str],
+    before: CopyState,
     *,
     names: Sequence[str],
     force: bool,
 ) -> int:
-    """What a replay on the working copy ``copy`` wrote, into ``target``: replays not
-    in ``before`` (the replay ids the copy started with) and their runs, the values
-    they backfilled, the definitions and module sets they kept, and replays the copy
-    marked interrupted. Returns the values written.
+    """What a replay on the working copy ``copy`` wrote, into ``target``: replays the
+    copy did not hold ``before`` and their runs, the values they backfilled, the
+    definitions and module sets they kept, and replays the copy marked interrupted.
+    Returns the values written.
 
     Each run's values go in one transaction under an advisory lock on the run, so two
     replays of one run, from two machines, never both write a value: as on SQLite, a
@@ -389,22 +423,21 @@ def write_back(
     ``force`` first removes the run's backfilled values of ``names``.
     """
     pg = target.connection
-    columns = {t: _common_columns(copy, pg, t) for t in ("logs", *SHARED, "run_definitions")}
-    replays = [r for (r,) in copy.execute("SELECT replay_id FROM replays")]
-    new = [r for r in replays if r not in before]
+    columns = before.columns
+    replays = dict(copy.execute("SELECT replay_id, status FROM replays").fetchall())
+    new = [r for r in replays if r not in before.replays]
     written = 0
     with pg.transaction():
-        for table in ("definitions", "module_sets", "run_definitions"):
-            keys = SHARED.get(table, "run_id, name")
-            rows = copy.execute(f"SELECT {', '.join(columns[table])} FROM {table}").fetchall()
-            _insert(pg, table, columns[table], rows, f" ON CONFLICT ({keys}) DO NOTHING")
-        warm = copy.execute(
-            "SELECT digest, warm_seconds FROM module_sets WHERE warm_seconds IS NOT NULL"
-        ).fetchall()
-        pg.cursor().executemany(
-            "UPDATE module_sets SET warm_seconds = %s WHERE digest = %s",
-            [(seconds, digest) for digest, seconds in warm],
-        )
+        for table, keys in _KEPT.items():
+            added = set(_kept_rows(copy, table, columns[table])) - before.rows[table]
+            _insert(pg, table, columns[table], sorted(added, key=repr),
+                    f" ON CONFLICT ({keys}) DO NOTHING")  # fmt: skip
+            if table == "module_sets":  # a warm time measured again
+                digest, warm = columns[table].index("digest"), columns[table].index("warm_seconds")
+                pg.cursor().executemany(
+                    "UPDATE module_sets SET warm_seconds = %s WHERE digest = %s",
+                    [(row[warm], row[digest]) for row in added if row[warm] is not None],
+                )
         for table in ("replays", "replay_runs"):
             rows = copy.execute(
                 f"SELECT {', '.join(columns[table])} FROM {table}"
@@ -412,13 +445,16 @@ def write_back(
                 new,
             ).fetchall()
             _insert(pg, table, columns[table], rows)
-        interrupted = copy.execute(
-            "SELECT replay_id, ended_at FROM replays WHERE status = 'interrupted'"
-        ).fetchall()
+        ended = dict(copy.execute("SELECT replay_id, ended_at FROM replays").fetchall())
+        interrupted = [
+            (ended[r], r)
+            for r, status in replays.items()
+            if status == "interrupted" and before.replays.get(r, "interrupted") != status
+        ]
         pg.cursor().executemany(
             "UPDATE replays SET status = 'interrupted', ended_at = COALESCE(ended_at, %s)"
             " WHERE replay_id = %s AND status = 'running'",
-            [(ended, replay_id) for replay_id, ended in interrupted if replay_id in before],
+            interrupted,
         )
     if not new:
         return 0
