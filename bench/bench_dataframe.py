@@ -409,6 +409,19 @@ def working_copy_seconds(url: str, reps: int) -> dict[str, Any]:
     return {"rows": copied, "seconds": spread(samples)}
 
 
+def _where_and_when(started: float) -> dict[str, Any]:
+    """The fields every results file of this benchmark starts with: when, how long since
+    ``started`` (a perf_counter reading), on what."""
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.perf_counter() - started, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nproc": os.cpu_count(),
+        "sqlite": sqlite3.sqlite_version,
+    }
+
+
 def main_postgresql(args: argparse.Namespace) -> None:
     """--postgresql: the SQLite store and the same store in PostgreSQL, side by side."""
     from bench_log import test_database_url
@@ -433,12 +446,7 @@ def main_postgresql(args: argparse.Namespace) -> None:
         server = admin.execute("SHOW server_version").fetchone()[0]
     results = {
         "benchmark": "dataframe_postgresql",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.perf_counter() - started, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "nproc": os.cpu_count(),
-        "sqlite": sqlite3.sqlite_version,
+        **_where_and_when(started),
         "postgresql": server,
         "psycopg": psycopg.__version__,
         "retrolog_version": retrolog.__version__,
@@ -518,12 +526,7 @@ def main() -> None:
     median = default["dataframe_s"]["median"]
     results = {
         "benchmark": "dataframe",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.perf_counter() - started, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "nproc": os.cpu_count(),
-        "sqlite": sqlite3.sqlite_version,
+        **_where_and_when(started),
         "pandas": pd.__version__,
         "numpy": np.__version__,
         "retrolog_version": retrolog.__version__,

@@ -41,6 +41,24 @@ def drawn(page: Any) -> list[dict[str, Any]]:
     )
 
 
+def picked_cells(page: Any) -> list[list[str]]:
+    """Per row of the runs table: its run id and the exact value (the title) of the
+    next-to-last column, the first picked column (``loss:max``)."""
+    return page.locator("#runs tbody tr").evaluate_all(  # type: ignore[no-any-return]
+        "rows => rows.map(r => [r.dataset.run, r.lastElementChild.previousElementSibling.title])"
+    )
+
+
+def chart_every_row(page: Any, name: str) -> None:
+    """Select every run of the table and chart ``name`` in a narrow window (300 px: more
+    values per run than 4 per pixel column), until both runs' series are in."""
+    page.set_viewport_size({"width": 300, "height": 900})
+    for box in page.locator("#runs tbody input[type=checkbox]").all():
+        box.check()
+    page.select_option("#chart-name", name)
+    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 2")
+
+
 def test_find_chart_and_replay_runs_from_the_browser(
     page: Any, dashboard: Any, recorded: Any, log_w_sq_today: Any
 ) -> None:
@@ -61,19 +79,13 @@ def test_find_chart_and_replay_runs_from_the_browser(
     page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 2")
     assert "where=lr+%3E+0.15" in page.url  # the view's state is in the address
     loss = values_by_run(recorded.root, "loss")
-    shown = page.locator("#runs tbody tr").evaluate_all(
-        "rows => rows.map(r => [r.dataset.run, r.lastElementChild.previousElementSibling.title])"
-    )
+    shown = picked_cells(page)
     for run_id, loss_max in shown:
         assert float(loss_max) == max(loss[run_id])
 
     # Select both and chart loss: every drawn point is a stored value, the spike included.
     # A narrow window: 1,200 values per run are more than 4 per pixel column.
-    page.set_viewport_size({"width": 300, "height": 900})
-    for box in page.locator("#runs tbody input[type=checkbox]").all():
-        box.check()
-    page.select_option("#chart-name", "loss")
-    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 2")
+    chart_every_row(page, "loss")
     # The page strokes the lines itself, a few runs per frame: both runs' colours are on it.
     page.wait_for_function("window.__retrolog.drawn === true")
     assert page.evaluate(STROKED, ["#1f77b4", "#ff7f0e"]) == [True, True]
@@ -247,19 +259,13 @@ def test_the_dashboard_reads_and_replays_a_postgresql_store(
     page.click("#filter button[type=submit]")
     page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 2")
     loss = _pg_values(pg_store_url, "loss")
-    shown = page.locator("#runs tbody tr").evaluate_all(
-        "rows => rows.map(r => [r.dataset.run, r.lastElementChild.previousElementSibling.title])"
-    )
+    shown = picked_cells(page)
     assert len(shown) == 2
     for run_id, loss_max in shown:
         assert float(loss_max) == max(loss[run_id])
 
     # Chart loss for both: every drawn point is a stored value.
-    page.set_viewport_size({"width": 300, "height": 900})
-    for box in page.locator("#runs tbody input[type=checkbox]").all():
-        box.check()
-    page.select_option("#chart-name", "loss")
-    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 2")
+    chart_every_row(page, "loss")
     for series in drawn(page):
         stored = loss[series["run_id"]]
         assert max(series["y"]) == max(stored)
