@@ -68,8 +68,7 @@ SETTINGS: tuple[Setting, ...] = (
         "RETROLOG_DATABASE_URL",
         "<store>/retrolog.db (embedded SQLite)",
         "where runs' metadata lives: unset for the embedded SQLite store, or a PostgreSQL URL "
-        "such as postgresql://user@host/dbname (the team extra; recording, `runs`, `show`, "
-        "`lineage` and `query` only so far)",
+        "such as postgresql://user@host/dbname (the team extra; every command reads it)",
         secret=True,
     ),
     Setting(

@@ -298,6 +298,12 @@ def dataframe_command(
 ) -> None:
     """Print the wide view of NAMES: one row per run and loop context.
 
+    --where takes one SQL expression over the view's columns and any logged name. With
+    database_url naming PostgreSQL it is PostgreSQL's SQL: a bool compares as
+    `flag = true`, a name with capitals is double-quoted ("Acc"), a name of both
+    numbers and strings compares as text, and the role must not be a superuser
+    (docs/store.md, "Query dialects").
+
     \b
     Example:
       retrolog dataframe lr acc --where "lr > 0.005"
@@ -389,7 +395,8 @@ def replay_command(
     """Backfill new log statements into past runs by replaying them.
 
     NAMES is a comma-separated list of names logged by the current version of the
-    script; WHERE an optional SQL predicate over the dataframe view choosing runs.
+    script; WHERE an optional SQL predicate over the dataframe view choosing runs
+    (in PostgreSQL's SQL when database_url names it: see `retrolog dataframe --help`).
     Each run is replayed in its own code version with the statements inserted, in
     its recorded numerical environment (thread counts, torch flags), skipping
     training it does not need by restoring checkpoints. Recorded values that the
