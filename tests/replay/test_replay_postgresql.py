@@ -298,3 +298,38 @@ def test_rl_replay_returns_the_replayed_runs_view_on_postgresql(
     shown = json.loads(out.stdout.splitlines()[-1])
     assert shown["values"] == 12 and len(shown["runs"]) == 3
     assert shown["runs"] == sorted(_argv_of(pg_store_url))
+
+
+@pytest.mark.usefixtures("whole_machine")
+def test_a_local_replay_of_postgresql_runs_is_exact_under_default_settings(
+    tmp_path: Path, pg_store_url: str
+) -> None:
+    """Local workers, their default number, torch's own threads and the adaptive rule:
+    a torch script shaped like a real one, its metadata in PostgreSQL by pyproject.toml."""
+    project = new_project(tmp_path / "proj")
+    project.write("pyproject.toml", f'[tool.retrolog]\ndatabase_url = "{pg_store_url}"\n')
+    project.write("train.py", REAL_SHAPED)
+    project.git("add", "-A")
+    project.git("commit", "-qm", "train")
+    defaults = {"RETROLOG_CHECKPOINTS": ""}  # the suite pins "every"; users don't
+    for lr in ("0.1", "0.05"):
+        project.run("train.py", "--lr", lr, **defaults)
+    chosen = [
+        json.loads(str(c)) for (c,) in read_pg(pg_store_url, "SELECT checkpointing FROM runs")
+    ]
+    assert len(chosen) == 2 and all(c["written"] == c["chosen"] for c in chosen), chosen
+    project.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+    out = project.cli("replay", "w_norm", "--yes", **defaults)
+    assert out.returncode == 0, out.stderr
+    assert "Replayed 2 run(s)" in out.stderr, out.stderr
+    replayed = _pg_values(pg_store_url, "w_norm")
+    argv = _argv_of(pg_store_url)
+    for run_id, values in replayed.items():
+        fresh = new_project(tmp_path / f"fresh-{run_id}")  # no settings: the embedded store
+        fresh.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+        fresh.run("train.py", *argv[run_id], **defaults)
+        (expected,) = values_by_run(fresh.root, "w_norm").values()
+        assert values == expected and len(values) == 4, run_id
+    assert len(replayed) == 2
+    restored = read_pg(pg_store_url, "SELECT sum(restored) FROM replay_runs")[0][0]
+    assert restored and int(str(restored)) > 0, out.stderr
