@@ -47,7 +47,7 @@ def valid_name(name: object) -> bool:
         isinstance(name, str)
         and len(name) <= 300
         and _NAME.match(name) is not None
-        and "__main__" not in name.split(".")
+        and not {"__main__", "__mp_main__"} & set(name.split("."))
     )
 
 
@@ -57,14 +57,21 @@ def installed(items: Iterable[tuple[str, Any]], root: Path) -> list[str]:
     Left out: the standard library (cheap, and always there), retrolog (a worker
     must import it itself: it reads its spec at import), ``__main__``, modules
     whose file is in the project (``root``: their code is the run's version, which
-    differs from replay to replay), and anything that is not a module with a name
-    :func:`valid_name` accepts.
+    differs from replay to replay), the script itself under any other name, and
+    anything that is not a module with a name :func:`valid_name` accepts.
     """
     root_text = str(root.resolve())
+    items = list(items)
+    # The script under another name (multiprocessing's ``__mp_main__``), told by identity:
+    # once the script has ended, CPython has deleted ``__main__.__file__``, and a writer
+    # listing the items after that would not see it as the project's.
+    script = next((module for name, module in items if name == "__main__"), None)
     names: list[str] = []
     for name, module in items:
         top = name.partition(".")[0]
         if top in STDLIB or top == "retrolog" or not valid_name(name):
+            continue
+        if script is not None and module is script:
             continue
         try:
             namespace = vars(module)
