@@ -16,7 +16,8 @@ marker            retrolog                     plain                flordb
 at training's priority (no SCHED_IDLE): a design compared, not a setting.
 ``retrolog_minimal`` records with eps = 1e-9, so it takes only the two
 checkpoints every run takes: against it, ``retrolog`` shows what the adaptive
-rule's own choices cost.
+rule's own choices cost. ``retrolog_logs`` records loops and logs with no
+``checkpointing`` block: against plain, what recording costs without checkpoints.
 
 Every variant computes the same values (``LOG(n, v)`` still evaluates ``v``)
 and times the same span, in wall time and in the process's CPU time (all its
@@ -261,7 +262,7 @@ with tempfile.TemporaryDirectory() as tmp:
         out["copy"].append(time.perf_counter() - began)
 print(json.dumps(out))
 """
-VARIANTS = ("plain", "retrolog", "retrolog_normal", "retrolog_minimal", "flordb")
+VARIANTS = ("plain", "retrolog", "retrolog_normal", "retrolog_minimal", "retrolog_logs", "flordb")
 
 _FILL = {
     "retrolog": (
@@ -291,6 +292,15 @@ _FILL = {
         "rl.checkpointing(",
         "rl.commit()",
     ),
+    # Loops and logs recorded, no checkpointing at all: what recording costs apart from
+    # checkpoints (the run's start, rl.loop and rl.log, the log writer, commit()).
+    "retrolog_logs": (
+        "import retrolog as rl",
+        "rl.loop(",
+        "rl.log(",
+        "nullcontext(",
+        "rl.commit()",
+    ),
     "plain": ("", "(", "(", "nullcontext(", "pass"),
     "flordb": (
         "import flordb as flor",
@@ -306,6 +316,8 @@ def source(workload: str, variant: str) -> str:
     """The script text of ``workload`` in ``variant``."""
     imp, loop, log, ckpt, commit = _FILL[variant]
     body = WORKLOADS[workload]
+    if variant == "retrolog_logs":
+        body = body.replace("CKPT(net=net, opt=opt)", "nullcontext()")
     if variant == "plain":
         # LOOP("name", it) -> it; LOG("name", v) -> v; the loop variable and value stay.
         body = re.sub(r'LOOP\("\w+", (.*?)\):', r"\1:", body)

@@ -37,7 +37,9 @@ SCHED_IDLE at all), the design the two lanes were measured against.
 ``--rule-cost`` also runs them recorded with eps = 1e-9 (``retrolog_minimal``:
 only the first block's and the end checkpoint, which every run takes): the
 default's overhead beyond it is what the adaptive rule's choices cost, which
-the rule keeps under eps; the rest is recording's own cost.
+the rule keeps under eps; the rest is recording's own cost. It also runs them
+recorded with no ``checkpointing`` block (``retrolog_logs``): what loops, logs,
+the run's start and ``commit()`` cost without any checkpoint.
 ``--baseline-src DIR`` also runs them recorded with another version of
 retrolog (``retrolog_baseline``: the package in DIR, on PYTHONPATH; e.g.
 ``git archive 3feb204 src | tar -x -C /tmp/base`` and ``DIR=/tmp/base/src``),
@@ -145,6 +147,8 @@ def run_once(
         db = project / ".retrolog" / "retrolog.db"
         if baseline:
             figures.update(baseline_figures(db))
+        elif variant == "retrolog_logs":
+            figures.update(logs_figures(db))
         elif variant.startswith("retrolog"):
             figures.update(store_figures(db, epochs))
         return figures
@@ -193,6 +197,23 @@ def store_figures(db: Path, epochs: int) -> dict[str, Any]:
         "checkpoint_mb": [r[3] / 1e6 for r in rows],
         "waited_seconds": policy["waited_seconds"],
     }
+
+
+def logs_figures(db: Path) -> dict[str, Any]:
+    """A run recorded without checkpointing: finished, its losses stored, no checkpoint."""
+    conn = sqlite3.connect(db)
+    try:
+        ((status,),) = conn.execute("SELECT status FROM runs")
+        (losses,) = conn.execute("SELECT count(*) FROM logs WHERE name = 'loss'").fetchone()
+        (checkpoints,) = conn.execute("SELECT count(*) FROM checkpoints").fetchone()
+    finally:
+        conn.close()
+    if status != "finished" or losses == 0 or checkpoints:
+        raise BenchError(
+            f"the run recorded without checkpointing ended {status} with {losses} losses and "
+            f"{checkpoints} checkpoints"
+        )
+    return {"block_checkpoints": 0}
 
 
 def baseline_figures(db: Path) -> dict[str, Any]:
@@ -337,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.normal_writer and name in COMPARED:
                     order.append("retrolog_normal")
                 if args.rule_cost and name in COMPARED:
-                    order.append("retrolog_minimal")
+                    order += ["retrolog_minimal", "retrolog_logs"]
                 if args.baseline_src is not None and name in COMPARED:
                     order.append("retrolog_baseline")
                 # Each variant first in turn, so a trend in the machine's load does not
@@ -384,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
                     # What the rule's own checkpoints cost, against the same run's minimal.
                     got["rule_overhead"] = (
                         got["retrolog"]["seconds"] / got["retrolog_minimal"]["seconds"] - 1
+                    )
+                if "retrolog_logs" in got:
+                    got["logs_overhead"] = (
+                        got["retrolog_logs"]["seconds"] / got["plain"]["seconds"] - 1
+                    )
+                    got["logs_cpu_overhead"] = (
+                        got["retrolog_logs"]["cpu_seconds"] / got["plain"]["cpu_seconds"] - 1
                     )
                 got["overhead"] = got["retrolog"]["seconds"] / got["plain"]["seconds"] - 1
                 got["noise"] = got["plain_again"]["seconds"] / got["plain"]["seconds"] - 1
@@ -511,6 +539,13 @@ def main(argv: list[str] | None = None) -> int:
                 "block_checkpoints": [s["retrolog_minimal"]["block_checkpoints"] for s in reps],
                 # The default against minimal, per repetition: the adaptive rule's choices.
                 "rule_overhead_pct": spread([s["rule_overhead"] * 100 for s in reps]),
+            }
+        if all("retrolog_logs" in s for s in reps):
+            entry["logs_only"] = {
+                "what": "recorded without a checkpointing block: loops, logs, start, commit()",
+                "seconds": spread([s["retrolog_logs"]["seconds"] for s in reps]),
+                "overhead_pct": spread([s["logs_overhead"] * 100 for s in reps]),
+                "cpu_overhead_pct": spread([s["logs_cpu_overhead"] * 100 for s in reps]),
             }
         if name == "cnn" and flordb_samples:
             entry["flordb_seconds"] = spread([s["seconds"] for s in flordb_samples])
