@@ -74,3 +74,16 @@ def test_sqlite_errors_on_open_are_store_errors(tmp_path: Path) -> None:
     bad.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(errors.StoreError, match="Cannot open the retrolog store"):
         connect(bad)
+
+
+def test_the_replay_coordinator_imports_no_pandas() -> None:
+    """A replay's coordinator starts its fork server after its own imports: pandas (0.13 s
+    here) is imported only by what returns a DataFrame."""
+    code = (
+        "import sys\n"
+        "import retrolog._replay.replayer, retrolog.cli\n"
+        "assert 'pandas' not in sys.modules, 'pandas imported'\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "ok", proc.stderr

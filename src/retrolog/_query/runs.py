@@ -8,13 +8,14 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from retrolog._query.sql import execute_read
 from retrolog.errors import RetrologError, RunNotFoundError
 from retrolog.store.metastore import MetadataStore
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STRING = re.compile(r"'(?:[^']|'')*'")
@@ -22,6 +23,8 @@ _STRING = re.compile(r"'(?:[^']|'')*'")
 
 def list_runs(metadata: MetadataStore, limit: int | None = None) -> pd.DataFrame:
     """One row per run, newest last: run_id, tstamp, filename, status, duration, args."""
+    import pandas as pd  # here: the replay coordinator imports this module, needing none
+
     rows = metadata.run_listing(limit)[::-1]
     now = time.time()
     records = [
