@@ -131,7 +131,7 @@ def test_a_replay_of_postgresql_runs_is_exact_and_idempotent(
 
 
 def test_a_predicate_chooses_the_runs_in_postgresqls_dialect(
-    recorded: Project, pg_store_url: str, database_url: str
+    recorded: Project, pg_store_url: str, database_url: str, tmp_path: Path
 ) -> None:
     """As a team's replaying role (may write retrolog's tables, is no superuser): the
     predicate is judged by PostgreSQL, as `dataframe --where` judges it."""
@@ -147,9 +147,55 @@ def test_a_predicate_chooses_the_runs_in_postgresqls_dialect(
         assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
         assert "PostgreSQL says" in wrong.stderr, wrong.stderr
     argv = _argv_of(pg_store_url)
-    (run_id,) = _pg_values(pg_store_url, "w_norm")
+    ((run_id, values),) = _pg_values(pg_store_url, "w_norm").items()
     assert argv[run_id] == ("--lr", "0.3", "--seed", "2")
     assert read_pg(pg_store_url, "SELECT where_sql FROM replays") == [("lr > 0.15 AND seed > 0",)]
+    # The working copy held the chosen run's rows alone; its values are still exact.
+    fresh = tmp_path / "fresh"
+    recorded.run("train.py", *argv[run_id], RETROLOG_STORE=str(fresh / ".retrolog"))
+    assert [values] == list(values_by_run(fresh, "w_norm").values())
+
+
+def test_the_working_copy_of_a_predicates_replay_holds_the_chosen_runs_alone(
+    recorded: Project, pg_store_url: str, tmp_path: Path
+) -> None:
+    """What a replay with ``where`` copies out of PostgreSQL before it replays: every
+    run's row (reuse and lineage read them), the loops, logs, checkpoints and profile
+    of the runs chosen and of no other."""
+    from retrolog.store.metadata import connect
+    from retrolog.store.postgres import PostgresMetadata
+    from retrolog.store.schema import migrate
+    from retrolog.store.transfer import copy_into_sqlite
+
+    runs = sorted(_argv_of(pg_store_url))
+    chosen = {runs[1]}
+    source = PostgresMetadata(pg_store_url, create=False)
+    narrow, whole = connect(tmp_path / "narrow.db"), connect(tmp_path / "whole.db")
+    try:
+        migrate(narrow)
+        migrate(whole)
+        copied = copy_into_sqlite(narrow, source, ["train.py"], chosen)
+        all_rows = copy_into_sqlite(whole, source, ["train.py"])
+        assert {r for (r,) in narrow.execute("SELECT run_id FROM runs")} == set(runs)
+        for table in ("loops", "logs", "checkpoints", "profile"):
+            found = {r for (r,) in narrow.execute(f"SELECT DISTINCT run_id FROM {table}")}
+            assert found == chosen, table
+            # The chosen run's rows are all there, in the same order (a row's own id,
+            # an INTEGER PRIMARY KEY, is the copy's).
+            info = narrow.execute(f"PRAGMA table_info({table})").fetchall()
+            own = [c for (_, c, kind, _, _, pk) in info if pk == 1 and kind == "INTEGER"]
+            shown = ", ".join(c for (_, c, *_) in info if c not in own)
+            order = own[0] if len(own) == 1 else shown
+            query = f"SELECT {shown} FROM {table} WHERE run_id = ? ORDER BY {order}"
+            assert (
+                narrow.execute(query, (runs[1],)).fetchall()
+                == whole.execute(query, (runs[1],)).fetchall()
+            ), table
+        assert 0 < copied < all_rows
+    finally:
+        narrow.close()
+        whole.close()
+        source.close()
 
 
 def test_two_replays_of_the_same_runs_at_once_store_each_value_once(

@@ -4,7 +4,8 @@ The replay machinery (plan, workers, backfill, reuse, lineage) reads and writes 
 embedded store. With the metadata in PostgreSQL, the coordinator copies what the
 replay reads into a working copy, an embedded store file of its own under
 ``.retrolog/working/`` (every run, replay and definition, and the loops, logs,
-checkpoints and profile of the runs of the script replayed), replays there
+checkpoints and profile of the runs of the script replayed, of those only the
+runs a ``where`` predicate chose when one is given), replays there
 exactly as it would locally (workers read the copy's contexts and frame locals,
 checkpoints come from the object store), and then writes what the replay added
 back into PostgreSQL (store/transfer.py, ``write_back``): the replay and its
@@ -65,12 +66,19 @@ def replay_shared(
         conn = connect(file, factory=_WorkingCopy)
         conn.origin = paths.database
         migrate(conn)
-        copy_into_sqlite(conn, metadata, _scripts(metadata, paths, script))
+        # A predicate is judged first, in PostgreSQL: the copy then holds the loops, logs,
+        # checkpoints and profile of the runs it chose alone.
+        chosen = _matching(metadata, where) if where else None
+        copy_into_sqlite(conn, metadata, _scripts(metadata, paths, script), chosen)
         before = copy_state(conn, metadata)
         try:
             return replay(
                 conn, paths, names, where, script=script, dry_run=dry_run, force=force,
-                choose=lambda predicate: _matching(metadata, predicate), **options,
+                choose=lambda predicate: (
+                    set(chosen) if chosen is not None and predicate == where
+                    else _matching(metadata, predicate)
+                ),
+                **options,
             )  # fmt: skip
         finally:
             if not dry_run:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -294,12 +294,16 @@ def _marks(names: Sequence[str]) -> str:
 
 
 def copy_into_sqlite(
-    target: sqlite3.Connection, source: PostgresMetadata, scripts: Sequence[str] | None
+    target: sqlite3.Connection,
+    source: PostgresMetadata,
+    scripts: Sequence[str] | None,
+    runs: Collection[str] | None = None,
 ) -> int:
     """A working copy of ``source`` in the embedded store ``target`` (migrated, empty),
     for a replay: every run, replay and definition, and the loops, logs, checkpoints
-    and profile of the runs of ``scripts`` (None: of every run). Logs keep their order.
-    Returns how many rows of those four tables it copied."""
+    and profile of the runs of ``scripts`` (None: of every run), of those only the
+    ``runs`` named when given (the runs a replay's predicate chose). Logs keep their
+    order. Returns how many rows of those four tables it copied."""
     pg = source.connection
     columns = {t: _common_columns(target, pg, t) for t in ("runs", *PER_RUN, *SHARED)}
     chosen = (
@@ -313,6 +317,9 @@ def copy_into_sqlite(
             )
         ]
     )
+    if runs is not None:
+        wanted = set(runs)
+        chosen = [r for r in (chosen if chosen is not None else sorted(wanted)) if r in wanted]
     copied = 0
     # The indexes of logs are built after its rows are in, not row by row.
     indexes = target.execute(
