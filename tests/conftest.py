@@ -141,14 +141,16 @@ class Project:
         )
 
     @contextlib.contextmanager
-    def recording_paused(self, script: str = "train.py") -> Iterator[subprocess.Popen[str]]:
+    def recording_paused(
+        self, script: str = "train.py", **env: str
+    ) -> Iterator[subprocess.Popen[str]]:
         """A run of ``script`` (training_scripts.NUMPY_TRAIN) held after its epoch 1, still
         recording while the block runs; it is let go at the end and must then finish."""
         gate = self.root / "go"
         with subprocess.Popen(
             [sys.executable, script, "--kwargs", f"pause={gate}"],
             cwd=self.root,
-            env=self.env(),
+            env=self.env(**env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

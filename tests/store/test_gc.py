@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -352,6 +353,47 @@ def test_a_real_run_recording_beside_gc_keeps_every_checkpoint(
         assert done.checkpoints_deleted == 4 and done.objects
     assert positions(project, run_b) == [0, 1, 2, 3, "end"]
     assert all_checkpoints_load(project) == 6  # run B's five and run A's end
+
+
+def test_gc_beside_a_run_recording_at_default_settings_loses_nothing_it_chose(
+    project: Project,
+) -> None:
+    """The guarantee under the adaptive rule, whatever it chooses under this machine's
+    load, with ``retrolog gc`` as a user runs it: no grace, every finished run thinned
+    to its end checkpoint, while a run of the same script and seed records (so its
+    checkpoints hold the finished run's content, which gc deletes)."""
+    adaptive = {"RETROLOG_CHECKPOINTS": "adaptive"}
+    project.write("train.py", NUMPY_TRAIN)
+    project.run("train.py", **adaptive)
+    (run_a,) = run_ids(project)
+    rows_a = positions(project, run_a)
+    assert rows_a[-1] == "end" and 0 in rows_a  # the first block's checkpoint, always
+    age_objects(project)
+    with project.recording_paused(**adaptive):
+        run_b = run_ids(project)[-1]
+        before = positions(project, run_b)
+        done = project.cli("gc", "--keep", "last:0", "--grace", "0", "--yes", "--json")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["done"] and report["checkpoints"] == len(rows_a) - 1, report
+        assert positions(project, run_a) == ["end"]
+        # The recording run keeps its rows (its writer may add one meanwhile).
+        assert set(before) <= set(positions(project, run_b))
+    # Run B finished: every block checkpoint its rule chose was written, and every
+    # checkpoint that remains, its own among them, decodes from objects that are there.
+    rows_b = positions(project, run_b)
+    ((summary,),) = read_db(project.root, "SELECT checkpointing FROM runs WHERE run_id = ?",
+                            (run_b,))  # fmt: skip
+    policy = json.loads(str(summary))
+    assert policy["mode"] == "adaptive" and policy["abandoned"] == 0
+    assert policy["chosen"] == policy["written"] == len(rows_b) - 1 and rows_b[-1] == "end"
+    assert set(before) <= set(rows_b)
+    assert all_checkpoints_load(project) == 1 + len(rows_b)
+    # Run A's own code still reproduces what it recorded from what gc left (run B's
+    # arguments write into the project, which a replay refuses).
+    verified = project.cli("replay", "--verify", "--yes", f"run_id = '{run_a}'")
+    assert verified.returncode == 0, verified.stderr
+    assert "Verified 1 run(s): 1 replay exactly" in verified.stderr, verified.stderr
 
 
 def test_temp_files_older_than_the_grace_period_are_removed(
