@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from retrolog.store.objects import LocalObjectStore
 from retrolog.store.paths import locate
 from training_scripts import NUMPY_TRAIN, record_torch_runs
 
-from conftest import Project, read_db
+from conftest import Project, pg_role, read_db, read_pg
 
 
 @pytest.fixture(scope="module")
@@ -355,43 +356,74 @@ def test_a_real_run_recording_beside_gc_keeps_every_checkpoint(
     assert all_checkpoints_load(project) == 6  # run B's five and run A's end
 
 
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def test_gc_beside_a_run_recording_at_default_settings_loses_nothing_it_chose(
-    project: Project,
+    project: Project, backend: str, request: pytest.FixtureRequest
 ) -> None:
     """The guarantee under the adaptive rule, whatever it chooses under this machine's
     load, with ``retrolog gc`` as a user runs it: no grace, every finished run thinned
     to its end checkpoint, while a run of the same script and seed records (so its
-    checkpoints hold the finished run's content, which gc deletes)."""
-    adaptive = {"RETROLOG_CHECKPOINTS": "adaptive"}
+    checkpoints hold the finished run's content, which gc deletes). On the embedded
+    store and with ``database_url`` naming PostgreSQL."""
+    url = request.getfixturevalue("pg_store_url") if backend == "postgresql" else None
+
+    def rows(sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        if url is None:
+            return read_db(project.root, sql, params)
+        return read_pg(url, sql.replace("?", "%s"), params)
+
+    def where(run_id: str) -> list[object]:
+        found = rows(
+            "SELECT c.kind, l.iteration FROM checkpoints c LEFT JOIN loops l"
+            " ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id WHERE c.run_id = ?"
+            " ORDER BY c.ctx_id IS NULL, c.ctx_id",
+            (run_id,),
+        )
+        return ["end" if kind == "end" else iteration for kind, iteration in found]
+
+    def runs() -> list[str]:
+        return [str(r) for (r,) in rows("SELECT run_id FROM runs ORDER BY started_at")]
+
+    settings = {"RETROLOG_CHECKPOINTS": "adaptive"}
+    if url is not None:
+        settings["RETROLOG_DATABASE_URL"] = url
     project.write("train.py", NUMPY_TRAIN)
-    project.run("train.py", **adaptive)
-    (run_a,) = run_ids(project)
-    rows_a = positions(project, run_a)
+    project.run("train.py", **settings)
+    (run_a,) = runs()
+    rows_a = where(run_a)
     assert rows_a[-1] == "end" and 0 in rows_a  # the first block's checkpoint, always
     age_objects(project)
-    with project.recording_paused(**adaptive):
-        run_b = run_ids(project)[-1]
-        before = positions(project, run_b)
-        done = project.cli("gc", "--keep", "last:0", "--grace", "0", "--yes", "--json")
+    with project.recording_paused(**settings):
+        run_b = runs()[-1]
+        before = where(run_b)
+        done = project.cli("gc", "--keep", "last:0", "--grace", "0", "--yes", "--json", **settings)
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
         assert report["done"] and report["checkpoints"] == len(rows_a) - 1, report
-        assert positions(project, run_a) == ["end"]
+        assert where(run_a) == ["end"]
         # The recording run keeps its rows (its writer may add one meanwhile).
-        assert set(before) <= set(positions(project, run_b))
+        assert set(before) <= set(where(run_b))
     # Run B finished: every block checkpoint its rule chose was written, and every
     # checkpoint that remains, its own among them, decodes from objects that are there.
-    rows_b = positions(project, run_b)
-    ((summary,),) = read_db(project.root, "SELECT checkpointing FROM runs WHERE run_id = ?",
-                            (run_b,))  # fmt: skip
+    rows_b = where(run_b)
+    ((summary,),) = rows("SELECT checkpointing FROM runs WHERE run_id = ?", (run_b,))
     policy = json.loads(str(summary))
     assert policy["mode"] == "adaptive" and policy["abandoned"] == 0
     assert policy["chosen"] == policy["written"] == len(rows_b) - 1 and rows_b[-1] == "end"
     assert set(before) <= set(rows_b)
-    assert all_checkpoints_load(project) == 1 + len(rows_b)
+    manifests = [str(m) for (m,) in rows("SELECT manifest FROM checkpoints")]
+    for manifest in manifests:
+        load_checkpoint(store_of(project), manifest)  # a missing object raises
+    assert len(manifests) == 1 + len(rows_b)
     # Run A's own code still reproduces what it recorded from what gc left (run B's
     # arguments write into the project, which a replay refuses).
-    verified = project.cli("replay", "--verify", "--yes", f"run_id = '{run_a}'")
+    # On PostgreSQL as a team's replaying role: a superuser's predicates are refused.
+    with contextlib.ExitStack() as roles:
+        if url is not None:
+            admin = request.getfixturevalue("database_url")
+            grants = "SELECT, INSERT, UPDATE, DELETE"
+            settings["RETROLOG_DATABASE_URL"] = roles.enter_context(pg_role(admin, url, grants))
+        verified = project.cli("replay", "--verify", "--yes", f"run_id = '{run_a}'", **settings)
     assert verified.returncode == 0, verified.stderr
     assert "Verified 1 run(s): 1 replay exactly" in verified.stderr, verified.stderr
 
