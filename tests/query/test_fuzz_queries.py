@@ -223,6 +223,7 @@ def test_any_query_reads_or_says_why_not(conn: object, sql: str) -> None:
 @example(where="lr > 0.2")
 @example(where='"val/acc" >= 0.1 AND epoch = 2')
 @example(where="1) UNION SELECT * FROM sqlite_master --")
+@example(where='" \ud800 "')  # a quoted name UTF-8 cannot hold: once a traceback
 @example(
     where="loss IN (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT x FROM c)"
 )

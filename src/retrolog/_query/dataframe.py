@@ -619,6 +619,8 @@ def matching_run_ids(conn: Any, names: Sequence[str], where: str) -> set[str]:
 def _wide_query(conn: Any, requested: list[Any], where: str | None) -> _WideQuery:
     """The view of ``requested`` (checked: logged, not loop names) filtered by ``where``:
     its columns, dimensions and the way its rows are found. Inside a read snapshot."""
+    if where is not None:
+        _require_text(where)
     for name in requested:
         _require_logged(conn, name)
     dims = _dimensions(conn)
@@ -865,6 +867,21 @@ def _has_repeats(row_keys: Sequence[int]) -> bool:
     """Whether two rows share a (run, context): a name had several records there."""
     keys = np.array(row_keys, dtype=np.int64)
     return bool(len(keys) > 1 and (keys[1:] == keys[:-1]).any())
+
+
+def _require_text(where: str) -> None:
+    """Refuse a predicate that holds code points UTF-8 cannot (a lone surrogate, as from
+    a command line decoded with ``surrogateescape``): no store can read it."""
+    try:
+        where.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end]
+        raise QueryError(
+            f"The where-predicate {where!r} holds {bad!r} (at character {exc.start}), which is "
+            "not text a store can read. A name logged with such a character is kept with it "
+            f"written as a backslash escape: write {storable_text(bad)} in its place.",
+            sql=storable_text(where),
+        ) from None
 
 
 def _quoted_names(conn: Any, where: str, columns: Sequence[_Name], dims: _Dims) -> list[_Name]:
