@@ -355,14 +355,24 @@ def _install_hooks() -> None:
 
 def _script_error(exc: BaseException, tb: Any) -> str:
     """The message of a retrolog error that ended the user's script, and where it came
-    from in the script: the last frame of the traceback outside retrolog's package."""
+    from in the script: the last frame of the traceback outside retrolog's package and
+    the standard library (``with rl.checkpointing(...)`` passes through contextlib)."""
+    import sysconfig
     import textwrap
     import traceback
 
     package = os.path.dirname(os.path.abspath(__file__))
+    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
+
+    def ours_or_stdlib(filename: str) -> bool:
+        path = os.path.abspath(filename)
+        if path.startswith(package + os.sep):
+            return True
+        return path.startswith(stdlib + os.sep) and "site-packages" not in path.split(os.sep)
+
     where = ""
     for frame in reversed(traceback.extract_tb(tb)):
-        if not os.path.abspath(frame.filename).startswith(package + os.sep):
+        if not ours_or_stdlib(frame.filename):
             code = f": {frame.line}" if frame.line else ""
             where = f" at {frame.filename}, line {frame.lineno}{code}"
             break

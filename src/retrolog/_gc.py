@@ -50,7 +50,7 @@ from retrolog._query.dataframe import logged_names, number_of, shared_store
 from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
-from retrolog.store.metadata import read_snapshot, rollback
+from retrolog.store.metadata import read_snapshot, rollback, storable_text
 from retrolog.store.objects import ObjectStore, StoredFile
 from retrolog.versions.portable import code_objects
 
@@ -104,7 +104,8 @@ class RetentionPolicy:
             for suffix, flag in ((":max", True), (":min", False)):
                 if rest.endswith(suffix) and len(rest) > len(suffix):
                     name, maximize = rest[: -len(suffix)], flag
-            return cls(Keep.BEST, metric=name, maximize=maximize)
+            # The name as the store keeps names (text UTF-8 cannot hold, escaped).
+            return cls(Keep.BEST, metric=storable_text(name), maximize=maximize)
         raise UsageError(
             f"{text!r} is not a retention policy; use {POLICY_HELP}, e.g. last:2 or "
             "best:val_acc:max."

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from retrolog._query.sql import execute_read
 from retrolog.errors import RetrologError, RunNotFoundError
+from retrolog.store.metadata import storable_text
 from retrolog.store.metastore import MetadataStore
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ def list_runs(metadata: MetadataStore, limit: int | None = None) -> pd.DataFrame
 
 def resolve_run(conn: Any, ref: str) -> str:
     """The run id ``ref`` names: an exact id or a unique prefix of one."""
-    ref = ref.strip()
+    # As the store keeps text (a byte UTF-8 cannot hold, from the command line, escaped).
+    ref = storable_text(ref.strip())
     if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (ref,)).fetchone():
         return ref
     pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"

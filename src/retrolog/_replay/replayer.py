@@ -59,7 +59,12 @@ from retrolog.runtime import numerics
 from retrolog.runtime.modules import decode as decode_modules
 from retrolog.runtime.replay import WorkerSpec
 from retrolog.store.backends import objects_location
-from retrolog.store.metadata import is_readonly, read_only_error, store_directory
+from retrolog.store.metadata import (
+    is_readonly,
+    read_only_error,
+    storable_text,
+    store_directory,
+)
 from retrolog.store.paths import ProjectPaths
 
 
@@ -738,7 +743,7 @@ def _candidates(
         for r in conn.execute(
             "SELECT run_id FROM runs WHERE filename = ? AND status != 'running'"
             " ORDER BY started_at, run_id",
-            (filename,),
+            (storable_text(filename),),  # as the store keeps a name UTF-8 cannot hold
         )
     ]
     if not where or not rows:

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from retrolog.errors import StoreError
+from retrolog.errors import StoreError, UsageError
 from retrolog.runtime import cli_args, frames, numerics, progress
 from retrolog.runtime.import_clock import ImportClock
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
@@ -132,6 +132,7 @@ class Run:
         self._t0 = time.perf_counter()  # loop times are seconds since this instant
         self.process_started_at = min(process_started_at(), self.started_at)
         self.filename = _relative_script(paths.root, script)
+        _require_text_name(self.filename)
         self.args: dict[str, Any] = {}
         self.status = Status.RUNNING
         self.ctx: int | None = None
@@ -741,6 +742,21 @@ def _relative_cwd(root: Path) -> str:
         return Path.cwd().resolve().relative_to(root).as_posix()
     except ValueError:
         return "."
+
+
+def _require_text_name(filename: str) -> None:
+    """Refuse a script whose path is not text (bytes that are not UTF-8, which Python
+    decodes as lone surrogates): the store, the runs table and replay name a run's
+    script by its path as text."""
+    try:
+        filename.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = filename.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise UsageError(
+            f"retrolog cannot record {shown}: its path holds bytes that are not UTF-8 text, "
+            "and a run's script is kept and replayed by its path as text. Rename the file "
+            "(or its directory) to a UTF-8 name and run it again; nothing was recorded."
+        ) from None
 
 
 def _relative_script(root: Path, script: str | None) -> str:

@@ -109,7 +109,14 @@ class MetadataStore(abc.ABC):
 
     def register_run(self, row: Mapping[str, Any]) -> None:
         """Insert a starting run's row: every column of :data:`RUN_COLUMNS`."""
-        self._run_many(_REGISTER, [tuple(row[c] for c in RUN_COLUMNS)])
+        from retrolog.store.metadata import storable_text  # it imports this module
+
+        # Text as the store keeps it: a script name or argument that is not UTF-8 (a lone
+        # surrogate from the command line's decoding) escaped, as the writer does.
+        values = [row[c] for c in RUN_COLUMNS]
+        self._run_many(
+            _REGISTER, [tuple(storable_text(v) if isinstance(v, str) else v for v in values)]
+        )
 
     def set_code_manifest(self, run_id: str, key: str) -> None:
         """Name the code manifest that holds ``run_id``'s code version."""

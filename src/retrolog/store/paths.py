@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retrolog import _config
+from retrolog.errors import UsageError
 
 STORE_ENV = "RETROLOG_STORE"
 STORE_DIRNAME = ".retrolog"
@@ -52,6 +53,7 @@ def git_toplevel(start: Path) -> Path | None:
             cwd=start,
             capture_output=True,
             text=True,
+            errors="surrogateescape",  # a directory name that is not UTF-8 stays its bytes
             check=False,
         )
     except FileNotFoundError:  # no git binary: behave as outside git
@@ -71,5 +73,22 @@ def locate(cwd: Path | None = None) -> ProjectPaths:
     here = (cwd or Path.cwd()).resolve()
     top = git_toplevel(here)
     root = top if top is not None else here
+    _require_text_path(root, "the project")
     store = _config.use(root, root / STORE_DIRNAME)
+    _require_text_path(store, "the store")
     return ProjectPaths(root=root, store=store, in_git=top is not None)
+
+
+def _require_text_path(path: Path, what: str) -> None:
+    """Refuse a path holding bytes that are not UTF-8 (decoded as lone surrogates): the
+    store names its files and a run's code by path as text, and SQLite takes only text."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = str(path).encode("utf-8", "backslashreplace").decode("utf-8")
+        raise UsageError(
+            f"retrolog cannot use {what} at {shown}: its path holds bytes that are not UTF-8 "
+            "text, and the store keeps and opens paths as text. Rename the directory to a "
+            "UTF-8 name (or, for the store, set RETROLOG_STORE to a path that is); nothing "
+            "was recorded or read."
+        ) from None

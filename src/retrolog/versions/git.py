@@ -184,7 +184,9 @@ def _capture(
         commit_args += ["-p", work.head_commit]
     commit_args.append(tree)
     body = _commit_message(run_id, message, cap, selection.skipped)
-    commit = _sha(git(*commit_args, stdin=body.encode("utf-8")))
+    # surrogateescape: a script name or argument that is not UTF-8 (a byte the command
+    # line decoded as a lone surrogate) goes into the message as the bytes it was.
+    commit = _sha(git(*commit_args, stdin=body.encode("utf-8", "surrogateescape")))
     git(
         "update-ref",
         "-m",
