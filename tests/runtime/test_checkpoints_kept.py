@@ -355,6 +355,7 @@ def test_a_forked_child_ending_leaves_the_parents_checkpoints_alone(project: Pro
     assert "Warning" not in done.stderr and "lost" not in done.stderr, done.stderr
     children = [line.split() for line in done.stdout.splitlines() if line.startswith("child")]
     assert [c[1] for c in children] == ["0", "0", "0"]
-    assert max(float(c[2]) for c in children) < 2.0, children
+    # The hold was 5 s per child; a busy machine's fork and join take well under 4.
+    assert max(float(c[2]) for c in children) < 4.0, children
     record = checkpointing(project)
     assert record["chosen"] == record["written"] == 3 and record["end_written"] == 1, record
