@@ -368,7 +368,8 @@ def _script_error(exc: BaseException, tb: Any) -> str:
         path = os.path.abspath(filename)
         if path.startswith(package + os.sep):
             return True
-        return path.startswith(stdlib + os.sep) and "site-packages" not in path.split(os.sep)
+        installed = {"site-packages", "dist-packages"} & set(path.split(os.sep))
+        return path.startswith(stdlib + os.sep) and not installed
 
     where = ""
     for frame in reversed(traceback.extract_tb(tb)):

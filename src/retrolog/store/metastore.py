@@ -111,8 +111,8 @@ class MetadataStore(abc.ABC):
         """Insert a starting run's row: every column of :data:`RUN_COLUMNS`."""
         from retrolog.store.metadata import storable_text  # it imports this module
 
-        # Text as the store keeps it: a script name or argument that is not UTF-8 (a lone
-        # surrogate from the command line's decoding) escaped, as the writer does.
+        # Text as the store keeps it, as the writer does: a lone surrogate (bytes that are
+        # not UTF-8, as Python decodes them) escaped.
         values = [row[c] for c in RUN_COLUMNS]
         self._run_many(
             _REGISTER, [tuple(storable_text(v) if isinstance(v, str) else v for v in values)]

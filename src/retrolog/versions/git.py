@@ -184,8 +184,8 @@ def _capture(
         commit_args += ["-p", work.head_commit]
     commit_args.append(tree)
     body = _commit_message(run_id, message, cap, selection.skipped)
-    # surrogateescape: a script name or argument that is not UTF-8 (a byte the command
-    # line decoded as a lone surrogate) goes into the message as the bytes it was.
+    # surrogateescape: a path in the message that is not UTF-8 (a left-out file's, which
+    # Python decoded with lone surrogates) goes in as the bytes it was.
     commit = _sha(git(*commit_args, stdin=body.encode("utf-8", "surrogateescape")))
     git(
         "update-ref",
