@@ -296,7 +296,9 @@ def replay_workers(text: str = REPLAY_WORKERS) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            # Another test's process may have bytes that are not UTF-8 on its command line.
+            raw = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            cmdline = raw.decode(errors="surrogateescape")
             cwd = os.readlink(entry / "cwd")
         except OSError:
             continue

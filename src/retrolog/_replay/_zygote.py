@@ -181,7 +181,7 @@ def _native_threads() -> int:
 def _openblas_loaded() -> bool:
     """OpenBLAS's pool (numpy's) stops its threads before a fork (its pthread_atfork handler)."""
     try:
-        with open("/proc/self/maps") as maps:
+        with open("/proc/self/maps", errors="replace") as maps:  # paths: any bytes
             return any("openblas" in line.lower() for line in maps)
     except OSError:
         return False

@@ -348,7 +348,8 @@ def make_store_dir(paths: ProjectPaths, *, objects: bool = True) -> None:
 def process_start_marker(pid: int) -> str | None:
     """A value that differs between two processes that had the same pid (Linux: start tick)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        # The command name (field 2) is any bytes a process chose, not always UTF-8.
+        stat = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
     except OSError:
         return None
     # The command name (field 2) may hold spaces; fields after the closing paren are plain.
