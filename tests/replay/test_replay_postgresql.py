@@ -76,6 +76,35 @@ def _argv_of(url: str) -> dict[str, tuple[str, ...]]:
     }
 
 
+# The suite pins RETROLOG_CHECKPOINTS=every; users don't: "" leaves the adaptive rule.
+DEFAULTS = {"RETROLOG_CHECKPOINTS": ""}
+
+
+def _record_two_at_defaults(project: Project, url: str) -> None:
+    """Two runs of REAL_SHAPED at default settings; every checkpoint the rule chose is
+    written."""
+    for lr in ("0.1", "0.05"):
+        project.run("train.py", "--lr", lr, **DEFAULTS)
+    chosen = [json.loads(str(c)) for (c,) in read_pg(url, "SELECT checkpointing FROM runs")]
+    assert len(chosen) == 2 and all(c["written"] == c["chosen"] for c in chosen), chosen
+
+
+def _assert_fresh_runs_log_the_same(tmp_path: Path, url: str, replay_stderr: str) -> None:
+    """The two runs' replayed ``w_norm`` is bit for bit what fresh runs of today's script
+    log, and the replay restored checkpoints rather than retraining."""
+    replayed = _pg_values(url, "w_norm")
+    argv = _argv_of(url)
+    for run_id, values in replayed.items():
+        fresh = new_project(tmp_path / f"fresh-{run_id}")  # no settings: the embedded store
+        fresh.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+        fresh.run("train.py", *argv[run_id], **DEFAULTS)
+        (expected,) = values_by_run(fresh.root, "w_norm").values()
+        assert values == expected and len(values) == 4, run_id
+    assert len(replayed) == 2
+    restored = read_pg(url, "SELECT sum(restored) FROM replay_runs")[0][0]
+    assert restored and int(str(restored)) > 0, replay_stderr
+
+
 @pytest.fixture
 def recorded(project: Project, pg_store_url: str) -> Project:
     project.write("train.py", SCRIPT)
@@ -252,32 +281,16 @@ def test_the_team_setup_records_and_replays_by_configuration_alone(
     project.write("train.py", REAL_SHAPED)
     project.git("add", "-A")
     project.git("commit", "-qm", "train")
-    defaults = {"RETROLOG_CHECKPOINTS": ""}  # the suite pins "every"; users don't
-    for lr in ("0.1", "0.05"):
-        project.run("train.py", "--lr", lr, **defaults)
+    _record_two_at_defaults(project, pg_store_url)
     assert not (project.root / ".retrolog" / "objects").exists()  # objects went to S3
-    chosen = [
-        json.loads(str(c)) for (c,) in read_pg(pg_store_url, "SELECT checkpointing FROM runs")
-    ]
-    assert len(chosen) == 2 and all(c["written"] == c["chosen"] for c in chosen), chosen
 
     project.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
-    out = project.cli("replay", "w_norm", "--yes", **ray_env(ray_address), **defaults)
+    out = project.cli("replay", "w_norm", "--yes", **ray_env(ray_address), **DEFAULTS)
     assert out.returncode == 0, out.stderr
     assert f"workers run as Ray tasks on the cluster at {ray_address}" in out.stderr
     assert "Replayed 2 run(s)" in out.stderr, out.stderr
-    replayed = _pg_values(pg_store_url, "w_norm")
-    argv = _argv_of(pg_store_url)
-    for run_id, values in replayed.items():
-        fresh = new_project(tmp_path / f"fresh-{run_id}")  # no settings: the embedded store
-        fresh.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
-        fresh.run("train.py", *argv[run_id], **defaults)
-        (expected,) = values_by_run(fresh.root, "w_norm").values()
-        assert values == expected and len(values) == 4, run_id
-    assert len(replayed) == 2
     # The nodes restored checkpoints the rule kept (from S3), rather than retraining.
-    restored = read_pg(pg_store_url, "SELECT sum(restored) FROM replay_runs")[0][0]
-    assert restored and int(str(restored)) > 0, out.stderr
+    _assert_fresh_runs_log_the_same(tmp_path, pg_store_url, out.stderr)
 
 
 def test_another_clone_replays_the_teams_runs_from_postgresql_and_s3_alone(
@@ -357,25 +370,9 @@ def test_a_local_replay_of_postgresql_runs_is_exact_under_default_settings(
     project.write("train.py", REAL_SHAPED)
     project.git("add", "-A")
     project.git("commit", "-qm", "train")
-    defaults = {"RETROLOG_CHECKPOINTS": ""}  # the suite pins "every"; users don't
-    for lr in ("0.1", "0.05"):
-        project.run("train.py", "--lr", lr, **defaults)
-    chosen = [
-        json.loads(str(c)) for (c,) in read_pg(pg_store_url, "SELECT checkpointing FROM runs")
-    ]
-    assert len(chosen) == 2 and all(c["written"] == c["chosen"] for c in chosen), chosen
+    _record_two_at_defaults(project, pg_store_url)
     project.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
-    out = project.cli("replay", "w_norm", "--yes", **defaults)
+    out = project.cli("replay", "w_norm", "--yes", **DEFAULTS)
     assert out.returncode == 0, out.stderr
     assert "Replayed 2 run(s)" in out.stderr, out.stderr
-    replayed = _pg_values(pg_store_url, "w_norm")
-    argv = _argv_of(pg_store_url)
-    for run_id, values in replayed.items():
-        fresh = new_project(tmp_path / f"fresh-{run_id}")  # no settings: the embedded store
-        fresh.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
-        fresh.run("train.py", *argv[run_id], **defaults)
-        (expected,) = values_by_run(fresh.root, "w_norm").values()
-        assert values == expected and len(values) == 4, run_id
-    assert len(replayed) == 2
-    restored = read_pg(pg_store_url, "SELECT sum(restored) FROM replay_runs")[0][0]
-    assert restored and int(str(restored)) > 0, out.stderr
+    _assert_fresh_runs_log_the_same(tmp_path, pg_store_url, out.stderr)

@@ -380,9 +380,9 @@ def _copy_rows(
 # The tables a replay may add rows to, besides its own replays and values; each row
 # that is new (or changed) after the replay is written back.
 _KEPT: dict[str, str] = {
-    "definitions": "lineage",
+    "definitions": SHARED["definitions"],
     "run_definitions": "run_id, name",
-    "module_sets": "digest",
+    "module_sets": SHARED["module_sets"],
 }
 
 
