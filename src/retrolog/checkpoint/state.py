@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import importlib
 import random
-import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from retrolog.checkpoint._loaded import is_tensor, loaded_torch
 from retrolog.errors import CheckpointTargetError, RetrologWarning
 
 ACCEPTED = (
@@ -72,11 +72,6 @@ class DeviceTensor:
 # ---------------------------------------------------------------- torch helpers
 
 
-def loaded_torch() -> ModuleType | None:
-    """torch if the process has imported it, else None (never imports it)."""
-    return sys.modules.get("torch")
-
-
 def import_torch(why: str) -> ModuleType:
     """Import torch because ``why`` needs it; a clear error if it is not installed."""
     try:
@@ -86,12 +81,6 @@ def import_torch(why: str) -> ModuleType:
             f"{why} needs torch, which is not installed in this environment; "
             "install it (pip install 'retrolog[torch]') to load this checkpoint."
         ) from exc
-
-
-def is_tensor(value: object) -> bool:
-    """Whether ``value`` is a torch.Tensor, without importing torch."""
-    torch = loaded_torch()
-    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _is_torch_immutable(value: object) -> bool:

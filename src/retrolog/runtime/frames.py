@@ -53,9 +53,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from retrolog.checkpoint.state import is_tensor
+from retrolog.checkpoint._loaded import is_tensor, numpy_scalar_types
 from retrolog.errors import StoreError, UntrustedPickleError
 
 MAX_ITEMS = 10_000
@@ -191,7 +189,7 @@ def _size(value: Any, budget: list[int]) -> int | None:
         return 16 + len(value)
     if t in _PLAIN:
         return 16
-    if isinstance(value, np.generic) and not value.dtype.hasobject:
+    if isinstance(value, numpy_scalar_types()) and not value.dtype.hasobject:
         return 16 + value.nbytes
     if t in (list, tuple, set, dict):
         items = value.items() if t is dict else ((v,) for v in value)
@@ -211,7 +209,7 @@ def _size(value: Any, budget: list[int]) -> int | None:
 def _small_copy(value: Any) -> Any:
     """A copy of ``value``, which :func:`_size` found small and plain; _MISSING if it fails."""
     t = type(value)
-    if t in _PLAIN or isinstance(value, np.generic):
+    if t in _PLAIN or isinstance(value, numpy_scalar_types()):
         return value
     if t in (list, tuple, set):
         items = [_small_copy(v) for v in value]
@@ -292,7 +290,7 @@ def _encode(value: Any) -> Any:
         return {"$": t.__name__, "v": [_encode(v) for v in value]}
     if t is dict:
         return {"$": "dict", "items": [[_encode(k), _encode(v)] for k, v in value.items()]}
-    if isinstance(value, np.generic) and _plain_dtype(value.dtype):
+    if isinstance(value, numpy_scalar_types()) and _plain_dtype(value.dtype):
         return {"$": "npscalar", "dtype": value.dtype.str, "b64": _b64(value.tobytes())}
     if is_tensor(value) and type(value).__name__ == "Tensor":
         dense = value.detach().cpu().contiguous()
@@ -330,6 +328,8 @@ def _decode(node: Any) -> Any:
     if tag == "dict":
         return {_decode(k): _decode(v) for k, v in node["items"]}
     if tag == "npscalar":
+        import numpy as np
+
         dtype = np.dtype(node["dtype"])
         if not _plain_dtype(dtype):
             raise ValueError(f"numpy dtype {node['dtype']!r} is not plain data")
@@ -350,7 +350,7 @@ def _decode(node: Any) -> Any:
     raise ValueError(f"unknown node {tag!r}")
 
 
-def _plain_dtype(dtype: np.dtype[Any]) -> bool:
+def _plain_dtype(dtype: Any) -> bool:
     return dtype.kind in "biufcmMSU" and not dtype.hasobject
 
 
