@@ -333,3 +333,39 @@ def test_the_server_program_imports_nothing_of_retrolog() -> None:
         if isinstance(node, ast.ImportFrom)
     }
     assert imported <= set(sys.stdlib_module_names) | {"__future__", "__main__"}
+
+
+def test_a_server_still_importing_is_stopped_at_once_when_no_worker_needs_it(
+    tmp_path: Path,
+) -> None:
+    # A replay starts a fork server on a guess before its plan is made; when the plan
+    # needs another (or none), the guessed one may still be importing torch. It must
+    # not hold the replay up until its imports end.
+    library = tmp_path / "site"
+    library.mkdir()
+    (library / "slowlib.py").write_text("import time\ntime.sleep(60)\n")
+    env = _env(PYTHONPATH=str(library))
+    launcher = Launcher(python=sys.executable, logs_dir=tmp_path)
+    try:
+        guessed = launcher.prepare(env, ["slowlib"])
+        needed = launcher.prepare(env, ["json"])
+        assert guessed is not None and needed is not None
+        time.sleep(0.5)
+        assert guessed.process.poll() is None  # still importing
+        began = time.monotonic()
+        launcher.retain([needed])
+        took = time.monotonic() - began
+        assert guessed.process.returncode is not None
+        assert list(launcher.servers.values()) == [needed]
+        # The one kept serves as before.
+        script = _script(tmp_path, "print('ran')\n")
+        process = launcher.launch(
+            argv=[str(script)], cwd=script.parent, env=env, log_path=tmp_path / "w.log",
+            server_env=env, warm=["json"],
+        )  # fmt: skip
+        assert process is not None and process.wait(timeout=60) == 0
+    finally:
+        launcher.close()
+    # A hang-up is read only after the imports: closing waited 5 s, then killed.
+    assert took < 2.0, took
+    assert (tmp_path / "w.log").read_text() == "ran\n"

@@ -323,10 +323,14 @@ class ForkServer:
         return None if pid is None else ForkedProcess(self, pid)
 
     def close(self) -> None:
-        """Hang up (the server exits) and reap it."""
+        """Hang up (the server exits) and reap it; one still importing is killed."""
         with contextlib.suppress(OSError):
             self.sock.close()
         self.dead = True
+        if self.ready is None and self.process.returncode is None:
+            # It has forked no worker, and would hear the hang-up only after its imports.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -415,6 +419,14 @@ class Launcher:
             return None
         self.forked += 1
         return process
+
+    def retain(self, needed: Sequence[ForkServer]) -> None:
+        """Stop the servers not in ``needed`` (started on a guess the plan did not confirm)."""
+        keep = {id(server) for server in needed}
+        for key, server in list(self.servers.items()):
+            if id(server) not in keep:
+                server.close()
+                del self.servers[key]
 
     def summary(self) -> str:
         """What the replay's workers started from, for its report."""

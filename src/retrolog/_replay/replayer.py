@@ -195,82 +195,92 @@ def replay(
             + "; `retrolog runs` lists the runs."
         )
     replay_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-    outcomes: dict[str, RunOutcome] = {}
-    notes: tuple[str, ...] = ()
-    sites: dict[str, Any] = {}
-    lineage = _RunLineage({}, {}, {}, {})
-    if verify:
-        source = ""
-        level, needs_suffix = ScanLevel.OUTER_LOOP, True
-        complete: set[str] = set()
-        todo = candidates
-    else:
-        source = _read_newest(paths, filename)
-        sites = locate_statements(source, names, filename)
-        level, notes = scan_level_for(sites)
-        # Without a requested statement after the outer loop, workers stop at its end: the
-        # rest of the script only recomputes recorded values, and may use variables of
-        # skipped blocks.
-        needs_suffix = any(
-            site.position is Position.SUFFIX for group in sites.values() for site in group
-        )
-        # Propagate into every candidate's version (once per version): what a replay would
-        # compute now is the evidence for both "missing" and "definition changed since".
-        versions = _propagate_all(conn, source, filename, names, candidates, paths.root)
-        lineage = _lineage_of(conn, paths, source, filename, names, candidates, versions)
-        complete = set() if force else _complete_runs(conn, candidates, names)
-        complete -= set(lineage.changed)
-        todo = [r for r in candidates if r not in complete]
-        if not todo:
-            echo(
-                f"Every matching run already has {', '.join(names)} by today's definition; "
-                "nothing to replay (--force recomputes them)."
-                + _inexact_hint(conn, candidates, names)
-                + _recorded_hint(lineage, names)
-            )
-            return ReplayResult(replay_id, names, filename, None, outcomes, sorted(complete), False)
-
-    runs = _run_rows(conn, todo, paths.root)
-    propagations: dict[str, Propagation] = {}
-    old_sources: dict[str, str] = {}
-    for run_id in todo:
-        if verify:
-            try:
-                old = _old_source(runs[run_id], filename)
-            except RetrologError as exc:
-                error = _version_gone(runs[run_id], filename, exc)
-                outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=error)
-                continue
-            old_sources[run_id] = old
-            propagations[run_id] = Propagation(old, (), ())
-            continue
-        old, result, _ = versions[run_id]
-        old_sources[run_id] = old
-        if result.problems:
-            # Each reason names the statement and its line in today's script, then what
-            # the old version lacks.
-            reasons = "; ".join(p.reason for p in result.problems)
-            outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=reasons)
-        else:
-            propagations[run_id] = result
-    placeable = [r for r in todo if r in propagations]
-    # Runs that computed exactly what another did get that one's values (_replay/reuse.py).
-    ready: dict[str, str] = {}
-    after: dict[str, str] = {}
-    if reuse and not verify and not force:
-        from retrolog.store.backends import object_store_for
-
-        objects = object_store_for(paths.store)
-        ready, after = find_sources(conn, placeable, runs, names, lineage.would, objects.get)
-    for run_id, source_run in {**ready, **after}.items():
-        outcomes[run_id] = RunOutcome(run_id, "reused", reused_from=source_run)
-    to_run = [r for r in placeable if r not in ready and r not in after]
-
-    plan: ReplayPlan | None = None
-    starts: dict[str, StartPlan] = {}
+    # A fork server's imports are the longest wait before the first worker: the server
+    # the newest matching run will most likely need starts now, while the runs' code is
+    # propagated and the plan made. The plan asks for the servers it needs and gets this
+    # one where the guess was right; a wrong guess is stopped unused.
     launcher: Launcher | None = None
     cluster: RayCluster | None = None
+    if not dry_run and not readonly and kind is Executor.LOCAL:
+        launcher = _early_launcher(conn, paths, filename, candidates[-1], replay_id)
     try:
+        outcomes: dict[str, RunOutcome] = {}
+        notes: tuple[str, ...] = ()
+        sites: dict[str, Any] = {}
+        lineage = _RunLineage({}, {}, {}, {})
+        if verify:
+            source = ""
+            level, needs_suffix = ScanLevel.OUTER_LOOP, True
+            complete: set[str] = set()
+            todo = candidates
+        else:
+            source = _read_newest(paths, filename)
+            sites = locate_statements(source, names, filename)
+            level, notes = scan_level_for(sites)
+            # Without a requested statement after the outer loop, workers stop at its end: the
+            # rest of the script only recomputes recorded values, and may use variables of
+            # skipped blocks.
+            needs_suffix = any(
+                site.position is Position.SUFFIX for group in sites.values() for site in group
+            )
+            # Propagate into every candidate's version (once per version): what a replay would
+            # compute now is the evidence for both "missing" and "definition changed since".
+            versions = _propagate_all(conn, source, filename, names, candidates, paths.root)
+            lineage = _lineage_of(conn, paths, source, filename, names, candidates, versions)
+            complete = set() if force else _complete_runs(conn, candidates, names)
+            complete -= set(lineage.changed)
+            todo = [r for r in candidates if r not in complete]
+            if not todo:
+                echo(
+                    f"Every matching run already has {', '.join(names)} by today's definition; "
+                    "nothing to replay (--force recomputes them)."
+                    + _inexact_hint(conn, candidates, names)
+                    + _recorded_hint(lineage, names)
+                )
+                return ReplayResult(
+                    replay_id, names, filename, None, outcomes, sorted(complete), False
+                )
+
+        runs = _run_rows(conn, todo, paths.root)
+        propagations: dict[str, Propagation] = {}
+        old_sources: dict[str, str] = {}
+        for run_id in todo:
+            if verify:
+                try:
+                    old = _old_source(runs[run_id], filename)
+                except RetrologError as exc:
+                    error = _version_gone(runs[run_id], filename, exc)
+                    outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=error)
+                    continue
+                old_sources[run_id] = old
+                propagations[run_id] = Propagation(old, (), ())
+                continue
+            old, result, _ = versions[run_id]
+            old_sources[run_id] = old
+            if result.problems:
+                # Each reason names the statement and its line in today's script, then what
+                # the old version lacks.
+                reasons = "; ".join(p.reason for p in result.problems)
+                outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=reasons)
+            else:
+                propagations[run_id] = result
+        placeable = [r for r in todo if r in propagations]
+        # Runs that computed exactly what another did get that one's values (_replay/reuse.py).
+        ready: dict[str, str] = {}
+        after: dict[str, str] = {}
+        if reuse and not verify and not force:
+            from retrolog.store.backends import object_store_for
+
+            objects = object_store_for(paths.store)
+            ready, after = find_sources(conn, placeable, runs, names, lineage.would, objects.get)
+        for run_id, source_run in {**ready, **after}.items():
+            outcomes[run_id] = RunOutcome(run_id, "reused", reused_from=source_run)
+        to_run = [r for r in placeable if r not in ready and r not in after]
+        if launcher is not None and not to_run:
+            launcher.retain([])  # no worker will run: the early server's imports are moot
+
+        plan: ReplayPlan | None = None
+        starts: dict[str, StartPlan] = {}
         if to_run:
             profiles = load_profiles(conn, to_run)
             per_byte = _restore_seconds_per_byte(paths, profiles)
@@ -289,11 +299,7 @@ def replay(
             if not dry_run and cluster is None:
                 # The fork servers start now: what their imports take is in the estimate, and
                 # the workers need them anyway once the plan is confirmed.
-                logs_dir = paths.store / "replays" / replay_id
-                logs_dir.mkdir(parents=True, exist_ok=True)
-                launcher = Launcher(
-                    python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid())
-                )
+                launcher = launcher or _launcher(paths, replay_id)
                 starts = _start_servers(launcher, runs, starts, echo)
             ray_notes = (cluster.describe(),) if cluster is not None else ()
             plan = _plan(
@@ -566,6 +572,40 @@ def _plan(
     )  # fmt: skip
 
 
+def _launcher(paths: ProjectPaths, replay_id: str) -> Launcher:
+    """The replay's worker launcher, its logs in the replay's directory."""
+    logs_dir = paths.store / "replays" / replay_id
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    return Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
+
+
+def _early_launcher(
+    conn: sqlite3.Connection, paths: ProjectPaths, filename: str, run_id: str, replay_id: str
+) -> Launcher | None:
+    """A launcher whose fork server is already importing what ``run_id`` most likely needs.
+
+    The guess takes the script as it is now for the propagated one (they differ by the
+    statements added, which rarely import) and the run's recorded modules; the plan's
+    own start plans decide later which servers are used. None when there is nothing to
+    start early (no recorded modules, no fork server for this script, the script gone).
+    """
+    row = conn.execute("SELECT modules, numerics FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    if row is None or not row[0]:
+        return None
+    recorded, _ = _recorded_modules(conn, row[0])
+    try:
+        source = (paths.root / filename).read_text()
+    except (OSError, ValueError):
+        return None
+    script_dir = (paths.root / filename).parent
+    start = start_plan(source, recorded, root=paths.root, script_dir=script_dir)
+    if not start.forked:
+        return None
+    launcher = _launcher(paths, replay_id)
+    launcher.prepare(run_worker_env(json.loads(row[1] or "null")), start.warm)
+    return launcher
+
+
 def _start_servers(
     launcher: Launcher,
     runs: Mapping[str, Mapping[str, Any]],
@@ -575,13 +615,15 @@ def _start_servers(
     """Start the fork servers the plan needs and wait for their imports; their figures.
 
     A server that cannot serve (its imports started a thread, it exited) makes its
-    runs' workers new interpreters, with the reason, before the plan is shown.
+    runs' workers new interpreters, with the reason, before the plan is shown. A server
+    started early that no run needs is stopped.
     """
     servers = {}
     for run_id, start in starts.items():
         if start.forked:
             numerics = json.loads(runs[run_id].get("numerics") or "null")
             servers[run_id] = launcher.prepare(run_worker_env(numerics), start.warm)
+    launcher.retain([s for s in servers.values() if s is not None])
     if not servers:
         return dict(starts)
     packages = sorted({p for s in starts.values() for p in s.packages})
