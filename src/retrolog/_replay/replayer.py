@@ -601,8 +601,12 @@ def _early_launcher(
     start = start_plan(source, recorded, root=paths.root, script_dir=script_dir)
     if not start.forked:
         return None
+    try:
+        numerics = json.loads(row[1] or "null")
+    except ValueError:
+        return None  # the plan reports a damaged row; a guess does not
     launcher = _launcher(paths, replay_id)
-    launcher.prepare(run_worker_env(json.loads(row[1] or "null")), start.warm)
+    launcher.prepare(run_worker_env(numerics), start.warm)
     return launcher
 
 
