@@ -1352,6 +1352,12 @@ def print_report(result: dict[str, Any]) -> None:
         "bare python process that imports torch and builds an optimizer takes "
         f"{w['startup_floor_seconds']['median']:.1f}s"
     )
+    unchecked = one["epochs_without_checkpoint"]
+    print(
+        f"    epochs the recordings did not checkpoint (executed, not restored, by this "
+        f"replay), of {runs * w['epochs']}: {cell(unchecked, '.0f')}; the plan's wall-time "
+        f"estimate against the command's: {cell(one['plan_error_vs_command_pct'], '+.0f', '%')}"
+    )
     par = result["inner"].get("parallel_speedup")
     if par is not None:
         print(
@@ -1359,12 +1365,6 @@ def print_report(result: dict[str, Any]) -> None:
             f"[{par['min']:.2f}..{par['max']:.2f}], ideal {IDEAL_PARALLEL_SPEEDUP:.1f}x, on "
             f"{result['nproc']} cores"
         )
-    unchecked = one["epochs_without_checkpoint"]
-    print(
-        f"    epochs the recordings did not checkpoint (executed, not restored, by this "
-        f"replay), of {runs * w['epochs']}: {cell(unchecked, '.0f')}; the plan's wall-time "
-        f"estimate against the command's: {cell(one['plan_error_vs_command_pct'], '+.0f', '%')}"
-    )
     for probe in ("outer", "inner"):
         for workers in counts:
             err = result[probe][f"workers_{workers}"]["estimate_error_pct_per_run"]
