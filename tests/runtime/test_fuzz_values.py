@@ -31,8 +31,7 @@ import retrolog as rl
 import retrolog._api as api
 from retrolog._query.dataframe import dataframe
 from retrolog.runtime.run import Run, Status
-from retrolog.store.metadata import storable_text
-from retrolog.store.paths import locate
+from retrolog.store.paths import locate, storable_text
 
 from conftest import Project
 

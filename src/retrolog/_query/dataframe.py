@@ -52,7 +52,8 @@ import pandas as pd
 
 from retrolog._query.sql import execute_read, execute_read_shared
 from retrolog.errors import QueryError, UnknownNameError
-from retrolog.store.metadata import activity_stamp, read_snapshot, storable_text
+from retrolog.store.metadata import activity_stamp, read_snapshot
+from retrolog.store.paths import storable_text
 
 META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 """The run columns every wide view starts with."""

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from retrolog._query.sql import execute_read
 from retrolog.errors import RetrologError, RunNotFoundError
-from retrolog.store.metadata import storable_text
 from retrolog.store.metastore import MetadataStore
+from retrolog.store.paths import storable_text
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -36,7 +36,7 @@ from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
 from retrolog.store.metadata import process_start_marker
 from retrolog.store.metastore import MetadataStore, open_metadata
-from retrolog.store.paths import ProjectPaths
+from retrolog.store.paths import ProjectPaths, storable_text
 
 NO_OVERRIDE = object()  # arg() had no --kwargs value for this name
 
@@ -748,15 +748,13 @@ def _require_text_name(filename: str) -> None:
     """Refuse a script whose path is not text (bytes that are not UTF-8, which Python
     decodes as lone surrogates): the store, the runs table and replay name a run's
     script by its path as text."""
-    try:
-        filename.encode("utf-8")
-    except UnicodeEncodeError:
-        shown = filename.encode("utf-8", "backslashreplace").decode("utf-8")
+    shown = storable_text(filename)
+    if shown != filename:
         raise UsageError(
             f"retrolog cannot record {shown}: its path holds bytes that are not UTF-8 text, "
             "and a run's script is kept and replayed by its path as text. Rename the file "
             "(or its directory) to a UTF-8 name and run it again; nothing was recorded."
-        ) from None
+        )
 
 
 def _relative_script(root: Path, script: str | None) -> str:

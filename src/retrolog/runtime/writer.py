@@ -46,7 +46,7 @@ from typing import Any
 
 from retrolog.runtime import modules
 from retrolog.runtime.values import DeferredJSON
-from retrolog.store.metadata import storable_text
+from retrolog.store.paths import storable_text
 from retrolog.store.records import (
     RecordBatch,
     RecordSink,

@@ -263,16 +263,6 @@ def _stale_empty(database: Path) -> bool:
     return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_STORE_GRACE_SECONDS
 
 
-def storable_text(text: str) -> str:
-    """``text`` as the store keeps it: code points UTF-8 cannot hold (lone surrogates,
-    e.g. from a file name decoded with ``surrogateescape``) written as ``\\udcxx``."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
-
-
 def activity_stamp(conn: Any) -> tuple[tuple[object, ...], tuple[object, ...]]:
     """The runs' and the replays' (count, how many running, last start, last end).
 

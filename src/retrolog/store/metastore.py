@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from retrolog._config import lookup, mask
 from retrolog.errors import StoreError, UsageError
-from retrolog.store.paths import ProjectPaths
+from retrolog.store.paths import ProjectPaths, storable_text
 
 if TYPE_CHECKING:  # records.py imports metadata.py, which imports this module
     from retrolog.store.records import RecordSink
@@ -109,8 +109,6 @@ class MetadataStore(abc.ABC):
 
     def register_run(self, row: Mapping[str, Any]) -> None:
         """Insert a starting run's row: every column of :data:`RUN_COLUMNS`."""
-        from retrolog.store.metadata import storable_text  # it imports this module
-
         # Text as the store keeps it, as the writer does: a lone surrogate (bytes that are
         # not UTF-8, as Python decodes them) escaped.
         values = [row[c] for c in RUN_COLUMNS]

@@ -79,16 +79,24 @@ def locate(cwd: Path | None = None) -> ProjectPaths:
     return ProjectPaths(root=root, store=store, in_git=top is not None)
 
 
+def storable_text(text: str) -> str:
+    """``text`` as the store keeps it: code points UTF-8 cannot hold (lone surrogates,
+    e.g. from a file name decoded with ``surrogateescape``) written as ``\\udcxx``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _require_text_path(path: Path, what: str) -> None:
     """Refuse a path holding bytes that are not UTF-8 (decoded as lone surrogates): the
     store names its files and a run's code by path as text, and SQLite takes only text."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        shown = str(path).encode("utf-8", "backslashreplace").decode("utf-8")
+    shown = storable_text(str(path))
+    if shown != str(path):
         raise UsageError(
             f"retrolog cannot use {what} at {shown}: its path holds bytes that are not UTF-8 "
             "text, and the store keeps and opens paths as text. Rename the directory to a "
             "UTF-8 name (or, for the store, set RETROLOG_STORE to a path that is); nothing "
             "was recorded or read."
-        ) from None
+        )
