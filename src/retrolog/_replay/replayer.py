@@ -62,10 +62,9 @@ from retrolog.store.backends import objects_location
 from retrolog.store.metadata import (
     is_readonly,
     read_only_error,
-    storable_text,
     store_directory,
 )
-from retrolog.store.paths import ProjectPaths
+from retrolog.store.paths import ProjectPaths, storable_text
 
 
 @dataclass
@@ -585,29 +584,31 @@ def _early_launcher(
     """A launcher whose fork server is already importing what ``run_id`` most likely needs.
 
     The guess takes the script as it is now for the propagated one (they differ by the
-    statements added, which rarely import) and the run's recorded modules; the plan's
-    own start plans decide later which servers are used. None when there is nothing to
-    start early (no recorded modules, no fork server for this script, the script gone).
+    statements added, which rarely import); the plan's own start plans decide later
+    which servers are used. None when there is nothing to start early (no fork server
+    for this script, the script gone, a run row that cannot be read).
     """
-    row = conn.execute("SELECT modules, numerics FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-    if row is None or not row[0]:
+    columns = ("modules", "numerics", "filename")
+    found = conn.execute(f"SELECT {', '.join(columns)} FROM runs WHERE run_id = ?", (run_id,))
+    row = dict(zip(columns, found.fetchone() or (), strict=False))
+    if not row:
         return None
-    recorded, _ = _recorded_modules(conn, row[0])
     try:
         source = (paths.root / filename).read_text()
+        start = _start_plan(conn, paths, row, source)
+        env = _server_env(row) if start.forked else None
     except (OSError, ValueError):
-        return None
-    script_dir = (paths.root / filename).parent
-    start = start_plan(source, recorded, root=paths.root, script_dir=script_dir)
-    if not start.forked:
-        return None
-    try:
-        numerics = json.loads(row[1] or "null")
-    except ValueError:
         return None  # the plan reports a damaged row; a guess does not
+    if env is None:
+        return None
     launcher = _launcher(paths, replay_id)
-    launcher.prepare(run_worker_env(numerics), start.warm)
+    launcher.prepare(env, start.warm)
     return launcher
+
+
+def _server_env(row: Mapping[str, Any]) -> dict[str, str]:
+    """The environment of a run's fork server: the recorded numerical environment."""
+    return run_worker_env(json.loads(row.get("numerics") or "null"))
 
 
 def _start_servers(
@@ -625,8 +626,7 @@ def _start_servers(
     servers = {}
     for run_id, start in starts.items():
         if start.forked:
-            numerics = json.loads(runs[run_id].get("numerics") or "null")
-            servers[run_id] = launcher.prepare(run_worker_env(numerics), start.warm)
+            servers[run_id] = launcher.prepare(_server_env(runs[run_id]), start.warm)
     launcher.retain([s for s in servers.values() if s is not None])
     if not servers:
         return dict(starts)
@@ -664,18 +664,22 @@ def _start_plans(
     run_ids: Sequence[str],
 ) -> dict[str, StartPlan]:
     """How each run's workers start (_replay/forkserver.py), from what the run imported."""
-    found: dict[str, StartPlan] = {}
-    for run_id in run_ids:
-        row = runs[run_id]
-        recorded, warm_seconds = _recorded_modules(conn, row.get("modules"))
-        script_dir = (paths.root / row["filename"]).parent
-        start = start_plan(
-            propagations[run_id].source, recorded, root=paths.root, script_dir=script_dir
-        )
-        if start.forked:
-            start = replace(start, digest=row.get("modules"), warm_seconds=warm_seconds)
-        found[run_id] = start
-    return found
+    return {
+        run_id: _start_plan(conn, paths, runs[run_id], propagations[run_id].source)
+        for run_id in run_ids
+    }
+
+
+def _start_plan(
+    conn: sqlite3.Connection, paths: ProjectPaths, row: Mapping[str, Any], source: str
+) -> StartPlan:
+    """How a worker of the run ``row`` running ``source`` starts."""
+    recorded, warm_seconds = _recorded_modules(conn, row.get("modules"))
+    script_dir = (paths.root / row["filename"]).parent
+    start = start_plan(source, recorded, root=paths.root, script_dir=script_dir)
+    if start.forked:
+        start = replace(start, digest=row.get("modules"), warm_seconds=warm_seconds)
+    return start
 
 
 def _recorded_modules(
