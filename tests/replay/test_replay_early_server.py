@@ -41,9 +41,13 @@ def site(tmp_path: Path) -> Path:
     return folder
 
 
+# Default settings: the adaptive rule chooses the checkpoints (conftest pins "every").
+DEFAULTS = {"RETROLOG_CHECKPOINTS": "adaptive"}
+
+
 def _record(project: Project, site: Path) -> str:
     project.write("train.py", SCRIPT)
-    project.run("train.py", PYTHONPATH=str(site))
+    project.run("train.py", PYTHONPATH=str(site), **DEFAULTS)
     ((run_id,),) = read_db(project.root, "SELECT run_id FROM runs")
     return str(run_id)
 
@@ -57,7 +61,9 @@ def _servers(project: Project) -> list[list[str]]:
 def _fresh_values(project: Project, site: Path) -> list[object]:
     """w_norm as a fresh run of today's script computes it, in its own store."""
     fresh = project.root.parent / "fresh"
-    project.run("train.py", PYTHONPATH=str(site), RETROLOG_STORE=str(fresh / ".retrolog"))
+    project.run(
+        "train.py", PYTHONPATH=str(site), RETROLOG_STORE=str(fresh / ".retrolog"), **DEFAULTS
+    )
     return [v for (v,) in read_db(fresh, "SELECT value FROM logs WHERE name = 'w_norm'")]
 
 
@@ -75,7 +81,7 @@ def _backfilled(project: Project) -> list[object]:
 def test_a_right_guess_is_the_server_the_workers_fork_from(project: Project, site: Path) -> None:
     _record(project, site)
     project.write("train.py", SCRIPT.replace(ANCHOR, ANCHOR + STATEMENT))
-    out = project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site))
+    out = project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site), **DEFAULTS)
     assert out.returncode == 0, out.stderr
     # However many segments the plan makes (it may split the run on a busy machine).
     assert re.search(r"\d+ worker\(s\) forked from 1 fork server\(s\)", out.stderr), out.stderr
@@ -93,7 +99,7 @@ def test_a_wrong_guess_is_stopped_and_the_plan_starts_its_own(project: Project, 
     project.write(
         "train.py", today.replace("import importlib\n", "import importlib\n\nimport extlib\n")
     )
-    out = project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site))
+    out = project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site), **DEFAULTS)
     assert out.returncode == 0, out.stderr
     # However many segments the plan makes (it may split the run on a busy machine).
     assert re.search(r"\d+ worker\(s\) forked from 1 fork server\(s\)", out.stderr), out.stderr
@@ -106,8 +112,9 @@ def test_a_wrong_guess_is_stopped_and_the_plan_starts_its_own(project: Project, 
 def test_nothing_to_replay_leaves_no_server_and_no_trace(project: Project, site: Path) -> None:
     _record(project, site)
     project.write("train.py", SCRIPT.replace(ANCHOR, ANCHOR + STATEMENT))
-    assert project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site)).returncode == 0
-    again = project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site))
+    first = project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site), **DEFAULTS)
+    assert first.returncode == 0, first.stderr
+    again = project.cli("replay", "w_norm", "--yes", PYTHONPATH=str(site), **DEFAULTS)
     assert again.returncode == 0, again.stderr
     assert "nothing to replay" in again.stderr
     assert len(_servers(project)) == 1  # the second replay kept no directory

@@ -175,6 +175,9 @@ def test_default_replay_keeps_the_recorded_threads_and_is_bit_exact(project: Pro
     # and the optimizer's lazy imports), not started as new interpreters.
     assert "workers of 2 of 2 run(s) start from a fork server that imports torch" in out.stderr
     assert "2 worker(s) forked from 1 fork server(s)" in out.stderr
+    # ... the one started on a guess before the plan: no other server was needed.
+    replays = sorted((project.root / ".retrolog" / "replays").iterdir())
+    assert sorted(p.name for p in replays[-1].glob("forkserver-*.log")) == ["forkserver-0.log"]
     (digest,) = {d for (d,) in read_db(project.root, "SELECT modules FROM runs")}
     ((blob,),) = read_db(project.root, "SELECT names FROM module_sets WHERE digest = ?", (digest,))
     modules = decode_modules(blob)
