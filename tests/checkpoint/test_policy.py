@@ -213,11 +213,32 @@ def test_a_checkpoint_is_due_one_mean_block_before_its_slot_is_needed_again() ->
     policy = AdaptivePolicy(eps=1 / 15)
     assert policy.due_in("epoch", 2) == 0.0
     policy.decide("epoch", 3.0)
+    policy.captured("epoch", 0.01)
+    policy.written("epoch", 0.005, 0.2)  # the block's first write finished: it is priced
     policy.decide("epoch", 1.0)  # a mean block of 2 s
     assert policy.due_in("epoch", 2) == pytest.approx(2.0)
     assert policy.due_in("epoch", 4) == pytest.approx(6.0)
     # One slot: needed at the next block end, so due half a block after the capture.
     assert policy.due_in("epoch", 1) == pytest.approx(DUE_SHARE_ONE_SLOT * 2.0) == 1.0
+
+
+def test_a_blocks_first_checkpoint_is_due_in_time_to_price_the_next_block_end() -> None:
+    # Until the first write finishes, the next block end is refused as unpriced. Due a
+    # whole block after its capture (as later ones are, with two slots), a first write
+    # the idle lane cannot do on a full machine would still be running at that block end.
+    policy = AdaptivePolicy(eps=1 / 15)
+    assert policy.decide("epoch", 2.0)
+    policy.captured("epoch", 0.01)
+    assert policy.due_in("epoch", 2) == pytest.approx(DUE_SHARE_ONE_SLOT * 2.0)
+    assert policy.due_in("epoch", 4) == pytest.approx(DUE_SHARE_ONE_SLOT * 2.0)
+    # Not written by the next block end: refused, and counted as unpriced.
+    assert policy.decide("epoch", 2.0) is Decision.UNPRICED
+    stats = policy.blocks["epoch"]
+    assert (stats.refused_cost, stats.refused_unpriced) == (1, 1)
+    policy.written("epoch", 0.005, 0.1)
+    assert policy.decide("epoch", 2.0) is Decision.TAKE
+    policy.captured("epoch", 0.01)
+    assert policy.due_in("epoch", 2) == pytest.approx(2.0)  # priced: the slots decide
 
 
 def test_blocks_of_different_loops_are_counted_apart() -> None:

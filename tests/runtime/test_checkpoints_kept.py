@@ -147,6 +147,9 @@ def test_with_the_idle_lane_starved_the_rule_keeps_choosing_and_nothing_is_lost(
     # each decision is close and the running means decide it (8 of 12 afforded, say), so
     # the test asks for half: a rule that stopped choosing would take 1.
     block = record["blocks"]["epoch"]
+    # The first write is due half a block after its capture, so the urgent lane has
+    # written it by the second block end, which is priced rather than refused unseen.
+    assert block["refused_unpriced"] == 0, why
     cost = block["mean_capture_seconds"] + block["mean_urgent_write_seconds"]
     budget = block["executions"] * block["mean_block_seconds"] * record["overhead_tolerance"]
     affordable = min(block["executions"], int(budget / cost))

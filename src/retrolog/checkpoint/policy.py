@@ -86,6 +86,7 @@ class BlockStats:
     checkpoints: int = 0  # k: chosen (each is captured and written)
     refused_cost: int = 0  # block ends refused by the invariant, or before M was known
     refused_writer_full: int = 0  # ... that the invariant would take, the writer being full
+    refused_unpriced: int = 0  # of refused_cost, those before the block's first write finished
     compute_seconds: float = 0.0  # sum of C over the executions
     capture_seconds: float = 0.0  # training-thread seconds of the captures
     captures: int = 0
@@ -172,11 +173,19 @@ class AdaptivePolicy:
         its capture, so it is due one mean block before that (the urgent lane
         then has a block to write it); with one slot, half a block after its
         capture.
+
+        The block's first checkpoint is due half a block after its capture
+        whatever the slots: until one of its writes has finished the rule
+        cannot price the next block end (:attr:`Decision.UNPRICED`), and a
+        first write left to the idle lane on a machine that training fills
+        would leave that block end unchecked. Written by then, it prices it.
         """
         stats = self.blocks.get(loop_name)
         if stats is None or not stats.executions:
             return 0.0
-        blocks = max(max_in_flight - 1, DUE_SHARE_ONE_SLOT)
+        with self._lock:
+            priced = stats.writes > 0
+        blocks = max(max_in_flight - 1, DUE_SHARE_ONE_SLOT) if priced else DUE_SHARE_ONE_SLOT
         return blocks * stats.compute_seconds / stats.executions
 
     def decide(
@@ -224,6 +233,8 @@ class AdaptivePolicy:
             stats.refused_writer_full += 1
         elif decision is not Decision.TAKE:
             stats.refused_cost += 1
+            if decision is Decision.UNPRICED:
+                stats.refused_unpriced += 1
         return decision
 
     def _invariant(self, stats: BlockStats) -> Decision:

@@ -526,6 +526,7 @@ class Run:
                 "checkpoints": stats.checkpoints,
                 "refused_cost": stats.refused_cost,
                 "refused_writer_full": stats.refused_writer_full,
+                "refused_unpriced": stats.refused_unpriced,
                 "mean_block_seconds": stats.compute_seconds / max(stats.executions, 1),
                 "mean_capture_seconds": stats.capture_seconds / max(stats.captures, 1),
                 "mean_writer_cpu_seconds": stats.writer_cpu_seconds / max(stats.writes, 1),
