@@ -518,6 +518,8 @@ def describe_recording(db: Path, runs: list[str]) -> dict[str, Any]:
             " WHERE c.run_id = ? AND c.kind = 'block' AND l.depth = 0",
             (run_id,),
         )[0]
+        ((summary,),) = read_rows(db, "SELECT checkpointing FROM runs WHERE run_id = ?", (run_id,))
+        block = json.loads(summary or "{}").get("blocks", {}).get("epoch", {})
         phases: dict[str, list[float]] = {}
         for phase, seconds in read_rows(
             db, "SELECT phase, seconds FROM profile WHERE run_id = ?", (run_id,)
@@ -532,6 +534,16 @@ def describe_recording(db: Path, runs: list[str]) -> dict[str, Any]:
                 # Epochs an outer-loop replay executes rather than restores: what the
                 # adaptive rule chose not to checkpoint while recording.
                 "epochs_without_checkpoint": epochs - checked,
+                # Why the rule refused those epochs (runs.checkpointing): the invariant
+                # (of which before the first write finished), or the writer being full.
+                "refused": {
+                    key: block.get(key)
+                    for key in ("refused_cost", "refused_unpriced", "refused_writer_full")
+                },
+                "mean_checkpoint_cost_seconds": (
+                    block.get("mean_capture_seconds", 0.0)
+                    + block.get("mean_urgent_write_seconds", 0.0)
+                ),
                 "checkpoint_bytes": nbytes,
                 "prefix_seconds": sum(phases.get("prefix", [0.0])),
                 "epoch_seconds": statistics.fmean(phases.get("iteration", [0.0])),

@@ -564,6 +564,29 @@ def test_a_due_checkpoint_is_written_by_the_urgent_lane_while_the_idle_lane_star
     assert [r.ctx_id for _, _, r in seen] == [0]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_wait_for_room_returns_once_the_stalled_idle_lane_lets_go(
+    starved: StarvedIdleStore,
+) -> None:
+    """A slot held only by the idle lane, stalled inside a checkpoint the urgent lane has
+    written: a block end may wait for it, and gets it as soon as the lane lets go."""
+    ckpt = BackgroundCheckpointer(starved, lambda record: None, max_in_flight=1)
+    ckpt.capture(ctx_id=0, loop_name="epoch", kind="block", objects={"a": np.arange(9.0)})
+    assert starved.stalled.wait(GATE_TIMEOUT)  # the idle lane took it, and stalled
+    ckpt.escalate()
+    wait_until(lambda: ckpt.written == 1)  # the urgent lane wrote it...
+    assert not ckpt.has_room()  # ... but the stalled lane still reads its memory
+    began = time.perf_counter()
+    assert not ckpt.wait_for_room(0.05)  # a wait in vain lasts its limit, no more
+    assert 0.05 <= time.perf_counter() - began < 5.0
+    threading.Timer(0.1, starved.fed.set).start()
+    began = time.perf_counter()
+    assert ckpt.wait_for_room(GATE_TIMEOUT)
+    assert 0.05 < time.perf_counter() - began < GATE_TIMEOUT
+    assert ckpt.has_room() and ckpt.waited_seconds >= 0.1
+    ckpt.close()
+
+
 def test_with_a_starved_idle_lane_no_checkpoint_taken_is_lost(
     starved: StarvedIdleStore, store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -162,6 +162,46 @@ def test_a_full_writer_is_a_refusal_of_its_own_and_the_rule_asks_again() -> None
     assert (stats.refused_cost, stats.refused_writer_full) == (1, 1)
 
 
+def test_a_full_writer_may_be_waited_for_within_what_the_invariant_still_allows() -> None:
+    policy = AdaptivePolicy(eps=0.1)
+    assert policy.decide("epoch", 1.0) is Decision.TAKE
+    policy.captured("epoch", 0.01)
+    policy.written("epoch", 0.001, 0.01)
+    stats = policy.blocks["epoch"]
+    limits: list[float] = []
+
+    def came_free(limit: float) -> bool:
+        limits.append(limit)
+        return True
+
+    # n * C * eps - (k + 1) * M = 0.2 - 0.02, capped at one block's share: 0.1.
+    assert policy.decide("epoch", 1.0, room=False, wait_for_room=came_free) is Decision.TAKE
+    assert limits == [pytest.approx(0.1)]
+    assert (stats.room_waits, stats.refused_writer_full) == (1, 0)
+    policy.captured("epoch", 0.01 + 0.15)  # the capture is charged the wait
+    # Less slack than a block's share: the wait is bounded by the slack. M is the mean
+    # capture, 0.085, plus the idle lane's CPU per write, 0.001.
+    limits.clear()
+    assert policy.decide("epoch", 1.0, room=False, wait_for_room=came_free) is Decision.TAKE
+    assert limits == [pytest.approx(3.0 * 0.1 - 3 * 0.086)]
+    policy.captured("epoch", 0.01)
+    # A wait in vain is a refusal, and charged to M all the same.
+    m = policy.materialize_seconds(stats)
+    assert policy.decide("epoch", 1.0, room=False, wait_for_room=lambda limit: False) is (
+        Decision.WRITER_FULL
+    )
+    assert stats.refused_writer_full == 1
+    policy.waited("epoch", 0.03)
+    assert policy.materialize_seconds(stats) == pytest.approx(m + 0.03 / 3)
+    # No slack left: training does not wait at all.
+    policy.captured("epoch", 10.0)
+
+    def never(limit: float) -> bool:
+        raise AssertionError("asked to wait with no slack")
+
+    assert policy.decide("epoch", 1.0, room=False, wait_for_room=never) is Decision.COST
+
+
 def test_the_first_block_end_waits_for_room_too() -> None:
     policy = AdaptivePolicy(eps=1 / 15)
     assert policy.decide("round", 1.0, room=False) is Decision.WRITER_FULL

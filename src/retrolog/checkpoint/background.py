@@ -289,6 +289,28 @@ class BackgroundCheckpointer(Checkpointer):
             self._raise_if_failed()
             return bool(self._free_buffers)
 
+    def wait_for_room(self, timeout: float) -> bool:
+        """Hurry the oldest checkpoint and wait at most ``timeout`` s for a free slot.
+
+        Whether a slot is free. For the adaptive rule's block ends: a slot is
+        often held only by the idle lane, stalled inside a checkpoint the
+        urgent lane has already written, until it next gets a core; on a full
+        machine that is a few milliseconds later, at a block end where
+        training's threads pause. The wait is counted in
+        :attr:`waited_seconds`, and the caller charges it to the checkpoint.
+        """
+        began = time.perf_counter()
+        with self._cond:
+            self._raise_if_failed()
+            self._escalate()
+            room = self._cond.wait_for(
+                lambda: bool(self._free_buffers) or self._error is not None,
+                timeout=max(timeout, 0.0),
+            )
+            self._waited_seconds += time.perf_counter() - began
+            self._raise_if_failed()
+            return bool(room)
+
     def escalate(self) -> None:
         """Make the oldest checkpoint in flight due now: the urgent lane writes it.
 

@@ -38,10 +38,15 @@ time. The writer's figures arrive after each write, so the rule uses the
 means of the writes finished so far.
 
 A checkpoint the rule chose is written, so the rule must also know whether
-the writer can take one: when all ``max_in_flight`` snapshots are held, a
-block end the invariant would checkpoint is refused (:attr:`Decision.WRITER_FULL`,
-counted apart from the cost refusals), and the rule asks again at the next
-block end. The run then has the writer hurry the oldest checkpoint.
+the writer can take one: when all ``max_in_flight`` snapshots are held at a
+block end the invariant would checkpoint, training waits for a slot at most
+as long as the invariant still holds with the wait charged to this
+checkpoint, and at most one block's share of the bound (the writer hurries
+the oldest meanwhile). A slot is often held only by the idle lane, stalled
+inside a checkpoint the urgent lane has written already, and it lets go
+within milliseconds of the block end. If none comes free in that time, the
+block end is refused (:attr:`Decision.WRITER_FULL`, counted apart from the
+cost refusals), and the rule asks again at the next one.
 
 The first execution of a block is always checkpointed (nothing is known about
 M yet, and a replay needs a starting point) if the writer has room, and so is
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 BUSY = 0.25  # the slowdown is measured once a block had the writer busy this share of it
@@ -87,6 +93,7 @@ class BlockStats:
     refused_cost: int = 0  # block ends refused by the invariant, or before M was known
     refused_writer_full: int = 0  # ... that the invariant would take, the writer being full
     refused_unpriced: int = 0  # of refused_cost, those before the block's first write finished
+    room_waits: int = 0  # block ends taken after waiting for a slot (within the slack)
     compute_seconds: float = 0.0  # sum of C over the executions
     capture_seconds: float = 0.0  # training-thread seconds of the captures
     captures: int = 0
@@ -196,6 +203,7 @@ class AdaptivePolicy:
         *,
         room: bool = True,
         urgent_seconds: float = 0.0,
+        wait_for_room: Callable[[float], bool] | None = None,
     ) -> Decision:
         """Count one execution of ``loop_name``'s block; checkpoint its end state?
 
@@ -203,7 +211,10 @@ class AdaptivePolicy:
         idle lane spent writing; room: whether the writer can take a
         checkpoint now without training waiting; urgent_seconds: the urgent
         lane's busy seconds so far in the run (it wrote during this block if
-        they grew since the block's previous end).
+        they grew since the block's previous end); wait_for_room: when there
+        is no room but the invariant would take the checkpoint, called with
+        the most seconds training may wait for a slot, true if one came free
+        (the caller charges the wait to the capture).
         """
         stats = self.blocks.setdefault(loop_name, BlockStats())
         stats.executions += 1
@@ -229,6 +240,13 @@ class AdaptivePolicy:
         decision = self._invariant(stats)
         if decision is Decision.TAKE and not room:
             decision = Decision.WRITER_FULL
+            # Training may wait for a slot as long as the invariant still holds with the
+            # wait charged to this checkpoint, and no longer than one block's share of
+            # the bound: what a checkpoint of this block may cost on its own.
+            limit = min(self.slack(stats), stats.compute_seconds / stats.executions * self.bound())
+            if wait_for_room is not None and limit > 0 and wait_for_room(limit):
+                decision = Decision.TAKE
+                stats.room_waits += 1
         if decision is Decision.WRITER_FULL:
             stats.refused_writer_full += 1
         elif decision is not Decision.TAKE:
@@ -245,10 +263,12 @@ class AdaptivePolicy:
                 # The first write has not finished: what a checkpoint costs beyond
                 # the capture is unknown yet, and a guess could take one too many.
                 return Decision.UNPRICED
-        n, k = stats.executions, stats.checkpoints
-        mean_compute = stats.compute_seconds / n
-        m = self.materialize_seconds(stats)
-        return Decision.TAKE if (k + 1) * m < n * mean_compute * self.bound() else Decision.COST
+        return Decision.TAKE if self.slack(stats) > 0 else Decision.COST
+
+    def slack(self, stats: BlockStats) -> float:
+        """n * C * min(...) - (k + 1) * M: seconds the next checkpoint may add to M's sum."""
+        k = stats.checkpoints
+        return stats.compute_seconds * self.bound() - (k + 1) * self.materialize_seconds(stats)
 
     def captured(self, loop_name: str, capture_seconds: float) -> None:
         """A checkpoint of ``loop_name``'s block was taken, costing the training thread this."""
@@ -257,6 +277,17 @@ class AdaptivePolicy:
             stats.checkpoints += 1
             stats.captures += 1
             stats.capture_seconds += capture_seconds
+
+    def waited(self, loop_name: str, seconds: float) -> None:
+        """Training waited this long for a writer slot at a block end and took nothing.
+
+        Charged to the block's checkpoints (M) like a wait that ended in a
+        capture: it is recording's cost all the same, and the invariant keeps
+        the sum under the bound.
+        """
+        stats = self.blocks.setdefault(loop_name, BlockStats())
+        with self._lock:
+            stats.capture_seconds += max(seconds, 0.0)
 
     def written(
         self,

@@ -20,11 +20,13 @@ costs (tests, and users who want dense checkpoints); ``"adaptive"`` applies
 Flor's joint invariant (:mod:`retrolog.checkpoint.policy`). A checkpoint
 chosen is always written; ``when_full`` says what a block end does when the
 background writer already holds ``max_in_flight`` snapshots: ``"skip"``
-decides against checkpointing that block end (before any copy is taken;
+waits for a slot only as long as the adaptive rule can afford under eps,
+then decides against checkpointing that block end (before any copy is taken;
 counted in ``runs.checkpointing`` as ``refused_writer_full``, and the rule
 asks again at the next block end), ``"wait"`` has training wait for a slot.
-Unless set, it follows the mode: the adaptive rule skips (training never
-waits), ``"every"`` waits, since dense checkpoints are what was asked for.
+Unless set, it follows the mode: the adaptive rule skips (training waits
+only within its bound), ``"every"`` waits, since dense checkpoints are what
+was asked for.
 The end state is always taken, waiting if it must.
 """
 

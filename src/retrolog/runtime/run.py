@@ -403,20 +403,34 @@ class Run:
         # A chosen checkpoint is always written, so the rule must know whether the
         # writer can take one without training waiting (when_full="wait": it waits).
         room = self._settings.when_full == "wait" or checkpointer.has_room()
+        waited = 0.0
+
+        def wait_for_room(limit: float) -> bool:
+            nonlocal waited
+            began = time.perf_counter()
+            try:
+                return bool(checkpointer.wait_for_room(limit))
+            finally:
+                waited = time.perf_counter() - began
+
         decision = policy.decide(
             loop_name,
             seconds,
             writer_busy,
             room=room,
             urgent_seconds=checkpointer.urgent_seconds(),
+            wait_for_room=wait_for_room,
         )
         if not decision:
             if decision.waits_on_writer:
                 # Training would otherwise keep refusing: have the urgent lane write
                 # the oldest checkpoint now, so the next block end finds room (or a price).
                 checkpointer.escalate()
+            if waited:
+                # Training waited for a slot in vain: what the rule's next prices include.
+                policy.waited(loop_name, waited)
             return
-        began = time.perf_counter()
+        began = time.perf_counter() - waited  # a wait for the slot is this checkpoint's cost
         self._capture(
             ctx,
             loop_name,
@@ -527,6 +541,7 @@ class Run:
                 "refused_cost": stats.refused_cost,
                 "refused_writer_full": stats.refused_writer_full,
                 "refused_unpriced": stats.refused_unpriced,
+                "room_waits": stats.room_waits,
                 "mean_block_seconds": stats.compute_seconds / max(stats.executions, 1),
                 "mean_capture_seconds": stats.capture_seconds / max(stats.captures, 1),
                 "mean_writer_cpu_seconds": stats.writer_cpu_seconds / max(stats.writes, 1),
