@@ -30,7 +30,9 @@ and models are built before the span, from fixed seeds. The script prints one
 JSON line: ``{"seconds": ..., "cpu_seconds": ..., "epochs": ...}``.
 
 Workloads (sized for a 2-core machine; all take arguments ``epochs`` and
-``threads``):
+``threads``, and optionally a seed, 0 unless given: bench_record's untimed
+first run passes another, so that the timed run's checkpoints find none of
+their bytes stored already):
 
 - ``cnn``: a small CNN (two conv layers) on 28x28 synthetic images, Adam,
   about a second per epoch; the step loop is the block, so a checkpoint per
@@ -63,7 +65,7 @@ IMPORT
 
 epochs = int(sys.argv[1])
 torch.set_num_threads(int(sys.argv[2]))
-torch.manual_seed(0)
+torch.manual_seed(int(sys.argv[3]) if len(sys.argv) > 3 else 0)
 """
 
 FOOTER = """\

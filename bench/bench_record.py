@@ -139,9 +139,10 @@ def run_once(
     """Run ``name`` in ``variant`` in a fresh git project; the span and what the store holds.
 
     A recorded variant is timed as the project's second run: one untimed run of one
-    epoch records the same script first, so the timed run finds the store made and
-    the code version stored, as every run of a user's but their first does
-    (``first_run``: time the project's first run instead).
+    epoch records the same script first, with another seed, so the timed run finds
+    the store made and the code version stored, as every run of a user's but their
+    first does, and none of its own states (``first_run``: time the project's first
+    run instead).
     """
     work = Path(tempfile.mkdtemp(prefix=f"retrolog-bench-record-{name}-"))
     try:
@@ -154,7 +155,10 @@ def run_once(
         git(project, env, "add", "train.py")
         git(project, env, "commit", "-q", "-m", "workload")
         if variant.startswith("retrolog") and not first_run:
-            prior = [str(python), "train.py", "1", str(threads)]
+            # Another seed: the same code version, but no state of the timed run's, so
+            # none of its checkpoints' bytes are in the store already (a user's runs
+            # differ in their arguments; identical ones would share the first state).
+            prior = [str(python), "train.py", "1", str(threads), "1"]
             run_child(prior, env, f"{name}/{variant} (the untimed first run)", cwd=project)
         cmd = [str(python), "train.py", str(epochs), str(threads)]
         done = run_child(cmd, env, f"{name}/{variant}", cwd=project)
