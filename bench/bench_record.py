@@ -13,8 +13,8 @@ settings: background checkpoints, adaptive rule, eps = 1/15), in a fresh git
 project and a fresh process each time; the span timed is from just before the
 first recording call to just after ``commit()`` returns, so the run start and
 the last checkpoint writes are inside it. A recorded run is timed as its
-project's second: an untimed 1-epoch run of the same script comes first, so
-the timed one finds the store made and its code version stored, as every
+project's second: an untimed 1-epoch run of the same script, with another
+seed, comes first, so the timed one finds the store made and its code version stored, as every
 run of a user's but the first does (``--first-run`` times the first run
 instead: it also makes the store and copies the code, about 60 ms on the cnn):
 

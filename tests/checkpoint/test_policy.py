@@ -174,7 +174,7 @@ def test_a_full_writer_may_be_waited_for_within_what_the_invariant_still_allows(
         limits.append(limit)
         return True
 
-    # n * C * eps - (k + 1) * M = 0.2 - 0.02, capped at one block's share: 0.1.
+    # n * C * eps - (k + 1) * M = 0.2 - 2 * 0.011, capped at one block's share: 0.1.
     assert policy.decide("epoch", 1.0, room=False, wait_for_room=came_free) is Decision.TAKE
     assert limits == [pytest.approx(0.1)]
     assert (stats.room_waits, stats.refused_writer_full) == (1, 0)
