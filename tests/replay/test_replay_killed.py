@@ -46,14 +46,18 @@ PROBE = SCRIPT.replace(
 
 
 def _start_replay(
-    project: Project, script: str = SCRIPT, probe: str = PROBE
+    project: Project, script: str = SCRIPT, probe: str = PROBE, tmp: Path | None = None
 ) -> tuple[subprocess.Popen[str], str]:
-    """Start a replay and return once its worker is training; (process, checkout marker)."""
+    """Start a replay and return once its worker is training; (process, checkout marker).
+
+    tmp: the coordinator's temporary directory (TMPDIR), for its checkouts.
+    """
     project.write("train.py", script)
     project.run("train.py")
     project.write("train.py", probe)
-    proc = project.start_cli("replay", "w1", "--yes")
-    marker = f"{tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
+    env = {} if tmp is None else {"TMPDIR": str(tmp)}
+    proc = project.start_cli("replay", "w1", "--yes", **env)
+    marker = f"{tmp or tempfile.gettempdir()}/retrolog-checkout-{proc.pid}-"
     # This coordinator's workers only (their checkouts carry its pid): the machine may
     # run other replays meanwhile, which must be neither waited for nor killed.
     deadline = time.monotonic() + 60
@@ -65,7 +69,7 @@ def _start_replay(
 
 
 def _checkouts(marker: str) -> list[Path]:
-    return list(Path(tempfile.gettempdir()).glob(Path(marker).name + "*"))
+    return list(Path(marker).parent.glob(Path(marker).name + "*"))
 
 
 def _gone(pred, seconds: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
@@ -97,7 +101,11 @@ def _replays_again_exactly(project: Project) -> None:
 def test_sigkill_of_the_coordinator_kills_its_worker_and_gc_sweeps_the_rest(
     project: Project,
 ) -> None:
-    proc, marker = _start_replay(project)
+    # A temporary directory of its own: any replay sweeps the checkouts of dead
+    # coordinators, and another test's, running meanwhile, once swept this one's first.
+    tmp = project.root.parent / "tmp"
+    tmp.mkdir()
+    proc, marker = _start_replay(project, tmp=tmp)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     # The worker has seconds of training left: gone this soon, it was killed.
@@ -105,7 +113,7 @@ def test_sigkill_of_the_coordinator_kills_its_worker_and_gc_sweeps_the_rest(
     assert _checkouts(marker), "nothing to sweep: the test no longer tests the sweep"
     assert read_db(project.root, "SELECT status FROM replays") == [("running",)]
 
-    swept = project.cli("gc", "--dry-run")
+    swept = project.cli("gc", "--dry-run", TMPDIR=str(tmp))
     assert swept.returncode == 0, swept.stderr
     assert not _checkouts(marker)
     assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
