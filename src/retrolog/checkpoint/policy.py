@@ -243,10 +243,12 @@ class AdaptivePolicy:
             # Training may wait for a slot as long as the invariant still holds with the
             # wait charged to this checkpoint, and no longer than one block's share of
             # the bound: what a checkpoint of this block may cost on its own.
-            limit = min(self.slack(stats), stats.compute_seconds / stats.executions * self.bound())
-            if wait_for_room is not None and limit > 0 and wait_for_room(limit):
-                decision = Decision.TAKE
-                stats.room_waits += 1
+            if wait_for_room is not None:
+                share = stats.compute_seconds / stats.executions * self.bound()
+                limit = min(self.slack(stats), share)
+                if limit > 0 and wait_for_room(limit):
+                    decision = Decision.TAKE
+                    stats.room_waits += 1
         if decision is Decision.WRITER_FULL:
             stats.refused_writer_full += 1
         elif decision is not Decision.TAKE:

@@ -422,9 +422,10 @@ class Run:
             wait_for_room=wait_for_room,
         )
         if not decision:
-            if decision.waits_on_writer:
+            if decision.waits_on_writer and not waited:
                 # Training would otherwise keep refusing: have the urgent lane write
                 # the oldest checkpoint now, so the next block end finds room (or a price).
+                # (A wait for a slot has done so already.)
                 checkpointer.escalate()
             if waited:
                 # Training waited for a slot in vain: what the rule's next prices include.
