@@ -101,7 +101,8 @@ SETTINGS: tuple[Setting, ...] = (
         "when_full",
         "RETROLOG_WHEN_FULL",
         "skip ('wait' with checkpoints = 'every')",
-        "a block end that finds the writer full: 'skip' it or 'wait' for it",
+        "a block end that finds the writer full: 'skip' it (after waiting as long as the "
+        "overhead tolerance allows) or 'wait' for it",
     ),
     Setting(
         "restore_ratio",

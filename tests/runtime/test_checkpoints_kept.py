@@ -99,6 +99,8 @@ def test_a_cpu_saturated_run_writes_every_checkpoint_the_rule_chose(project: Pro
     # The rule kept choosing after the first checkpoint: blocks of a second or more, and
     # a checkpoint costing training tens of milliseconds, whichever lane wrote it.
     assert chosen >= 2, why
+    # The first write was due half a block in, so the second block end had its price.
+    assert record["blocks"]["epoch"]["refused_unpriced"] == 0, why
     ((status,),) = read_db(project.root, "SELECT status FROM runs")
     assert status == "finished"
     # And every one of them restores: each object verifies against its key, whichever
