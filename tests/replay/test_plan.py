@@ -300,6 +300,40 @@ def test_start_up_pools_the_imports_over_the_runs_of_a_script() -> None:
     assert plan.runs[-1].estimate_seconds == 7.0
 
 
+def test_iteration_times_pool_over_the_runs_of_a_script_that_agree() -> None:
+    # 4 epochs, each checkpointed (0.5 s of snapshot on the training thread, taken out):
+    # the code around the blocks (evaluation) is N_i = total - block - 0.5.
+    def run(
+        run_id: str, non_block: list[float], block: float, filename: str = "train.py"
+    ) -> RunProfile:
+        totals = [nb + block + 0.5 for nb in non_block]
+        return dataclasses.replace(
+            make_profile(run_id=run_id, total=totals, block=block), filename=filename
+        )
+
+    a = run("a", [2.0, 1.0, 1.0, 1.0], 8.0)  # the first epoch evaluates slower in every run
+    b = run("b", [2.5, 1.25, 1.25, 1.25], 10.0)  # recorded in a process 1.25x slower
+    c = run("c", [4.0, 1.0, 1.0, 1.0], 8.0)  # one evaluation disturbed
+    d = run("d", [6.0, 3.0, 3.0, 3.0], 24.0)  # other arguments: 3x the work
+    # Per iteration, the median over a, b and c: N = 2.5, 1, 1, 1 and B = 8; d keeps its own.
+    # Outer loop: prefix 3 + sum(N_i + restore 0.5) + tail (suffix 2 - end capture 1).
+    outer = plan_replay(ScanLevel.OUTER_LOOP, [a, b, c, d], 1)
+    assert [r.estimate_seconds for r in outer.runs] == [11.5, 11.5, 11.5, 21.0]
+    # Inner loop, every block executed: 3 + sum(N_i + B_i) + 1.
+    inner = plan_replay(ScanLevel.INNER_LOOP, [a, b, c, d], 1)
+    assert [r.estimate_seconds for r in inner.runs] == [41.5, 41.5, 41.5, 115.0]
+    assert any(
+        "code around the blocks taken per iteration as the median over 3 runs" in n
+        and "run d: its own" in n
+        for n in outer.notes
+    ), outer.notes
+    # Fewer than 3 runs of a script, or runs of another script: each run's own figures.
+    x = run("x", [4.0, 1.0, 1.0, 1.0], 8.0, "eval.py")
+    alone = plan_replay(ScanLevel.OUTER_LOOP, [a, b, x], 1)
+    assert [r.estimate_seconds for r in alone.runs] == [11.0, 12.25, 13.0]
+    assert not any("median over" in n for n in alone.notes)
+
+
 def test_fewer_threads_than_recorded_slow_the_compute_by_amdahl() -> None:
     profile = dataclasses.replace(make_profile(**GAPPY), threads=4)  # type: ignore[arg-type]
     bare = plan_replay(ScanLevel.INNER_LOOP, [profile], 1).estimate_seconds

@@ -219,20 +219,16 @@ def _costs(
     worker: WorkerCosts | None = None,
     workers: int = 1,
     imports: float | None = None,
+    iterations: _Iterations | None = None,
 ) -> _Costs:
-    """One run's cost model; ``imports`` replaces the run's own imports_seconds (pooled)."""
+    """One run's cost model; ``imports`` and ``iterations`` replace the run's own (pooled)."""
     worker = worker or WorkerCosts()
     slower, compute = worker.scales(profile, workers)
     n = profile.iterations
+    timings = iterations or _own_iterations(profile)
     run, skip, restorable = [], [], []
     for i in range(n):
-        total, block = profile.iteration_seconds[i], profile.block_seconds[i]
-        if profile.is_nested(i):
-            overhead = profile.record_overhead_seconds.get(i, 0.0)
-            non_block = max(total - block - overhead, 0.0)
-        else:
-            non_block, block = 0.0, total
-        non_block, block = non_block * compute, block * compute
+        non_block, block = timings.non_block[i] * compute, timings.block[i] * compute
         restore = _restore_seconds(profile, i, seconds_per_byte)
         if restore is not None:
             restore *= slower
@@ -344,12 +340,21 @@ def plan_replay(
             f"{restore_seconds_per_byte!r}."
         )
     imports, import_notes = _pooled_imports(profiles)
+    iterations, iteration_notes = _pooled_iterations(profiles)
     drafts = []
     for profile in profiles:
         level = _level_of(levels, profile.run_id)
-        pooled = imports.get(profile.filename)
         drafts.append(
-            _draft(profile, level, restore_seconds_per_byte, run_suffix, worker, workers, pooled)
+            _draft(
+                profile,
+                level,
+                restore_seconds_per_byte,
+                run_suffix,
+                worker,
+                workers,
+                imports.get(profile.filename),
+                iterations.get(profile.run_id),
+            )
         )
     splits = _choose_splits(drafts, workers)
     runs = []
@@ -359,7 +364,7 @@ def plan_replay(
     makespan, schedule = _pack(segments, workers)
     if worker is not None and worker.preimported:
         makespan += max(worker.preimported.values())  # the fork server imports first
-    plan_notes = [*notes, *import_notes]
+    plan_notes = [*notes, *import_notes, *iteration_notes]
     if any(_uses_restores(run) for run in runs):
         if restore_seconds_per_byte is not None:
             rate = 1 / restore_seconds_per_byte if restore_seconds_per_byte else math.inf
@@ -377,6 +382,111 @@ def plan_replay(
         notes=tuple(plan_notes),
         worker=worker,
     )
+
+
+@dataclass(frozen=True)
+class _Iterations:
+    """N_i and B_i of the cost model per outer iteration (B_i = T_i: the iteration is its block)."""
+
+    non_block: tuple[float, ...]
+    block: tuple[float, ...]
+
+
+def _own_iterations(profile: RunProfile) -> _Iterations:
+    """N_i and B_i from the run's own recording, without recording's checkpoint time."""
+    non_blocks, blocks = [], []
+    for i in range(profile.iterations):
+        total, block = profile.iteration_seconds[i], profile.block_seconds[i]
+        if profile.is_nested(i):
+            overhead = profile.record_overhead_seconds.get(i, 0.0)
+            non_blocks.append(max(total - block - overhead, 0.0))
+            blocks.append(block)
+        else:
+            non_blocks.append(0.0)
+            blocks.append(total)
+    return _Iterations(tuple(non_blocks), tuple(blocks))
+
+
+# Runs of one script whose outer-loop timings are within this factor of the runs'
+# median are taken to do the same work per iteration, at the speed of the process that
+# recorded them: the same evaluation code took 1.39x as long in one execution of the
+# benchmark workload as in another on the 2-core machine (docs/replay-planning.md,
+# "Pooling over runs"). A run further off (other arguments: more data, a larger model)
+# keeps its own timings.
+POOL_AGREEMENT = 1.5
+POOL_MIN_RUNS = 3  # fewer runs than this: a median is no steadier than each run's own
+
+
+def _pooled_iterations(
+    profiles: Sequence[RunProfile],
+) -> tuple[dict[str, _Iterations], list[str]]:
+    """Per run, N_i and B_i as the median over the script's runs that agree with each other.
+
+    Each recording timed its iterations in one process, and a process's speed varies
+    from one execution to the next on a shared machine; the replay worker is another
+    process again. The runs of a script planned together (same file, same number of
+    outer iterations and the same nested pattern) that agree within
+    :data:`POOL_AGREEMENT`, part by part (non-block, block), get the median over
+    those runs for each iteration: the shape of the loop (a first epoch slower, an
+    evaluation every k epochs) is kept, one process's speed is not. Runs that do not
+    agree keep their own figures, and so do scripts with fewer than
+    :data:`POOL_MIN_RUNS` runs in the plan.
+    """
+    groups: dict[tuple[str, tuple[bool, ...]], list[RunProfile]] = {}
+    for profile in profiles:
+        pattern = tuple(profile.is_nested(i) for i in range(profile.iterations))
+        if pattern:
+            groups.setdefault((profile.filename, pattern), []).append(profile)
+    pooled: dict[str, _Iterations] = {}
+    notes: list[str] = []
+    for (filename, _), members in sorted(groups.items()):
+        if len(members) < POOL_MIN_RUNS:
+            continue
+        own = {p.run_id: _own_iterations(p) for p in members}
+        non_block, nb_runs = _pool_part({r: it.non_block for r, it in own.items()})
+        block, b_runs = _pool_part({r: it.block for r, it in own.items()})
+        for run_id, it in own.items():
+            if run_id in nb_runs or run_id in b_runs:
+                pooled[run_id] = _Iterations(
+                    non_block.get(run_id, it.non_block), block.get(run_id, it.block)
+                )
+        for what, runs in (("blocks", b_runs), ("code around the blocks", nb_runs)):
+            if not runs:
+                continue
+            note = (
+                f"{filename}: time of the {what} taken per iteration as the median over "
+                f"{len(runs)} runs that agree within {POOL_AGREEMENT:g}x"
+            )
+            apart = sorted(set(own) - runs)
+            if apart:
+                note += f" (run {', '.join(apart)}: its own, further off)"
+            notes.append(note)
+    return pooled, notes
+
+
+def _pool_part(
+    samples: Mapping[str, tuple[float, ...]],
+) -> tuple[dict[str, tuple[float, ...]], set[str]]:
+    """The median per index over the runs within POOL_AGREEMENT of the runs' median."""
+    shape = _median_per_index(list(samples.values()))
+    agree = {r for r, values in samples.items() if _agrees(values, shape)}
+    if len(agree) < POOL_MIN_RUNS:
+        return {}, set()
+    median = _median_per_index([samples[r] for r in sorted(agree)])
+    return {r: median for r in agree}, agree
+
+
+def _median_per_index(rows: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+    return tuple(statistics.median(column) for column in zip(*rows, strict=True))
+
+
+def _agrees(values: tuple[float, ...], shape: tuple[float, ...]) -> bool:
+    """Whether a run's figures are the shape's, within POOL_AGREEMENT, in their median ratio."""
+    ratios = [v / s for v, s in zip(values, shape, strict=True) if s > 0]
+    if not ratios:
+        return all(v == 0 for v in values)
+    level = statistics.median(ratios)
+    return 1 / POOL_AGREEMENT <= level <= POOL_AGREEMENT
 
 
 def _pooled_imports(profiles: Sequence[RunProfile]) -> tuple[dict[str, float], list[str]]:
@@ -525,8 +635,9 @@ def _draft(
     worker: WorkerCosts | None = None,
     workers: int = 1,
     imports: float | None = None,
+    iterations: _Iterations | None = None,
 ) -> _Draft:
-    costs = _costs(profile, seconds_per_byte, worker, workers, imports)
+    costs = _costs(profile, seconds_per_byte, worker, workers, imports, iterations)
     notes = list(profile.notes)
     scan = requested
     if scan is ScanLevel.SUFFIX and costs.end_restore is None:
