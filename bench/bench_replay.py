@@ -629,6 +629,7 @@ def replay_once(
                 "backfilled": backfilled,
             }
         )
+    add_unpooled(db, run_figures, workers)
     if "differs" in output:
         problems.append("replay reported a difference from the recorded values")
     if problems:
@@ -686,23 +687,62 @@ def verify_once(
     ((replay_id,),) = read_rows(db, "SELECT replay_id FROM replays")
     rows = read_rows(
         db,
-        "SELECT run_id, estimate_seconds, actual_seconds FROM replay_runs WHERE replay_id = ?",
+        "SELECT run_id, scan, estimate_seconds, actual_seconds FROM replay_runs"
+        " WHERE replay_id = ?",
         (replay_id,),
     )
-    by_run = {run_id: (e, a) for run_id, e, a in rows}
-    return {
-        "seconds": timing.seconds,
-        "runs": [
-            {
-                "run_id": run_id,
-                "estimate_seconds": e,
-                "actual_seconds": a,
-                "error_pct": (e - a) / a * 100,
-            }
-            for run_id in runs
-            for e, a in [by_run[run_id]]
-        ],
-    }
+    by_run = {run_id: (scan, e, a) for run_id, scan, e, a in rows}
+    figures = [
+        {
+            "run_id": run_id,
+            "scan": scan,
+            "estimate_seconds": e,
+            "actual_seconds": a,
+            "error_pct": (e - a) / a * 100,
+        }
+        for run_id in runs
+        for scan, e, a in [by_run[run_id]]
+    ]
+    add_unpooled(db, figures, workers)
+    return {"seconds": timing.seconds, "runs": figures}
+
+
+def add_unpooled(db: Path, figures: list[dict[str, Any]], workers: int) -> None:
+    """Each run's estimate as it would be from its own iteration times alone, side by side.
+
+    The planner pools a script's iteration times over its runs that agree
+    (plan.py, ``_pooled_iterations``). Planning the same runs at the same levels
+    again with pooling off (no script has enough runs) and with it on gives, per
+    run, what pooling moved the estimate by; the replay's own estimate minus that is
+    the estimate the planner made before pooling, against the same measured replay.
+    Only for runs planned as one segment both ways (a split can differ between the
+    two plans); others get None.
+    """
+    from retrolog._replay import plan as planning
+    from retrolog._replay.profile import load_profiles
+
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        profiles = load_profiles(conn, [f["run_id"] for f in figures])
+    finally:
+        conn.close()
+    levels = {f["run_id"]: planning.ScanLevel[f["scan"]] for f in figures}
+    worker = planning.WorkerCosts(cores=os.cpu_count())
+    pooled = planning.plan_replay(levels, profiles, workers, worker=worker)
+    saved = planning.POOL_MIN_RUNS
+    planning.POOL_MIN_RUNS = len(profiles) + 1
+    try:
+        own = planning.plan_replay(levels, profiles, workers, worker=worker)
+    finally:
+        planning.POOL_MIN_RUNS = saved
+    for figure, a, b in zip(figures, pooled.runs, own.runs, strict=True):
+        single = len(a.segments) == 1 and len(b.segments) == 1
+        estimate = figure["estimate_seconds"] - (a.estimate_seconds - b.estimate_seconds)
+        actual = figure["actual_seconds"]
+        figure["estimate_without_pooling_seconds"] = estimate if single else None
+        figure["error_without_pooling_pct"] = (
+            (estimate - actual) / actual * 100 if single and actual else None
+        )
 
 
 def restore_figures(segments_dir: Path) -> dict[str, Any]:
@@ -922,11 +962,23 @@ def replay_floor(first: list[dict[str, Any]], again: list[dict[str, Any]]) -> di
         "second_replay_seconds": summary([y["seconds"] for y in again]),
         "estimate_error_pct_both_replays": {
             "median_abs": error,
+            "median_abs_without_pooling": unpooled(first + again),
             "samples_second": [run["error_pct"] for y in again for run in y["runs"]],
         },
         "target_median_abs_at_most": floor + 3,
         "target_met": error <= floor + 3,
     }
+
+
+def unpooled(replays: list[dict[str, Any]]) -> float | None:
+    """Median |error| per run of the estimate without pooling (add_unpooled), or None."""
+    errors = [
+        run["error_without_pooling_pct"]
+        for x in replays
+        for run in x["runs"]
+        if run.get("error_without_pooling_pct") is not None
+    ]
+    return statistics.median(abs(e) for e in errors) if errors else None
 
 
 def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, Any]:
@@ -979,6 +1031,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
                     "median_abs": statistics.median(abs(e) for e in errors),
                     "worst": max(errors, key=abs),
                     "samples": errors,
+                    "median_abs_without_pooling": unpooled(rs),
                 },
                 "estimate_floor_pct_per_run": {
                     "what": "the same estimate made from a second fresh execution's profile "
@@ -1017,6 +1070,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
             "median_abs": statistics.median(abs(e) for e in verify_errors),
             "worst": max(verify_errors, key=abs),
             "samples": verify_errors,
+            "median_abs_without_pooling": unpooled([r["verify"] for r in reps]),
         },
         "replay_floor_pct_per_run": replay_floor(
             [r["verify"] for r in reps], [r["verify_again"] for r in reps]
@@ -1272,11 +1326,17 @@ def flordb_result(
     }
 
 
+def without_pooling(stats: dict[str, Any]) -> str:
+    own = stats.get("median_abs_without_pooling")
+    return "" if own is None else f" (from each run's own iteration times: {own:.1f}%)"
+
+
 def print_floor(rf: dict[str, Any]) -> None:
-    both = rf["estimate_error_pct_both_replays"]["median_abs"]
+    both = rf["estimate_error_pct_both_replays"]
     print(
         f"    the same replay run twice: a run's replay time moves {rf['median_abs']:.1f}% "
-        f"(worst {rf['worst']:+.1f}%); median |error| over both replays {both:.1f}% against "
+        f"(worst {rf['worst']:+.1f}%); median |error| over both replays "
+        f"{both['median_abs']:.1f}%{without_pooling(both)} against "
         f"floor + 3 = {rf['target_median_abs_at_most']:.1f}%: "
         + ("met" if rf["target_met"] else "not met")
     )
@@ -1383,7 +1443,8 @@ def print_report(result: dict[str, Any]) -> None:
             aa = result[probe][f"workers_{workers}"]["estimate_floor_pct_per_run"]
             print(
                 f"(c) estimate error per run, {probe} w={workers}: median |error| "
-                f"{err['median_abs']:.1f}%, worst {err['worst']:+.1f}%; the same estimate "
+                f"{err['median_abs']:.1f}%{without_pooling(err)}, worst {err['worst']:+.1f}%; "
+                "the same estimate "
                 f"from a second execution's profile moves {aa['median_abs']:.1f}% "
                 f"(worst {aa['worst']:+.1f}%)"
             )
@@ -1394,7 +1455,7 @@ def print_report(result: dict[str, Any]) -> None:
     err = ver["estimate_error_pct_per_run"]
     print(
         f"(c) estimate error per run, --verify (scripts run to their end): median |error| "
-        f"{err['median_abs']:.1f}%, worst {err['worst']:+.1f}%; the replay "
+        f"{err['median_abs']:.1f}%{without_pooling(err)}, worst {err['worst']:+.1f}%; the replay "
         f"{cell(ver['replay_seconds'], '.1f', 's')}"
     )
     print_floor(ver["replay_floor_pct_per_run"])
