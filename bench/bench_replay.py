@@ -970,14 +970,19 @@ def replay_floor(first: list[dict[str, Any]], again: list[dict[str, Any]]) -> di
     }
 
 
-def unpooled(replays: list[dict[str, Any]]) -> float | None:
-    """Median |error| per run of the estimate without pooling (add_unpooled), or None."""
-    errors = [
+def unpooled_samples(replays: list[dict[str, Any]]) -> list[float]:
+    """Each run's error, in percent, of the estimate without pooling (add_unpooled)."""
+    return [
         run["error_without_pooling_pct"]
         for x in replays
         for run in x["runs"]
         if run.get("error_without_pooling_pct") is not None
     ]
+
+
+def unpooled(replays: list[dict[str, Any]]) -> float | None:
+    """Median |error| per run of the estimate without pooling, or None."""
+    errors = unpooled_samples(replays)
     return statistics.median(abs(e) for e in errors) if errors else None
 
 
@@ -1032,6 +1037,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
                     "worst": max(errors, key=abs),
                     "samples": errors,
                     "median_abs_without_pooling": unpooled(rs),
+                    "samples_without_pooling": unpooled_samples(rs),
                 },
                 "estimate_floor_pct_per_run": {
                     "what": "the same estimate made from a second fresh execution's profile "
@@ -1071,6 +1077,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
             "worst": max(verify_errors, key=abs),
             "samples": verify_errors,
             "median_abs_without_pooling": unpooled([r["verify"] for r in reps]),
+            "samples_without_pooling": unpooled_samples([r["verify"] for r in reps]),
         },
         "replay_floor_pct_per_run": replay_floor(
             [r["verify"] for r in reps], [r["verify_again"] for r in reps]
@@ -1245,6 +1252,20 @@ def main(argv: list[str] | None = None) -> int:
             "worker_counts": list(mode.counts),
             "workers_chosen_by": "--workers" if mode.explicit else "retrolog (no --workers)",
             "recorded_last_rep": reps[-1]["workload"]["runs"],
+            # Every repetition's unchecked epochs with the rule's reasons (runs.checkpointing),
+            # so that a repetition that lost epochs says why.
+            "refusals_per_rep": [
+                {
+                    "epochs_without_checkpoint": sum(
+                        run["epochs_without_checkpoint"] for run in r["workload"]["runs"]
+                    ),
+                    **{
+                        key: sum(run["refused"].get(key) or 0 for run in r["workload"]["runs"])
+                        for key in ("refused_cost", "refused_unpriced", "refused_writer_full")
+                    },
+                }
+                for r in reps
+            ],
             "startup_floor_seconds": summary(floor),
             "startup_floor_is": "python -c '" + startup_snippet(mode.threads) + "'",
         },

@@ -38,7 +38,7 @@ from retrolog.store.metadata import connect
 from retrolog.store.objects import LocalObjectStore
 from retrolog.store.schema import migrate
 
-from conftest import Project
+from conftest import Project, read_db
 
 
 def make_profile(
@@ -777,3 +777,43 @@ def test_plan_a_recorded_run(project: Project) -> None:
     assert plan.estimate_seconds < inner.estimate_seconds
     assert isinstance(plan, ReplayPlan) and run_id in format_plan(plan)
     assert json.dumps([s.restore for s in plan.runs[0].segments]) == "[[0, 1, 2]]"
+
+
+def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project) -> None:
+    # Three runs that differ in an argument that does not change the work, and one whose
+    # argument triples every iteration's: the plan takes the median per iteration over
+    # the three and says so.
+    project.write(
+        "train.py",
+        """
+        import time
+        import retrolog as rl
+
+        work = rl.arg("work", 1)
+        seed = rl.arg("seed", 0)
+        state = {"w": [0.0] * 100}
+        with rl.checkpointing(state=state):
+            for epoch in rl.loop("epoch", range(3)):
+                for step in rl.loop("step", range(4)):
+                    time.sleep(0.02 * work)
+                    state["w"][0] += 1
+                time.sleep(0.02 * work)
+                rl.log("acc", state["w"][0])
+        """,
+    )
+    for seed, work in ((1, 1), (2, 1), (3, 1), (4, 3)):
+        project.run("train.py", "--kwargs", f"seed={seed}", f"work={work}")
+    runs = [r for (r,) in read_db(project.root, "SELECT run_id FROM runs ORDER BY started_at")]
+    source = (project.root / "train.py").read_text()
+    statement = '        rl.log("acc", state["w"][0])\n'
+    project.write(
+        "train.py",
+        source.replace(statement, statement + '        rl.log("twice", 2 * state["w"][0])\n'),
+    )
+    out = project.cli("replay", "twice", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    for part in ("blocks", "code around the blocks"):
+        assert (
+            f"train.py: time of the {part} taken per iteration as the median over 3 runs that "
+            f"agree within 1.5x (run {runs[3]}: its own, further off)"
+        ) in out.stderr, out.stderr
