@@ -332,6 +332,13 @@ def test_iteration_times_pool_over_the_runs_of_a_script_that_agree() -> None:
     alone = plan_replay(ScanLevel.OUTER_LOOP, [a, b, x], 1)
     assert [r.estimate_seconds for r in alone.runs] == [11.0, 12.25, 13.0]
     assert not any("median over" in n for n in alone.notes)
+    # Iterations that are their own block have no code around it to pool.
+    whole = [
+        make_profile(run_id=r, total=t, block=t) for r, t in (("p", 4.0), ("q", 5.0), ("r", 6.0))
+    ]
+    notes = plan_replay(ScanLevel.INNER_LOOP, whole, 1).notes
+    assert any("time of the blocks taken per iteration as the median over 3" in n for n in notes)
+    assert not any("code around the blocks" in n for n in notes), notes
 
 
 def test_fewer_threads_than_recorded_slow_the_compute_by_amdahl() -> None:

@@ -408,11 +408,11 @@ def _own_iterations(profile: RunProfile) -> _Iterations:
 
 
 # Runs of one script whose outer-loop timings are within this factor of the runs'
-# median are taken to do the same work per iteration, at the speed of the process that
-# recorded them: the same evaluation code took 1.39x as long in one execution of the
-# benchmark workload as in another on the 2-core machine (docs/replay-planning.md,
-# "Pooling over runs"). A run further off (other arguments: more data, a larger model)
-# keeps its own timings.
+# median are taken to do the same work per iteration, each at the speed of the process
+# that recorded it: over 12 executions of the benchmark workload on the 2-core machine,
+# the same evaluation code took up to 1.43x as long in one as in another
+# (docs/replay-planning.md, "Pooling iteration times over runs"). A run further off
+# (other arguments: more data, a larger model) keeps its own timings.
 POOL_AGREEMENT = 1.5
 POOL_MIN_RUNS = 3  # fewer runs than this: a median is no steadier than each run's own
 
@@ -468,6 +468,8 @@ def _pool_part(
     samples: Mapping[str, tuple[float, ...]],
 ) -> tuple[dict[str, tuple[float, ...]], set[str]]:
     """The median per index over the runs within POOL_AGREEMENT of the runs' median."""
+    if not any(any(values) for values in samples.values()):
+        return {}, set()  # no such part (iterations that are their own block): nothing to pool
     shape = _median_per_index(list(samples.values()))
     agree = {r for r, values in samples.items() if _agrees(values, shape)}
     if len(agree) < POOL_MIN_RUNS:
