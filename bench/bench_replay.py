@@ -36,7 +36,9 @@ HEAD and working tree are unchanged by replay.
 
 (c) Estimates: ``replay_runs.estimate_seconds`` against ``actual_seconds`` per
 run and replay (error = (estimate - actual) / actual), and the plan's wall-time
-estimate against the replay's measured execution time.
+estimate against the replay's measured execution time. Beside each run's error,
+the error of its estimate from its own iteration times alone (``add_unpooled``:
+the planner pools them over a script's runs that agree), against the same replay.
 
 (d) FlorDB 4.0.1 (``--flordb-reps`` times, default once): the same script
 written against its API, recorded the same way in a fresh git project, then
