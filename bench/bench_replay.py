@@ -714,7 +714,7 @@ def add_unpooled(db: Path, figures: list[dict[str, Any]], workers: int) -> None:
 
     The planner pools a script's iteration times over its runs that agree
     (plan.py, ``_pooled_iterations``). Planning the same runs at the same levels
-    again with pooling off (no script has enough runs) and with it on gives, per
+    again with it off (the imports' pooling kept) and with it on gives, per
     run, what pooling moved the estimate by; the replay's own estimate minus that is
     the estimate the planner made before pooling, against the same measured replay.
     Only for runs planned as one segment both ways (a split can differ between the
@@ -731,12 +731,12 @@ def add_unpooled(db: Path, figures: list[dict[str, Any]], workers: int) -> None:
     levels = {f["run_id"]: planning.ScanLevel[f["scan"]] for f in figures}
     worker = planning.WorkerCosts(cores=os.cpu_count())
     pooled = planning.plan_replay(levels, profiles, workers, worker=worker)
-    saved = planning.POOL_MIN_RUNS
-    planning.POOL_MIN_RUNS = len(profiles) + 1
+    saved = planning._pooled_iterations
+    planning._pooled_iterations = lambda _profiles: ({}, [])  # type: ignore[assignment]
     try:
         own = planning.plan_replay(levels, profiles, workers, worker=worker)
     finally:
-        planning.POOL_MIN_RUNS = saved
+        planning._pooled_iterations = saved
     for figure, a, b in zip(figures, pooled.runs, own.runs, strict=True):
         single = len(a.segments) == 1 and len(b.segments) == 1
         estimate = figure["estimate_seconds"] - (a.estimate_seconds - b.estimate_seconds)

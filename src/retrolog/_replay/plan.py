@@ -504,7 +504,7 @@ def _pooled_imports(profiles: Sequence[RunProfile]) -> tuple[dict[str, float], l
     for profile in profiles:
         if profile.imports_seconds is not None:
             samples.setdefault(profile.filename, []).append(profile.imports_seconds)
-    pooled = {name: statistics.median(v) for name, v in samples.items() if len(v) >= 3}
+    pooled = {name: statistics.median(v) for name, v in samples.items() if len(v) >= POOL_MIN_RUNS}
     notes = [
         f"start-up of {name}: interpreter and imports taken as the median over "
         f"{len(samples[name])} runs ({seconds:.1f}s)"
