@@ -809,7 +809,10 @@ def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project)
         """,
     )
     for seed, work in ((1, 1), (2, 1), (3, 1), (4, 3)):
-        project.run("train.py", "--kwargs", f"seed={seed}", f"work={work}")
+        # Recorded as a user's runs are: the adaptive rule, not the suite's every-block default.
+        project.run(
+            "train.py", "--kwargs", f"seed={seed}", f"work={work}", RETROLOG_CHECKPOINTS="adaptive"
+        )
     runs = [r for (r,) in read_db(project.root, "SELECT run_id FROM runs ORDER BY started_at")]
     source = (project.root / "train.py").read_text()
     statement = '        rl.log("acc", state["w"][0])\n'
