@@ -341,6 +341,56 @@ def test_iteration_times_pool_over_the_runs_of_a_script_that_agree() -> None:
     assert not any("code around the blocks" in n for n in notes), notes
 
 
+def test_the_scripts_own_start_up_pools_over_the_runs_that_agree() -> None:
+    # The prefix: interpreter and imports 2.0 s, packages imported later 0.5 s, recording's
+    # set-up 0.25 s, then the script's own work before its first loop (data, model).
+    def run(run_id: str, own: float, filename: str = "train.py") -> RunProfile:
+        return dataclasses.replace(
+            make_profile(run_id=run_id, prefix=2.0 + 0.5 + 0.25 + own),
+            filename=filename,
+            imports_seconds=2.0,
+            late_imports_seconds=0.5,
+            setup_seconds=0.25,
+        )
+
+    a, b, c = run("a", 0.5), run("b", 0.625), run("c", 0.5625)  # one process slower than another
+    d = run("d", 2.0)  # other arguments: 4x the data to build, its own
+    e = run("e", 0.4375)  # less data: 0.78x the median, beyond POOL_AGREEMENT, its own
+    runs = (a, b, c, d, e)
+    # Outer loop, each run alone: startup (prefix - set-up) + sum(N_i + restore) + tail.
+    rest = 4 * (2.0 - 0.5 + 0.5) + (2.0 - 1.0)
+    alone = [plan_replay(ScanLevel.OUTER_LOOP, [p], 1).estimate_seconds for p in runs]
+    assert alone == [2.5 + own + rest for own in (0.5, 0.625, 0.5625, 2.0, 0.4375)]
+    plan = plan_replay(ScanLevel.OUTER_LOOP, list(runs), 1)
+    assert [r.estimate_seconds for r in plan.runs] == [
+        2.5 + own + rest for own in (0.5625, 0.5625, 0.5625, 2.0, 0.4375)
+    ]
+    assert any(
+        "own start-up work" in n and "median over 3 runs" in n and "run d, e: its own" in n
+        for n in plan.notes
+    ), plan.notes
+    # A worker forked from a fork server repeats none of the imports: the pooled own part
+    # and the fork.
+    forked = WorkerCosts(preimported={p.run_id: 2.5 for p in runs})
+    plan = plan_replay(ScanLevel.OUTER_LOOP, list(runs), 1, worker=forked)
+    starts = [r.estimate_seconds - rest for r in plan.runs]
+    assert starts == pytest.approx(
+        [0.5625 + FORKED_START_SECONDS] * 3
+        + [2.0 + FORKED_START_SECONDS, 0.4375 + FORKED_START_SECONDS]
+    )
+    # Fewer than 3 runs of a script, or a recording that did not time its imports: its own.
+    x = run("x", 0.625, "eval.py")
+    untimed = dataclasses.replace(run("u", 0.625), imports_seconds=None)
+    plan = plan_replay(ScanLevel.OUTER_LOOP, [a, c, x, untimed], 1)
+    assert [r.estimate_seconds for r in plan.runs] == [
+        2.5 + 0.5 + rest,
+        2.5 + 0.5625 + rest,
+        2.5 + 0.625 + rest,
+        3.125 + rest,
+    ]
+    assert not any("own start-up work" in n for n in plan.notes), plan.notes
+
+
 def test_fewer_threads_than_recorded_slow_the_compute_by_amdahl() -> None:
     profile = dataclasses.replace(make_profile(**GAPPY), threads=4)  # type: ignore[arg-type]
     bare = plan_replay(ScanLevel.INNER_LOOP, [profile], 1).estimate_seconds
@@ -825,5 +875,5 @@ def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project)
     for part in ("blocks", "code around the blocks"):
         assert (
             f"train.py: time of the {part} taken per iteration as the median over 3 runs that "
-            f"agree within 1.5x (run {runs[3]}: its own, further off)"
+            f"agree within 1.25x (run {runs[3]}: its own, further off)"
         ) in out.stderr, out.stderr
