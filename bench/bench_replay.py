@@ -37,8 +37,9 @@ HEAD and working tree are unchanged by replay.
 (c) Estimates: ``replay_runs.estimate_seconds`` against ``actual_seconds`` per
 run and replay (error = (estimate - actual) / actual), and the plan's wall-time
 estimate against the replay's measured execution time. Beside each run's error,
-the error of its estimate from its own iteration times alone (``add_unpooled``:
-the planner pools them over a script's runs that agree), against the same replay.
+the error of its estimate from its own recording alone, and with only its iteration
+times pooled (``add_unpooled``: the planner pools iteration times and the script's own
+start-up work over a script's runs that agree), against the same replay.
 
 (d) FlorDB 4.0.1 (``--flordb-reps`` times, default once): the same script
 written against its API, recorded the same way in a fresh git project, then
@@ -709,16 +710,27 @@ def verify_once(
     return {"seconds": timing.seconds, "runs": figures}
 
 
-def add_unpooled(db: Path, figures: list[dict[str, Any]], workers: int) -> None:
-    """Each run's estimate as it would be from its own iteration times alone, side by side.
+# The planner's pooling over a script's runs (plan.py), each turned off for the side by side:
+# "without_pooling" is each run's own recording alone (the imports' median kept, as before
+# any of it); "without_startup_pooling" pools the iteration times only.
+POOLING_VARIANTS = {
+    "without_pooling": ("_pooled_iterations", "_pooled_startups"),
+    "without_startup_pooling": ("_pooled_startups",),
+}
 
-    The planner pools a script's iteration times over its runs that agree
-    (plan.py, ``_pooled_iterations``). Planning the same runs at the same levels
-    again with it off (the imports' pooling kept) and with it on gives, per
-    run, what pooling moved the estimate by; the replay's own estimate minus that is
-    the estimate the planner made before pooling, against the same measured replay.
-    Only for runs planned as one segment both ways (a split can differ between the
-    two plans); others get None.
+
+def add_unpooled(db: Path, figures: list[dict[str, Any]], workers: int) -> None:
+    """Each run's estimate as it would be without the planner's pooling, side by side.
+
+    The planner pools a script's iteration times and its own start-up work over its
+    runs that agree (plan.py, ``_pooled_iterations`` and ``_pooled_startups``).
+    Planning the same runs at the same levels again with pooling off
+    (:data:`POOLING_VARIANTS`) and with it on gives, per run, what pooling moved the
+    estimate by; the replay's own estimate minus that is the estimate the planner
+    would have made without it, against the same measured replay. Only for runs
+    planned as one segment that restores the same checkpoints every way (a split, or
+    executing a cheap block instead of restoring it, can differ between the plans);
+    others get None.
     """
     from retrolog._replay import plan as planning
     from retrolog._replay.profile import load_profiles
@@ -731,20 +743,28 @@ def add_unpooled(db: Path, figures: list[dict[str, Any]], workers: int) -> None:
     levels = {f["run_id"]: planning.ScanLevel[f["scan"]] for f in figures}
     worker = planning.WorkerCosts(cores=os.cpu_count())
     pooled = planning.plan_replay(levels, profiles, workers, worker=worker)
-    saved = planning._pooled_iterations
-    planning._pooled_iterations = lambda _profiles: ({}, [])  # type: ignore[assignment]
-    try:
-        own = planning.plan_replay(levels, profiles, workers, worker=worker)
-    finally:
-        planning._pooled_iterations = saved
-    for figure, a, b in zip(figures, pooled.runs, own.runs, strict=True):
-        single = len(a.segments) == 1 and len(b.segments) == 1
-        estimate = figure["estimate_seconds"] - (a.estimate_seconds - b.estimate_seconds)
-        actual = figure["actual_seconds"]
-        figure["estimate_without_pooling_seconds"] = estimate if single else None
-        figure["error_without_pooling_pct"] = (
-            (estimate - actual) / actual * 100 if single and actual else None
-        )
+    for variant, turned_off in POOLING_VARIANTS.items():
+        saved = {name: getattr(planning, name) for name in turned_off}
+        for name in turned_off:
+            setattr(planning, name, lambda _profiles: ({}, []))
+        try:
+            other = planning.plan_replay(levels, profiles, workers, worker=worker)
+        finally:
+            for name, function in saved.items():
+                setattr(planning, name, function)
+        for figure, a, b in zip(figures, pooled.runs, other.runs, strict=True):
+            single = (
+                len(a.segments) == 1
+                and len(b.segments) == 1
+                and (a.segments[0].restore, a.segments[0].execute)
+                == (b.segments[0].restore, b.segments[0].execute)
+            )
+            estimate = figure["estimate_seconds"] - (a.estimate_seconds - b.estimate_seconds)
+            actual = figure["actual_seconds"]
+            figure[f"estimate_{variant}_seconds"] = estimate if single else None
+            figure[f"error_{variant}_pct"] = (
+                (estimate - actual) / actual * 100 if single and actual else None
+            )
 
 
 def restore_figures(segments_dir: Path) -> dict[str, Any]:
@@ -965,6 +985,9 @@ def replay_floor(first: list[dict[str, Any]], again: list[dict[str, Any]]) -> di
         "estimate_error_pct_both_replays": {
             "median_abs": error,
             "median_abs_without_pooling": unpooled(first + again),
+            "median_abs_without_startup_pooling": unpooled(
+                first + again, "without_startup_pooling"
+            ),
             "samples_second": [run["error_pct"] for y in again for run in y["runs"]],
         },
         "target_median_abs_at_most": floor + 3,
@@ -972,19 +995,17 @@ def replay_floor(first: list[dict[str, Any]], again: list[dict[str, Any]]) -> di
     }
 
 
-def unpooled_samples(replays: list[dict[str, Any]]) -> list[float]:
-    """Each run's error, in percent, of the estimate without pooling (add_unpooled)."""
-    return [
-        run["error_without_pooling_pct"]
-        for x in replays
-        for run in x["runs"]
-        if run.get("error_without_pooling_pct") is not None
-    ]
+def unpooled_samples(
+    replays: list[dict[str, Any]], variant: str = "without_pooling"
+) -> list[float]:
+    """Each run's error, in percent, of the estimate of a POOLING_VARIANTS (add_unpooled)."""
+    key = f"error_{variant}_pct"
+    return [run[key] for x in replays for run in x["runs"] if run.get(key) is not None]
 
 
-def unpooled(replays: list[dict[str, Any]]) -> float | None:
-    """Median |error| per run of the estimate without pooling, or None."""
-    errors = unpooled_samples(replays)
+def unpooled(replays: list[dict[str, Any]], variant: str = "without_pooling") -> float | None:
+    """Median |error| per run of the estimate of a POOLING_VARIANTS, or None."""
+    errors = unpooled_samples(replays, variant)
     return statistics.median(abs(e) for e in errors) if errors else None
 
 
@@ -1040,6 +1061,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
                     "samples": errors,
                     "median_abs_without_pooling": unpooled(rs),
                     "samples_without_pooling": unpooled_samples(rs),
+                    "median_abs_without_startup_pooling": unpooled(rs, "without_startup_pooling"),
                 },
                 "estimate_floor_pct_per_run": {
                     "what": "the same estimate made from a second fresh execution's profile "
@@ -1080,6 +1102,9 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
             "samples": verify_errors,
             "median_abs_without_pooling": unpooled([r["verify"] for r in reps]),
             "samples_without_pooling": unpooled_samples([r["verify"] for r in reps]),
+            "median_abs_without_startup_pooling": unpooled(
+                [r["verify"] for r in reps], "without_startup_pooling"
+            ),
         },
         "replay_floor_pct_per_run": replay_floor(
             [r["verify"] for r in reps], [r["verify_again"] for r in reps]
@@ -1351,7 +1376,13 @@ def flordb_result(
 
 def without_pooling(stats: dict[str, Any]) -> str:
     own = stats.get("median_abs_without_pooling")
-    return "" if own is None else f" (from each run's own iteration times: {own:.1f}%)"
+    if own is None:
+        return ""
+    text = f" (from each run's own recording: {own:.1f}%"
+    iterations_only = stats.get("median_abs_without_startup_pooling")
+    if iterations_only is not None:
+        text += f"; iteration times pooled, start-up not: {iterations_only:.1f}%"
+    return text + ")"
 
 
 def print_floor(rf: dict[str, Any]) -> None:
