@@ -470,17 +470,20 @@ def _pooled_iterations(
                     non_block.get(run_id, it.non_block), block.get(run_id, it.block)
                 )
         for what, runs in (("blocks", b_runs), ("code around the blocks", nb_runs)):
-            if not runs:
-                continue
-            note = (
-                f"{filename}: time of the {what} taken per iteration as the median over "
-                f"{len(runs)} runs that agree within {POOL_AGREEMENT:g}x"
-            )
-            apart = sorted(set(own) - runs)
-            if apart:
-                note += f" (run {', '.join(apart)}: its own, further off)"
-            notes.append(note)
+            if runs:
+                what = f"time of the {what} taken per iteration"
+                notes.append(_pool_note(filename, what, runs, set(own)))
     return pooled, notes
+
+
+def _pool_note(filename: str, what: str, runs: set[str], planned: set[str], unit: str = "") -> str:
+    """The plan's note for a part pooled over ``runs`` of the ``planned`` runs of a file."""
+    note = f"{filename}: {what} as the median over {len(runs)} runs that agree within "
+    note += f"{POOL_AGREEMENT:g}x{unit}"
+    apart = sorted(planned - runs)
+    if apart:
+        note += f" (run {', '.join(apart)}: its own, further off)"
+    return note
 
 
 def _pool_part(
@@ -557,15 +560,9 @@ def _pooled_startups(profiles: Sequence[RunProfile]) -> tuple[dict[str, float], 
         if not runs:
             continue
         pooled.update({run_id: median[run_id][0] for run_id in runs})
-        note = (
-            f"{filename}: its own start-up work (after the imports, before the first loop) "
-            f"taken as the median over {len(runs)} runs that agree within "
-            f"{POOL_AGREEMENT:g}x ({median[min(runs)][0]:.2f}s)"
-        )
-        apart = sorted(set(samples) - runs)
-        if apart:
-            note += f" (run {', '.join(apart)}: its own, further off)"
-        notes.append(note)
+        what = "its own start-up work (after the imports, before the first loop) taken"
+        seconds = f" ({median[min(runs)][0]:.2f}s)"
+        notes.append(_pool_note(filename, what, runs, set(samples), seconds))
     return pooled, notes
 
 
