@@ -1009,6 +1009,15 @@ def unpooled(replays: list[dict[str, Any]], variant: str = "without_pooling") ->
     return statistics.median(abs(e) for e in errors) if errors else None
 
 
+def side_by_side(replays: list[dict[str, Any]]) -> dict[str, Any]:
+    """The unpooled estimates' errors, to sit beside the planner's in a probe's figures."""
+    return {
+        "median_abs_without_pooling": unpooled(replays),
+        "samples_without_pooling": unpooled_samples(replays),
+        "median_abs_without_startup_pooling": unpooled(replays, "without_startup_pooling"),
+    }
+
+
 def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, Any]:
     retrain = [sum(r["retrain_seconds"]) for r in reps]
     out: dict[str, Any] = {
@@ -1059,9 +1068,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
                     "median_abs": statistics.median(abs(e) for e in errors),
                     "worst": max(errors, key=abs),
                     "samples": errors,
-                    "median_abs_without_pooling": unpooled(rs),
-                    "samples_without_pooling": unpooled_samples(rs),
-                    "median_abs_without_startup_pooling": unpooled(rs, "without_startup_pooling"),
+                    **side_by_side(rs),
                 },
                 "estimate_floor_pct_per_run": {
                     "what": "the same estimate made from a second fresh execution's profile "
@@ -1100,11 +1107,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
             "median_abs": statistics.median(abs(e) for e in verify_errors),
             "worst": max(verify_errors, key=abs),
             "samples": verify_errors,
-            "median_abs_without_pooling": unpooled([r["verify"] for r in reps]),
-            "samples_without_pooling": unpooled_samples([r["verify"] for r in reps]),
-            "median_abs_without_startup_pooling": unpooled(
-                [r["verify"] for r in reps], "without_startup_pooling"
-            ),
+            **side_by_side([r["verify"] for r in reps]),
         },
         "replay_floor_pct_per_run": replay_floor(
             [r["verify"] for r in reps], [r["verify_again"] for r in reps]

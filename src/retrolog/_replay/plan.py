@@ -467,7 +467,8 @@ def _pooled_iterations(
         for run_id, it in own.items():
             if run_id in nb_runs or run_id in b_runs:
                 pooled[run_id] = _Iterations(
-                    non_block.get(run_id, it.non_block), block.get(run_id, it.block)
+                    non_block if run_id in nb_runs else it.non_block,
+                    block if run_id in b_runs else it.block,
                 )
         for what, runs in (("blocks", b_runs), ("code around the blocks", nb_runs)):
             if runs:
@@ -486,18 +487,16 @@ def _pool_note(filename: str, what: str, runs: set[str], planned: set[str], unit
     return note
 
 
-def _pool_part(
-    samples: Mapping[str, tuple[float, ...]],
-) -> tuple[dict[str, tuple[float, ...]], set[str]]:
-    """The median per index over the runs within POOL_AGREEMENT of the runs' median."""
+def _pool_part(samples: Mapping[str, tuple[float, ...]]) -> tuple[tuple[float, ...], set[str]]:
+    """The median per index over the runs within POOL_AGREEMENT of the runs' median, and
+    those runs; nothing pooled (an empty set) when fewer than POOL_MIN_RUNS agree."""
     if not any(any(values) for values in samples.values()):
-        return {}, set()  # no such part (iterations that are their own block): nothing to pool
+        return (), set()  # no such part (iterations that are their own block): nothing to pool
     shape = _median_per_index(list(samples.values()))
     agree = {r for r, values in samples.items() if _agrees(values, shape)}
     if len(agree) < POOL_MIN_RUNS:
-        return {}, set()
-    median = _median_per_index([samples[r] for r in sorted(agree)])
-    return {r: median for r in agree}, agree
+        return (), set()
+    return _median_per_index([samples[r] for r in sorted(agree)]), agree
 
 
 def _median_per_index(rows: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
@@ -554,15 +553,12 @@ def _pooled_startups(profiles: Sequence[RunProfile]) -> tuple[dict[str, float], 
     pooled: dict[str, float] = {}
     notes = []
     for filename, samples in sorted(groups.items()):
-        if len(samples) < POOL_MIN_RUNS:
-            continue
-        median, runs = _pool_part(samples)
+        median, runs = _pool_part(samples)  # nothing for fewer than POOL_MIN_RUNS runs
         if not runs:
             continue
-        pooled.update({run_id: median[run_id][0] for run_id in runs})
+        pooled.update(dict.fromkeys(runs, median[0]))
         what = "its own start-up work (after the imports, before the first loop) taken"
-        seconds = f" ({median[min(runs)][0]:.2f}s)"
-        notes.append(_pool_note(filename, what, runs, set(samples), seconds))
+        notes.append(_pool_note(filename, what, runs, set(samples), f" ({median[0]:.2f}s)"))
     return pooled, notes
 
 
