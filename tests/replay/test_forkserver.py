@@ -162,6 +162,60 @@ def test_what_a_forked_worker_saves_is_the_interpreters_start_and_the_imports(
     assert time.monotonic() - started < server.saved_seconds
 
 
+def test_a_forked_start_is_timed_in_a_child_and_leaves_the_server_untouched(
+    tmp_path: Path,
+) -> None:
+    # What every forked worker spends before the script's own code (the fork, becoming the
+    # job's process, importing retrolog's worker modules) is measured by the server on
+    # this machine before it serves. A module that takes 0.3 s to import stands in for a
+    # slow machine's retrolog: the figure must include it, the server must not import it
+    # (a worker imports retrolog itself, after it knows its spec), and the child must
+    # leave no trace.
+    library = tmp_path / "site"
+    library.mkdir()
+    (library / "slowstart.py").write_text(
+        "import os, time\n"
+        "time.sleep(0.3)\n"
+        "open(os.environ['MARKS'] + '/' + str(os.getpid()), 'w').close()\n"
+    )
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = _env(PYTHONPATH=str(library), MARKS=str(marks))
+    forks = ForkServer(
+        python=sys.executable, env=env, warm=["json"], log_path=tmp_path / "server.log",
+        preexec=die_with(os.getpid()), probe=["json", "slowstart"],
+    )  # fmt: skip
+    try:
+        assert forks.wait_ready(), forks.unsafe
+        assert forks.forked_start is not None and 0.3 <= forks.forked_start < 5.0
+        (child,) = [int(p.name) for p in marks.iterdir()]
+        assert child != forks.process.pid
+        script = _script(tmp_path, "import sys\nprint('slowstart' in sys.modules)\n")
+        code, out = _forked(forks, script, log=tmp_path / "w.log")
+        assert (code, out) == (0, "False\n")  # the server never imported it
+        assert forks.ready is not None and forks.ready["ready"] < 0.3  # nor counted it
+    finally:
+        forks.close()
+    # A module that does not import: nothing measured, and the server serves all the same.
+    broken = ForkServer(
+        python=sys.executable, env=_env(), warm=["json"], log_path=tmp_path / "broken.log",
+        preexec=die_with(os.getpid()), probe=["no_such_module_here"],
+    )  # fmt: skip
+    try:
+        assert broken.wait_ready() and broken.forked_start is None
+        code, out = _forked(broken, _script(tmp_path, "print('ran')\n"), log=tmp_path / "b.log")
+        assert (code, out) == (0, "ran\n")
+    finally:
+        broken.close()
+
+
+def test_the_real_server_times_retrologs_own_worker_start(server: ForkServer) -> None:
+    assert server.wait_ready()
+    # Importing retrolog's worker modules in a forked child: more than nothing, far less
+    # than the server's imports of numpy and torch.
+    assert server.forked_start is not None and 0.0 < server.forked_start < server.saved_seconds
+
+
 def test_exit_codes_errors_and_signals_are_reported_as_for_a_process(
     server: ForkServer, tmp_path: Path
 ) -> None:

@@ -266,6 +266,14 @@ def test_a_forked_worker_starts_in_the_prefixs_own_work_when_the_recording_timed
         forked = WorkerCosts(preimported={profile.run_id: server})
         (run,) = plan_replay(level, [profile], 1, worker=forked).runs
         assert run.estimate_seconds == 0.25 + FORKED_START_SECONDS + 16.0 + 1.0
+    # Its own start as the fork server timed it on this machine replaces the constant; a
+    # run the server did not time keeps the constant.
+    timed = WorkerCosts(preimported={profile.run_id: 2.0}, forked_start={profile.run_id: 0.125})
+    (run,) = plan_replay(level, [profile], 1, worker=timed).runs
+    assert run.estimate_seconds == 0.25 + 0.125 + 16.0 + 1.0
+    other = WorkerCosts(preimported={profile.run_id: 2.0}, forked_start={"another run": 0.125})
+    (run,) = plan_replay(level, [profile], 1, worker=other).runs
+    assert run.estimate_seconds == 0.25 + FORKED_START_SECONDS + 16.0 + 1.0
     # A new interpreter repeats all of it but recording's set-up.
     (run,) = plan_replay(level, [profile], 1, worker=WorkerCosts()).runs
     assert run.estimate_seconds == 2.5 + 16.0 + 1.0
@@ -274,6 +282,36 @@ def test_a_forked_worker_starts_in_the_prefixs_own_work_when_the_recording_timed
     forked = WorkerCosts(preimported={profile.run_id: 2.0})
     (run,) = plan_replay(level, [older], 1, worker=forked).runs
     assert run.estimate_seconds == 0.5 + 16.0 + 1.0
+
+
+def test_the_replay_plans_a_forked_start_as_its_fork_server_timed_it() -> None:
+    # The replayer's side: a start plan carrying its server's timing of a forked start
+    # reaches the cost model, with the replay runtime's set-up (not timed) added.
+    from retrolog._replay.forkserver import StartPlan
+    from retrolog._replay.replayer import FORKED_SETUP_SECONDS, _plan
+
+    profile = dataclasses.replace(
+        make_profile(**GAPPY),  # type: ignore[arg-type]
+        setup_seconds=0.5,
+        imports_seconds=1.0,
+        late_imports_seconds=1.25,
+    )
+    warm = StartPlan(warm=("torch",), packages=("torch",), warm_seconds=2.0)
+
+    def estimate(start: StartPlan) -> float:
+        starts = {profile.run_id: start}
+        plan = _plan(ScanLevel.OUTER_LOOP, [profile], 1, None, (), False, "", None, starts)
+        return plan.runs[0].estimate_seconds
+
+    untimed = estimate(warm)
+    timed = estimate(dataclasses.replace(warm, forked_start=0.375))
+    assert timed - untimed == pytest.approx(0.375 + FORKED_SETUP_SECONDS - FORKED_START_SECONDS)
+    text = _plan(
+        ScanLevel.OUTER_LOOP, [profile], 1, None, (), False, "", None,
+        {profile.run_id: dataclasses.replace(warm, forked_start=0.375)},
+    ).notes  # fmt: skip
+    assert any("a forked worker's own start (the fork, importing retrolog) measured at 0.38s" in n
+               for n in text)  # fmt: skip
 
 
 def test_start_up_pools_the_imports_over_the_runs_of_a_script() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,9 @@ def test_default_replay_keeps_the_recorded_threads_and_is_bit_exact(project: Pro
     # Workers were forked from one server that had imported what the runs had (torch
     # and the optimizer's lazy imports), not started as new interpreters.
     assert "workers of 2 of 2 run(s) start from a fork server that imports torch" in out.stderr
+    # ... which timed a forked worker's own start on this machine before the plan was made.
+    measured = re.search(r"a forked worker's own start \(.*?\) measured at (\d+\.\d+)s", out.stderr)
+    assert measured is not None and 0.0 < float(measured.group(1)) < 5.0, out.stderr
     assert "2 worker(s) forked from 1 fork server(s)" in out.stderr
     # ... the one started on a guess before the plan: no other server was needed.
     replays = sorted((project.root / ".retrolog" / "replays").iterdir())

@@ -8,12 +8,13 @@ used before the modules to pre-import are.
 
 Protocol, one JSON object per line on the socket ``fd``:
 
-- coordinator -> server: ``{"warm": [names], "spawned": t}`` once, then ``{"run": {...}}``
-  per worker: argv (argv[0] the script), cwd, env, log (a file for stdout and
-  stderr), key;
+- coordinator -> server: ``{"warm": [names], "spawned": t, "probe": [names]}`` once,
+  then ``{"run": {...}}`` per worker: argv (argv[0] the script), cwd, env, log (a
+  file for stdout and stderr), key;
 - server -> coordinator: ``{"ready": seconds, "boot": seconds, "imported": n,
-  "failed": [...]}`` (``boot``: from the coordinator's ``spawned``, a
-  ``time.monotonic()`` sent with ``warm``, to the imports' start)
+  "failed": [...], "forked_start": seconds}`` (``boot``: from the coordinator's
+  ``spawned``, a ``time.monotonic()`` sent with ``warm``, to the imports' start;
+  ``forked_start``: see :func:`time_a_start`, None when not measured)
   or ``{"unsafe": reason}`` (then it exits), ``{"started": pid, "key": k}`` per
   worker, ``{"exited": pid, "returncode": rc}`` (negative: killed by that
   signal, as subprocess reports it).
@@ -59,20 +60,22 @@ def serve(fd: int) -> dict[str, Any]:
     if reason:
         _send(sock, {"unsafe": reason})
         os._exit(0)
+    imports = time.perf_counter() - started
+    server_pid = os.getpid()
     _send(
         sock,
         {
-            "ready": time.perf_counter() - started,
+            "ready": imports,
             "boot": boot,
             "imported": len(first.get("warm") or []) - len(failed),
             "failed": failed[:20],
+            "forked_start": time_a_start(first.get("probe") or [], server_pid),
         },
     )
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    server_pid = os.getpid()
     while True:
         _reap(sock)
         line = lines.next(block=False)
@@ -98,6 +101,60 @@ def serve(fd: int) -> dict[str, Any]:
             _become(job, server_pid)
             return job
         _send(sock, {"started": pid, "key": job.get("key")})
+
+
+# The longest a probe child may take to import (it is killed after; nothing is measured).
+PROBE_TIMEOUT_SECONDS = 20.0
+
+
+def time_a_start(modules: list[str], server_pid: int) -> float | None:
+    """Seconds from a fork to a child set up as a worker is that has imported ``modules``.
+
+    What every forked worker spends before the script's own code: the fork, becoming
+    the job's process (:func:`_become`) and importing retrolog and its replay runtime,
+    which the server itself never imports (a worker imports retrolog after it knows
+    its spec). Measured here, on this machine under its current load, once per server,
+    before it serves: the plan's estimate of each forked worker's start uses it
+    instead of a constant measured on another day. The child exits at once, without
+    writing anything. None when there is nothing to import, or the child failed.
+    """
+    if not modules:
+        return None
+    read_end, write_end = os.pipe()
+    began = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 3.12's multi-threaded fork warning: see _unsafe
+        pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.close(read_end)
+            job = {"log": os.devnull, "cwd": os.getcwd(), "env": dict(os.environ),
+                   "argv": [os.devnull]}  # fmt: skip
+            _become(job, server_pid)
+            for name in modules:
+                importlib.import_module(name)
+            os.write(write_end, repr(time.monotonic()).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    data = b""
+    try:
+        ready, _, _ = select.select([read_end], [], [], PROBE_TIMEOUT_SECONDS)
+        if ready:
+            data = os.read(read_end, 64)
+    finally:
+        os.close(read_end)
+        if not data:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    try:
+        seconds = float(data) - began
+    except ValueError:
+        return None
+    return seconds if 0.0 <= seconds < PROBE_TIMEOUT_SECONDS else None
 
 
 def _since(spawned: object) -> float | None:

@@ -47,6 +47,16 @@ from retrolog._config import lookup
 from retrolog.runtime.modules import STDLIB, valid_name
 
 FORKSERVER_ENV = "RETROLOG_FORKSERVER"  # "0": every worker starts as a new interpreter
+# What a worker imports of retrolog before the script's own work: the package, the replay
+# runtime its import sets up, and what that runtime loads at the script's first call. A
+# fork server times a child importing them (_zygote.time_a_start) for the plan.
+WORKER_MODULES = (
+    "retrolog",
+    "retrolog.runtime.replay",
+    "retrolog.runtime.isolation",
+    "retrolog.checkpoint.prefetch",
+    "retrolog.store.backends",
+)
 _ZYGOTE = Path(__file__).with_name("_zygote.py")
 # Loads _zygote.py as a module of its own (not as part of retrolog) and serves.
 _BOOT = (
@@ -73,6 +83,9 @@ class StartPlan:
     digest: str | None = None  # the run's recorded module set (runtime/modules.py)
     # What an earlier fork server of these modules took to start and import them.
     warm_seconds: float | None = None
+    # What this replay's server measured a forked child to take from the fork to having
+    # imported WORKER_MODULES; None: not measured (a dry run, an older server).
+    forked_start: float | None = None
 
     @property
     def forked(self) -> bool:
@@ -187,10 +200,17 @@ def describe(plans: Sequence[StartPlan]) -> str:
     parts = []
     if forked:
         packages = sorted({name for p in forked for name in p.packages})
-        parts.append(
+        text = (
             f"workers of {len(forked)} of {len(plans)} run(s) start from a fork server that "
             f"imports {', '.join(packages)} once"
         )
+        measured = sorted(p.forked_start for p in forked if p.forked_start is not None)
+        if measured:
+            text += (
+                f"; a forked worker's own start (the fork, importing retrolog) measured at "
+                f"{measured[len(measured) // 2]:.2f}s"
+            )
+        parts.append(text)
     if fresh:
         parts.append(
             f"workers of {len(plans) - len(forked)} run(s) start as new interpreters "
@@ -207,8 +227,10 @@ class ForkServer:
 
     def __init__(
         self, *, python: str, env: Mapping[str, str], warm: Sequence[str], log_path: Path,
-        preexec: Callable[[], None] | None,
+        preexec: Callable[[], None] | None, probe: Sequence[str] = WORKER_MODULES,
     ) -> None:  # fmt: skip
+        """probe: the modules whose import in a forked child the server times
+        (:attr:`forked_start`)."""
         self.warm = tuple(warm)
         self.log_path = log_path
         ours, theirs = socket.socketpair()
@@ -238,7 +260,7 @@ class ForkServer:
             finally:
                 theirs.close()
         self.started_at = time.perf_counter()
-        self._send({"warm": list(self.warm), "spawned": spawned})
+        self._send({"warm": list(self.warm), "spawned": spawned, "probe": list(probe)})
 
     def _send(self, message: Mapping[str, Any]) -> None:
         try:
@@ -298,6 +320,13 @@ class ForkServer:
         return float(self.ready.get("ready", 0.0)) + (
             float(boot) if isinstance(boot, int | float) else 0.0
         )
+
+    @property
+    def forked_start(self) -> float | None:
+        """What the server measured a forked child to take from the fork to having imported
+        retrolog's worker modules (None before it is ready, or when not measured)."""
+        value = (self.ready or {}).get("forked_start")
+        return float(value) if isinstance(value, int | float) and value >= 0 else None
 
     def wait_ready(self) -> bool:
         """Block until the server has imported its modules; False if it cannot serve."""

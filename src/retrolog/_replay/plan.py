@@ -155,6 +155,9 @@ class WorkerCosts:
     # Per run forked from a fork server: the seconds of imports its workers do not repeat
     # (_replay/forkserver.py); the server pays them once, before the first worker.
     preimported: Mapping[str, float] = field(default_factory=dict)
+    # Per run forked from a fork server that timed a forked start on this machine before
+    # the plan (F of docs/replay-planning.md); the others take FORKED_START_SECONDS.
+    forked_start: Mapping[str, float] = field(default_factory=dict)
 
     def scales(self, profile: RunProfile, workers: int) -> tuple[float, float]:
         """How much slower than recorded a worker runs: (any work, the loop's compute).
@@ -257,7 +260,7 @@ def _costs(
     if forked and own is not None:
         # The recording timed its own imports: the script's own work is what is left,
         # measured in one process (the fork server's import time only moves the wall time).
-        startup = slower * (own + FORKED_START_SECONDS)
+        startup = slower * (own + worker.forked_start.get(profile.run_id, FORKED_START_SECONDS))
     else:
         saved = worker.preimported.get(profile.run_id, 0.0)
         startup = slower * max(
@@ -291,7 +294,10 @@ FORK_SECONDS = 0.02
 # put it at 0.06 s with retrolog compiled from source in every process (2026-11-27, before
 # the benchmarks byte-compiled it as an install does); byte-compiled, the same estimate was
 # 0.005-0.024 s above the measured start-up (median of 6 segments per probe; the runtime's
-# set-up 0.007 s instead of 0.019 s), so 0.04 s.
+# set-up 0.007 s instead of 0.019 s), so 0.04 s. On 11-28, on a machine training at half
+# that day's speed, the same start measured 0.06 s above it: a replay therefore measures
+# it on its fork server (WorkerCosts.forked_start); this figure is for plans without one
+# (a dry run).
 FORKED_START_SECONDS = 0.04
 
 

@@ -554,6 +554,13 @@ def _plan(
         for p in profiles
         if p.run_id in starts and starts[p.run_id].forked
     }
+    # A forked worker's own start, as its server measured it on this machine now, plus the
+    # replay runtime's set-up that the measurement leaves out.
+    forked_start = {
+        run_id: start.forked_start + FORKED_SETUP_SECONDS
+        for run_id, start in starts.items()
+        if start.forked and start.forked_start is not None
+    }
     worker = WorkerCosts(
         exit_seconds=EXIT_SECONDS,
         teardown_seconds=teardown_seconds(source),
@@ -562,6 +569,7 @@ def _plan(
         threads=threads,
         cores=cores,
         preimported=preimported,
+        forked_start=forked_start,
     )
     start = describe([starts[p.run_id] for p in profiles if p.run_id in starts])
     return plan_replay(
@@ -638,7 +646,9 @@ def _start_servers(
             why = (server.unsafe if server is not None else None) or "its fork server exited"
             found[run_id] = StartPlan(reason=why)
             continue
-        found[run_id] = replace(starts[run_id], warm_seconds=server.saved_seconds)
+        found[run_id] = replace(
+            starts[run_id], warm_seconds=server.saved_seconds, forked_start=server.forked_start
+        )
     return found
 
 
@@ -733,6 +743,10 @@ def _thread_notes(
 # scikit-learn too). The recorded profile has none of these: a recording ends at commit().
 EXIT_SECONDS = 0.05
 TEARDOWN_SECONDS = 0.05
+# What a forked worker's runtime set-up adds to what its fork server measures
+# (forkserver.WORKER_MODULES imported): reading its spec, the run's contexts from the
+# store and starting the prefetch thread.
+FORKED_SETUP_SECONDS = 0.005
 TORCH_TEARDOWN_SECONDS = 0.3
 FORKED_EXIT_SECONDS = 0.015
 FORKED_TEARDOWN_SECONDS = 0.025
