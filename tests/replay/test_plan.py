@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -876,8 +877,9 @@ def test_plan_a_recorded_run(project: Project) -> None:
 
 def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project) -> None:
     # Three runs that differ in an argument that does not change the work, and one whose
-    # argument triples every iteration's: the plan takes the median per iteration over
-    # the three and says so.
+    # argument triples every iteration's and its start-up (loading its data, after the
+    # imports): the plan takes the median per iteration and of the start-up over the
+    # three and says so.
     project.write(
         "train.py",
         """
@@ -886,6 +888,7 @@ def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project)
 
         work = rl.arg("work", 1)
         seed = rl.arg("seed", 0)
+        time.sleep(0.25 * work)
         state = {"w": [0.0] * 100}
         with rl.checkpointing(state=state):
             for epoch in rl.loop("epoch", range(3)):
@@ -915,3 +918,11 @@ def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project)
             f"train.py: time of the {part} taken per iteration as the median over 3 runs that "
             f"agree within 1.25x (run {runs[3]}: its own, further off)"
         ) in out.stderr, out.stderr
+    startup = re.search(
+        r"train\.py: its own start-up work \(after the imports, before the first loop\) taken "
+        r"as the median over 3 runs that agree within 1\.25x \((\d+\.\d+)s\) "
+        rf"\(run {runs[3]}: its own, further off\)",
+        out.stderr,
+    )
+    assert startup is not None, out.stderr
+    assert 0.25 <= float(startup.group(1)) < 0.25 * 1.25, out.stderr
