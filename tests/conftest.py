@@ -221,23 +221,40 @@ def project(tmp_path: Path) -> Iterator[Project]:
 
 
 @pytest.fixture
-def whole_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """For a test that trains with torch's default threads (one per core): no other such
-    test runs on the machine meanwhile, whichever pytest worker it is in.
+def whole_machine() -> None:
+    """For a test that trains with torch's default threads (one per core): it has the
+    machine to itself, whichever pytest worker it is in (``pytest_runtest_protocol``).
 
-    Two of them at once put four busy threads on this VM's 2 cores, and OpenMP's threads
-    spin while they wait for each other: the word_lm example took 236 s beside the S3
-    default-settings test instead of 18 s alone, and once ran past its 300 s limit. A
-    user trains one run per machine (replay too: its default workers fit the cores).
-    The lock is a file in the session's shared temporary root.
+    A user trains one run per machine (replay too: its default workers fit the cores),
+    and torch's default threads assume it. Beside another busy process, OpenMP's
+    threads spin while they wait for each other: the word_lm example took 236 s beside
+    the S3 default-settings test instead of 18 s alone, and once ran past its 300 s
+    limit; the dcgan example took 148 s beside the other pytest worker's tests against
+    47 s alone.
     """
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Each test holds the machine lock while it is set up, runs and is torn down (its
+    module fixtures' set-up included): exclusive for a ``whole_machine`` test, shared
+    for every other. Only pytest-xdist's workers need it; they share one lock file."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:
+        yield
+        return
     import fcntl
 
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # popen-gwN's parent: the same for every worker
-    with (shared / "torch-default-threads.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    exclusive = "whole_machine" in getattr(item, "fixturenames", ())
+    base = Path(tempfile.gettempdir()) / f"pytest-machine-{uid}"
+    with open(f"{base}.turnstile", "w") as gate, open(f"{base}.lock", "w") as lock:
+        # The turnstile stops new sharers while an exclusive test waits for the lock, so
+        # the other worker's stream of short tests cannot keep it waiting for ever.
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
         yield
 
 
