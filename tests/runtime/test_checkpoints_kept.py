@@ -357,7 +357,12 @@ def test_a_forked_child_ending_leaves_the_parents_checkpoints_alone(project: Pro
     saturated workload, 2026-11-27, caught before it landed)."""
     project.write("train.py", FORKS_CHILDREN)
     done = project.run("train.py", RETROLOG_CHECKPOINTS="every")
-    assert "Warning" not in done.stderr and "lost" not in done.stderr, done.stderr
+    # On a busy machine "every" may make training wait for its writer once (a wait,
+    # reported once per run, nothing lost: seen with three pytest workers on 2 cores).
+    # Any other warning, a child's above all, is the bug.
+    warned = [line for line in done.stderr.splitlines() if "Warning" in line]
+    assert all("checkpoint writer fell behind" in line for line in warned), done.stderr
+    assert "lost" not in done.stderr, done.stderr
     children = [line.split() for line in done.stdout.splitlines() if line.startswith("child")]
     assert [c[1] for c in children] == ["0", "0", "0"]
     # The hold was 5 s per child; a busy machine's fork and join take well under 4.
