@@ -1024,6 +1024,17 @@ def replay_floor(
     }
 
 
+def record_floor(samples: list[float]) -> dict[str, Any]:
+    """A probe's record-side floor (``estimate_spread``'s samples over the repetitions)."""
+    return {
+        "what": "the same estimate made from a second fresh execution's profile against the "
+        "first's, per run, in percent of its replay time (estimate_spread)",
+        "median_abs": statistics.median(abs(f) for f in samples),
+        "worst": max(samples, key=abs),
+        "samples": samples,
+    }
+
+
 def unpooled_samples(
     replays: list[dict[str, Any]], variant: str = "without_pooling"
 ) -> list[float]:
@@ -1099,13 +1110,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
                     "samples": errors,
                     **side_by_side(rs),
                 },
-                "estimate_floor_pct_per_run": {
-                    "what": "the same estimate made from a second fresh execution's profile "
-                    "against the first's, per run, in percent of its replay time (estimate_spread)",
-                    "median_abs": statistics.median(abs(f) for f in floor),
-                    "worst": max(floor, key=abs),
-                    "samples": floor,
-                },
+                "estimate_floor_pct_per_run": record_floor(floor),
                 "plan_error_vs_command_pct": summary([x["plan_error_pct"] for x in rs]),
                 "epochs_without_checkpoint": summary(
                     [
@@ -1141,13 +1146,7 @@ def figures(reps: list[dict[str, Any]], counts: tuple[int, ...]) -> dict[str, An
             "samples": verify_errors,
             **side_by_side([r["verify"] for r in reps]),
         },
-        "estimate_floor_pct_per_run": {
-            "what": "the same estimate made from a second fresh execution's profile against "
-            "the first's, per run, in percent of its replay time (estimate_spread)",
-            "median_abs": statistics.median(abs(f) for f in verify_floor),
-            "worst": max(verify_floor, key=abs),
-            "samples": verify_floor,
-        },
+        "estimate_floor_pct_per_run": record_floor(verify_floor),
         "replay_floor_pct_per_run": replay_floor(
             [r["verify"] for r in reps], [r["verify_again"] for r in reps], verify_floor
         ),
