@@ -234,20 +234,41 @@ def whole_machine() -> None:
     """
 
 
+# The directory of the machine lock, made by the controlling pytest process and inherited
+# by pytest-xdist's workers (they start after pytest_configure); removed at the end.
+MACHINE_LOCK_DIR = "PYTEST_MACHINE_LOCK_DIR"
+_OWN_LOCK_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and MACHINE_LOCK_DIR not in os.environ:
+        os.environ[MACHINE_LOCK_DIR] = tempfile.mkdtemp(prefix="pytest-machine-")
+        config.stash[_OWN_LOCK_DIR] = os.environ[MACHINE_LOCK_DIR]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_LOCK_DIR, None)
+    if own is not None:
+        import shutil
+
+        shutil.rmtree(own, ignore_errors=True)
+        del os.environ[MACHINE_LOCK_DIR]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Each test holds the machine lock while it is set up, runs and is torn down (its
     module fixtures' set-up included): exclusive for a ``whole_machine`` test, shared
     for every other. Only pytest-xdist's workers need it; they share one lock file."""
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if uid is None:
+    where = os.environ.get(MACHINE_LOCK_DIR)
+    if where is None or not hasattr(item.config, "workerinput"):
         yield
         return
     import fcntl
 
     exclusive = "whole_machine" in getattr(item, "fixturenames", ())
-    base = Path(tempfile.gettempdir()) / f"pytest-machine-{uid}"
-    with open(f"{base}.turnstile", "w") as gate, open(f"{base}.lock", "w") as lock:
+    base = Path(where)
+    with (base / "turnstile").open("w") as gate, (base / "lock").open("w") as lock:
         # The turnstile stops new sharers while an exclusive test waits for the lock, so
         # the other worker's stream of short tests cannot keep it waiting for ever.
         fcntl.flock(gate, fcntl.LOCK_EX)
