@@ -901,10 +901,18 @@ class _Propagator:
                         n for n, _ in self.new.ancestors(node) if isinstance(n, ast.stmt)
                     )
                     calls[id(statement)] = statement
-            used = self._use(what, "method", list(calls.values()), logs)
-            if isinstance(used, str):
-                return used
-            uses.append(used[0])
+            # A call the old version has too (a loop over callbacks calling each one's
+            # hook) already runs an override of that name: nothing more to carry.
+            wired = any(
+                _calls_named(partner.ast, method.name)
+                for statement in calls.values()
+                if (partner := self.align.new.of[id(statement)].partner) is not None
+            )
+            if not wired:
+                used = self._use(what, "method", list(calls.values()), logs)
+                if isinstance(used, str):
+                    return used
+                uses.append(used[0])
         if old_class.body[0].lineno == old_class.lineno:
             return (
                 f"it sits in today's method `{method.name}`, which the old version's class "
@@ -1508,6 +1516,24 @@ class _Propagator:
             pieces.append(joined)
             current += _count_newlines(joined)
         return "".join(pieces), where
+
+
+def _calls_named(stmt: ast.AST, name: str) -> bool:
+    """Whether a statement itself (not the blocks it holds) calls ``name(...)`` or
+    ``x.name(...)``."""
+    stack = list(ast.iter_child_nodes(stmt))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.stmt):
+            continue
+        if isinstance(node, ast.Call):
+            func = node.func
+            if (isinstance(func, ast.Name) and func.id == name) or (
+                isinstance(func, ast.Attribute) and func.attr == name
+            ):
+                return True
+        stack.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def _is_simple(stmt: ast.stmt) -> bool:
