@@ -169,6 +169,23 @@ def test_a_hook_reading_what_the_old_version_lacks_is_reported() -> None:
     assert not propagate(fine, LIGHTNING_OLD, ["w_norm"]).problems
 
 
+def test_a_hook_calling_its_base_class_and_an_old_version_before_retrolog() -> None:
+    # super().on_train_epoch_end() names the hook, but from inside it: still a hook.
+    new = LIGHTNING_NEW.replace(
+        "        w = self.net.weight\n",
+        "        super().on_train_epoch_end()\n        w = self.net.weight\n",
+    )
+    # History from before retrolog was adopted: the import goes in with the method.
+    old = LIGHTNING_OLD.replace("\nimport retrolog as rl\n", "")
+    result = propagate(new, old, ["w_norm"])
+    assert not result.problems, result.problems
+    assert result.methods == (("Model", "on_train_epoch_end"),)
+    assert result.added_import is not None
+    assert result.added_import.statement == "import retrolog as rl"
+    assert "        super().on_train_epoch_end()\n" in result.source
+    ast.parse(result.source)
+
+
 def test_a_new_method_todays_code_calls_goes_in_with_its_call() -> None:
     # Not a hook: only the call in training_step runs it, so the call goes in too.
     new = LIGHTNING_NEW.replace(
@@ -181,7 +198,7 @@ def test_a_new_method_todays_code_calls_goes_in_with_its_call() -> None:
     assert result.methods == (("Model", "on_train_epoch_end"),)
     assert '        self.log("loss", loss)\n        self.on_train_epoch_end()\n' in result.source
     (placement,) = result.placements
-    assert "called by the line inserted after line 15" in placement.anchor
+    assert "used by the line inserted after line 15" in placement.anchor
     # Called in a line the old version has otherwise: that line would have to change.
     changed = LIGHTNING_NEW.replace(
         "        return loss\n", "        return self.on_train_epoch_end() or loss\n"
@@ -190,7 +207,7 @@ def test_a_new_method_todays_code_calls_goes_in_with_its_call() -> None:
     assert refused.source == LIGHTNING_OLD
     (problem,) = refused.problems
     assert (
-        "today's version calls it in line 18 `return self.on_train_epoch_end() or loss`, whose "
+        "today's version uses it in line 18 `return self.on_train_epoch_end() or loss`, whose "
         "counterpart in the old version, line 16 `return loss`, does not" in problem.reason
     ), problem.reason
 

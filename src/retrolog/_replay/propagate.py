@@ -505,7 +505,7 @@ class _Hook:
     new_class: ast.ClassDef
     old_class: ast.ClassDef
     units: list[_Unit]
-    called: bool  # today's code calls it: not a framework's hook
+    called: list[ast.stmt]  # today's statements naming it (calling it, passing it on)
 
 
 @dataclass(frozen=True)
@@ -694,7 +694,6 @@ class _Propagator:
         self.newline = "\r\n" if old.lines and old.lines[0].endswith("\r\n") else "\n"
         self.import_plan = None if old.api.reaches_log() else self._plan_import()
         self.carry = _Carry(new, old, self.old_scopes)
-        self._calls: set[str] | None = None
         self._classes: set[str] = set()  # today's classes carried whole (not by _Carry)
 
     def run(self) -> Propagation:
@@ -829,13 +828,9 @@ class _Propagator:
     # Today's methods the old version's classes lack (a new callback hook): carried whole.
 
     def _hook_of(self, unit: _Unit) -> _Hook | None:
-        """The new method to carry for a unit: one that only today's version has, directly
-        in a class the old version has (the aligned one, else the one of the same name),
-        and that today's code never calls (a framework calls it: a callback hook).
-
-        A method today's code calls is an extracted helper instead, and its statements are
-        placed where its body's code sat in the old version (section 3 of
-        docs/propagation.md).
+        """The new method holding a unit, if only today's version has it and it sits
+        directly in a class the old version has (the aligned one, else the one of the same
+        name): a framework's hook, or a helper today's code calls.
         """
         method: ast.FunctionDef | ast.AsyncFunctionDef | None = None
         for node, _ in self.new.ancestors(unit.root):
@@ -854,20 +849,17 @@ class _Propagator:
         old_class = self._old_class(cls)
         if old_class is None or _method_named(old_class, method.name) is not None:
             return None
-        return _Hook(method, cls, old_class, [], method.name in self._called())
+        return _Hook(method, cls, old_class, [], self._references(method))
 
-    def _called(self) -> set[str]:
-        """The names today's file calls, as ``f(...)`` or ``x.f(...)``."""
-        if self._calls is None:
-            self._calls = set()
-            for node in ast.walk(self.new.tree):
-                if isinstance(node, ast.Call):
-                    func = node.func
-                    if isinstance(func, ast.Name):
-                        self._calls.add(func.id)
-                    elif isinstance(func, ast.Attribute):
-                        self._calls.add(func.attr)
-        return self._calls
+    def _references(self, method: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.stmt]:
+        """The statements of today's file outside ``method`` that name it (``name(...)``,
+        ``x.name(...)``, ``callback=self.name``): what runs it, unless a framework does."""
+        found: dict[int, ast.stmt] = {}
+        for node in ast.walk(self.new.tree):
+            if _names(node, method.name) and not _inside_node(self.new, node, method):
+                statement = next(n for n, _ in self.new.ancestors(node) if isinstance(n, ast.stmt))
+                found[id(statement)] = statement
+        return list(found.values())
 
     def _old_class(self, cls: ast.ClassDef) -> ast.ClassDef | None:
         partner = self.align.new.of[id(cls)].partner
@@ -883,33 +875,21 @@ class _Propagator:
     def _carry_method(self, hook: _Hook, logs: list[LogStatement]) -> list[_Outcome] | str:
         """The new method inserted whole into the old class, after the old counterpart of
         its nearest preceding method (else before that of the following one, else at the
-        end of the class), with the one statement calling it if today's code calls it; or
-        the reason it cannot be."""
+        end of the class), with the one statement using it if today's code uses it and the
+        old version has no statement doing so; or the reason it cannot be."""
         method, old_class = hook.method, hook.old_class
         uses: list[_Outcome] = []
         if hook.called:
             what = f"it sits in today's method `{method.name}` of class `{old_class.name}`"
-            calls: dict[int, ast.stmt] = {}
-            for node in ast.walk(self.new.tree):
-                if not isinstance(node, ast.Call) or _inside_node(self.new, node, method):
-                    continue
-                func = node.func
-                if (isinstance(func, ast.Name) and func.id == method.name) or (
-                    isinstance(func, ast.Attribute) and func.attr == method.name
-                ):
-                    statement = next(
-                        n for n, _ in self.new.ancestors(node) if isinstance(n, ast.stmt)
-                    )
-                    calls[id(statement)] = statement
             # A call the old version has too (a loop over callbacks calling each one's
             # hook) already runs an override of that name: nothing more to carry.
             wired = any(
-                _calls_named(partner.ast, method.name)
-                for statement in calls.values()
+                _names(partner.ast, method.name, inside=False)
+                for statement in hook.called
                 if (partner := self.align.new.of[id(statement)].partner) is not None
             )
             if not wired:
-                used = self._use(what, "method", list(calls.values()), logs)
+                used = self._use(what, "method", hook.called, logs)
                 if isinstance(used, str):
                     return used
                 uses.append(used[0])
@@ -963,7 +943,7 @@ class _Propagator:
         edit = _Edit(line, None, inserted, body.strip())
         unit = _Unit(method, logs)
         if uses:
-            anchor += f", called by the line inserted {uses[0].anchor}"
+            anchor += f", used by the line inserted {uses[0].anchor}"
         carried = _Outcome(
             unit,
             body.strip(),
@@ -1123,9 +1103,9 @@ class _Propagator:
     def _use(
         self, what: str, kind: str, uses: list[ast.stmt], logs: list[LogStatement]
     ) -> tuple[_Outcome, _Spot] | str:
-        """The one statement of today's file that creates a carried class or calls a
+        """The one statement of today's file that creates a carried class or uses a
         carried method, placed like a requested statement; or why it cannot be."""
-        verb = "creates" if kind == "class" else "calls"
+        verb = "creates" if kind == "class" else "uses"
         if not uses:
             return (
                 f"{what}, which the old version lacks, and today's version never {verb} it, so "
@@ -1518,21 +1498,22 @@ class _Propagator:
         return "".join(pieces), where
 
 
-def _calls_named(stmt: ast.AST, name: str) -> bool:
-    """Whether a statement itself (not the blocks it holds) calls ``name(...)`` or
-    ``x.name(...)``."""
-    stack = list(ast.iter_child_nodes(stmt))
+def _names(node: ast.AST, name: str, inside: bool = True) -> bool:
+    """Whether ``node`` is a reading of ``name`` or ``x.name``; with ``inside=False``,
+    whether a statement holds one (not counting the blocks it holds)."""
+    if inside:
+        return isinstance(node, (ast.Name, ast.Attribute)) and (
+            isinstance(node.ctx, ast.Load)
+            and (node.id if isinstance(node, ast.Name) else node.attr) == name
+        )
+    stack = list(ast.iter_child_nodes(node))
     while stack:
-        node = stack.pop()
-        if isinstance(node, ast.stmt):
+        current = stack.pop()
+        if isinstance(current, ast.stmt):
             continue
-        if isinstance(node, ast.Call):
-            func = node.func
-            if (isinstance(func, ast.Name) and func.id == name) or (
-                isinstance(func, ast.Attribute) and func.attr == name
-            ):
-                return True
-        stack.extend(ast.iter_child_nodes(node))
+        if _names(current, name):
+            return True
+        stack.extend(ast.iter_child_nodes(current))
     return False
 
 
