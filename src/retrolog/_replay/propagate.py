@@ -14,7 +14,9 @@ corresponds to where it sits in the new one. :func:`propagate` does that:
    moved, changed wrappers or predate ``rl.loop`` (see _align.py);
 3. insert each statement after the old counterpart of its nearest matched
    preceding sibling (else before the following one, else at the start of the
-   counterpart block), refusing where rewritten neighbours make that a guess;
+   counterpart block), refusing where rewritten neighbours make that a guess; a
+   statement in a method or class only today's version has (a framework's hook,
+   a callback class) takes that method or class into the old version whole;
 4. rename identifiers through the alignment (``model`` in the new file is
    ``net`` in the old one) and refuse, with a reason, when a name the statement
    reads is not defined at that point of the old file;
