@@ -164,6 +164,11 @@ def test_a_hook_reading_what_the_old_version_lacks_is_reported() -> None:
         "`on_train_epoch_end` reads (the method would go into class `Model` after line 12 "
         "`def training_step(self, batch, batch_idx):`)"
     )
+    # A refused method carries nothing: not today's helper it reads either.
+    helped = new.replace("\n\nclass Model", "\n\ndef halve(t):\n    return t / 2\n\n\nclass Model")
+    helped = helped.replace("w.norm().item()", "halve(w).norm().item()")
+    refused = propagate(helped, LIGHTNING_OLD, ["w_norm"])
+    assert refused.problems and refused.carried == () and refused.source == LIGHTNING_OLD
     # Attributes neither version's class sets come from the framework's base class.
     fine = LIGHTNING_NEW.replace("w = self.net.weight", "w = self.net.weight * self.current_epoch")
     assert not propagate(fine, LIGHTNING_OLD, ["w_norm"]).problems

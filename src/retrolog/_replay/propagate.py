@@ -37,9 +37,9 @@ import ast
 import difflib
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from retrolog._replay._align import MIN_DICE as MIN_DICE
 from retrolog._replay._align import MIN_HEIGHT as MIN_HEIGHT
@@ -83,6 +83,7 @@ _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 _BLANK = " \t\f"
 # For a file that never imports retrolog (a snippet), as in replay/statements.py.
 _DEFAULT_MODULES = ("rl", "retrolog")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -631,6 +632,13 @@ class _Carry:
             self._aliases[name] = alias
         return self._aliases[name]
 
+    def state(self) -> tuple[set[str], ast.stmt | None]:
+        """What is to be carried so far: to go back to when a placement is refused."""
+        return set(self.needed), self.before
+
+    def restore(self, state: tuple[set[str], ast.stmt | None]) -> None:
+        self.needed, self.before = set(state[0]), state[1]
+
     def carried_names(self) -> tuple[tuple[str, str], ...]:
         return tuple((name, self.alias(name)) for name in sorted(self.needed))
 
@@ -708,7 +716,7 @@ class _Propagator:
             hook = self._hook_of(unit)
             # A new method today's code calls may hold code moved from the old version's
             # other methods: placed there if it can be, carried with its call if not.
-            result = self._place(unit) if hook is None or hook.called else ""
+            result = self._attempt(self._place, unit) if hook is None or hook.called else ""
             if hook is not None and isinstance(result, str):
                 hooks.setdefault(id(hook.method), hook).units.append(unit)
                 continue
@@ -719,9 +727,9 @@ class _Propagator:
                 placed.append((unit.logs, result))
         for hook in hooks.values():
             logs = sorted((log for unit in hook.units for log in unit.logs), key=lambda x: x.line)
-            placed.append((logs, self._carry_method(hook, logs)))
+            placed.append((logs, self._attempt(self._carry_method, hook, logs)))
         for cls, logs in classes.values():
-            placed.append((logs, self._carry_class(cls, logs)))
+            placed.append((logs, self._attempt(self._carry_class, cls, logs)))
         for logs, done in placed:
             if isinstance(done, str):
                 problems.extend(
@@ -764,6 +772,14 @@ class _Propagator:
             methods,
             made,
         )
+
+    def _attempt(self, place: Callable[..., _T | str], *args: Any) -> _T | str:
+        """``place(*args)``, forgetting today's definitions it meant to carry if it fails."""
+        before = self.carry.state()
+        result = place(*args)
+        if isinstance(result, str):
+            self.carry.restore(before)
+        return result
 
     @staticmethod
     def _quote(log: LogStatement) -> str:
