@@ -339,3 +339,28 @@ def test_a_new_callback_class_goes_in_with_the_new_line_creating_it() -> None:
         "version, line 25 `trainer = LossTrainer(model=model, args=args, train_dataset=data, "
         "callbacks=[Printer()])`, does not" in problem.reason
     ), problem.reason
+
+
+def test_a_new_callback_class_reading_what_the_old_version_lacks_is_reported() -> None:
+    new = HF_NEW.replace(
+        "\n\ndef main(",
+        "\n\nclass LrLogger(TrainerCallback):\n    scale = SCALE\n\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        '        rl.log("lr", state.learning_rate * self.scale + offset)\n\n\ndef main(',
+    ).replace(
+        "    trainer.train()\n", "    trainer.add_callback(LrLogger())\n    trainer.train()\n"
+    )
+    refused = propagate(new, HF_OLD, ["lr"])
+    assert refused.source == HF_OLD and refused.classes == ()
+    (problem,) = refused.problems
+    assert problem.reason.endswith(
+        "the old version has no `SCALE` or `offset`, which today's class `LrLogger` reads "
+        "(it would go before line 24 `def main(model, args, data):`)"
+    ), problem.reason
+    # Today's module constants the old version lacks go in first, then the class.
+    defined = new.replace("import torch\n", "import torch\n\nSCALE = 2.0\noffset = 1\n")
+    result = propagate(defined, HF_OLD, ["lr"])
+    assert not result.problems, result.problems
+    assert dict(result.carried) == {"SCALE": "SCALE", "offset": "offset"}
+    assert result.source.index("SCALE = 2.0") < result.source.index("class LrLogger")
+    ast.parse(result.source)

@@ -1098,6 +1098,7 @@ class _Propagator:
         where = f"before line {_first_line(top)} `{self.old.snippet(top)}`"
         body, missing, late = self._definition_text(cls, top)
         if missing or late:
+            self._classes.discard(cls.name)
             return (
                 f"the old version {_lacks(missing, late, ('', []))}, which today's class "
                 f"`{cls.name}` reads (it would go {where})"
