@@ -1094,7 +1094,7 @@ class _Propagator:
             self._classes.discard(cls.name)
             return used
         outcome, spot = used
-        top = self._top_level(spot.stmt)
+        top = self._class_spot(cls, self._top_level(spot.stmt))
         where = f"before line {_first_line(top)} `{self.old.snippet(top)}`"
         body, missing, late = self._definition_text(cls, top)
         if missing or late:
@@ -1105,7 +1105,13 @@ class _Propagator:
             )
         inserted = self._indented(cls, body, "") + self.newline * 2
         anchor = f"in today's class `{cls.name}`, carried {where}, created {outcome.anchor}"
-        made = _Edit(_first_line(top) - 1, None, inserted, inserted.strip())
+        line = _first_line(top) - 1
+        index = next(i for i, stmt in enumerate(self.old.tree.body) if stmt is top)
+        previous = self.old.tree.body[index - 1] if index else None
+        floor = (previous.end_lineno or previous.lineno) if previous else 0
+        while line > floor and self.old.lines[line - 1].strip().startswith("#"):
+            line -= 1  # keep a comment that introduces the statement next to it
+        made = _Edit(line, None, inserted, inserted.strip())
         return [
             _Outcome(
                 _Unit(cls, logs),
@@ -1118,6 +1124,26 @@ class _Propagator:
             ),
             outcome,
         ]
+
+    def _class_spot(self, cls: ast.ClassDef, last: ast.stmt) -> ast.stmt:
+        """The old module-level statement a carried class goes before: the one following
+        the old counterpart of the nearest module-level statement preceding the class
+        today, where that is no later than ``last`` (holding the statement creating it)."""
+        body = self.new.tree.body
+        old_body = self.old.tree.body
+        for position in range(body.index(cls) - 1, -1, -1):
+            node = self.align.new.of.get(id(body[position]))
+            match = node.partner if node is not None else None
+            found = [
+                i for i, stmt in enumerate(old_body) if match is not None and stmt is match.ast
+            ]
+            if not found:
+                continue
+            following = found[0] + 1
+            if following < len(old_body) and old_body[following].lineno <= last.lineno:
+                return old_body[following]
+            break
+        return last
 
     def _use(
         self, what: str, kind: str, uses: list[ast.stmt], logs: list[LogStatement]
