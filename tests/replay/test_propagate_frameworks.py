@@ -364,3 +364,30 @@ def test_a_new_callback_class_reading_what_the_old_version_lacks_is_reported() -
     assert dict(result.carried) == {"SCALE": "SCALE", "offset": "offset"}
     assert result.source.index("SCALE = 2.0") < result.source.index("class LrLogger")
     ast.parse(result.source)
+
+
+def test_a_new_callback_class_is_carried_even_where_its_code_looks_like_old_code() -> None:
+    # Its hook repeats a line of the old Printer's on_step_end; the framework calls it,
+    # so it runs as its own callback, not inside Printer's.
+    new = HF_NEW.replace(
+        "\n\ndef main(",
+        "\n\nclass LrLogger(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if state.global_step % 10 == 0:\n"
+        "            print(state.global_step)\n"
+        '        rl.log("lr", state.learning_rate)\n\n\ndef main(',
+    ).replace(
+        "    trainer.train()\n", "    trainer.add_callback(LrLogger())\n    trainer.train()\n"
+    )
+    result = propagate(new, HF_OLD, ["lr", "step_lr"])
+    assert not result.problems, result.problems
+    assert result.classes == (("LrLogger", "trainer.add_callback(LrLogger())"),)
+    # Printer is still Printer, and its changed hook still its hook.
+    placed = {p.name: p for p in result.placements}
+    assert "in function `on_step_end`" in placed["step_lr"].anchor
+    lines = result.source.splitlines()
+    assert lines[placed["step_lr"].line - 2].strip().startswith("def on_step_end(")
+    printer = result.source[
+        result.source.index("class Printer") : result.source.index("class LrLogger")
+    ]
+    assert printer.count("rl.log") == 1  # step_lr alone

@@ -714,14 +714,20 @@ class _Propagator:
         placed: list[tuple[list[LogStatement], _Outcome | list[_Outcome] | str]] = []
         for unit in self.units:
             hook = self._hook_of(unit)
-            # A new method today's code calls may hold code moved from the old version's
-            # other methods: placed there if it can be, carried with its call if not.
-            result = self._attempt(self._place, unit) if hook is None or hook.called else ""
+            cls = self._new_class_of(unit) if hook is None else None
+            # A new method today's code uses may hold code moved from the old version's
+            # other methods or functions: placed there if it can be, else carried with the
+            # line using it. One only a framework calls (a hook) is carried at once: its
+            # statements run when the framework calls it, not where similar code ran.
+            if hook is not None:
+                used = bool(hook.called)
+            else:
+                method = self._method_in(unit, cls)
+                used = method is None or bool(self._references(method))
+            result = self._attempt(self._place, unit) if used else ""
             if hook is not None and isinstance(result, str):
                 hooks.setdefault(id(hook.method), hook).units.append(unit)
-                continue
-            cls = self._new_class_of(unit) if isinstance(result, str) else None
-            if cls is not None:
+            elif cls is not None and isinstance(result, str):
                 classes.setdefault(id(cls), (cls, []))[1].extend(unit.logs)
             else:
                 placed.append((unit.logs, result))
@@ -862,12 +868,25 @@ class _Propagator:
         cls, field, _ = self.new.parents[id(method)]
         if not isinstance(cls, ast.ClassDef) or field != "body":
             return None
-        if self.align.new.of[id(method)].partner is not None:
-            return None
         old_class = self._old_class(cls)
         if old_class is None or _method_named(old_class, method.name) is not None:
             return None
+        partner = self.align.new.of[id(method)].partner
+        if partner is not None and any(partner.ast is stmt for stmt in old_class.body):
+            return None  # the old class has it under another name
         return _Hook(method, cls, old_class, [], self._references(method))
+
+    def _method_in(
+        self, unit: _Unit, cls: ast.ClassDef | None
+    ) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+        """The method of ``cls`` (directly in its body) that holds the unit, if any."""
+        if cls is None:
+            return None
+        for node, _ in self.new.ancestors(unit.root):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                parent = self.new.parents[id(node)]
+                return node if parent[0] is cls and parent[1] == "body" else None
+        return None
 
     def _references(self, method: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.stmt]:
         """The statements of today's file outside ``method`` that name it (``name(...)``,
@@ -880,15 +899,22 @@ class _Propagator:
         return list(found.values())
 
     def _old_class(self, cls: ast.ClassDef) -> ast.ClassDef | None:
-        partner = self.align.new.of[id(cls)].partner
-        if partner is not None and isinstance(partner.ast, ast.ClassDef):
-            return partner.ast
+        """The old version's class for today's ``cls``: the one of the same name, else the
+        aligned one, unless today's file has a class of that one's name (then the two are
+        different classes the alignment paired for looking alike)."""
         same = [
             node
             for node in ast.walk(self.old.tree)
             if isinstance(node, ast.ClassDef) and node.name == cls.name
         ]
-        return same[0] if len(same) == 1 else None
+        if same:
+            return same[0] if len(same) == 1 else None
+        partner = self.align.new.of[id(cls)].partner
+        if partner is None or not isinstance(partner.ast, ast.ClassDef):
+            return None
+        renamed = partner.ast.name
+        today = (n for n in ast.walk(self.new.tree) if isinstance(n, ast.ClassDef))
+        return None if any(n.name == renamed for n in today) else partner.ast
 
     def _carry_method(self, hook: _Hook, logs: list[LogStatement]) -> list[_Outcome] | str:
         """The new method inserted whole into the old class, after the old counterpart of
