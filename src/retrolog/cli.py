@@ -473,6 +473,10 @@ def propagate_command(new_file: str, old_file: str, names: str, as_diff: bool) -
     for name, alias in result.carried:
         shown = name if alias == name else f"{name} (as {alias}: the old file has its own)"
         click.echo(f"carried today's {shown}", err=True)
+    for class_name, method in result.methods:
+        click.echo(f"carried today's method {class_name}.{method} into the old class", err=True)
+    for class_name, statement in result.classes:
+        click.echo(f"carried today's class {class_name}, created by `{statement}`", err=True)
     if result.added_import is not None:
         added = result.added_import
         click.echo(

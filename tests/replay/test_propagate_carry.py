@@ -118,3 +118,13 @@ def test_an_import_today_adds_goes_in_and_a_missing_name_is_reported() -> None:
     (problem,) = refused.problems
     assert "`scaler` (today's `scaled` reads it)" in problem.reason
     assert refused.source == OLD
+
+
+def test_a_refused_statement_carries_none_of_todays_helpers() -> None:
+    new = _new(
+        "def grad_stat(w):\n    return float(np.abs(w).max())", 'rl.log("g", grad_stat(w) * scaler)'
+    )
+    refused = propagate(new, OLD, ["g"])
+    (problem,) = refused.problems
+    assert "the old version has no `scaler`" in problem.reason
+    assert refused.carried == () and refused.source == OLD

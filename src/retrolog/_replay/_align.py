@@ -174,6 +174,7 @@ class _Alignment:
         # use "same parent" when duplicates are resolved.
         self._link(self.new.root, self.old.root)
         self._anchor_loops(new_loop, old_loop)
+        self._anchor_classes()
         self._top_down()
         self._anchor_calls()
         self._match_loop_headers()
@@ -212,6 +213,37 @@ class _Alignment:
                 self._link(a, b)
                 if a.hash == b.hash:
                     self._link_subtrees(a, b)
+
+    def _anchor_classes(self) -> None:
+        """Classes keep their identity by name, and so do their methods (an addition to
+        GumTree).
+
+        A class defined once in each version is the same class, however its body
+        changed; so is a method of the same name in it. Without this, a new callback
+        class whose hook repeats the old version of another class's hook would take that
+        hook's place, and the statement added to the changed one would find none.
+        """
+        classes: tuple[dict[str, list[_Node]], dict[str, list[_Node]]] = (
+            defaultdict(list),
+            defaultdict(list),
+        )
+        for side, tree in enumerate((self.new, self.old)):
+            for node in tree.nodes:
+                if isinstance(node.ast, ast.ClassDef):
+                    classes[side][node.ast.name].append(node)
+        for name, ours in classes[0].items():
+            theirs = classes[1].get(name, [])
+            if len(ours) != 1 or len(theirs) != 1:
+                continue
+            pairs = [(ours[0], theirs[0])]
+            if ours[0].hash != theirs[0].hash:
+                methods = [_methods(node) for node in (ours[0], theirs[0])]
+                pairs += [(m, methods[1][n]) for n, m in methods[0].items() if n in methods[1]]
+            for a, b in pairs:
+                if a.partner is None and b.partner is None:
+                    self._link(a, b)
+                    if a.hash == b.hash:
+                        self._link_subtrees(a, b)
 
     def loop_key(self, node: _Node) -> int | None:
         """What a loop walks over, as a structural hash: its iterable without wrappers.
@@ -846,6 +878,16 @@ def _called_function(stmt: ast.AST) -> str | None:
     if func.id != "self" or not parts:
         parts.append(func.id)
     return ".".join(reversed(parts))
+
+
+def _methods(node: _Node) -> dict[str, _Node]:
+    """A class's methods by name, leaving out names it defines more than once (a
+    property's getter and setter)."""
+    found: dict[str, list[_Node]] = defaultdict(list)
+    for child in node.children:
+        if child.field == "body" and isinstance(child.ast, _FUNCTION_DEFS):
+            found[child.ast.name].append(child)
+    return {name: nodes[0] for name, nodes in found.items() if len(nodes) == 1}
 
 
 def _wrapped_iterable(call: _Node, is_loop_call: _IsLoopCall) -> _Node | None:
