@@ -199,6 +199,19 @@ def dashboard_everywhere(recorded: Any) -> Iterator[Dashboard]:
 
 
 @pytest.fixture
+def dashboard_of_large_values(project: Any) -> Iterator[Dashboard]:
+    """A dashboard over one run that logs ``big``: values up to about six million."""
+    project.write(
+        "big.py",
+        "import retrolog as rl\n\nfor step in rl.loop('step', range(50)):\n"
+        "    rl.log('big', 123456.0 * step)\n",
+    )
+    project.run("big.py")
+    with serving(project) as started:
+        yield started
+
+
+@pytest.fixture
 def team_dashboard(project: Any, pg_store_url: str, database_url: str) -> Iterator[Dashboard]:
     """The runs of ``recorded``, recorded into PostgreSQL under the adaptive rule; the
     dashboard connects as a team member's role (may read and write retrolog's tables,

@@ -357,6 +357,14 @@ def test_groups_are_a_mean_in_a_min_max_band(client: TestClient, recorded: Any) 
     assert all(math.isclose(m, sum(c) / 3) for m, c in zip(g["mean"], columns, strict=True))
 
 
+def test_the_page_names_its_icon_and_it_is_served(client: TestClient) -> None:
+    """A browser asks for /favicon.ico unless the page names an icon: a 404 on every load."""
+    page = client.get("/").text
+    href = page.split('rel="icon" href="', 1)[1].split('"', 1)[0]
+    icon = client.get(href)
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg")
+
+
 def test_a_read_from_another_sites_page_is_refused(client: TestClient) -> None:
     """A page on another site can make a browser GET anything (an <img>), and a read can
     run a user's predicate: only this server's own page, or no page, may read."""

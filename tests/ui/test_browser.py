@@ -296,3 +296,30 @@ def test_the_dashboard_reads_and_replays_a_postgresql_store(
         assert set(series["origin"]) == {1}  # backfilled
         assert series["y"] == w_sq[series["run_id"]]
     assert not (project.root / ".retrolog" / "retrolog.db").exists()
+
+
+# The y axis's size, and the room its widest tick label needs (uPlot's own font).
+Y_AXIS_ROOM = """() => {
+  const u = window.__retrolog.chart;
+  const axis = u.axes[1];
+  u.ctx.font = axis.font[0];
+  const widest = Math.max(...axis._values.map((v) => u.ctx.measureText(String(v)).width));
+  return { size: axis._size, needed: widest / devicePixelRatio + axis.ticks.size + axis.gap,
+           labels: axis._values };
+}"""
+
+
+def test_large_values_fit_their_axis(
+    page: Any, dashboard_of_large_values: Any
+) -> None:
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    page.goto(dashboard_of_large_values.url)
+    page.wait_for_selector(READY)
+    page.locator("#runs tbody input[type=checkbox]").first.check()
+    page.select_option("#chart-name", "big")
+    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 1")
+    room = page.evaluate(Y_AXIS_ROOM)
+    assert "6,000,000" in room["labels"], room
+    assert room["size"] >= room["needed"], room  # no tick label is clipped
+    assert failed == []

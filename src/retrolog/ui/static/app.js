@@ -289,6 +289,21 @@ function smooth(values, weight) {
   });
 }
 
+// The y axis as wide as its widest tick label: uPlot's fixed 50 px clips "12,345" and
+// longer. uPlot calls this again while the labels settle (cycle 1, 2, ...); the first
+// measure stands after that, so the axis cannot oscillate.
+function axisSize(u, values, axisIdx, cycle) {
+  const axis = u.axes[axisIdx];
+  if (cycle > 1) return axis._size;
+  let size = axis.ticks.size + axis.gap;
+  const widest = (values || []).reduce((a, v) => (String(v).length > a.length ? String(v) : a), "");
+  if (widest) {
+    u.ctx.font = axis.font[0];
+    size += u.ctx.measureText(widest).width / devicePixelRatio;
+  }
+  return Math.ceil(size) + 2;
+}
+
 async function loadChart() {
   const target = $("chart");
   if (!state.name || !state.selected.length) {
@@ -377,7 +392,7 @@ function drawChart(found, width) {
     series,
     legend: { show: false },
     cursor: { drag: { x: true, y: false, setScale: false } },
-    axes: [{ label: axisLabel(found) }, {}],
+    axes: [{ label: axisLabel(found) }, { size: axisSize }],
     hooks: {
       setSelect: [zoomTo],
       setCursor: [(u) => showTip(u.cursor.idx)],
@@ -446,7 +461,7 @@ function drawGroups(groups, width) {
   view.chart = new uPlot({
     width, height: 360, bands,
     scales: { x: { time: false }, y: state.log ? { distr: 3 } : {} },
-    axes: [{ label: state.x }, {}],
+    axes: [{ label: state.x }, { size: axisSize }],
     series,
     legend: { show: false },
     cursor: { drag: { x: true, y: false, setScale: false } },
