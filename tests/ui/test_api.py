@@ -700,6 +700,20 @@ def test_a_postgresql_query_stops_when_its_client_goes_away(
     assert request(f"{team_dashboard.base}/api/names")[0] == 200
 
 
+def test_the_dataframe_comes_in_pages_on_postgresql(team_dashboard: Any) -> None:
+    def page(**params: Any) -> dict[str, Any]:
+        query = urllib.parse.urlencode({"names": "loss,lr", **params})
+        status, body = request(f"{team_dashboard.base}/api/dataframe?{query}")
+        assert status == 200, body
+        return body
+
+    whole = page(limit=3600)
+    assert whole["total"] == 3600 and len(whole["data"]) == 3600
+    some = page(offset=1195, limit=10)  # across two runs
+    assert some["total"] == 3600 and some["data"] == whole["data"][1195:1205]
+    assert page(where="lr > 0.15", limit=1)["total"] == 2400
+
+
 # -- bound to every interface ----------------------------------------------------------------
 
 
