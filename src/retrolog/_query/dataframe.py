@@ -390,14 +390,21 @@ class _WideQuery:
         return {run_id for (run_id,) in found}
 
     def count(self) -> int:
-        """The number of rows of the view (which pass the predicate), without a window."""
+        """The number of rows of the view (which pass the predicate), without a window;
+        kept while the store is quiet, as each page of one view asks again."""
         predicate = "" if self.where is None else f" WHERE (\n{self.where}\n)"
+        quiet = _quiet_store_key(self.conn)
+        key = None if quiet is None else (*quiet, tuple(self.requested), self.where, self.only)
+        kept = _kept(_KEPT_COUNTS, key)
+        if kept is not None:
+            return int(kept)
 
         def sql() -> tuple[str, list[str]]:
             ctes = _ctes(self.columns, self.dims, self.dialect, self.only)
             return ctes + f"\nSELECT count(*) FROM wide{predicate}", ["count"]
 
         _, ((found,),) = self._with_hidden(sql)
+        _keep(_KEPT_COUNTS, key, int(found))
         return int(found)
 
     def _with_hidden(
@@ -927,12 +934,40 @@ def _describe(
 
 
 def _repeated(conn: Any, name: str) -> bool:
-    """Whether ``name`` was logged more than once in some (run, context)."""
+    """Whether ``name`` was logged more than once in some (run, context); kept while the
+    store is quiet (a scan of the name's records: 0.9 s for a million)."""
+    quiet = _quiet_store_key(conn)
+    key = None if quiet is None else (*quiet, name)
+    kept = _kept(_KEPT_REPEATS, key)
+    if kept is not None:
+        return bool(kept)
     row = conn.execute(
         "SELECT 1 FROM logs WHERE name = ? GROUP BY run_id, ctx_id HAVING count(*) > 1 LIMIT 1",
         (name,),
     ).fetchone()
+    _keep(_KEPT_REPEATS, key, row is not None)
     return row is not None
+
+
+# Facts about a quiet store (no run recording, no replay running), by _quiet_store_key.
+_KEPT_COUNTS: dict[tuple[Any, ...], Any] = {}
+_KEPT_REPEATS: dict[tuple[Any, ...], Any] = {}
+
+
+def _kept(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None) -> Any:
+    if key is None:
+        return None
+    with _KEPT_DIMS_LOCK:
+        return kept.get(key)
+
+
+def _keep(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None, value: Any) -> None:
+    if key is None:
+        return
+    with _KEPT_DIMS_LOCK:
+        if len(kept) >= 256:
+            kept.clear()
+        kept[key] = value
 
 
 def _has_repeats(row_keys: Sequence[int]) -> bool:
