@@ -69,6 +69,17 @@ function writeState() {
   history.replaceState(null, "", text ? "?" + text : location.pathname);
 }
 
+// A newer load of the table or the chart replaces one still waiting: the older request is
+// aborted, so its answer cannot overwrite the newer view, and the server stops its query
+// (docs/ui.md, "Requests a client gave up on").
+const pending = {};
+function supersede(kind) {
+  if (pending[kind]) pending[kind].abort();
+  pending[kind] = new AbortController();
+  return pending[kind].signal;
+}
+const aborted = (err) => err && err.name === "AbortError";
+
 async function api(path, options = {}) {
   const headers = { "X-Retrolog-Token": token };
   if (options.body !== undefined) headers["Content-Type"] = "application/json";
@@ -78,8 +89,8 @@ async function api(path, options = {}) {
   return body;
 }
 
-async function apiBytes(path) {
-  const response = await fetch(path, { headers: { "X-Retrolog-Token": token } });
+async function apiBytes(path, options = {}) {
+  const response = await fetch(path, { ...options, headers: { "X-Retrolog-Token": token } });
   if (!response.ok) {
     const body = await response.json().catch(() => ({}));
     throw new Error(body.error || response.statusText);
@@ -138,8 +149,9 @@ function runsQuery(extra = {}) {
 async function loadRuns() {
   let data;
   try {
-    data = await api("/api/runs?" + runsQuery());
+    data = await api("/api/runs?" + runsQuery(), { signal: supersede("runs") });
   } catch (err) {
+    if (aborted(err)) return;
     $("where-error").textContent = err.message;
     $("where-error").hidden = false;
     return;
@@ -305,6 +317,7 @@ function axisSize(u, values, axisIdx, cycle) {
 }
 
 async function loadChart() {
+  const signal = supersede("chart");
   const target = $("chart");
   if (!state.name || !state.selected.length) {
     if (view.chart) view.chart.destroy();
@@ -321,12 +334,14 @@ async function loadChart() {
   if (state.group) q.set("by", state.group);
   let found;
   try {
-    found = state.group ? await api("/api/groups?" + q)
-      : decodeSeries(await apiBytes("/api/series?format=binary&" + q));
+    found = state.group ? await api("/api/groups?" + q, { signal })
+      : decodeSeries(await apiBytes("/api/series?format=binary&" + q, { signal }));
   } catch (err) {
+    if (aborted(err)) return;
     $("chart-info").textContent = err.message;
     return;
   }
+  if (signal.aborted) return; // a newer chart was asked for meanwhile
   if (state.group) {
     view.series = [];
     view.groups = found;
