@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from retrolog._migrate import MigrationPlan, MigrationReport
     from retrolog._query.series import Group, Series, SeriesCache
     from retrolog._replay.replayer import ReplayResult
+    from retrolog.store.cancel import Cancellation
     from retrolog.store.transfer import TransferReport
 
 
@@ -92,13 +93,28 @@ class Project:
     def _portable(self) -> Iterator[Any]:
         """The store's reader for the queries whose SQL both backends run (SQLite's
         connection, or PostgreSQL's through store/metastore.py)."""
+        from retrolog.store.cancel import cancellable, cancelled, watched
         from retrolog.store.metastore import open_metadata
 
         metadata = open_metadata(self.paths, create=False)
         try:
-            yield metadata.reader()
+            with cancellable(metadata.interrupt):
+                reader = metadata.reader()
+                if watched() and isinstance(reader, sqlite3.Connection):
+                    # interrupt() stops the statement running; this one, those after it.
+                    reader.set_progress_handler(cancelled, 10_000)
+                yield reader
         finally:
             metadata.close()
+
+    @staticmethod
+    def cancellation() -> Cancellation:
+        """A way to stop reads from another thread: every read of this project's store
+        inside ``cancellation.active()`` stops when ``cancellation.cancel()`` is called,
+        raising ReadCancelled (what the dashboard does when a client goes away)."""
+        from retrolog.store.cancel import Cancellation
+
+        return Cancellation()
 
     # -- reading ---------------------------------------------------------------------
 
@@ -172,6 +188,27 @@ class Project:
             return dataframe(
                 conn, list(names), where, definitions=definitions, today=today, only=runs
             )
+
+    def dataframe_page(
+        self,
+        *names: str,
+        where: str | None = None,
+        offset: int = 0,
+        limit: int = 1000,
+        definitions: str = "any",
+        runs: Sequence[str] | None = None,
+    ) -> tuple[pd.DataFrame, int]:
+        """Rows ``offset`` to ``offset + limit`` of ``dataframe(...)`` (cut in SQL), and
+        the number of rows of the whole view."""
+        from retrolog._query.dataframe import dataframe_page
+        from retrolog._query.lineage import today_keys
+
+        with self._portable() as conn:
+            today = today_keys(self.paths.root) if definitions == "current" else None
+            return dataframe_page(
+                conn, list(names), where, offset=offset, limit=limit,
+                definitions=definitions, today=today, only=runs,
+            )  # fmt: skip
 
     def query(self, sql: str) -> pd.DataFrame:
         """Read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""

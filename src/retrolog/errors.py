@@ -12,6 +12,7 @@ codecs are converted where they enter our code (``raise ... from exc``)::
     │   ├── UnknownNameError        a requested log name was never logged
     │   ├── RunNotFoundError        no run matches the given id
     │   └── RayUnavailableError     --executor ray, but Ray is missing or its cluster unreachable
+    ├── ReadCancelled               a read stopped because its caller no longer waits
     ├── StoreError                  the store cannot be opened, read or written
     │   ├── UntrustedPickleError    a stored pickle, not read without the user's trust
     │   └── CorruptObjectError      a stored object fails its checksum
@@ -78,6 +79,10 @@ class RayUnavailableError(UsageError):
     def __init__(self, message: str, *, address: str | None = None) -> None:
         super().__init__(message)
         self.address = address
+
+
+class ReadCancelled(RetrologError):
+    """A read of the store was stopped because its caller no longer waits for it."""
 
 
 class StoreError(RetrologError):

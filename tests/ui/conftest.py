@@ -156,9 +156,9 @@ class Dashboard:
 
 
 @contextlib.contextmanager
-def serving(project: Any, **env: str) -> Iterator[Dashboard]:
-    """``retrolog ui --no-browser --port 0`` started in the project, as a user would."""
-    process = project.start_cli("ui", "--no-browser", "--port", "0", **env)
+def serving(project: Any, *args: str, **env: str) -> Iterator[Dashboard]:
+    """``retrolog ui --no-browser --port 0 [args]`` started in the project, as a user would."""
+    process = project.start_cli("ui", "--no-browser", "--port", "0", *args, **env)
     assert process.stderr is not None
     deadline = time.monotonic() + 60
     url = None
@@ -188,6 +188,26 @@ def serving(project: Any, **env: str) -> Iterator[Dashboard]:
 def dashboard(recorded: Any) -> Iterator[Dashboard]:
     """``retrolog ui --no-browser --port 0`` started in the project, as a user would."""
     with serving(recorded) as started:
+        yield started
+
+
+@pytest.fixture
+def dashboard_everywhere(recorded: Any) -> Iterator[Dashboard]:
+    """``retrolog ui --host 0.0.0.0``: bound to every interface of the machine."""
+    with serving(recorded, "--host", "0.0.0.0") as started:
+        yield started
+
+
+@pytest.fixture
+def dashboard_of_large_values(project: Any) -> Iterator[Dashboard]:
+    """A dashboard over one run that logs ``big``: values up to about six million."""
+    project.write(
+        "big.py",
+        "import retrolog as rl\n\nfor step in rl.loop('step', range(50)):\n"
+        "    rl.log('big', 123456.0 * step)\n",
+    )
+    project.run("big.py")
+    with serving(project) as started:
         yield started
 
 

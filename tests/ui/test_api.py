@@ -13,8 +13,10 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -234,6 +236,69 @@ def test_dataframe_json_and_csv(client: TestClient, recorded: Any) -> None:
     assert len(list(csv.DictReader(io.StringIO(text)))) == 9
 
 
+def test_the_dataframe_comes_in_pages_cut_in_sql(client: TestClient, recorded: Any) -> None:
+    whole = Project(recorded.root).dataframe("loss", "lr")
+    assert len(whole) == 3600
+    first = client.get("/api/dataframe", params={"names": "loss,lr"}).json()
+    assert (first["total"], first["offset"], first["limit"]) == (3600, 0, 1000)
+    assert len(first["data"]) == 1000  # the default page
+    rows: list[list[Any]] = []
+    for offset in range(0, 3600, 700):  # pages of 700 rows give back the whole view
+        page = client.get(
+            "/api/dataframe", params={"names": "loss,lr", "offset": offset, "limit": 700}
+        ).json()
+        assert page["columns"] == list(whole.columns) and page["total"] == 3600
+        rows += page["data"]
+    expected = json.loads(whole.to_json(orient="split", index=False))["data"]
+    assert rows == expected
+    chosen = client.get(
+        "/api/dataframe", params={"names": "loss", "where": "lr > 0.15", "limit": 5}
+    ).json()
+    assert chosen["total"] == 2400 and len(chosen["data"]) == 5
+    text = client.get(
+        "/api/dataframe", params={"names": "acc", "format": "csv", "offset": 7, "limit": 5}
+    )
+    assert len(list(csv.DictReader(io.StringIO(text.text)))) == 2
+    assert text.headers["X-Total-Count"] == "9"
+    for bad in ({"limit": 50_001}, {"limit": -1}, {"offset": "x"}):
+        refused = client.get("/api/dataframe", params={"names": "loss", **bad})
+        assert refused.status_code == 400 and "Traceback" not in refused.text
+
+
+def test_every_answer_is_bounded(client: TestClient, recorded: Any) -> None:
+    runs = sorted(values_by_run(recorded.root, "loss"))
+    assert client.get("/api/runs", params={"limit": 1001}).status_code == 400
+    assert len(client.get("/api/runs", params={"limit": 1000}).json()["rows"]) == 3
+    wide = client.get("/api/series", params={"name": "loss", "runs": runs[0], "width": 8193})
+    assert wide.status_code == 400 and "8192" in wide.json()["error"]
+    many = ",".join(runs * 11)  # 33 runs at 8,192 pixels: more than 250,000 pixel columns
+    for endpoint in ("/api/series", "/api/groups"):
+        found = client.get(endpoint, params={"name": "loss", "runs": many, "width": 8192,
+                                             "by": "lr"})  # fmt: skip
+        assert found.status_code == 400 and "fewer runs" in found.json()["error"]
+    compared = client.get("/api/compare", params={"runs": ",".join(runs * 7)})
+    assert compared.status_code == 400 and "at most 20" in compared.json()["error"]
+
+
+def test_a_series_without_a_width_is_drawn_for_a_chart(project: Any) -> None:
+    """Asked for without a width, a long series comes downsampled to 1,000 pixel columns:
+    at most 4,000 of its 10,000 values."""
+    project.write(
+        "long.py",
+        "import retrolog as rl\n\nfor step in rl.loop('step', range(10_000)):\n"
+        "    rl.log('v', float(step % 97))\n",
+    )
+    project.run("long.py")
+    settings = Settings(host="127.0.0.1", port=7431, token="t0ken")
+    app = create_app(Project(project.root), settings)
+    with TestClient(app, base_url="http://127.0.0.1:7431") as c:
+        run_id = c.get("/api/runs").json()["rows"][0]["run_id"]
+        (found,) = c.get("/api/series", params={"name": "v", "runs": run_id}).json()
+    assert found["total"] == 10_000 and not found["exact"]
+    assert found["grid"] == [0.0, 9999.0, 1000] and len(found["x"]) <= 4000
+    assert max(found["y"]) == 96.0 and min(found["y"]) == 0.0
+
+
 def test_a_runs_checkpoints_and_code(client: TestClient, recorded: Any) -> None:
     newest, _, oldest = [r["run_id"] for r in client.get("/api/runs").json()["rows"]]
     ckpts = client.get(f"/api/runs/{newest}/checkpoints").json()
@@ -290,6 +355,29 @@ def test_groups_are_a_mean_in_a_min_max_band(client: TestClient, recorded: Any) 
     assert g["key"] is None and g["count"] == [3, 3, 3]
     assert g["low"] == [min(c) for c in columns] and g["high"] == [max(c) for c in columns]
     assert all(math.isclose(m, sum(c) / 3) for m, c in zip(g["mean"], columns, strict=True))
+
+
+def test_the_page_names_its_icon_and_it_is_served(client: TestClient) -> None:
+    """A browser asks for /favicon.ico unless the page names an icon: a 404 on every load."""
+    page = client.get("/").text
+    href = page.split('rel="icon" href="', 1)[1].split('"', 1)[0]
+    icon = client.get(href)
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg")
+
+
+def test_a_read_from_another_sites_page_is_refused(client: TestClient) -> None:
+    """A page on another site can make a browser GET anything (an <img>), and a read can
+    run a user's predicate: only this server's own page, or no page, may read."""
+    params = {"where": "lr > 0.15"}
+    for site in ("cross-site", "same-site"):  # same-site: another port of localhost
+        refused = client.get("/api/runs", params=params, headers={"Sec-Fetch-Site": site})
+        assert refused.status_code == 403 and "another site" in refused.json()["error"]
+    foreign = client.get("/api/runs", params=params, headers={"Origin": "http://evil.example"})
+    assert foreign.status_code == 403
+    for headers in ({"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {}):
+        assert client.get("/api/runs", params=params, headers=headers).json()["total"] == 2
+    # The page itself is served to a link from anywhere.
+    assert client.get("/", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 200
 
 
 def test_bound_beyond_loopback_every_request_needs_the_token(recorded: Any) -> None:
@@ -534,3 +622,129 @@ def _descendants(pid: int) -> set[int]:
         found.add(todo[-1])
         todo += [c for c in children.get(todo.pop(), []) if c not in found]
     return found
+
+
+# -- a request whose client went away ---------------------------------------------------------
+
+# A predicate SQLite never finishes: it counts an endless recursive CTE (one row at a time,
+# so only the time budget, 120 s by default, would stop it).
+ENDLESS = (
+    "lr > (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c)"
+)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time ``pid`` (all its threads) used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def abandoned_get(base: str, path: str, seconds: float) -> Iterator[None]:
+    """GET ``path`` over a raw connection and check no answer comes within ``seconds``
+    (the query runs); then, after the block, drop the connection, as a closed tab or a
+    dropped ``<img>`` does."""
+    address = urllib.parse.urlsplit(base)
+    assert address.hostname is not None and address.port is not None
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {address.netloc}\r\n\r\n".encode())
+        sock.settimeout(seconds)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+        yield
+
+
+def test_a_query_stops_when_its_client_goes_away(dashboard: Any) -> None:
+    pid = dashboard.process.pid
+    query = urllib.parse.urlencode({"where": ENDLESS})
+    start = cpu_seconds(pid)
+    with abandoned_get(dashboard.base, f"/api/runs?{query}", 1.5):
+        assert cpu_seconds(pid) - start > 0.2  # it runs
+    time.sleep(1.0)  # the second the query has to stop in
+    before = cpu_seconds(pid)
+    time.sleep(2.0)
+    assert cpu_seconds(pid) - before < 0.2
+    # The dashboard still answers.
+    assert request(f"{dashboard.base}/api/names")[0] == 200
+
+
+def test_a_postgresql_query_stops_when_its_client_goes_away(
+    team_dashboard: Any, database_url: str, pg_store_url: str
+) -> None:
+    import psycopg
+
+    schema = urllib.parse.unquote(pg_store_url).split("search_path=")[1].split("&")[0]
+
+    def running() -> int:
+        """Statements fetching a user's query over this test's tables."""
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            (found,) = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+                " AND query LIKE 'FETCH FORWARD %%' AND pid IN (SELECT l.pid FROM pg_locks l"
+                " JOIN pg_class c ON c.oid = l.relation"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s)",
+                (schema,),
+            ).fetchone() or (0,)
+            return int(found)
+
+    query = urllib.parse.urlencode({"where": ENDLESS})
+    with abandoned_get(team_dashboard.base, f"/api/runs?{query}", 1.5):
+        deadline = time.monotonic() + 30  # connecting and checking the role come first
+        while not running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running() == 1
+    deadline = time.monotonic() + 2.0  # a second to stop in, and one for a busy machine
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running() == 0
+    assert request(f"{team_dashboard.base}/api/names")[0] == 200
+
+
+def test_the_dataframe_comes_in_pages_on_postgresql(team_dashboard: Any) -> None:
+    def page(**params: Any) -> dict[str, Any]:
+        query = urllib.parse.urlencode({"names": "loss,lr", **params})
+        status, body = request(f"{team_dashboard.base}/api/dataframe?{query}")
+        assert status == 200, body
+        return body
+
+    whole = page(limit=3600)
+    assert whole["total"] == 3600 and len(whole["data"]) == 3600
+    some = page(offset=1195, limit=10)  # across two runs
+    assert some["total"] == 3600 and some["data"] == whole["data"][1195:1205]
+    assert page(where="lr > 0.15", limit=1)["total"] == 2400
+
+
+# -- bound to every interface ----------------------------------------------------------------
+
+
+def get_as(address: tuple[str, int], host: str, path: str, token: str) -> int:
+    """The status of GET ``path`` sent to ``address`` with the Host header ``host``."""
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{TOKEN_HEADER}: {token}\r\n"
+            "Connection: close\r\n\r\n".encode()
+        )
+        status_line = sock.makefile("rb").readline()
+    return int(status_line.split()[1])
+
+
+def test_bound_to_every_interface_it_answers_to_this_machines_addresses(
+    dashboard_everywhere: Any,
+) -> None:
+    started = dashboard_everywhere
+    # The address it printed is one of this machine's, and works with the token.
+    assert urllib.parse.urlsplit(started.base).hostname not in ("0.0.0.0", "::")
+    status, body = request(f"{started.base}/api/names", headers={TOKEN_HEADER: started.token})
+    assert status == 200 and body == ["acc", "loss", "lr"]
+    port = int(started.base.rsplit(":", 1)[1])
+    # Another address of this machine (loopback needs no network), and its names.
+    other = ("127.0.0.2", port)
+    assert get_as(other, f"127.0.0.2:{port}", "/api/names", started.token) == 200
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        assert get_as(other, f"{name}:{port}", "/api/names", started.token) == 200
+    # Not another address than the one the request came to, nor another name (DNS
+    # rebinding), nor another port; nor without the token.
+    assert get_as(other, f"127.0.0.3:{port}", "/api/names", started.token) == 403
+    assert get_as(other, f"evil.example:{port}", "/api/names", started.token) == 403
+    assert get_as(other, f"127.0.0.2:{port + 1}", "/api/names", started.token) == 403
+    assert get_as(other, f"127.0.0.2:{port}", "/api/names", "wrong") == 403

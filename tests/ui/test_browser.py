@@ -5,6 +5,7 @@ and a page on another site refused."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -296,3 +297,59 @@ def test_the_dashboard_reads_and_replays_a_postgresql_store(
         assert set(series["origin"]) == {1}  # backfilled
         assert series["y"] == w_sq[series["run_id"]]
     assert not (project.root / ".retrolog" / "retrolog.db").exists()
+
+
+# The y axis's size, and the room its widest tick label needs (uPlot's own font).
+Y_AXIS_ROOM = """() => {
+  const u = window.__retrolog.chart;
+  const axis = u.axes[1];
+  u.ctx.font = axis.font[0];
+  const widest = Math.max(...axis._values.map((v) => u.ctx.measureText(String(v)).width));
+  return { size: axis._size, needed: widest / devicePixelRatio + axis.ticks.size + axis.gap,
+           labels: axis._values };
+}"""
+
+
+def test_large_values_fit_their_axis(page: Any, dashboard_of_large_values: Any) -> None:
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    page.goto(dashboard_of_large_values.url)
+    page.wait_for_selector(READY)
+    page.locator("#runs tbody input[type=checkbox]").first.check()
+    page.select_option("#chart-name", "big")
+    page.wait_for_function("window.__retrolog.chart && window.__retrolog.series.length === 1")
+    room = page.evaluate(Y_AXIS_ROOM)
+    assert "6,000,000" in room["labels"], room
+    assert room["size"] >= room["needed"], room  # no tick label is clipped
+    assert failed == []
+
+
+# A predicate SQLite never finishes (as in test_api.py): only its 120 s budget would stop it.
+ENDLESS = (
+    "lr > (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c)"
+)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time ``pid`` (all its threads) used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_new_filter_stops_the_query_of_the_one_it_replaces(page: Any, dashboard: Any) -> None:
+    page.goto(dashboard.url)
+    page.wait_for_selector(READY)
+    pid = dashboard.process.pid
+    page.fill("#where", ENDLESS)
+    page.click("#filter button[type=submit]")
+    start = cpu_seconds(pid)
+    time.sleep(1.5)
+    assert cpu_seconds(pid) - start > 0.2  # the endless predicate runs
+    page.fill("#where", "lr > 0.15")
+    page.click("#filter button[type=submit]")
+    page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 2")
+    time.sleep(1.0)  # the second the old query has to stop in
+    before = cpu_seconds(pid)
+    time.sleep(2.0)
+    assert cpu_seconds(pid) - before < 0.2
+    assert page.is_hidden("#where-error")  # the abandoned request shows no error

@@ -220,6 +220,46 @@ def dataframe(
     Raises UnknownNameError for a name never logged in the store and QueryError
     for a predicate that is malformed, uses an unknown column, or tries to write.
     """
+    frame, _ = _frame(conn, names, where, definitions, today, only, None)
+    return frame
+
+
+def dataframe_page(
+    conn: Any,
+    names: Sequence[str],
+    where: str | None = None,
+    *,
+    offset: int,
+    limit: int,
+    definitions: str = "any",
+    today: Callable[[str, Sequence[str]], dict[str, str]] | None = None,
+    only: Sequence[str] | None = None,
+) -> tuple[pd.DataFrame, int]:
+    """Rows ``offset`` to ``offset + limit`` of ``dataframe(conn, names, where, ...)``, cut
+    in SQL (the rows before and after are never read into Python), and the number of rows
+    of the whole view, read from the same snapshot.
+
+    A column's dtype is the one its values on the page need, and a loop column shows
+    when a row of the page is in that loop.
+    """
+    if offset < 0 or limit < 0:
+        raise QueryError(f"A page starts at a row >= 0 and holds >= 0 rows, not {offset}, {limit}.")
+    frame, total = _frame(conn, names, where, definitions, today, only, (offset, limit))
+    assert total is not None
+    return frame, total
+
+
+def _frame(
+    conn: Any,
+    names: Sequence[str],
+    where: str | None,
+    definitions: str,
+    today: Callable[[str, Sequence[str]], dict[str, str]] | None,
+    only: Sequence[str] | None,
+    window: tuple[int, int] | None,
+) -> tuple[pd.DataFrame, int | None]:
+    """``dataframe``, or with ``window`` (offset, limit) one page of it and the number of
+    rows of the whole view."""
     if definitions not in DEFINITION_OPTIONS:
         raise QueryError(
             f"definitions must be one of {', '.join(DEFINITION_OPTIONS)}, not {definitions!r}."
@@ -241,10 +281,14 @@ def dataframe(
         # A name logged twice in one context shows as two rows for that context. Without
         # a predicate they are found in the result (cheaper than asking first); a
         # predicate could drop one of the two, so then the names are checked first.
-        check = where is not None
-        query = _wide_query(conn, requested, where)
+        # A page cannot tell from its rows whether a name repeats elsewhere (which would
+        # move the rows of the pages after it): asked first too.
+        check = where is not None or window is not None
+        query = _wide_query(conn, requested, where, check=check)
         query.only = None if only is None else tuple(only)
+        query.window = window
         rows = query.rows()
+        total = None if window is None else query.count()
         if not check and _has_repeats(rows[_ROW_KEY]):
             query.columns = [
                 dataclasses.replace(c, repeated=_repeated(conn, c.name)) if c.in_loops else c
@@ -288,7 +332,7 @@ def dataframe(
     if inexact is not None:
         taken = {c.casefold() for c in frame.columns}
         frame[INEXACT_COLUMN if INEXACT_COLUMN not in taken else "__" + INEXACT_COLUMN] = inexact
-    return frame
+    return frame, total
 
 
 class _WideQuery:
@@ -310,6 +354,7 @@ class _WideQuery:
         self.requested = requested
         self.per_cell: list[str] = []  # shown loop-level names whose cells carry their type
         self.only: tuple[str, ...] | None = None  # only these runs (dataframe(runs=...))
+        self.window: tuple[int, int] | None = None  # offset, limit: one page of the rows
 
     @property
     def per_row(self) -> list[_Name]:
@@ -329,7 +374,7 @@ class _WideQuery:
         """
         found = _columns(*self._with_hidden(lambda: _rows_sql(
             self.columns, self.dims, self.where, self.per_cell, self.dialect,
-            self.only)))  # fmt: skip
+            self.only, self.window)))  # fmt: skip
         names = [c.name for c in self.per_row]
         return _whole_values(found, names, len(self.dialect.parts))
 
@@ -343,6 +388,24 @@ class _WideQuery:
 
         _, found = self._with_hidden(sql)
         return {run_id for (run_id,) in found}
+
+    def count(self) -> int:
+        """The number of rows of the view (which pass the predicate), without a window;
+        kept while the store is quiet, as each page of one view asks again."""
+        predicate = "" if self.where is None else f" WHERE (\n{self.where}\n)"
+        quiet = _quiet_store_key(self.conn)
+        key = None if quiet is None else (*quiet, tuple(self.requested), self.where, self.only)
+        kept = _kept(_KEPT_COUNTS, key)
+        if kept is not None:
+            return int(kept)
+
+        def sql() -> tuple[str, list[str]]:
+            ctes = _ctes(self.columns, self.dims, self.dialect, self.only)
+            return ctes + f"\nSELECT count(*) FROM wide{predicate}", ["count"]
+
+        _, ((found,),) = self._with_hidden(sql)
+        _keep(_KEPT_COUNTS, key, int(found))
+        return int(found)
 
     def _with_hidden(
         self, sql: Callable[[], tuple[str, list[str]]]
@@ -550,6 +613,8 @@ def _ctes(
             select.append(f"{_typed_value(values, c.types)} AS {_ident(c.name)}")
         if c.shown and c.in_loops:
             select.append(f"{vtype} AS {_type_column(i)}")
+        if c.in_loops and c.repeated:  # its rows of one context, in the order logged
+            select.append(f"v{i}.log_id AS __retrolog_log{i}")
     joins += [
         f"LEFT JOIN loops a{j} ON a{j}.run_id = a0.run_id AND a{j}.ctx_id = a{j - 1}.parent_ctx"
         for j in range(1, dims.depth + 1)
@@ -617,16 +682,21 @@ def matching_run_ids(conn: Any, names: Sequence[str], where: str) -> set[str]:
         return _wide_query(conn, requested, where).run_ids()
 
 
-def _wide_query(conn: Any, requested: list[Any], where: str | None) -> _WideQuery:
+def _wide_query(
+    conn: Any, requested: list[Any], where: str | None, *, check: bool | None = None
+) -> _WideQuery:
     """The view of ``requested`` (checked: logged, not loop names) filtered by ``where``:
-    its columns, dimensions and the way its rows are found. Inside a read snapshot."""
+    its columns, dimensions and the way its rows are found. Inside a read snapshot.
+    check: whether names that repeat in a context are found first (default: with a
+    predicate; see dataframe())."""
     if where is not None:
         _require_text(where)
     for name in requested:
         _require_logged(conn, name)
     dims = _dimensions(conn)
     _check_collisions(requested, dims.names)
-    check = where is not None  # see dataframe(): with a predicate, repeats are asked first
+    if check is None:
+        check = where is not None  # see dataframe(): with a predicate, repeats are asked first
     columns = [
         _describe(conn, name, shown=True, check_repeats=check, typed=check) for name in requested
     ]
@@ -643,9 +713,10 @@ def _rows_sql(
     per_cell: Sequence[str],
     dialect: _Dialect,
     only: Sequence[str] | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[str, list[str]]:
     """The rows of the view that pass ``where``, in order, as Python reads them, and the
-    key Python gives each column read.
+    key Python gives each column read; ``window``: (offset, limit), those rows only.
 
     That is the row key, the dimensions (-1 for empty), the shown loop-level
     names (the parts of their values, see :func:`_whole_values`), and their types as
@@ -673,12 +744,19 @@ def _rows_sql(
         keys.append(_mask_column(g))
     predicate = "" if where is None else f"WHERE (\n{where}\n)\n"
     nulls = " NULLS FIRST" if dialect.split else ""  # SQLite's order of NULL
+    # A total order, so that pages neither repeat nor skip a row.
+    order = [f"__retrolog_run_order, __retrolog_ctx_id{nulls}"] + [
+        f"__retrolog_log{i}{nulls}" for i, c in enumerate(columns) if c.in_loops and c.repeated
+    ]
     sql = (
         _ctes(columns, dims, dialect, only)
         + "\nSELECT "
         + ",\n  ".join(outer)
-        + f"\nFROM wide\n{predicate}ORDER BY __retrolog_run_order, __retrolog_ctx_id{nulls}"
+        + f"\nFROM wide\n{predicate}ORDER BY {', '.join(order)}"
     )
+    if window is not None:
+        offset, limit = window
+        sql += f"\nLIMIT {int(limit)} OFFSET {int(offset)}"
     return sql, keys
 
 
@@ -856,12 +934,40 @@ def _describe(
 
 
 def _repeated(conn: Any, name: str) -> bool:
-    """Whether ``name`` was logged more than once in some (run, context)."""
+    """Whether ``name`` was logged more than once in some (run, context); kept while the
+    store is quiet (a scan of the name's records: 0.9 s for a million)."""
+    quiet = _quiet_store_key(conn)
+    key = None if quiet is None else (*quiet, name)
+    kept = _kept(_KEPT_REPEATS, key)
+    if kept is not None:
+        return bool(kept)
     row = conn.execute(
         "SELECT 1 FROM logs WHERE name = ? GROUP BY run_id, ctx_id HAVING count(*) > 1 LIMIT 1",
         (name,),
     ).fetchone()
+    _keep(_KEPT_REPEATS, key, row is not None)
     return row is not None
+
+
+# Facts about a quiet store (no run recording, no replay running), by _quiet_store_key.
+_KEPT_COUNTS: dict[tuple[Any, ...], Any] = {}
+_KEPT_REPEATS: dict[tuple[Any, ...], Any] = {}
+
+
+def _kept(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None) -> Any:
+    if key is None:
+        return None
+    with _KEPT_DIMS_LOCK:
+        return kept.get(key)
+
+
+def _keep(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None, value: Any) -> None:
+    if key is None:
+        return
+    with _KEPT_DIMS_LOCK:
+        if len(kept) >= 256:
+            kept.clear()
+        kept[key] = value
 
 
 def _has_repeats(row_keys: Sequence[int]) -> bool:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from retrolog._config import lookup
 from retrolog.errors import QueryError
+from retrolog.store.cancel import cancelled, check_cancelled, watched
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -237,7 +238,7 @@ class _Limits:
         self.interrupted = False
 
     def progress(self) -> int:
-        if self.interrupted:
+        if self.interrupted or cancelled():
             return 1
         now = time.monotonic()
         if now > self.deadline:
@@ -264,6 +265,8 @@ def _within_limits(conn: sqlite3.Connection, limits: _Limits) -> Iterator[None]:
         yield
     finally:
         conn.set_progress_handler(None, 0)
+        if watched():  # the handler Project installs for a cancellable read, back
+            conn.set_progress_handler(cancelled, _PROGRESS_STEPS)
         if previous_sigint is not None:
             signal.signal(signal.SIGINT, previous_sigint)
 
@@ -327,6 +330,7 @@ def execute_read(
             rows.clear()
             if limits.interrupted:
                 raise KeyboardInterrupt from exc
+            check_cancelled()
             if limits.expired:
                 raise QueryError(_over_time(subject, seconds), sql=subject) from exc
             # "string or blob too big": one value over _value_cap, made in a single step

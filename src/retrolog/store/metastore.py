@@ -105,6 +105,11 @@ class MetadataStore(abc.ABC):
     def close(self) -> None:
         """Close what this store opened."""
 
+    @abc.abstractmethod
+    def interrupt(self) -> None:
+        """Stop the statement running on this store's connection; called from another
+        thread (store/cancel.py). It fails with the backend's error."""
+
     # -- operations ----------------------------------------------------------------------
 
     def register_run(self, row: Mapping[str, Any]) -> None:
@@ -208,6 +213,9 @@ class SqliteMetadata(MetadataStore):
 
     def reader(self) -> Any:
         return self.conn
+
+    def interrupt(self) -> None:
+        self.conn.interrupt()
 
     def record_sink(self) -> Callable[[], RecordSink]:
         from retrolog.store.records import SqliteRecordSink

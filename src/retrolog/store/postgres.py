@@ -739,5 +739,10 @@ class PostgresMetadata(MetadataStore):
         finally:
             self._conn.adapters.register_loader("numeric", _numbers_loader())
 
+    def interrupt(self) -> None:
+        # A cancel request on a connection of its own: the server stops the statement
+        # (QueryCanceled), the session stays usable.
+        self._conn.cancel_safe(timeout=5.0)
+
     def close(self) -> None:
         self._conn.close()

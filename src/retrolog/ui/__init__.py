@@ -6,6 +6,8 @@ build time (``python -m retrolog.ui.assets``); the core never imports this packa
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import socket
 import sys
 import threading
@@ -17,6 +19,7 @@ from retrolog.errors import UsageError
 
 if TYPE_CHECKING:
     from retrolog._project import Project
+    from retrolog.ui.server import Settings
 
 DEFAULT_PORT = 7431
 
@@ -54,8 +57,9 @@ def serve(
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     settings = Settings(host=host, port=bound)
-    shown = "127.0.0.1" if settings.loopback else host
-    url = f"http://{shown}:{bound}/?token={settings.token}"
+    if settings.everywhere:
+        settings.machine_names = _machine_names()
+    url = f"http://{_shown_host(settings)}:{bound}/?token={settings.token}"
     if not settings.loopback:
         echo(
             f"Warning: the dashboard listens on {host}, so other machines can reach it; every "
@@ -82,6 +86,45 @@ def serve(
                 job.cancel()
                 if job.wait(60) is None:
                     echo(f"The replay {job.job_id} did not stop within 60 s; it goes on alone.")
+
+
+def _shown_host(settings: Settings) -> str:
+    """The host part of an address that reaches the server: bound to every interface,
+    this machine's address on its default route (what another machine uses too)."""
+    if settings.host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    if settings.everywhere:
+        address = _outward_address(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+        if address is None:
+            return "127.0.0.1"
+        return f"[{address}]" if ":" in address else address
+    return f"[{settings.host}]" if ":" in settings.host else settings.host
+
+
+def _outward_address(family: socket.AddressFamily) -> str | None:
+    """The local address the system would send from to a documentation address (no packet
+    is sent: connecting a UDP socket only chooses the route), or None without a route."""
+    targets = [(socket.AF_INET, "192.0.2.1")]
+    if family == socket.AF_INET6:
+        targets.insert(0, (socket.AF_INET6, "2001:db8::1"))
+    for kind, target in targets:
+        try:
+            with socket.socket(kind, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))
+                address: str = probe.getsockname()[0]
+        except OSError:
+            continue
+        if not ipaddress.ip_address(address).is_unspecified:
+            return address
+    return None
+
+
+def _machine_names() -> frozenset[str]:
+    """This machine's hostname and fully qualified name, as a Host header gives them."""
+    names = {socket.gethostname()}
+    with contextlib.suppress(OSError):
+        names.add(socket.getfqdn())
+    return frozenset(name.lower() for name in names if name)
 
 
 def _bind(host: str, port: int | None) -> socket.socket:

@@ -6,9 +6,11 @@ so the plan a user confirms is the text `retrolog replay --dry-run` prints,
 and a replay's workers and signal handling are the command's own.
 
 Security (docs/ui.md, "Who can reach it"): the Host header must name this
-server (no DNS rebinding); a request that changes state or runs code must
-carry the per-launch token and, from a browser, come from this origin; bound
-to anything but loopback, every API request needs the token.
+server (no DNS rebinding); every API request from a browser must come from this
+origin; a request that changes state or runs code must carry the per-launch
+token; bound to anything but loopback, every API request needs the token.
+
+A request's reads stop when its client disconnects (``_unless_gone``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import csv
 import hmac
 import io
+import ipaddress
 import json
 import math
 import os
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import orjson
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -46,7 +50,14 @@ from retrolog.ui.indexer import Indexer
 STATIC = Path(__file__).parent / "static"
 TOKEN_HEADER = "X-Retrolog-Token"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+EVERY_INTERFACE = ("0.0.0.0", "::", "")
+# Every answer is bounded (docs/ui.md, "Bounds").
 MAX_WIDTH = 8192  # pixels: a series never sends more than 4 points per pixel of this
+DEFAULT_WIDTH = 1000  # pixels, for a series or groups asked for without a width
+MAX_COLUMNS = 250_000  # pixel columns in one answer: runs x width (4 points each at most)
+RUNS_PAGE, MAX_RUNS_PAGE = 100, 1000  # rows of the runs table
+FRAME_PAGE, MAX_FRAME_PAGE = 1000, 50_000  # rows of the dataframe
+MAX_COMPARED = 20  # runs compared at once
 
 
 @dataclass
@@ -56,20 +67,58 @@ class Settings:
     host: str
     port: int
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # Bound to every interface: the names of this machine that a Host header may give
+    # (its hostname, its fully qualified name).
+    machine_names: frozenset[str] = frozenset()
 
     @property
     def loopback(self) -> bool:
         return self.host in LOOPBACK
 
+    @property
+    def everywhere(self) -> bool:
+        """Bound to every interface (0.0.0.0 or ::)."""
+        return self.host in EVERY_INTERFACE
+
     def allowed_hosts(self) -> set[str]:
-        """Host header values naming this server (with and without the port)."""
+        """Host header values naming this server (with and without the port), whatever the
+        address the request came to."""
         names = {"127.0.0.1", "localhost", "[::1]"}
         if not self.loopback:
             names.add(f"[{self.host}]" if ":" in self.host else self.host)
-        return {n for name in names for n in (name, f"{name}:{self.port}")}
+        if self.everywhere:
+            names |= {name.lower() for name in self.machine_names}
+        return {n.lower() for name in names for n in (name, f"{name}:{self.port}")}
 
-    def origins(self) -> set[str]:
-        return {f"http://{h}" for h in self.allowed_hosts()}
+    def names_this_server(self, host: str, local: str | None) -> bool:
+        """Whether the Host header ``host`` names this server, for a request that came to
+        the local address ``local``. Bound to every interface, that address itself (the
+        one the client connected to) is a name of this server too. DNS rebinding always
+        puts a domain name in the header, and the names accepted are this machine's own."""
+        if host.lower() in self.allowed_hosts():
+            return True
+        if not self.everywhere or local is None:
+            return False
+        literal, _, port = host.rpartition(":")
+        if not literal or port != str(self.port):
+            return False
+        try:
+            given = ipaddress.ip_address(literal.removeprefix("[").removesuffix("]"))
+            arrived = ipaddress.ip_address(local)
+        except ValueError:
+            return False
+        return _unmapped(given) == _unmapped(arrived)
+
+    def origins(self, host: str) -> set[str]:
+        """The origins of this server's own page, for a request whose Host is ``host``
+        (already checked)."""
+        return {f"http://{h}" for h in self.allowed_hosts() | {host.lower()}}
+
+
+def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Any:
+    """An IPv4 client of a socket bound to :: arrives at an IPv4-mapped IPv6 address."""
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
 
 
 class ReplayJob:
@@ -145,7 +194,7 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
                 except ValueError:
                     return error("The request's body must be a JSON object.")
             try:
-                result = await run_in_threadpool(handler, request)
+                result = await _unless_gone(request, project, handler)
             except RetrologError as exc:
                 return error(str(exc))
             except ValueError as exc:
@@ -172,13 +221,14 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
 
     def runs(request: Request) -> Any:
         q = request.query_params
+        csv_export = q.get("format") == "csv"  # every matching run: one row per run
         table = project.table(
             where=q.get("where") or None,
             columns=_split(q.get("columns")),
             sort=q.get("sort") or "started_at",
             descending=q.get("desc", "1") != "0",
-            offset=int(q.get("offset") or 0),
-            limit=None if q.get("format") == "csv" else int(q.get("limit") or 100),
+            offset=_count(q.get("offset"), "offset", 0),
+            limit=None if csv_export else _page(q.get("limit"), RUNS_PAGE, MAX_RUNS_PAGE),
         )
         if q.get("format") == "csv":
             return _csv_response(table, "runs.csv")
@@ -194,17 +244,21 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         return project.code(request.path_params["run_id"], request.query_params.get("path"))
 
     def compare(request: Request) -> dict[str, Any]:
-        return project.compare(_split(request.query_params.get("runs")))
+        runs = _split(request.query_params.get("runs"))
+        if len(runs) > MAX_COMPARED:
+            raise ValueError(f"compare at most {MAX_COMPARED} runs at once, not {len(runs)}")
+        return project.compare(runs)
 
     def groups(request: Request) -> Response:
         q = request.query_params
         name, by = q.get("name"), q.get("by")
         if not name or not by:
             raise ValueError("name= and by= are required: the logged name, the argument")
+        runs = _split(q.get("runs"))
         found = project.groups(
-            name, _split(q.get("runs")), by, x=q.get("x") or "step",
+            name, runs, by, x=q.get("x") or "step",
             lo=_number(q.get("lo")), hi=_number(q.get("hi")),
-            width=min(MAX_WIDTH, int(q.get("width") or 800)),
+            width=_width(q.get("width"), len(runs)),
         )  # fmt: skip
         return _fast_json([g.to_json() for g in found])
 
@@ -213,10 +267,9 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         name = q.get("name")
         if not name:
             raise ValueError("name= is required: the logged name to draw")
-        width = q.get("width")
         runs, x = _split(q.get("runs")), q.get("x") or "step"
         lo, hi = _number(q.get("lo")), _number(q.get("hi"))
-        pixels = None if width is None else min(MAX_WIDTH, int(width))
+        pixels = _width(q.get("width"), len(runs))
         if q.get("format") == "binary":  # the page's own form
             found = project.series_bytes(name, runs, x=x, lo=lo, hi=hi, width=pixels)
             return Response(found, media_type="application/octet-stream")
@@ -225,14 +278,22 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
 
     def dataframe(request: Request) -> Any:
         q = request.query_params
-        frame = project.dataframe(*_split(q.get("names")), where=q.get("where") or None)
+        offset = _count(q.get("offset"), "offset", 0)
+        limit = _page(q.get("limit"), FRAME_PAGE, MAX_FRAME_PAGE)
+        frame, total = project.dataframe_page(
+            *_split(q.get("names")), where=q.get("where") or None, offset=offset, limit=limit
+        )
         if q.get("format") == "csv":
             return Response(
                 frame.to_csv(index=False),
                 media_type="text/csv",
-                headers={"Content-Disposition": 'attachment; filename="dataframe.csv"'},
+                headers={
+                    "Content-Disposition": 'attachment; filename="dataframe.csv"',
+                    "X-Total-Count": str(total),
+                },
             )
-        return json.loads(frame.to_json(orient="split", index=False, default_handler=str))
+        page = json.loads(frame.to_json(orient="split", index=False, default_handler=str))
+        return {**page, "total": total, "offset": offset, "limit": limit}
 
     def plan(request: Request) -> dict[str, Any]:
         argv = [*_replay_argv(_body(request)), "--dry-run"]
@@ -302,6 +363,39 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
     return app
 
 
+async def _unless_gone(
+    request: Request, project: Project, handler: Callable[[Request], Any]
+) -> Any:
+    """``handler(request)`` on a worker thread, its reads cancelled if the client
+    disconnects meanwhile: a browser that left, or an abandoned ``<img>``, does not keep
+    a query running for the whole of its time budget."""
+    cancellation = project.cancellation()
+
+    def call() -> Any:
+        with cancellation.active():
+            return handler(request)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        # PostgreSQL's cancel request is a round trip to the server: not on the event loop,
+        # and not behind the busy worker threads either.
+        threading.Thread(target=cancellation.cancel, name="retrolog-ui-cancel", daemon=True).start()
+
+    outcome: list[Any] = []
+    failure: list[BaseException] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        try:
+            outcome.append(await run_in_threadpool(call))
+        except Exception as exc:  # raised below, outside the task group (not in a group)
+            failure.append(exc)
+        group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
 def _fast_json(payload: Any) -> Response:
     """Series and groups: large lists of floats, already JSON-ready (no NaN, no numpy)."""
     return Response(orjson.dumps(payload), media_type="application/json")
@@ -309,10 +403,17 @@ def _fast_json(payload: Any) -> Response:
 
 def _host_refusal(request: Request, settings: Settings) -> str | None:
     host = request.headers.get("host", "")
-    if host not in settings.allowed_hosts():
+    server = request.scope.get("server")
+    local = server[0] if server else None
+    if not settings.names_this_server(host, local):
+        where = (
+            f"this machine's addresses and names, port {settings.port}"
+            if settings.everywhere
+            else f"{settings.host}:{settings.port}"
+        )
         return (
-            f"This dashboard answers only to {settings.host}:{settings.port}, not to the host "
-            f"{host!r} (a page on another site is not allowed to reach it)."
+            f"This dashboard answers only to {where}, not to the host {host!r} (a page on "
+            "another site is not allowed to reach it)."
         )
     return None
 
@@ -322,12 +423,15 @@ def _refusal(request: Request, settings: Settings, *, changes: bool) -> str | No
     refused = _host_refusal(request, settings)
     if refused is not None:
         return refused
+    # Every API request, reads too, must come from this server's own page (or from no page
+    # at all: an address typed in, curl): a read can run a user's predicate, and a page on
+    # another site can make a browser send a GET (an <img>) without asking.
+    origin = request.headers.get("origin")
+    if origin is not None and origin.lower() not in settings.origins(request.headers["host"]):
+        return f"Refused a request from another site ({origin})."
+    if request.headers.get("sec-fetch-site") not in (None, "same-origin", "none"):
+        return "Refused a request from another site."
     if changes or not settings.loopback:
-        origin = request.headers.get("origin")
-        if origin is not None and origin not in settings.origins():
-            return f"Refused a request from another site ({origin})."
-        if request.headers.get("sec-fetch-site") not in (None, "same-origin", "none"):
-            return "Refused a request from another site."
         given = request.headers.get(TOKEN_HEADER, "")
         if not hmac.compare_digest(given.encode(), settings.token.encode()):
             return (
@@ -374,6 +478,43 @@ def _replay_argv(body: dict[str, Any]) -> list[str]:
     if workers:
         argv += ["--workers", str(int(workers))]
     return argv
+
+
+def _count(text: str | None, name: str, default: int) -> int:
+    """A whole number >= 0 given as ``name=``."""
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}= must be a whole number >= 0, not {text!r}")
+    return value
+
+
+def _page(text: str | None, default: int, most: int) -> int:
+    """The rows of one page: ``limit=``, ``default`` without one, at most ``most``."""
+    limit = _count(text, "limit", default)
+    if limit > most:
+        raise ValueError(
+            f"limit= is at most {most:,} rows a request; ask for the next ones with offset="
+        )
+    return limit
+
+
+def _width(text: str | None, runs: int) -> int:
+    """The pixel columns of a chart of ``runs`` runs: ``width=``, DEFAULT_WIDTH without one;
+    at most MAX_WIDTH, and at most MAX_COLUMNS over all runs."""
+    width = _count(text, "width", DEFAULT_WIDTH)
+    if not 1 <= width <= MAX_WIDTH:
+        raise ValueError(f"width= is a number of pixels from 1 to {MAX_WIDTH}, not {text!r}")
+    if width * runs > MAX_COLUMNS:
+        raise ValueError(
+            f"{runs} runs at {width} pixels is more than the {MAX_COLUMNS:,} pixel columns one "
+            "chart may ask for: ask for fewer runs, or a narrower width"
+        )
+    return width
 
 
 def _split(text: str | None) -> list[str]:

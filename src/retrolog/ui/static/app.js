@@ -69,6 +69,17 @@ function writeState() {
   history.replaceState(null, "", text ? "?" + text : location.pathname);
 }
 
+// A newer load of the table or the chart replaces one still waiting: the older request is
+// aborted, so its answer cannot overwrite the newer view, and the server stops its query
+// (docs/ui.md, "Requests a client gave up on").
+const pending = {};
+function supersede(kind) {
+  if (pending[kind]) pending[kind].abort();
+  pending[kind] = new AbortController();
+  return pending[kind].signal;
+}
+const aborted = (err) => err && err.name === "AbortError";
+
 async function api(path, options = {}) {
   const headers = { "X-Retrolog-Token": token };
   if (options.body !== undefined) headers["Content-Type"] = "application/json";
@@ -78,8 +89,8 @@ async function api(path, options = {}) {
   return body;
 }
 
-async function apiBytes(path) {
-  const response = await fetch(path, { headers: { "X-Retrolog-Token": token } });
+async function apiBytes(path, options = {}) {
+  const response = await fetch(path, { ...options, headers: { "X-Retrolog-Token": token } });
   if (!response.ok) {
     const body = await response.json().catch(() => ({}));
     throw new Error(body.error || response.statusText);
@@ -138,8 +149,9 @@ function runsQuery(extra = {}) {
 async function loadRuns() {
   let data;
   try {
-    data = await api("/api/runs?" + runsQuery());
+    data = await api("/api/runs?" + runsQuery(), { signal: supersede("runs") });
   } catch (err) {
+    if (aborted(err)) return;
     $("where-error").textContent = err.message;
     $("where-error").hidden = false;
     return;
@@ -289,7 +301,23 @@ function smooth(values, weight) {
   });
 }
 
+// The y axis as wide as its widest tick label: uPlot's fixed 50 px clips "12,345" and
+// longer. uPlot calls this again while the labels settle (cycle 1, 2, ...); the first
+// measure stands after that, so the axis cannot oscillate.
+function axisSize(u, values, axisIdx, cycle) {
+  const axis = u.axes[axisIdx];
+  if (cycle > 1) return axis._size;
+  let size = axis.ticks.size + axis.gap;
+  const widest = (values || []).reduce((a, v) => (String(v).length > a.length ? String(v) : a), "");
+  if (widest) {
+    u.ctx.font = axis.font[0];
+    size += u.ctx.measureText(widest).width / devicePixelRatio;
+  }
+  return Math.ceil(size) + 2;
+}
+
 async function loadChart() {
+  const signal = supersede("chart");
   const target = $("chart");
   if (!state.name || !state.selected.length) {
     if (view.chart) view.chart.destroy();
@@ -306,12 +334,14 @@ async function loadChart() {
   if (state.group) q.set("by", state.group);
   let found;
   try {
-    found = state.group ? await api("/api/groups?" + q)
-      : decodeSeries(await apiBytes("/api/series?format=binary&" + q));
+    found = state.group ? await api("/api/groups?" + q, { signal })
+      : decodeSeries(await apiBytes("/api/series?format=binary&" + q, { signal }));
   } catch (err) {
+    if (aborted(err)) return;
     $("chart-info").textContent = err.message;
     return;
   }
+  if (signal.aborted) return; // a newer chart was asked for meanwhile
   if (state.group) {
     view.series = [];
     view.groups = found;
@@ -377,7 +407,7 @@ function drawChart(found, width) {
     series,
     legend: { show: false },
     cursor: { drag: { x: true, y: false, setScale: false } },
-    axes: [{ label: axisLabel(found) }, {}],
+    axes: [{ label: axisLabel(found) }, { size: axisSize }],
     hooks: {
       setSelect: [zoomTo],
       setCursor: [(u) => showTip(u.cursor.idx)],
@@ -446,7 +476,7 @@ function drawGroups(groups, width) {
   view.chart = new uPlot({
     width, height: 360, bands,
     scales: { x: { time: false }, y: state.log ? { distr: 3 } : {} },
-    axes: [{ label: state.x }, {}],
+    axes: [{ label: state.x }, { size: axisSize }],
     series,
     legend: { show: false },
     cursor: { drag: { x: true, y: false, setScale: false } },
