@@ -333,13 +333,13 @@ def _finish(job: Job) -> None:
         if job.returncode
         else "worker wrote no output (did the script reach retrolog?)"
     )
-    diagnosis = _diagnosis(out)
+    diagnosis = worker_diagnosis(out)
     if diagnosis:
         job.error = diagnosis
         job.diagnosed = True
 
 
-def _diagnosis(out: Path) -> str | None:
+def worker_diagnosis(out: Path) -> str | None:
     """What a failed worker wrote about its failure (runtime/replay.py, ``failed``)."""
     try:
         found = json.loads(out.read_text()).get("diagnosis")
