@@ -33,7 +33,8 @@ not they were rebound, because ``losses.append(...)`` changes one in place.
 Anything else (an iterator, a module, what does not fit) is listed by name as
 not captured, so a replay can tell the user which values it could not
 restore. The objects named in
-``checkpointing`` are skipped: the checkpoint restores those in place.
+``checkpointing`` are skipped: the checkpoint restores those in place, and this
+module adds their public plain attributes (:func:`capture_attrs`, below).
 """
 
 from __future__ import annotations

@@ -472,7 +472,8 @@ class Run:
         attrs_before: Mapping[tuple[str, str], Any],
         due_in: float | None = None,
     ) -> bool:
-        """Checkpoint the scope's objects and the frame's small locals; False if none are named.
+        """Checkpoint the scope's objects (with their plain attributes) and the frame's small
+        locals; False if none are named.
 
         due_in: when the writer should have written it (None: the end state,
         written in the background or at the latest at commit()).
