@@ -342,6 +342,12 @@ def _install_hooks() -> None:
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         global _uncaught
         _uncaught = f"{exc_type.__name__}: {exc}"
+        failed = getattr(_active, "failed", None)  # a replay worker says what went wrong
+        if callable(failed):
+            try:
+                failed(exc, tb)
+            except Exception as why:  # the traceback below still says where
+                print(f"retrolog: could not diagnose the failure: {why}", file=sys.stderr)
         if isinstance(exc, RetrologError) and not os.environ.get("RETROLOG_DEBUG"):
             # retrolog's own errors say what to do; the user's script needs only where.
             sys.stderr.write(_script_error(exc, tb))

@@ -1,16 +1,22 @@
 """The example ports of well-known training scripts, recorded and replayed as a user would.
 
-For each of ``examples/mnist_cnn.py``, ``examples/word_lm.py`` and
-``examples/dcgan.py``: an older version (a real kind of change: another
-optimizer, another default, a flag that did not exist) is committed and run,
-then the example as it is now is committed and run with a flag changed (both
-runs on half the default training data, through the script's own flag, to keep
-the suite short); today's edit adds one statement in the outer (epoch) loop and
-one in the inner (step) loop. Everything runs with default settings: torch's own thread count, the
-adaptive checkpoint policy, the default number of replay workers. Each
-backfilled value must equal, bit for bit, what a fresh run of the run's
-version with both statements propagated into it logs (``retrolog propagate``;
-each replay ran that file less the other statement's line).
+For each of ``examples/mnist_cnn.py``, ``examples/word_lm.py``,
+``examples/dcgan.py`` and ``examples/actor_critic.py``: an older version (a real
+kind of change: another optimizer, another default, a flag that did not exist)
+is committed and run, then the example as it is now is committed and run with a
+flag changed (both runs on half the default training data, through the script's
+own flag, to keep the suite short); today's edit adds one statement in the outer
+(epoch) loop and one in the inner (step) loop. Everything runs with default
+settings: torch's own thread count, the adaptive checkpoint policy, the default
+number of replay workers. Each backfilled value must equal, bit for bit, what a
+fresh run of the run's version with both statements propagated into it logs
+(``retrolog propagate``; each replay ran that file less the other statement's
+line).
+
+The actor-critic's older version kept the autograd graph in ``model.saved_actions``: its
+block checkpoints cannot hold that, and the plan must say so and execute those step loops;
+today's keeps data there, which its checkpoints carry, and its outer statement reads
+``len(model.rewards)``, an attribute only a restored checkpoint puts back.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class Case:
     outer: tuple[str, str, str]  # name, the line it follows, the statement (indented)
     inner: tuple[str, str, str]
     where: str  # a predicate on an argparse flag that picks the newer run only
+    plan_says: str | None = None  # what the outer replay's plan must say
 
     def today(self, text: str) -> str:
         for _, after, statement in (self.outer, self.inner):
@@ -119,6 +126,18 @@ def _dcgan_older(text: str) -> str:
     )
 
 
+def _actor_critic_older(text: str) -> str:
+    # Before the update ran the network again over the episode's states, each step kept
+    # its log-probability and value tensors, graph and all, as the original script does.
+    return _edit(
+        text,
+        (
+            "        default=False,\n        help=\"keep each step's",
+            "        default=True,\n        help=\"keep each step's",
+        ),
+    )
+
+
 CASES = {
     "mnist_cnn": Case(
         script="mnist_cnn.py",
@@ -172,6 +191,25 @@ CASES = {
             '                rl.log("d_x", D_x)\n',
         ),
         where="beta1 = 0.5",
+    ),
+    "actor_critic": Case(
+        script="actor_critic.py",
+        older=_actor_critic_older,
+        old_args=("--episodes", "16"),
+        new_args=("--episodes", "16", "--lr", "0.01"),
+        outer=(
+            "steps",
+            "            running_reward = 0.05 * ep_reward + (1 - 0.05) * running_reward\n",
+            '            rl.log("steps", len(model.rewards))\n',
+        ),
+        inner=(
+            "pole_angle",
+            "                ep_reward += reward\n",
+            '                rl.log("pole_angle", float(state[2]))\n',
+        ),
+        where="lr = 0.01",
+        plan_says="cannot restore what their block changed, so those blocks are executed: "
+        "model.saved_actions (it holds tensors that carry autograd history",
     ),
 }
 
@@ -233,6 +271,8 @@ def test_example_replays_bit_exact_under_default_settings(project: Project, name
     out = _cli(project, "replay", outer, "--yes")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "differs" not in out.stderr and "inexact" not in out.stderr, out.stderr
+    if case.plan_says is not None:
+        assert case.plan_says in " ".join((out.stdout + out.stderr).split()), out.stderr
     restored = sum(o["restored"] for run in runs for o in _worker_outputs(project, run))
     assert restored >= 1, f"no epoch was restored from a checkpoint:\n{out.stderr}"
     out = _cli(project, "replay", inner, "--yes")

@@ -54,6 +54,7 @@ class Job:
     returncode: int | None = None
     output: dict[str, Any] | None = None
     error: str | None = None
+    diagnosed: bool = False  # error is the worker's own account, not its exit code
     checkout: Path | None = None
     process: subprocess.Popen[bytes] | ForkedProcess | None = field(default=None, repr=False)
     started: float = 0.0
@@ -326,12 +327,25 @@ def _finish(job: Job) -> None:
     out = Path(job.spec.output)
     if job.returncode == 0 and out.exists():
         job.output = json.loads(out.read_text())
-    else:
-        job.error = (
-            f"worker exited with code {job.returncode}"
-            if job.returncode
-            else "worker wrote no output (did the script reach retrolog?)"
-        )
+        return
+    job.error = (
+        f"worker exited with code {job.returncode}"
+        if job.returncode
+        else "worker wrote no output (did the script reach retrolog?)"
+    )
+    diagnosis = worker_diagnosis(out)
+    if diagnosis:
+        job.error = diagnosis
+        job.diagnosed = True
+
+
+def worker_diagnosis(out: Path) -> str | None:
+    """What a failed worker wrote about its failure (runtime/replay.py, ``failed``)."""
+    try:
+        found = json.loads(out.read_text()).get("diagnosis")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) and found else None
 
 
 def _kill(job: Job) -> None:

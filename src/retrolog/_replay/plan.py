@@ -722,9 +722,15 @@ def _draft(
 def _checkpoint_notes(profile: RunProfile, costs: _Costs) -> list[str]:
     """Why blocks that are skipped in principle get executed (only where restores happen)."""
     n, notes = profile.iterations, []
-    missing = n - len(profile.block_checkpoints)
+    missing = n - len(profile.block_checkpoints) - len(profile.unrestorable)
     if missing:
         notes.append(f"{missing} of {n} blocks have no checkpoint: executed")
+    if profile.unrestorable:
+        whys = sorted(set(profile.unrestorable.values()))
+        notes.append(
+            f"{len(profile.unrestorable)} of {n} checkpoints cannot restore what their block "
+            f"changed, so those blocks are executed: {'; '.join(whys)}"
+        )
     slower = sum(1 for i in profile.block_checkpoints if not costs.restorable[i])
     if slower:
         notes.append(

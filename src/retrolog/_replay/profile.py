@@ -73,6 +73,10 @@ class RunProfile:
     # "late_imports", runtime/import_clock.py): a forked replay worker repeats neither.
     late_imports_seconds: float | None = None
     notes: tuple[str, ...] = ()  # what loading the profile had to guess
+    # Outer iterations whose checkpoint cannot restore what the block changed (a named
+    # object's attribute it could not carry, runtime/frames.py), and why: not in
+    # block_checkpoints, so their blocks are executed.
+    unrestorable: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = self.iterations
@@ -156,12 +160,19 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
     # snapshot only; a synchronous one (no writer, NULL) its capture and its write.
     has_writer = _has_column(conn, "checkpoints", "writer_cpu_seconds")
     writer_cpu = "writer_cpu_seconds" if has_writer else "NULL"
-    for ctx, loop_name, kind, manifest, nbytes, capture, write, background in conn.execute(
+    blocked: dict[int | None, str] = {}  # ctx (None: the end) -> what it cannot restore
+    locals_column = "frame_locals" if _has_column(conn, "checkpoints", "frame_locals") else "NULL"
+    for ctx, loop_name, kind, manifest, nbytes, capture, write, background, blob in conn.execute(
         "SELECT ctx_id, loop_name, kind, manifest, nbytes, capture_seconds, write_seconds,"
-        f" {writer_cpu} IS NOT NULL FROM checkpoints WHERE run_id = ? ORDER BY checkpoint_id",
+        f" {writer_cpu} IS NOT NULL, {locals_column} FROM checkpoints WHERE run_id = ?"
+        " ORDER BY checkpoint_id",
         (run_id,),
     ):
         checkpoint_loops.append(loop_name)
+        why = _cannot_restore(blob)
+        if why:
+            blocked[None if kind == "end" else ctx] = why
+            continue
         on_thread = capture if background else capture + write
         if kind == "end":
             end = (manifest, nbytes, capture + write, on_thread)
@@ -209,6 +220,9 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
         )
 
     index = {r.ctx: i for i, r in enumerate(outer_rows)}
+    unrestorable = {index[c]: why for c, why in blocked.items() if c in index}
+    if None in blocked:
+        notes.append(f"the end checkpoint cannot hold {blocked[None]}: not restored")
     block_checkpoints = {index[c]: m for c, (m, _, _, _) in checkpoints.items() if c in index}
     overhead = {
         index[c]: t for c, (_, _, _, t) in checkpoints.items() if c in index and nested[index[c]]
@@ -277,7 +291,21 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
         late_imports_seconds=phases.get("late_imports"),
         threads=int(phases["threads"]) if phases.get("threads") else None,
         notes=tuple(notes),
+        unrestorable=unrestorable,
     )
+
+
+def _cannot_restore(blob: bytes | None) -> str | None:
+    """What a checkpoint's block changed that it could not carry (runtime/frames.py)."""
+    from retrolog.runtime import frames
+
+    if not blob:
+        return None
+    try:
+        _, blocked = frames.load_attrs(bytes(blob))
+    except StoreError:
+        return None  # the worker finds it unreadable and executes the block
+    return frames.describe_blocked(blocked) or None
 
 
 def _has_column(conn: sqlite3.Connection, table: str, column: str) -> bool:

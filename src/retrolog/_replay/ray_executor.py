@@ -308,7 +308,7 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     imports torch once per Ray worker, not once per segment.
     """
     from retrolog._replay.checkout import checkout_prefix, make_checkout, sweep_checkouts
-    from retrolog._replay.execute import die_with, run_worker_env
+    from retrolog._replay.execute import die_with, run_worker_env, worker_diagnosis
     from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 
     started = time.perf_counter()
@@ -384,6 +384,8 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
             out = Path(spec.output)
             if result["returncode"] == 0 and out.exists():
                 result["output"] = json.loads(out.read_text())
+            else:
+                result["diagnosis"] = worker_diagnosis(out)
         finally:
             shutil.rmtree(checkout, ignore_errors=True)
         if log_path != shared_log:
@@ -552,6 +554,9 @@ def _finish(ray: Any, job: Any, ref: Any, nodes: dict[str, int]) -> bool:
         job.error = result["error"]
     elif result["output"] is not None:
         job.output = result["output"]
+    elif result.get("diagnosis"):
+        job.error = f"{result['diagnosis']} (on Ray node {result['node']})"
+        job.diagnosed = True
     else:
         code = job.returncode
         job.error = (

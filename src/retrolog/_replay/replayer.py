@@ -1292,7 +1292,10 @@ def _collect(
         if failed:
             outcome.status = "partial" if finished else "failed"
             job = failed[0]
-            outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
+            if job.diagnosed:  # the worker said what failed, where, after which restores
+                outcome.error = f"{job.error} (worker log: {job.log_path})"
+            else:
+                outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
         elif unfinished:
             outcome.status = "partial"
             outcome.error = (

@@ -93,7 +93,8 @@ def _same_locals(a: bytes | None, b: bytes | None) -> bool:
     from retrolog.runtime import frames
 
     try:
-        ours, theirs = frames.load(a), frames.load(b)
+        ours = (frames.load(a), frames.load_attrs(a))
+        theirs = (frames.load(b), frames.load_attrs(b))
     except Exception:  # unreadable: equal to nothing
         return False
     return _equal(ours, theirs)

@@ -33,7 +33,8 @@ not they were rebound, because ``losses.append(...)`` changes one in place.
 Anything else (an iterator, a module, what does not fit) is listed by name as
 not captured, so a replay can tell the user which values it could not
 restore. The objects named in
-``checkpointing`` are skipped: the checkpoint restores those in place.
+``checkpointing`` are skipped: the checkpoint restores those in place, and this
+module adds their public plain attributes (:func:`capture_attrs`, below).
 """
 
 from __future__ import annotations
@@ -76,16 +77,20 @@ def script_frame(frame: types.FrameType | None) -> types.FrameType | None:
     as are retrolog's own.
     """
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (
-            filename.startswith(_PACKAGE_DIR)
-            or filename.startswith(_LIBRARY_DIRS)
-            or "site-packages" in filename
-            or filename.startswith("<frozen")
-        ):
+        if is_script_file(frame.f_code.co_filename):
             return frame
         frame = frame.f_back
     return None
+
+
+def is_script_file(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's, not retrolog's, a library's or Python's."""
+    return not (
+        filename.startswith(_PACKAGE_DIR)
+        or filename.startswith(_LIBRARY_DIRS)
+        or "site-packages" in filename
+        or filename.startswith("<frozen")
+    )
 
 
 def local_ids(frame: types.FrameType | None) -> dict[str, Any]:
@@ -130,13 +135,41 @@ def _rebound(before: Mapping[str, Any], name: str, value: Any) -> bool:
 
 
 def capture(
-    frame: types.FrameType | None, before: Mapping[str, Any], skip_ids: frozenset[int]
+    frame: types.FrameType | None,
+    before: Mapping[str, Any],
+    skip_ids: frozenset[int],
+    objects: Mapping[str, object] | None = None,
+    attrs_before: Mapping[tuple[str, str], Any] | None = None,
 ) -> bytes | None:
     """The encoded small locals of ``frame`` rebound since ``before`` (and small containers).
 
-    Returns None when there is no frame; else ``{"values": {name: value},
-    "not_captured": [names]}`` in a data-only encoding (JSON, see :func:`load`).
+    Returns None when there is no frame and no named object has plain attributes; else
+    ``{"values": {name: value}, "not_captured": [names]}`` in a data-only encoding (JSON,
+    see :func:`load`), with ``"attrs"`` and ``"attrs_not_captured"`` when ``objects``
+    (the named objects) have plain attributes (:func:`capture_attrs`).
     """
+    attrs: dict[str, dict[str, Any]] = {}
+    blocked: list[list[str]] = []
+    if objects:
+        attrs, blocked = capture_attrs(objects, attrs_before or {})
+    doc = _capture_locals(frame, before, skip_ids)
+    if doc is None:
+        if not attrs and not blocked:
+            return None
+        doc = {"values": {}, "not_captured": []}
+    if attrs or blocked:
+        doc["attrs"] = attrs
+        doc["attrs_not_captured"] = blocked
+    blob = _dump(doc)
+    if len(blob) > MAX_ENCODED_BYTES:
+        doc["values"], doc["not_captured"] = {}, sorted(doc["values"]) + doc["not_captured"]
+        blob = _dump(doc)
+    return blob
+
+
+def _capture_locals(
+    frame: types.FrameType | None, before: Mapping[str, Any], skip_ids: frozenset[int]
+) -> dict[str, Any] | None:
     if frame is None:
         return None
     values: dict[str, Any] = {}
@@ -173,10 +206,7 @@ def capture(
             encoded[name] = _encode(value)
         except _NotData:  # a tensor subclass or numpy scalar of an odd type: listed instead
             not_captured.append(name)
-    blob = _dump({"values": encoded, "not_captured": not_captured})
-    if len(blob) > MAX_ENCODED_BYTES:
-        return _dump({"values": {}, "not_captured": sorted(encoded) + not_captured})
-    return blob
+    return {"values": encoded, "not_captured": not_captured}
 
 
 def _size(value: Any, budget: list[int]) -> int | None:
@@ -399,3 +429,205 @@ def _write_fast_locals(frame: types.FrameType, assignments: Mapping[str, Any]) -
     locals_dict.update(assignments)
     with contextlib.suppress(AttributeError):
         ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+# -- the plain attributes of the named objects -----------------------------------------
+#
+# A module's state_dict holds its parameters and buffers, not what the script keeps on it
+# besides (``model.rewards.append(r)`` in the step loop, read by the update after it).
+# Restoring only the state_dict would leave those as they were before the skipped block.
+# So a checkpoint also carries the named objects' public plain attributes, in the same
+# data-only encoding as the locals; one that changed in the block and cannot be carried
+# (tensors with autograd history, arbitrary objects, too large) is listed, and replay
+# executes that block instead of restoring it.
+
+MAX_ATTR_BYTES = 128 << 10  # the captured attributes of one checkpoint, together
+# What torch keeps in an optimizer's __dict__ that its state_dict already holds.
+_OPTIMIZER_STATE = frozenset({"state", "param_groups", "defaults"})
+
+
+def _attr_names(obj: object) -> list[str]:
+    """The public plain attributes of a named torch module or optimizer, else none.
+
+    Names starting with an underscore are torch's machinery (hooks, the parameter and
+    module registries); ``training`` is set by ``train()``/``eval()`` on every
+    submodule alike. Other objects are restored by their own state_dict alone.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    if isinstance(obj, torch.nn.Module):
+        skip: frozenset[str] = frozenset({"training"})
+    elif isinstance(obj, torch.optim.Optimizer):
+        skip = _OPTIMIZER_STATE
+    else:
+        return []
+    found = getattr(obj, "__dict__", {})
+    return [n for n in found if not n.startswith("_") and n not in skip]
+
+
+def _is_structure(value: Any) -> bool:
+    """A parameter, a module, or a container of only those: the object's own structure,
+    which its state_dict restores in place (a copy would break the sharing)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    kinds = (torch.nn.Parameter, torch.nn.Module)
+    if isinstance(value, kinds):
+        return True
+    if type(value) in (list, tuple) and value:
+        return all(isinstance(v, kinds) for v in value)
+    if type(value) is dict and value:
+        return all(isinstance(v, kinds) for v in value.values())
+    return False
+
+
+class _Shallow:
+    """An attribute's value at a block's start, and its items (held, so no id is reused)."""
+
+    __slots__ = ("items", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        t = type(value)
+        self.items: list[Any] | None = None
+        if t in (list, tuple, set) or isinstance(value, tuple):
+            self.items = list(value)
+        elif isinstance(value, dict):
+            self.items = [x for kv in value.items() for x in kv]
+
+    def same(self, value: Any) -> bool:
+        if value is not self.value:
+            return False
+        if self.items is None:
+            return True
+        now = _Shallow(value).items or []
+        return len(now) == len(self.items) and all(
+            a is b for a, b in zip(now, self.items, strict=True)
+        )
+
+
+def attr_ids(objects: Mapping[str, object]) -> dict[tuple[str, str], Any]:
+    """The named objects' plain attributes as a block starts, to tell later which changed."""
+    found: dict[tuple[str, str], Any] = {}
+    for name, obj in objects.items():
+        for attr in _attr_names(obj):
+            found[(name, attr)] = _Shallow(getattr(obj, attr, None))
+    return found
+
+
+def capture_attrs(
+    objects: Mapping[str, object], before: Mapping[tuple[str, str], Any]
+) -> tuple[dict[str, dict[str, Any]], list[list[str]]]:
+    """The encoded plain attributes of ``objects``, and ``[object, attribute, why]`` of
+    those that changed since ``before`` but cannot be carried.
+
+    Every attribute that fits is captured, changed or not: an in-place change deep
+    inside (a tensor's ``add_``, a nested list) is not seen by the comparison. One that
+    does not fit and is the same object with the same items as at ``before`` is left
+    out: restoring leaves it as it is, which is as training left it.
+    """
+    wanted: list[tuple[int, str, str, Any]] = []
+    blocked: list[list[str]] = []
+    for name, obj in objects.items():
+        for attr in _attr_names(obj):
+            value = getattr(obj, attr, None)
+            if _is_structure(value) or isinstance(
+                value, types.ModuleType | types.FunctionType | types.MethodType | type
+            ):
+                continue
+            held = before.get((name, attr))
+            changed = held is None or not held.same(value)
+            why = _not_data(value)
+            size = None if why else _size(value, [MAX_ITEMS])
+            if size is None or size > MAX_ATTR_BYTES:
+                if changed:
+                    blocked.append([name, attr, why or _too_large(size)])
+                continue
+            wanted.append((size, name, attr, value))
+    attrs: dict[str, dict[str, Any]] = {}
+    room = MAX_ATTR_BYTES
+    for size, name, attr, value in sorted(wanted, key=lambda w: w[0]):
+        copied = _small_copy(value) if size <= room else _MISSING
+        try:
+            node = _MISSING if copied is _MISSING else _encode(copied)
+        except _NotData:
+            node = _MISSING
+        if node is _MISSING:
+            held = before.get((name, attr))
+            if held is None or not held.same(value):
+                blocked.append([name, attr, _too_large(size)])
+            continue
+        room -= size
+        attrs.setdefault(name, {})[attr] = node
+    return attrs, blocked
+
+
+def _too_large(size: int | None) -> str:
+    if size is None:
+        return f"it holds more than {MAX_ITEMS} items or a value that is not plain data"
+    return f"it is larger than the {MAX_ATTR_BYTES >> 10} KiB a checkpoint carries"
+
+
+def _not_data(value: Any, budget: list[int] | None = None) -> str | None:
+    """Why ``value`` cannot be carried as data, for the reasons :func:`_size` does not
+    tell: tensors with autograd history, instances of other classes."""
+    budget = budget if budget is not None else [MAX_ITEMS]
+    budget[0] -= 1
+    if budget[0] < 0:
+        return None  # _size reports the count
+    t = type(value)
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        items = (x for kv in value.items() for x in kv) if isinstance(value, dict) else value
+        inner = next((w for v in items if (w := _not_data(v, budget))), None)
+        if inner is not None or t in (list, tuple, set, dict):
+            return inner
+    elif is_tensor(value):
+        if value.requires_grad:
+            return (
+                "it holds tensors that carry autograd history (requires_grad), which a "
+                "checkpoint cannot hold: the code after the block would backpropagate "
+                "through them"
+            )
+        return None
+    if t in _PLAIN or isinstance(value, numpy_scalar_types()):
+        return None
+    return f"it holds a {t.__module__}.{t.__qualname__}, which is not plain data"
+
+
+def load_attrs(blob: bytes | None) -> tuple[dict[str, dict[str, Any]], list[list[str]]]:
+    """The attributes and the ``[object, attribute, why]`` not captured, from :func:`capture`."""
+    if not blob or not blob.startswith(_MAGIC):
+        return {}, []
+    try:
+        doc = json.loads(blob[len(_MAGIC) :])
+        attrs = {
+            str(name): {str(a): _decode(v) for a, v in values.items()}
+            for name, values in doc.get("attrs", {}).items()
+        }
+        blocked = [[str(x) for x in item] for item in doc.get("attrs_not_captured", [])]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StoreError(f"a checkpoint's saved attributes cannot be decoded: {exc}") from exc
+    return attrs, blocked
+
+
+def describe_blocked(blocked: list[list[str]]) -> str:
+    """``model.saved_actions (why)``, for the plan and the report."""
+    return "; ".join(f"{name}.{attr} ({why})" for name, attr, why in blocked)
+
+
+def restore_attrs(objects: Mapping[str, object], attrs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Set the named objects' attributes to the captured values: containers in place."""
+    for name, values in attrs.items():
+        obj = objects.get(name)
+        if obj is None:
+            continue
+        for attr, saved in values.items():
+            current: Any = getattr(obj, attr, _MISSING)
+            if type(current) is list and type(saved) is list:
+                current[:] = saved
+            elif type(current) in (dict, set) and type(saved) is type(current):
+                current.clear()
+                current.update(saved)
+            else:
+                setattr(obj, attr, saved)

@@ -151,6 +151,9 @@ class ReplayRun:
         atexit.register(gc.freeze)
         self._restore_seconds = 0.0
         self._restored = 0
+        self._restored_where: list[str] = []  # for the diagnosis of a failure
+        self._diagnosis: str | None = None
+        self._outer_iteration: int | None = None
         database = Path(spec.database or Path(spec.store) / "retrolog.db")
         self._contexts = _load_contexts(database, spec.run_id)
         self._frame_locals = _load_frame_locals(database, spec.run_id)
@@ -259,6 +262,8 @@ class ReplayRun:
                 frame.block_seen = False
                 frame.iteration = iteration
                 self.ctx = ctx
+                if role is Role.OUTER:
+                    self._outer_iteration = iteration
                 if (
                     role is Role.OUTER
                     and iteration in self._restore_whole
@@ -306,10 +311,17 @@ class ReplayRun:
             )
         self._start_prefetch()
         started = time.perf_counter()
+        blob = self._frame_locals.get(key)
         try:
-            values, not_captured = frames.load(self._frame_locals.get(key))
+            values, not_captured = frames.load(blob)
+            attrs, blocked = frames.load_attrs(blob)
         except StoreError as exc:
             self._fallbacks.append([manifest, f"its saved locals are not usable: {exc}"])
+            return False
+        if blocked:
+            # Code after the block reads the named objects: one left as it was before the
+            # block would make it compute something training never did.
+            self._fallbacks.append([manifest, f"it cannot hold {frames.describe_blocked(blocked)}"])
             return False
         stale = sorted(set(not_captured) & self._reads)
         if stale:
@@ -331,6 +343,7 @@ class ReplayRun:
                     file=sys.stderr,
                 )
                 return False
+            frames.restore_attrs(scope.objects, attrs)
             frames.restore(user_frame, values)
             _mark_optimizers_stepped(scope.objects)
             self._restore_seconds += time.perf_counter() - started
@@ -340,9 +353,58 @@ class ReplayRun:
             # it: a thread that asks for the GIL back waits up to the switch interval, 5 ms.
             self._prefetch.release()
         self._restored += 1
+        self._restored_where.append(self._iteration_of(manifest))
         self._checkpoint_at.append((len(self.values), len(self.events), manifest))
         self._last_checkpoint = manifest
         return True
+
+    def _iteration_of(self, manifest: str) -> str:
+        if manifest == self.spec.end_checkpoint:
+            return "the end of the loop"
+        found = [i for i, m in self.spec.block_checkpoints.items() if m == manifest]
+        return f"iteration {found[0]}" if found else manifest
+
+    def failed(self, exc: BaseException, tb: Any) -> None:
+        """The script raised ``exc``: what went wrong, where, and what was restored before.
+
+        Written to the output for the coordinator, which reports it instead of the
+        worker's traceback.
+        """
+        import traceback
+
+        where = ""
+        for entry in reversed(traceback.extract_tb(tb)):
+            if frames.is_script_file(entry.filename):
+                code = f" ({entry.line.strip()})" if entry.line else ""
+                where = f" at {Path(entry.filename).name}, line {entry.lineno}{code}"
+                break
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        loop = self.spec.outer_loop or "the outer loop"
+        during = (
+            f" in {loop!r} iteration {self._outer_iteration}"
+            if self._outer_iteration is not None
+            else ""
+        )
+        if self._restored_where:
+            restored = ", ".join(self._restored_where)
+            self._diagnosis = (
+                f"the script raised {message}{where}{during}, after the worker had restored "
+                f"the checkpoints of {loop!r} {restored} instead of running those blocks. "
+                "Code after a restored block sees what the checkpoint holds: the objects "
+                "named in rl.checkpointing() (their state_dict and public plain attributes), "
+                "the random states and the small local variables of the loop's frame. If "
+                "that line reads other state the skipped block changed (an object not "
+                "passed to rl.checkpointing(), an attribute whose name starts with an "
+                "underscore, a global), pass that object (or a dict holding that state) to "
+                "rl.checkpointing(); runs recorded from then on replay it."
+            )
+        else:
+            self._diagnosis = (
+                f"the script raised {message}{where}{during} before the worker restored any "
+                "checkpoint, so the run's own code fails there in this replay: check what "
+                "differs from the recording (a file the script reads, the propagated "
+                "statements, the environment)."
+            )
 
     # -- the end ---------------------------------------------------------------------
 
@@ -412,6 +474,7 @@ class ReplayRun:
             "numerics_problems": list(_NUMERICS_PROBLEMS),
             "parsed_args": self.parsed_args,
             "after_loop": self._after_loop_names(),
+            "diagnosis": self._diagnosis,
         }
         path = Path(self.spec.output)
         tmp = path.with_suffix(".tmp")

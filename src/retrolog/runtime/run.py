@@ -278,9 +278,15 @@ class Run:
         # where this loop (or its iteration) ends carries what the loop rebound.
         user_frame = None
         locals_before: dict[str, Any] = {}
+        # The named objects' plain attributes now: one that changes in the block and
+        # cannot be carried makes its checkpoint one replay does not restore.
+        attrs_at_start: dict[tuple[str, str], Any] = {}
         if role is not Role.PLAIN:
             user_frame = frames.script_frame(sys._getframe(1))
             locals_before = frames.local_ids(user_frame)
+            if self.scope is not None:
+                attrs_at_start = frames.attr_ids(self.scope.objects)
+        attrs_before = attrs_at_start
         if depth == 0 and self._first_loop_at is None:
             self._first_loop_at = time.time()
             self._training_starts()
@@ -301,6 +307,8 @@ class Run:
                 self._next_ctx = ctx + 1
                 t_iter = clock()
                 busy_iter = self._writer_busy() if is_outer else 0.0
+                if is_outer and self.scope is not None:
+                    attrs_before = frames.attr_ids(self.scope.objects)
                 # Only plain items are kept as the loop value; a batch tensor is not.
                 value = item if type(item) in plain else None
                 start_append((ctx, parent_ctx, name, iteration, value, depth, t_iter - t0))
@@ -323,6 +331,7 @@ class Run:
                         self._writer_busy() - busy_iter,
                         user_frame=user_frame,
                         before=locals_before,
+                        attrs_before=attrs_before,
                     )
                 if bar is not None:
                     bar.tick()
@@ -350,9 +359,17 @@ class Run:
                     self._writer_busy() - busy_started,
                     user_frame=user_frame,
                     before=locals_before,
+                    attrs_before=attrs_at_start,
                 )
             elif role is Role.OUTER:
-                self._capture(None, name, "end", user_frame=user_frame, before=locals_before)
+                self._capture(
+                    None,
+                    name,
+                    "end",
+                    user_frame=user_frame,
+                    before=locals_before,
+                    attrs_before=attrs_at_start,
+                )
             user_frame = None  # no frame reference outlives the loop
 
     def _training_starts(self) -> None:
@@ -394,6 +411,7 @@ class Run:
         *,
         user_frame: FrameType | None,
         before: Mapping[str, Any],
+        attrs_before: Mapping[tuple[str, str], Any],
     ) -> None:
         """A skippable block took ``seconds``; checkpoint it if the adaptive rule says so."""
         scope = self.scope
@@ -438,6 +456,7 @@ class Run:
             "block",
             user_frame=user_frame,
             before=before,
+            attrs_before=attrs_before,
             due_in=policy.due_in(loop_name, self._settings.max_in_flight),
         )
         policy.captured(loop_name, time.perf_counter() - began)
@@ -450,9 +469,11 @@ class Run:
         *,
         user_frame: FrameType | None,
         before: Mapping[str, Any],
+        attrs_before: Mapping[tuple[str, str], Any],
         due_in: float | None = None,
     ) -> bool:
-        """Checkpoint the scope's objects and the frame's small locals; False if none are named.
+        """Checkpoint the scope's objects (with their plain attributes) and the frame's small
+        locals; False if none are named.
 
         due_in: when the writer should have written it (None: the end state,
         written in the background or at the latest at commit()).
@@ -466,7 +487,7 @@ class Run:
             loop_name=loop_name,
             kind=kind,
             objects=scope.objects,
-            frame_locals=frames.capture(user_frame, before, scope.ids),
+            frame_locals=frames.capture(user_frame, before, scope.ids, scope.objects, attrs_before),
             due_in=due_in,
         )
         return True
