@@ -129,6 +129,8 @@ class OwnS3:
         assert self.proxy is not None
         self.proxy.kill()
         self.proxy.wait()
+        if self.proxy.stdout is not None:
+            self.proxy.stdout.close()
         self.proxy = None
 
     def pause(self) -> None:
