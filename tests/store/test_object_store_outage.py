@@ -374,3 +374,44 @@ def test_replay_of_a_paused_object_store_says_it_waits_gives_up_in_time_and_stop
         said = stderr.all()
     assert proc.returncode == 130, said
     assert "Interrupted." in said and "Traceback" not in said, said
+
+
+def test_what_counts_as_a_store_not_answering() -> None:
+    """Worth retrying: a connection refused, reset or silent, a server that cannot serve
+    now. Not: a missing object, a refusal, a bug."""
+    import errno
+
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+
+    from retrolog.errors import StoreUnreachableError, store_unreachable
+
+    def client_error(status: int, code: str) -> OSError:
+        error = ClientError(
+            {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+        )
+        translated = OSError(errno.EIO, str(error))  # as s3fs translates it
+        translated.__cause__ = error
+        return translated
+
+    assert store_unreachable(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert store_unreachable(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert store_unreachable(ConnectTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert store_unreachable(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    assert store_unreachable(client_error(503, "SlowDown"))
+    assert store_unreachable(StoreUnreachableError("gone"))
+    assert not store_unreachable(client_error(403, "AccessDenied"))
+    assert not store_unreachable(FileNotFoundError("no such object"))
+    assert not store_unreachable(ValueError("a bug"))
+    # A handler's own error is not caused by what it handled.
+    try:
+        try:
+            raise ConnectionResetError("reset")
+        except ConnectionResetError:
+            raise FileNotFoundError("missing") from None
+    except FileNotFoundError as missing:
+        assert not store_unreachable(missing)
