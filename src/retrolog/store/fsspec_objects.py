@@ -271,9 +271,10 @@ class FsspecObjectStore(ObjectStore):
             down = self._down_since is not None
         limit = None
         if self.timeout is not None:
-            limit = self.timeout + nbytes / SLOWEST_BYTES_PER_SECOND
+            sending = nbytes / SLOWEST_BYTES_PER_SECOND
+            limit = self.timeout + sending
             if down:
-                limit = min(limit, WHILE_DOWN_SECONDS)
+                limit = min(limit, WHILE_DOWN_SECONDS + sending)
         last: BaseException | None = None
         attempt = 0
         while True:
