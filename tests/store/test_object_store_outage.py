@@ -303,6 +303,23 @@ def test_checkpoints_the_store_never_took_are_listed_and_replay_executes_their_b
     assert replayed == expected and len(expected) == EPOCHS
 
 
+def _left_running(run_id: str, seconds: float = 10.0) -> list[int]:
+    """Processes still working in a checkout of run ``run_id`` (fork servers, workers),
+    after giving them ``seconds`` to go."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and run_id in os.readlink(entry / "cwd"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 class _Stderr:
     """A child's stderr, read on a thread as it comes."""
 
@@ -357,6 +374,8 @@ def test_replay_of_a_paused_object_store_says_it_waits_gives_up_in_time_and_stop
     assert "RETROLOG_OBJECTS_TIMEOUT (now 4 s" in flat, flat
     assert took < 30, took
     assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name = 'w_max'") == [(0,)]
+    ((run_id,),) = read_db(project.root, "SELECT run_id FROM runs")
+    assert _left_running(str(run_id)) == []
 
     # Ctrl-C at the default timeout: out at once, with no traceback.
     with project.start_cli("replay", "w_max", "--yes", **env) as proc:
@@ -374,6 +393,7 @@ def test_replay_of_a_paused_object_store_says_it_waits_gives_up_in_time_and_stop
         said = stderr.all()
     assert proc.returncode == 130, said
     assert "Interrupted." in said and "Traceback" not in said, said
+    assert _left_running(str(run_id)) == []
 
 
 def test_what_counts_as_a_store_not_answering() -> None:
