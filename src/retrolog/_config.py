@@ -80,6 +80,13 @@ SETTINGS: tuple[Setting, ...] = (
         secret=True,
     ),
     Setting(
+        "objects_timeout",
+        "RETROLOG_OBJECTS_TIMEOUT",
+        "60",
+        "seconds a request to a remote object store may go unanswered, retried meanwhile, "
+        "before it is given up (0: wait for ever; a write also gets a second per MiB)",
+    ),
+    Setting(
         "overhead_tolerance",
         "RETROLOG_OVERHEAD_TOLERANCE",
         "0.0667 (1/15)",

@@ -946,6 +946,15 @@ def _format_details(d: dict[str, Any]) -> str:
                     for a in ck["abandoned_at"]
                 )
             )
+        if ck.get("lost_at"):
+            lines.append(
+                "  lost      "
+                + ", ".join(
+                    ("the end state" if a["kind"] == "end" else f"{a['loop']} {a['iteration']}")
+                    + f" ({a['reason']})"
+                    for a in ck["lost_at"]
+                )
+            )
     prof = d["profile"]
     if prof:
         parts = []

@@ -15,7 +15,8 @@ codecs are converted where they enter our code (``raise ... from exc``)::
     ├── ReadCancelled               a read stopped because its caller no longer waits
     ├── StoreError                  the store cannot be opened, read or written
     │   ├── UntrustedPickleError    a stored pickle, not read without the user's trust
-    │   └── CorruptObjectError      a stored object fails its checksum
+    │   ├── CorruptObjectError      a stored object fails its checksum
+    │   └── StoreUnreachableError   a remote object store did not answer within its timeout
     ├── VersionError                git failed while capturing or reading a code version
     └── InexactReplayError          a replay recomputed recorded values differently
 
@@ -109,6 +110,14 @@ class CorruptObjectError(StoreError):
         self.key = key
 
 
+class StoreUnreachableError(StoreError):
+    """A remote object store did not answer within ``RETROLOG_OBJECTS_TIMEOUT`` seconds.
+
+    Its server stopped, paused or cut off by the network: nothing is known to be wrong
+    with what it holds, and a later request may succeed.
+    """
+
+
 class VersionError(RetrologError):
     """git failed while capturing or reading a run's code version."""
 
@@ -154,4 +163,56 @@ def disk_full(exc: BaseException) -> bool:
             if code is None and "database or disk is full" in str(current):
                 return True
         current = current.__cause__ or current.__context__
+    return False
+
+
+# Errors of the clients fsspec's remote file systems use (botocore, aiohttp), told by class
+# name so that retrolog imports neither: a connection refused, reset or silent.
+_UNREACHABLE_CLASSES = frozenset(
+    {
+        "ConnectionError",  # botocore's (EndpointConnectionError), not only the builtin
+        "HTTPClientError",  # botocore: ConnectTimeoutError, ReadTimeoutError, ...
+        "ClientConnectionError",  # aiohttp: ServerDisconnectedError, ClientConnectorError, ...
+        "ServerTimeoutError",
+        "ClientPayloadError",
+        "FSTimeoutError",  # fsspec's own timeout
+    }
+)
+# HTTP statuses of a server that is there but cannot serve now (S3's 500, 503 SlowDown).
+_UNAVAILABLE_STATUSES = frozenset({500, 502, 503, 504})
+
+
+def store_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says a remote store did not answer, for now.
+
+    A refused, reset or timed-out connection, a server that stopped answering, or one
+    that answered 500/502/503/504: worth retrying, unlike a missing object or a refusal.
+    """
+    import errno
+
+    if isinstance(exc, StoreUnreachableError):
+        return True
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(current, OSError) and current.errno in (
+            errno.ECONNREFUSED,
+            errno.ECONNRESET,
+            errno.ETIMEDOUT,
+            errno.EHOSTUNREACH,
+            errno.ENETUNREACH,
+            errno.EPIPE,
+        ):
+            return True
+        if any(c.__name__ in _UNREACHABLE_CLASSES for c in type(current).__mro__):
+            return True
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in _UNAVAILABLE_STATUSES:
+                return True
+        current = current.__cause__  # a handler's own error is not its cause
     return False

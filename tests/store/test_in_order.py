@@ -80,3 +80,28 @@ def test_closing_early_leaves_no_call_running() -> None:
     assert next(results) == 0
     results.close()
     assert calls.now == 0 and len(calls.started) <= 1 + 2 * 4
+
+
+def test_leaving_a_batch_tells_its_calls_still_waiting_to_give_up() -> None:
+    """A store that does not answer must not hold the caller who left (Ctrl-C, a failure)
+    for its requests' timeouts: the pool is joined on the way out."""
+    gave_up: list[int] = []
+
+    def waits(item: int) -> int:
+        if item == 0:
+            return item
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if objects.requests_abandoned():
+                gave_up.append(item)
+                raise RuntimeError("abandoned")
+            time.sleep(0.01)
+        return item
+
+    assert not objects.requests_abandoned()  # outside a batch: never
+    began = time.monotonic()
+    batch = in_order(waits, range(4), workers=4)
+    assert next(batch) == 0
+    batch.close()
+    assert time.monotonic() - began < 5
+    assert sorted(gave_up) == [1, 2, 3]

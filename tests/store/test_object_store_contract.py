@@ -132,7 +132,17 @@ def _break_upload(
         midway()
         raise OSError(errno.ECONNRESET, "Connection reset by peer")
 
+    async def pipe_file_async(path: str, value: bytes, **kwargs: Any) -> None:
+        # On fsspec's event loop: a request made from here would wait for the loop itself.
+        import asyncio
+
+        await asyncio.to_thread(midway)
+        # A reset connection would be retried (tests/store/test_object_store_outage.py);
+        # the server's refusal of the upload is not.
+        raise OSError(errno.EIO, "The upload failed midway")
+
     monkeypatch.setattr(store.fs, "pipe_file", pipe_file)
+    monkeypatch.setattr(store.fs, "_pipe_file", pipe_file_async, raising=False)
     _break_open(store, monkeypatch, midway)
 
 

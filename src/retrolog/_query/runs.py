@@ -182,7 +182,9 @@ def _checkpoint_outcome(
     From the run's ``checkpointing`` record (written at the run's end, so
     nothing while it runs) and its block checkpoint rows, which are what was
     written. ``lost`` is what neither a row nor the abandoned list accounts
-    for: a write that failed (the run raised it).
+    for: a write that failed, either while training went on (``lost_at`` says
+    which and why: a full disk, an object store that did not answer) or raised
+    by the run.
     """
     summary: Any = None
     with contextlib.suppress(ValueError):  # not JSON: show what the rows say, nothing more
@@ -198,7 +200,8 @@ def _checkpoint_outcome(
     )
     abandoned = int(summary.get("abandoned", summary.get("dropped_unwritten")) or 0)
     listed = summary.get("abandoned_checkpoints") or []
-    ctx_ids = [a["ctx_id"] for a in listed if a.get("ctx_id") is not None]
+    not_stored = summary.get("lost_checkpoints") or []
+    ctx_ids = [a["ctx_id"] for a in [*listed, *not_stored] if a.get("ctx_id") is not None]
     iterations: dict[Any, tuple[Any, Any]] = {}
     if ctx_ids:
         marks = ", ".join("?" * len(ctx_ids))
@@ -214,6 +217,17 @@ def _checkpoint_outcome(
     for item in listed:
         loop, iteration = iterations.get(item.get("ctx_id"), (item.get("loop"), None))
         abandoned_at.append({"kind": item.get("kind"), "loop": loop, "iteration": iteration})
+    lost_at = []
+    for item in not_stored:
+        loop, iteration = iterations.get(item.get("ctx_id"), (item.get("loop"), None))
+        lost_at.append(
+            {
+                "kind": item.get("kind"),
+                "loop": loop,
+                "iteration": iteration,
+                "reason": item.get("reason"),
+            }
+        )
     return {
         "chosen": chosen,
         "written": written,
@@ -221,6 +235,7 @@ def _checkpoint_outcome(
         "lost": max(chosen - written - abandoned, 0),
         "refused_writer_full": int(summary.get("refused_writer_full", 0)),
         "abandoned_at": abandoned_at,
+        "lost_at": lost_at,
     }
 
 

@@ -54,7 +54,7 @@ from retrolog._replay.propagate import Propagation, Unplaceable, propagate
 from retrolog._replay.ray_executor import Executor, RayCluster, choose_executor
 from retrolog._replay.reuse import copy_values, find_sources
 from retrolog._replay.statements import Position, locate_statements, names_read
-from retrolog.errors import RetrologError, UsageError
+from retrolog.errors import RetrologError, StoreUnreachableError, UsageError
 from retrolog.runtime import numerics
 from retrolog.runtime.modules import decode as decode_modules
 from retrolog.runtime.replay import WorkerSpec
@@ -911,6 +911,8 @@ def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> f
             total = len(store.get(manifest))
             total += sum(len(store.get(key)) for key in manifest_blobs(manifest, store))
             seconds = time.perf_counter() - started
+        except StoreUnreachableError:
+            raise  # every restore would wait for it too: say so now, before anything runs
         except RetrologError:  # the estimate falls back to record-time timings
             return None
         return seconds / total if total else None

@@ -38,7 +38,12 @@ store one state's bytes under another's key.
 
 Nothing chosen is dropped: :meth:`close` writes everything in flight, with
 progress on stderr when that takes over a second, and abandons checkpoints
-only on a second Ctrl-C, listing them in :attr:`abandoned`.
+only on a second Ctrl-C, listing them in :attr:`abandoned`. Two failures of the
+store do not stop training either: a full disk, and a remote object store that
+did not answer within its timeout (``RETROLOG_OBJECTS_TIMEOUT``; the request is
+retried meanwhile, its snapshot held in its slot). Such a checkpoint alone is
+not stored, listed in :attr:`lost` with why, and each later one is tried as usual;
+replay executes the blocks that have no checkpoint.
 
 Visibility: the sink is called only after :func:`~retrolog.checkpoint.codec.encode`
 returned, and encode puts the manifest after every blob it references, each
@@ -69,7 +74,13 @@ from retrolog.checkpoint._finish import AbandonedCheckpoint, Finishing, snapshot
 from retrolog.checkpoint.capture import KINDS, Checkpointer, CheckpointRecord
 from retrolog.checkpoint.codec import DeltaHistory, Interrupted, encode
 from retrolog.checkpoint.state import Snapshot, SnapshotBuffers, TensorMemo, snapshot
-from retrolog.errors import CheckpointTargetError, RetrologWarning, StoreError, disk_full
+from retrolog.errors import (
+    CheckpointTargetError,
+    RetrologWarning,
+    StoreError,
+    disk_full,
+    store_unreachable,
+)
 from retrolog.store.objects import ObjectStore
 
 # How long close() waits for the idle lane to end once everything is written. It stops
@@ -92,6 +103,20 @@ class _State(enum.Enum):
     WRITTEN = "written"  # stored and reported to the sink
     ABANDONED = "abandoned"  # in flight at exit; the user pressed Ctrl-C twice
     LOST = "lost"  # a write failed, this one's or an earlier one's (raised to training)
+
+
+@dataclass(frozen=True)
+class LostCheckpoint:
+    """A checkpoint the store could not take (a full disk, an object store not answering)."""
+
+    ctx_id: int | None
+    loop_name: str
+    kind: str
+    reason: str  # LOST_DISK_FULL or LOST_UNREACHABLE
+
+
+LOST_DISK_FULL = "disk full"
+LOST_UNREACHABLE = "object store not answering"
 
 
 @dataclass(eq=False)
@@ -145,7 +170,9 @@ class BackgroundCheckpointer(Checkpointer):
     StoreError (or CheckpointTargetError for a value that cannot be encoded),
     at the next :meth:`capture` or :meth:`has_room` or at :meth:`close`; the
     checkpoints still queued behind it are not written and the message says
-    how many.
+    how many. Two failures are not raised: a full disk and an object store that did
+    not answer in time lose that checkpoint alone (:attr:`lost`; ``on_lost`` is
+    called with each, on a writer thread).
     """
 
     def __init__(
@@ -156,12 +183,14 @@ class BackgroundCheckpointer(Checkpointer):
         max_in_flight: int = 2,
         low_priority: bool = True,
         label: str = "this run",
+        on_lost: Callable[[LostCheckpoint], None] | None = None,
     ) -> None:
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int of at least 1, not {max_in_flight!r}")
         self.store = store
         self.sink = sink
         self.label = label
+        self.on_lost = on_lost
         # Used by the idle lane only: the urgent lane writes without deltas (see _write).
         self.history = DeltaHistory()
         self.max_in_flight = max_in_flight
@@ -187,6 +216,7 @@ class BackgroundCheckpointer(Checkpointer):
         self._error_reported = False
         self._warned = False
         self.lost_to_full_disk = 0  # checkpoints a full disk kept from being written
+        self._lost: list[LostCheckpoint] = []  # every checkpoint the store could not take
         self._captured = 0
         self._written: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._urgent_writes = 0
@@ -252,6 +282,11 @@ class BackgroundCheckpointer(Checkpointer):
     def abandoned(self) -> tuple[AbandonedCheckpoint, ...]:
         """Checkpoints in flight at close that a second Ctrl-C abandoned, oldest first."""
         return tuple(self._abandoned)
+
+    @property
+    def lost(self) -> tuple[LostCheckpoint, ...]:
+        """Checkpoints the store could not take while training went on, oldest first."""
+        return tuple(self._lost)
 
     @property
     def waited_seconds(self) -> float:
@@ -697,7 +732,7 @@ class BackgroundCheckpointer(Checkpointer):
                 job.idle_since = None
                 job.idle_writing = False
             if job.state is _State.PENDING:
-                if failure is not None and disk_full(failure):
+                if failure is not None and (disk_full(failure) or store_unreachable(failure)):
                     self._lose_one(job, failure)
                 elif failure is not None:
                     self._lose_pending(_converted(failure, job, len(self._pending) - 1))
@@ -754,25 +789,48 @@ class BackgroundCheckpointer(Checkpointer):
             self._urgent_writes += 1
 
     def _lose_one(self, job: _Job, exc: BaseException) -> None:
-        """A full disk: this checkpoint is lost, training and later checkpoints go on.
+        """A full disk, or an object store that does not answer: this checkpoint is lost,
+        training and later checkpoints go on.
 
         Its objects that were written are referenced by nothing (gc collects them); the
         delta history still describes the last checkpoint written, so later ones stay
-        decodable. The run's summary counts it as lost to a failed write.
+        decodable. The run's summary lists it (:attr:`lost`), and replay executes its
+        block. Said on stderr once per cause.
         """
         job.state = _State.LOST
         self._pending.remove(job)
         self._release(job)
-        self.lost_to_full_disk += 1
-        if self.lost_to_full_disk == 1:
-            print(
-                f"retrolog: a checkpoint of {self.label} (loop {job.loop_name!r}) was not "
-                f"written: the disk holding {self.store!r} is full ({exc}). Training goes on, "
-                "and each later checkpoint is tried as usual; `retrolog show` counts the lost "
-                "ones. Free space on that disk to keep them.",
-                file=sys.stderr,
-                flush=True,
+        full = disk_full(exc)
+        reason = LOST_DISK_FULL if full else LOST_UNREACHABLE
+        first = not any(lost.reason == reason for lost in self._lost)
+        lost = LostCheckpoint(job.ctx_id, job.loop_name, job.kind, reason)
+        self._lost.append(lost)
+        if self.on_lost is not None:
+            self.on_lost(lost)
+        if full:
+            self.lost_to_full_disk += 1
+        if not first:
+            return
+        which = "the end checkpoint" if job.kind == "end" else "a checkpoint"
+        if full:
+            why = f"the disk holding {self.store!r} is full ({exc})."
+            fix = "Free space on that disk to keep them."
+        else:
+            why = (
+                f"the object store at {self.store.location} did not answer within "
+                "RETROLOG_OBJECTS_TIMEOUT, retried meanwhile."
             )
+            fix = (
+                "Replay executes the blocks of the lost ones instead of restoring them; check "
+                "the store's server and the network."
+            )
+        print(
+            f"retrolog: {which} of {self.label} (loop {job.loop_name!r}) was not written: "
+            f"{why} Training goes on, and each later checkpoint is tried as usual; "
+            f"`retrolog show` lists the lost ones. {fix}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _lose_pending(self, error: BaseException) -> None:
         """Stop writing after a failure: everything queued is lost (called holding the lock)."""

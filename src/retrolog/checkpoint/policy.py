@@ -89,7 +89,8 @@ class BlockStats:
     """What the rule knows about one skippable block (one outer loop)."""
 
     executions: int = 0  # n
-    checkpoints: int = 0  # k: chosen (each is captured and written)
+    checkpoints: int = 0  # k: chosen (each is captured and written, or lost)
+    lost: int = 0  # of them, those the store could not take (a full disk, an outage)
     refused_cost: int = 0  # block ends refused by the invariant, or before M was known
     refused_writer_full: int = 0  # ... that the invariant would take, the writer being full
     refused_unpriced: int = 0  # of refused_cost, those before the block's first write finished
@@ -258,7 +259,9 @@ class AdaptivePolicy:
         return decision
 
     def _invariant(self, stats: BlockStats) -> Decision:
-        if self.every or stats.checkpoints == 0:
+        # With none taken, or every one taken lost to the store, no write is under way:
+        # the next is taken as the first was, to learn its price.
+        if self.every or stats.checkpoints == stats.lost:
             return Decision.TAKE
         with self._lock:
             if not stats.writes:
@@ -279,6 +282,16 @@ class AdaptivePolicy:
             stats.checkpoints += 1
             stats.captures += 1
             stats.capture_seconds += capture_seconds
+
+    def lost(self, loop_name: str) -> None:
+        """A checkpoint of ``loop_name``'s block was not stored (called on a writer thread).
+
+        Its capture stays charged to M; it no longer holds back the next one as a
+        write whose price is still to come.
+        """
+        stats = self.blocks.setdefault(loop_name, BlockStats())
+        with self._lock:
+            stats.lost += 1
 
     def waited(self, loop_name: str, seconds: float) -> None:
         """Training waited this long for a writer slot at a block end and took nothing.

@@ -524,6 +524,7 @@ class Run:
             sink,
             max_in_flight=config.max_in_flight,
             label=f"run {self.run_id}",
+            on_lost=lambda lost: policy.lost(lost.loop_name) if lost.kind == "block" else None,
         )
         torch = sys.modules.get("torch")
         # Until the policy has measured what the writer costs training, training on
@@ -552,8 +553,10 @@ class Run:
         """What checkpointing did in this run, for runs.checkpointing (JSON).
 
         ``chosen`` block checkpoints are ``written`` plus ``abandoned`` (a
-        second Ctrl-C at exit; listed in ``abandoned_checkpoints``) plus any a
-        write failure lost, which was raised in the training thread.
+        second Ctrl-C at exit; listed in ``abandoned_checkpoints``) plus ``lost``
+        (the store could not take them while training went on: a full disk, an
+        object store that did not answer; listed in ``lost_checkpoints`` with why)
+        plus any other write failure lost, which was raised in the training thread.
         """
         config, policy, checkpointer = self._settings, self._policy, self._checkpointer
         blocks = {
@@ -578,6 +581,7 @@ class Run:
         }
         abandoned = checkpointer.abandoned
         abandoned_blocks = sum(a.kind == "block" for a in abandoned)
+        lost = checkpointer.lost
         return json.dumps(
             {
                 "mode": config.checkpoints,
@@ -602,6 +606,12 @@ class Run:
                 "abandoned_checkpoints": [
                     {"ctx_id": a.ctx_id, "loop": a.loop_name, "kind": a.kind, "bytes": a.nbytes}
                     for a in abandoned
+                ],
+                "lost": sum(x.kind == "block" for x in lost),
+                "end_lost": sum(x.kind == "end" for x in lost),
+                "lost_checkpoints": [
+                    {"ctx_id": x.ctx_id, "loop": x.loop_name, "kind": x.kind, "reason": x.reason}
+                    for x in lost
                 ],
                 "urgent_writes": checkpointer.urgent_writes,
                 "finished_at_exit": checkpointer.finished_at_close,

@@ -216,6 +216,15 @@ def in_order(
 
     pending: deque[tuple[Future[_R], int]] = deque()
     held = 0
+    stop = threading.Event()
+
+    def run(item: _T) -> _R:
+        _batch.stop = stop
+        try:
+            return call(item)
+        finally:
+            _batch.stop = None
+
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="retrolog-objects") as pool:
         try:
             for item in items:
@@ -224,13 +233,28 @@ def in_order(
                     future, done = pending.popleft()
                     held -= done
                     yield future.result()
-                pending.append((pool.submit(call, item), nbytes))
+                pending.append((pool.submit(run, item), nbytes))
                 held += nbytes
             while pending:
                 yield pending.popleft()[0].result()
         finally:
             for future, _ in pending:
                 future.cancel()
+            # Calls still running (a store that does not answer) give up their requests,
+            # so that leaving here (Ctrl-C, a failure) does not wait for their timeouts.
+            stop.set()
+
+
+# The batch (in_order) a pool thread's call belongs to, so a request it waits on can see
+# that the batch was left.
+_batch = threading.local()
+
+
+def requests_abandoned() -> bool:
+    """Whether the batch of requests the calling thread works for was left (for backends:
+    a request that still waits gives up)."""
+    stop = getattr(_batch, "stop", None)
+    return stop is not None and stop.is_set()
 
 
 @dataclass(frozen=True)
