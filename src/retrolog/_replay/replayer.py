@@ -24,7 +24,7 @@ from typing import Any
 
 from retrolog._config import mask
 from retrolog._query.runs import matching_runs
-from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
+from retrolog._replay.backfill import Check, Mismatch, already_stored, backfill, check_recorded
 from retrolog._replay.execute import (
     Job,
     claim,
@@ -77,6 +77,9 @@ class RunOutcome:
     estimate_seconds: float = 0.0
     actual_seconds: float = 0.0
     backfilled: int = 0
+    # Values it computed that another replay of the run stored first (kept): replay id ->
+    # how many. Two replays of one run at once both compute; each value is stored once.
+    already: dict[str, int] = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
     error: str | None = None
     log_paths: list[str] = field(default_factory=list)
@@ -141,6 +144,7 @@ def replay(
     executor: str | None = None,
     ray_address: str | None = None,
     choose: Callable[[str], set[str]] | None = None,
+    settle: Callable[[dict[str, RunOutcome]], None] | None = None,
 ) -> ReplayResult:
     """Replay past runs of a script to backfill the values of ``names``.
 
@@ -159,6 +163,9 @@ def replay(
     ray_address: the Ray cluster's address (default: RAY_ADDRESS); only with Ray.
     choose: the runs ``where`` matches, when ``conn`` is a working copy of a store that
         judges it in its own dialect (_replay/shared.py); default: matched on ``conn``.
+    settle: called with the outcomes once the values are in ``conn``, before the report:
+        a working copy's are written into its store there, and each outcome's
+        ``backfilled`` and ``already`` set to what that store kept.
     """
     kind, address = choose_executor(executor, ray_address)
     if kind is Executor.RAY:
@@ -337,6 +344,8 @@ def replay(
                 starts=starts, launcher=launcher, cluster=cluster,
             )  # fmt: skip
         _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
+        if settle is not None:
+            settle(outcomes)
         actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
         if actual and plan is not None:
             echo(format_estimate_vs_actual(plan, actual))
@@ -1286,6 +1295,9 @@ def _collect(
             rows=rows, names=names, force=force or run_id in lineage.changed,
             inexact=outcome.inexact, lineage=lineage.would.get(run_id, {}),
         )  # fmt: skip
+        outcome.already = already_stored(
+            conn, run_id=run_id, replay_id=replay_id, rows=rows, names=names
+        )
         # A segment with neither output nor error was stopped (Ctrl-C, SIGTERM) before it
         # finished: the run then has only some of its values, as when a worker fails.
         unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
@@ -1492,9 +1504,24 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
         added = sum(o.backfilled for o in outcomes.values())
         reused = [o for o in done if o.reused_from is not None]
         shown = f" ({len(reused)} of them by reuse)" if reused else ""
-        echo(f"Replayed {len(done)} run(s){shown}; backfilled {added} value(s).")
+        echo(f"Replayed {len(done)} run(s){shown}; backfilled {added} value(s){_kept(outcomes)}.")
     if inexact:
         echo(_inexact_paragraph(inexact, verify))
+
+
+def _kept(outcomes: Mapping[str, RunOutcome]) -> str:
+    """ ", 12 already backfilled by replay R (kept)": values another replay stored first."""
+    by: dict[str, int] = {}
+    for outcome in outcomes.values():
+        for other, count in outcome.already.items():
+            by[other] = by.get(other, 0) + count
+    if not by:
+        return ""
+    if len(by) == 1:
+        ((other, count),) = by.items()
+        return f", {count} already backfilled by replay {other} (kept)"
+    each = ", ".join(f"{other} ({count})" for other, count in sorted(by.items()))
+    return f", {sum(by.values())} already backfilled by replays {each} (kept)"
 
 
 def _inexact_paragraph(inexact: Sequence[RunOutcome], verify: bool) -> str:
