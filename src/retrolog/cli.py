@@ -463,7 +463,11 @@ def replay_command(
         threads=threads, dry_run=dry_run, force=force, verify=verify, reuse=not no_reuse,
         confirm=confirm, executor=executor, ray_address=ray_address, echo=_terminal_echo(),
     )  # fmt: skip
-    failed = [o for o in result.outcomes.values() if o.status in ("failed", "partial")]
+    # A run skipped because its code cannot be read is a run the user asked for that got
+    # nothing: the exit says so (the report names it and why).
+    failed = [
+        o for o in result.outcomes.values() if o.status in ("failed", "partial", "unreadable")
+    ]
     if failed or (result.inexact and not allow_inexact):
         sys.exit(1)
 

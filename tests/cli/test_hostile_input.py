@@ -103,6 +103,10 @@ def test_a_run_whose_code_version_is_gone_is_reported_alone(project: Project) ->
         and "cannot be read" in out.stderr
         and "Only this run is skipped" in out.stderr
     )
+    # A run asked for that got nothing: the exit says so, and the report names it.
+    assert out.returncode == 1, out.stderr
+    said = " ".join(out.stderr.split())
+    assert f"Skipped 1 run(s) whose code version cannot be read ({gone})" in said, said
     counts = dict(
         read_db(project.root, "SELECT run_id, COUNT(*) FROM logs WHERE name = 'w2' GROUP BY run_id")
     )

@@ -72,7 +72,9 @@ class RunOutcome:
     """What happened to one run in a replay."""
 
     run_id: str
-    status: str  # "replayed", "failed", "partial", "unplaceable", "planned"
+    # "replayed", "failed", "partial", "unplaceable" (a statement has no place in its
+    # version), "unreadable" (its code version cannot be read), "planned", "reused"
+    status: str
     scan: str = ""
     estimate_seconds: float = 0.0
     actual_seconds: float = 0.0
@@ -256,7 +258,7 @@ def replay(
                     old = _old_source(runs[run_id], filename)
                 except RetrologError as exc:
                     error = _version_gone(runs[run_id], filename, exc)
-                    outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=error)
+                    outcomes[run_id] = RunOutcome(run_id, "unreadable", error=error)
                     continue
                 old_sources[run_id] = old
                 propagations[run_id] = Propagation(old, (), ())
@@ -267,7 +269,9 @@ def replay(
                 # Each reason names the statement and its line in today's script, then what
                 # the old version lacks.
                 reasons = "; ".join(p.reason for p in result.problems)
-                outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=reasons)
+                gone = any(p.name == _NO_CODE for p in result.problems)
+                status = "unreadable" if gone else "unplaceable"
+                outcomes[run_id] = RunOutcome(run_id, status, error=reasons)
             else:
                 propagations[run_id] = result
         placeable = [r for r in todo if r in propagations]
@@ -331,6 +335,7 @@ def replay(
                     echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
             return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
         if plan is None and not ready and not after:
+            _report_unreadable(outcomes, echo)
             return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
         if confirm is not None and not confirm(text):
             echo("Replay cancelled; nothing was run.")
@@ -428,7 +433,7 @@ def _propagate_all(
                 old = _old_source(row, filename)
             except RetrologError as exc:
                 # This run alone cannot be replayed; the others still are.
-                problem = Unplaceable("*", _version_gone(row, filename, exc))
+                problem = Unplaceable(_NO_CODE, _version_gone(row, filename, exc))
                 by_version[version] = ("", Propagation("", (), (problem,)), {})
                 result[run_id] = by_version[version]
                 continue
@@ -892,6 +897,10 @@ def _old_source(row: dict[str, Any], filename: str) -> str:
     from retrolog.versions.git import read_file
 
     return read_file(*_code(row), filename).decode()
+
+
+# The problem "name" of a run whose code version cannot be read: no statement is at fault.
+_NO_CODE = "*"
 
 
 def _version_gone(row: dict[str, Any], filename: str, exc: Exception) -> str:
@@ -1403,7 +1412,7 @@ def _plan_text(
     if plan is not None:
         lines.append(format_plan(plan))
     for outcome in outcomes.values():
-        if outcome.status == "unplaceable":
+        if outcome.status in ("unplaceable", "unreadable"):
             lines.append(f"run {outcome.run_id}: not replayed: {outcome.error}")
         elif outcome.status == "reused":
             lines.append(
@@ -1469,7 +1478,19 @@ def _within_what_ran(
     return kept, dropped
 
 
+def _report_unreadable(outcomes: dict[str, RunOutcome], echo: Echo) -> None:
+    unreadable = [o.run_id for o in outcomes.values() if o.status == "unreadable"]
+    if unreadable:
+        echo(
+            f"Skipped {len(unreadable)} run(s) whose code version cannot be read "
+            f"({', '.join(unreadable)}): they are not replayed and get no values from this "
+            "replay; the plan above says why for each. Make the version readable (fetch the "
+            "clone that recorded it, or replay where it is) and replay again."
+        )
+
+
 def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -> None:
+    _report_unreadable(outcomes, echo)
     for outcome in outcomes.values():
         if outcome.status in ("failed", "partial"):
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
