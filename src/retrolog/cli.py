@@ -468,7 +468,9 @@ def replay_command(
     failed = [
         o for o in result.outcomes.values() if o.status in ("failed", "partial", "unreadable")
     ]
-    if failed or (result.inexact and not allow_inexact):
+    # A verification that compared nothing verified nothing (the report says why).
+    unverified = verify and not dry_run and not result.verified
+    if failed or unverified or (result.inexact and not allow_inexact):
         sys.exit(1)
 
 

@@ -119,6 +119,11 @@ class ReplayResult:
         """Runs whose recomputed recorded values differed (their backfills are marked)."""
         return [r for r, o in self.outcomes.items() if o.inexact == "mismatch"]
 
+    @property
+    def verified(self) -> int:
+        """Recorded values the replayed runs recomputed and compared."""
+        return sum(o.compared for o in self.outcomes.values() if o.status == "replayed")
+
 
 Echo = Callable[[str], None]
 
@@ -336,6 +341,8 @@ def replay(
             return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
         if plan is None and not ready and not after:
             _report_unreadable(outcomes, echo)
+            if verify:
+                echo(_nothing_verified([]))
             return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
         if confirm is not None and not confirm(text):
             echo("Replay cancelled; nothing was run.")
@@ -1513,7 +1520,9 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
             )
     done = [o for o in outcomes.values() if o.status == "replayed"]
     inexact = [o for o in done if o.inexact == "mismatch" and o.reused_from is None]
-    if verify:
+    if verify and not sum(o.compared for o in done):
+        echo(_nothing_verified(done))
+    elif verify:
         exact = [o for o in done if not o.mismatches]
         checked = f" ({sum(o.compared for o in exact)} recorded values recomputed bit for bit)"
         echo(
@@ -1528,6 +1537,22 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
         echo(f"Replayed {len(done)} run(s){shown}; backfilled {added} value(s){_kept(outcomes)}.")
     if inexact:
         echo(_inexact_paragraph(inexact, verify))
+
+
+def _nothing_verified(done: Sequence[RunOutcome]) -> str:
+    """Why a --verify replay compared no recorded value."""
+    if not done:
+        return (
+            "Nothing was verified: no run could be replayed (the lines above say why for "
+            "each), so no recorded value was recomputed."
+        )
+    return (
+        f"Nothing was verified: {len(done)} run(s) replayed, but none of their recorded "
+        "values was recomputed: the values they logged are all inside blocks the replay "
+        "restored from checkpoints rather than ran (or they logged none). --verify compares "
+        "what the replay runs again: values logged in the outer loop outside its inner "
+        "loops, or after it. Log one there (a loss or metric per epoch) to verify these runs."
+    )
 
 
 def _kept(outcomes: Mapping[str, RunOutcome]) -> str:
