@@ -1396,7 +1396,10 @@ def _likely_cause(check: Check, environment: Sequence[str]) -> str:
     return (
         "values differed only after restored checkpoints: a block changes state that the "
         "checkpoint does not hold; name every object the block changes in "
-        "rl.checkpointing(...) (a second model or optimizer, an EMA copy, a stateful loss)"
+        "rl.checkpointing(...) (a second model or optimizer, an EMA copy, a stateful loss, "
+        "and any random generator besides the global ones of torch, numpy and random, which "
+        "are restored: a gym environment's env.np_random, a numpy Generator or "
+        "random.Random the script made, a data sampler's generator)"
     )
 
 
