@@ -145,7 +145,7 @@ class Run:
         # (ctx, t_end, top-level timing or None). A break ended the iteration, an exception
         # that crashes the run did not; which it was shows later, so their ends are written
         # once the script goes on (an iteration ends) or finishes, and dropped on a crash.
-        self._left: list[tuple[int, float, tuple[int, float, float] | None]] = []
+        self._left: list[tuple[int, float, tuple[int, float, float | None] | None]] = []
         self._checkpointer: Any = None
         self._policy: Any = None
         self._settings: Any = None
