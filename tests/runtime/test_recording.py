@@ -387,6 +387,26 @@ def test_large_arrays_are_exact_up_to_the_limit_and_refused_past_it(project: Pro
     assert len(whole[0]["exact"]) == 50_000
 
 
+def test_a_large_array_nested_in_a_logged_value_is_named_by_its_path(project: Project) -> None:
+    project.write(
+        "train.py",
+        """
+        import numpy as np
+        import retrolog as rl
+
+        for epoch in rl.loop("epoch", range(2)):
+            rl.log("stats", {"loss": 0.5, "grads": [np.zeros(3), np.zeros(200_000)]})
+        """,
+    )
+    done = project.run("train.py")
+    said = " ".join(done.stderr.split())
+    assert said.count("'stats' at ['grads'][1] was logged as a ndarray of shape (200000,)") == 1
+    assert "train.py:6: RetrologWarning" in said, said  # the script's line, not retrolog's
+    stored = [json.loads(str(v)) for (v,) in read_db(project.root, "SELECT value FROM logs")]
+    assert stored[0]["loss"] == 0.5 and stored[0]["grads"][0] == [0.0, 0.0, 0.0]
+    assert "200,000 elements" in stored[0]["grads"][1]
+
+
 def test_a_recording_does_not_load_the_replay_runtime(project: Project) -> None:
     """It is for replay workers only; loading it cost every run's start its import."""
     from retrolog import _api
