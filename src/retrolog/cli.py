@@ -343,7 +343,8 @@ def dataframe_command(
 @_output_options
 @_handle_errors
 def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
-    """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile).
+    """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile,
+    replays, replay_runs, definitions, migrations).
 
     A query stops after RETROLOG_QUERY_TIMEOUT seconds (default 120) or when it needs
     more than RETROLOG_QUERY_MEMORY_MB (default 1024), and on Ctrl-C; 0 means no limit.
