@@ -170,7 +170,10 @@ class _Guard:
         scratch disk) or once resolved, or when it ends where the project's own path of
         the same name ends (a link committed with the code, to a directory elsewhere).
         """
-        target = os.path.join(link.parent, os.readlink(link))
+        try:
+            target = os.path.join(link.parent, os.readlink(link))
+        except OSError:  # removed meanwhile: the path is judged by where it leads now
+            return False
         if self._reaches_project(target):
             return True
         real = os.path.realpath(link)
