@@ -103,12 +103,12 @@ class _Guard:
 
     def privatize(self, path: str, *, follows: bool) -> None:
         if _inside(path, self.checkout):
-            parts = Path(path).relative_to(self.checkout).parts
-            current = Path(self.checkout)
+            parts = path[len(self.checkout) :].split(os.sep)[1:]
+            current = self.checkout
             for index, part in enumerate(parts):
-                current = current / part
+                current = f"{current}{os.sep}{part}"
                 last = index == len(parts) - 1
-                if not current.is_symlink():
+                if not os.path.islink(current):
                     continue
                 if not self._users(current, parts[: index + 1]):
                     # A link elsewhere (not the user's project): not ours to guard, unless
@@ -118,7 +118,7 @@ class _Guard:
                     return
                 if last and not follows:
                     return  # the operation acts on the link itself
-                _copy_on_write(current)
+                _copy_on_write(Path(current))
             return
         if self._reaches_project(path):
             self._refuse(path)
@@ -137,8 +137,11 @@ class _Guard:
         ``out/sub/../x`` with ``out`` a link to the user's directory is the user's
         ``x``, which no copy in the checkout can stand for; such a path is refused.
         """
+        parts = path.split(os.sep)
+        if ".." not in parts:
+            return os.path.normpath(path)  # `.` and doubled separators: as the system reads
         current = os.sep
-        for part in path.split(os.sep):
+        for part in parts:
             if part in ("", "."):
                 continue
             if part != "..":
@@ -154,15 +157,15 @@ class _Guard:
         """Whether ``path`` goes through a link to the user's files."""
         if not _inside(path, self.checkout):
             return self._reaches_project(path)
-        parts = Path(path).relative_to(self.checkout).parts
-        current = Path(self.checkout)
+        parts = path[len(self.checkout) :].split(os.sep)[1:]
+        current = self.checkout
         for index, part in enumerate(parts):
-            current = current / part
-            if current.is_symlink():
+            current = f"{current}{os.sep}{part}"
+            if os.path.islink(current):
                 return self._users(current, parts[: index + 1]) or self._reaches_project(path)
         return False
 
-    def _users(self, link: Path, parts: tuple[str, ...]) -> bool:
+    def _users(self, link: str, parts: list[str]) -> bool:
         """Whether writing through ``link`` (a link of the checkout) changes the user's files.
 
         It does when the link leads through the project, by its literal target (the
@@ -171,7 +174,7 @@ class _Guard:
         the same name ends (a link committed with the code, to a directory elsewhere).
         """
         try:
-            target = os.path.join(link.parent, os.readlink(link))
+            target = os.path.join(os.path.dirname(link), os.readlink(link))
         except OSError:  # removed meanwhile: the path is judged by where it leads now
             return False
         if self._reaches_project(target):
@@ -185,18 +188,27 @@ class _Guard:
         """Whether the system, resolving ``path``, passes through the project.
 
         The path itself or any directory on its way may be a link; a path under the
-        store (the worker's own output) does not count.
+        store (the worker's own output) does not count. One ``lstat`` per component: this
+        runs before every write outside the checkout (a library's cache, ``/tmp``).
         """
-        while True:
-            real = os.path.realpath(path)
-            if self._allowed(real):
+        resolved: list[str] = []  # where the system is after each component
+        current = os.sep
+        for part in path.split(os.sep):
+            if part in ("", "."):
+                continue
+            if part == "..":
+                current = os.path.dirname(current)
+            else:
+                current = f"{current}{part}" if current == os.sep else f"{current}{os.sep}{part}"
+                if os.path.islink(current):
+                    current = os.path.realpath(current)
+            resolved.append(current)
+        for place in reversed(resolved):
+            if self._allowed(place):
                 return False
-            if _inside(real, self.project):
+            if _inside(place, self.project):
                 return True
-            parent = os.path.dirname(path)
-            if parent == path:
-                return False
-            path = parent
+        return False
 
     def _allowed(self, path: str) -> bool:
         return any(_inside(path, a) for a in self.allowed)
