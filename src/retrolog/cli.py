@@ -56,14 +56,39 @@ def _output_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-# Control characters a logged string may hold (ESC starts terminal sequences that can
-# move the cursor, rewrite lines, set the window title): shown escaped, never sent raw.
+# Control characters a logged string or a recorded script may hold (ESC starts terminal
+# sequences that can move the cursor, rewrite lines, set the window title; a carriage
+# return overwrites its line; bidirectional overrides reorder what is shown): shown
+# escaped, never sent raw.
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0)]}
+_CONTROL.update(
+    {c: f"\\u{c:04x}" for c in [0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)]}
+)
+_ESCAPED_NOTE = (
+    "(control characters in the text above, which could hide or rewrite what a terminal "
+    "shows, are written as \\xNN or \\uNNNN)"
+)
 
 
 def terminal_safe(text: str) -> str:
-    """``text`` with control characters other than newline and tab written as ``\\xNN``."""
+    """``text`` with control characters other than newline and tab written as ``\\xNN``
+    (bidirectional controls as ``\\uNNNN``)."""
     return text.translate(_CONTROL)
+
+
+def _terminal_echo() -> Callable[[str], None]:
+    """An echo to stderr that writes control characters escaped, and says so once if it did."""
+    noted = False
+
+    def echo(text: str) -> None:
+        nonlocal noted
+        shown = terminal_safe(text)
+        click.echo(shown, err=True)
+        if shown != text and not noted:
+            noted = True
+            click.echo(_ESCAPED_NOTE, err=True)
+
+    return echo
 
 
 def _emit(frame: Any, as_json: bool, as_csv: bool) -> None:
@@ -318,7 +343,8 @@ def dataframe_command(
 @_output_options
 @_handle_errors
 def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
-    """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile).
+    """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile,
+    replays, replay_runs, definitions, migrations).
 
     A query stops after RETROLOG_QUERY_TIMEOUT seconds (default 120) or when it needs
     more than RETROLOG_QUERY_MEMORY_MB (default 1024), and on Ctrl-C; 0 means no limit.
@@ -431,13 +457,21 @@ def replay_command(
             raise click.UsageError("Not asking on a non-interactive input: pass --yes to replay.")
         return click.confirm("Replay these runs?", default=True, err=True)
 
+    # The plan shows recorded code (each run's diff, the lines statements go after): a
+    # control character planted there must not hide a line from the review.
     result = _project().replay(
         names.split(",") if names else [], where, script=script, workers=workers,
         threads=threads, dry_run=dry_run, force=force, verify=verify, reuse=not no_reuse,
-        confirm=confirm, executor=executor, ray_address=ray_address,
+        confirm=confirm, executor=executor, ray_address=ray_address, echo=_terminal_echo(),
     )  # fmt: skip
-    failed = [o for o in result.outcomes.values() if o.status in ("failed", "partial")]
-    if failed or (result.inexact and not allow_inexact):
+    # A run skipped because its code cannot be read is a run the user asked for that got
+    # nothing: the exit says so (the report names it and why).
+    failed = [
+        o for o in result.outcomes.values() if o.status in ("failed", "partial", "unreadable")
+    ]
+    # A verification that compared nothing verified nothing (the report says why).
+    unverified = verify and not dry_run and not result.verified
+    if failed or unverified or (result.inexact and not allow_inexact):
         sys.exit(1)
 
 
@@ -467,25 +501,31 @@ def propagate_command(new_file: str, old_file: str, names: str, as_diff: bool) -
         result = propagate(new, old, [n.strip() for n in names.split(",") if n.strip()])
     except ValueError as exc:
         raise UsageError(f"{new_file}: {exc}") from exc
-    click.echo(result.diff(old, old_file) if as_diff else result.source, nl=False)
+    # The diff is for review, and the file for review too when it goes to a terminal: a
+    # control character in either code must not hide a line. Piped, the file is exact.
+    text = result.diff(old, old_file) if as_diff else result.source
+    shown = terminal_safe(text) if as_diff or sys.stdout.isatty() else text
+    click.echo(shown, nl=False)
+    if shown != text:
+        click.echo(_ESCAPED_NOTE, err=True)
+    echo = _terminal_echo()
     for placement in result.placements:
-        click.echo(f"{placement.name}: line {placement.line}, {placement.anchor}", err=True)
+        echo(f"{placement.name}: line {placement.line}, {placement.anchor}")
     for name, alias in result.carried:
         shown = name if alias == name else f"{name} (as {alias}: the old file has its own)"
-        click.echo(f"carried today's {shown}", err=True)
+        echo(f"carried today's {shown}")
     for class_name, method in result.methods:
-        click.echo(f"carried today's method {class_name}.{method} into the old class", err=True)
+        echo(f"carried today's method {class_name}.{method} into the old class")
     for class_name, statement in result.classes:
-        click.echo(f"carried today's class {class_name}, created by `{statement}`", err=True)
+        echo(f"carried today's class {class_name}, created by `{statement}`")
     if result.added_import is not None:
         added = result.added_import
-        click.echo(
+        echo(
             f"import: `{added.statement}` added at line {added.line}, since "
-            f"{old_file} does not import retrolog",
-            err=True,
+            f"{old_file} does not import retrolog"
         )
     for problem in result.problems:
-        click.echo(f"{problem.name}: not placed: {problem.reason}", err=True)
+        echo(f"{problem.name}: not placed: {problem.reason}")
     if result.problems:
         sys.exit(1)
 

@@ -103,7 +103,41 @@ def test_a_run_whose_code_version_is_gone_is_reported_alone(project: Project) ->
         and "cannot be read" in out.stderr
         and "Only this run is skipped" in out.stderr
     )
+    # A run asked for that got nothing: the exit says so, and the report names it.
+    assert out.returncode == 1, out.stderr
+    said = " ".join(out.stderr.split())
+    assert f"Skipped 1 run(s) whose code version cannot be read ({gone})" in said, said
     counts = dict(
         read_db(project.root, "SELECT run_id, COUNT(*) FROM logs WHERE name = 'w2' GROUP BY run_id")
     )
     assert counts == {kept: 3}
+
+
+# Cursor up and erase the line: in a raw terminal the line before vanishes from the
+# diff a user reviews; a right-to-left override then reorders what is left.
+HIDING = "\x1b[1A\x1b[2K\u202e"
+
+
+def test_escape_sequences_in_recorded_code_reach_the_review_escaped(project: Project) -> None:
+    old = (
+        "import os\n"
+        "import retrolog as rl\n"
+        "for epoch in rl.loop('epoch', range(2)):\n"
+        "    os.environ.get('HOME')  # innocent\n"
+        f"    w = epoch * 2  # {HIDING}\n"
+        "    rl.log('w', w)\n"
+    )
+    project.write("train.py", old)
+    project.run("train.py")
+    new = old.replace("    rl.log('w', w)\n", "    rl.log('w', w)\n    rl.log('w2', w * w)\n")
+    project.write("train.py", new)
+    project.write("old_train.py", old)
+    dry = project.cli("replay", "w2", "--dry-run")
+    diff = project.cli("propagate", "train.py", "old_train.py", "--names", "w2", "--diff")
+    for done in (dry, diff):
+        assert done.returncode == 0, done.stderr
+        shown = done.stdout + done.stderr
+        assert not any(c in shown for c in "\x1b\u202e"), shown
+        assert "# \\x1b[1A\\x1b[2K\\u202e" in shown, shown
+        assert "are written as \\xNN" in done.stderr
+    assert "rl.log('w2', w * w)" in dry.stderr

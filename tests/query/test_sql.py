@@ -150,7 +150,7 @@ def test_syntax_errors_quote_sqlite_and_list_the_tables(conn: sqlite3.Connection
     assert str(info.value) == (
         "The query 'SELEC * FROM logs' cannot be run: SQLite says 'near \"SELEC\": syntax "
         "error'. Give one SELECT statement over the store's tables: runs, loops, logs, "
-        "checkpoints, profile, migrations."
+        "checkpoints, profile, replays, replay_runs, definitions, migrations."
     )
     with pytest.raises(QueryError, match="no such table: nope"):
         query(conn, "SELECT * FROM nope")

@@ -134,3 +134,54 @@ def test_an_environment_that_cannot_be_reproduced_is_in_the_plan(project: Projec
     assert marks == [("environment",)]
     show = project.cli("show", run_id)
     assert "possibly inexact" in show.stdout
+
+
+def test_a_verification_that_compares_nothing_is_not_a_pass(project: Project) -> None:
+    # Every value is logged inside the inner loop, whose blocks --verify restores from
+    # their checkpoints: no recorded value is recomputed, so nothing is verified.
+    project.write(
+        "train.py",
+        "import time\n\nimport numpy as np\n\nimport retrolog as rl\n\n"
+        "w = np.zeros(2)\n"
+        "with rl.checkpointing(w=w):\n"
+        "    for epoch in rl.loop('epoch', range(3)):\n"
+        "        for step in rl.loop('step', range(2)):\n"
+        "            w += 0.5\n"
+        "            time.sleep(0.1)  # training takes longer than restoring its checkpoint\n"
+        "            rl.log('loss', float(w.sum()))\n",
+    )
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "train")
+    project.run("train.py")
+    verified = project.cli("replay", "--verify", "--yes")
+    said = " ".join(verified.stderr.split())
+    assert verified.returncode == 1, said
+    assert "Nothing was verified: 1 run(s) replayed, but none of their recorded values" in said
+    assert "replay exactly" not in said
+
+
+def test_the_cause_names_a_generator_the_script_owns(project: Project) -> None:
+    # The block draws from the script's own generator, which the checkpoint does not name:
+    # restored, the block's state is right but the generator is back at its start.
+    script = (
+        "import time\n\nimport numpy as np\n\nimport retrolog as rl\n\n"
+        "rng = np.random.default_rng(0)\n"
+        "w = np.zeros(4)\n"
+        "with rl.checkpointing(w=w):\n"
+        "    for epoch in rl.loop('epoch', range(3)):\n"
+        "        for step in rl.loop('step', range(2)):\n"
+        "            w += rng.random(4)\n"
+        "            time.sleep(0.05)  # training takes longer than restoring its checkpoint\n"
+        "        rl.log('score', float(w.sum() + rng.random()))\n"
+    )
+    project.write("train.py", script)
+    project.run("train.py")
+    project.write("train.py", script + "        rl.log('w_sum', float(w.sum()))\n")
+    out = project.cli("replay", "w_sum", "--yes")
+    assert out.returncode == 1, out.stderr
+    paragraph = " ".join(
+        next(line for line in out.stderr.splitlines() if "was not exact" in line).split()
+    )
+    assert "only after restored checkpoints" in paragraph
+    assert "any random generator besides the global ones" in paragraph, paragraph
+    assert "env.np_random" in paragraph and "numpy Generator" in paragraph

@@ -11,6 +11,8 @@ script wrote equal a fresh run's.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sqlite3
 import tempfile
 from collections.abc import Callable
@@ -137,3 +139,151 @@ def test_a_write_into_the_project_by_absolute_path_is_refused(project: Project) 
     assert done.returncode != 0
     assert "PermissionError" in done.stderr and "never changes your files" in done.stderr
     assert _user_state(project) == before
+
+
+# -- links that leave the project ----------------------------------------------------------
+
+# The usual scratch-disk layout: the project links its outputs and some data to
+# directories elsewhere. Every kind of write goes through every kind of link: directory
+# and file links, absolute and relative, at the top and nested (inside an ignored
+# directory, inside a linked directory), and a link committed with the code.
+LEAVING = """\
+import os
+import shutil
+
+import numpy as np
+import torch
+import retrolog as rl
+
+with open("data/input.txt") as f:
+    scale = float(f.read())
+with open("ext/scale.txt") as f:
+    scale += float(f.read())
+state = {"w": np.zeros(2)}
+with rl.checkpointing(state=state):
+    for epoch in rl.loop("epoch", range(2)):
+        for step in rl.loop("step", range(2)):
+            state["w"] += scale
+        with open("out/result.txt", "w") as f:
+            f.write(f"epoch {epoch}")
+        with open("out/log.txt", "a") as f:
+            f.write(f"{epoch}\\n")
+        if os.path.exists("out/old.txt"):
+            os.rename("out/old.txt", "out/renamed.txt")
+        if os.path.exists("out/stale.txt"):
+            os.remove("out/stale.txt")
+        os.makedirs("out/new/dir", exist_ok=True)
+        with open("ext/new.txt", "w") as f:
+            f.write(f"new {epoch}")
+        os.truncate("ext/big.txt", 3)
+        np.save("ext/w.npy", state["w"])
+        fd = os.open("data/shared/f.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.write(fd, b"fd")
+        os.close(fd)
+        shutil.copy("data/input.txt", "out/deep/deep.txt")
+        torch.save({"w": torch.tensor(state["w"])}, "out/model.pt")
+        with open("config.txt", "w") as f:
+            f.write(f"config {epoch}")
+        with open("data/weights.bin", "r+b") as f:
+            f.write(b"W")
+        with open("results/summary.txt", "w") as f:
+            f.write(f"summary {epoch}")
+        rl.log("w0", float(state["w"][0]))
+"""
+
+# One statement (a replay adds one), reading back in the replay what each write left.
+SEEN = """\
+        rl.log("seen", "|".join([open(p).read() for p in (
+            "out/result.txt", "out/log.txt", "ext/new.txt", "ext/big.txt",
+            "data/shared/f.txt", "out/deep/deep.txt", "config.txt",
+            "results/summary.txt", "out/renamed.txt")] + [
+            open("data/weights.bin", "rb").read().decode(),
+            str(float(torch.load("out/model.pt")["w"][0])),
+            str(float(np.load("ext/w.npy")[0])),
+            str([os.path.exists(p) for p in ("out/old.txt", "out/stale.txt", "out/new/dir")])]))
+"""
+LEAVING_PROBE = LEAVING + SEEN
+
+
+def _everything(top: Path) -> dict[str, str | bytes]:
+    """Each path under ``top`` (links not followed): a file's bytes, a link's target."""
+    found: dict[str, str | bytes] = {}
+    for directory, dirs, files in os.walk(top):
+        here = Path(directory)
+        dirs[:] = [d for d in dirs if d not in (".git", ".retrolog")]
+        for name in [*dirs, *files]:
+            path = here / name
+            key = str(path.relative_to(top))
+            if path.is_symlink():
+                found[key] = "-> " + os.readlink(path)
+            elif path.is_dir():
+                found[key] = "dir"
+            else:
+                found[key] = path.read_bytes()
+    return found
+
+
+def _scratch_files(scratch: Path, when: str) -> None:
+    files = {
+        "out/result.txt": f"{when} result",
+        "out/log.txt": f"{when} log\n",
+        "out/old.txt": f"{when} old",
+        "out/stale.txt": f"{when} stale",
+        "out/model.pt": f"{when} model",
+        "deep/deep.txt": f"{when} deep",
+        "ext/scale.txt": "0.25",
+        "ext/big.txt": f"{when} big file",
+        "ext/w.npy": f"{when} array",
+        "shared/f.txt": f"{when} shared",
+        "config.txt": f"{when} config",
+        "weights.bin": f"{when} weights",
+        "results/summary.txt": f"{when} summary",
+    }
+    for relpath, text in files.items():
+        path = scratch / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for stray in ("out/renamed.txt", "ext/new.txt"):
+        (scratch / stray).unlink(missing_ok=True)
+    shutil.rmtree(scratch / "out" / "new", ignore_errors=True)
+
+
+def test_writes_through_links_leaving_the_project_stay_in_the_checkout(
+    project: Project, tmp_path: Path
+) -> None:
+    scratch = tmp_path / "scratch"
+    _scratch_files(scratch, "recorded")
+    root = project.root
+    (scratch / "out" / "deep").symlink_to(scratch / "deep")  # a link inside a linked dir
+    (root / "out").symlink_to(scratch / "out")  # absolute, to a directory
+    (root / "ext").symlink_to(Path("..", "scratch", "ext"))  # relative, to a directory
+    (root / "config.txt").symlink_to(scratch / "config.txt")  # absolute, to a file
+    project.write("data/input.txt", "0.5")
+    (root / "data" / "shared").symlink_to(Path("..", "..", "scratch", "shared"))  # nested
+    (root / "data" / "weights.bin").symlink_to(scratch / "weights.bin")  # nested, a file
+    (root / "results").symlink_to(scratch / "results")  # committed with the code
+    project.write(".gitignore", "/data\n/out\n/ext\n/config.txt\n")
+    project.write("train.py", LEAVING)
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "train")
+    assert "results" in project.git("ls-files")
+    project.run("train.py")
+    _scratch_files(scratch, "today's")
+    project.write("train.py", LEAVING_PROBE)
+    before = _everything(tmp_path), _user_state(project)
+
+    done = project.cli("replay", "seen", "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (_everything(tmp_path), _user_state(project)) == before
+
+    seen = [
+        value
+        for (value,) in read_db(root, "SELECT value FROM logs WHERE name = 'seen' ORDER BY ctx_id")
+    ]
+    # Read back inside the replay: every write happened, to the checkout's own copies.
+    assert seen == [
+        "epoch 0|today's log\n0\n|new 0|tod|fd|0.5|config 0|summary 0|today's old|Woday's weights"
+        "|1.5|1.5|[False, False, True]",
+        "epoch 1|today's log\n0\n1\n|new 1|tod|fd|0.5|config 1|summary 1|today's old"
+        "|Woday's weights|3.0|3.0|[False, False, True]",
+    ]

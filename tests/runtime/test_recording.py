@@ -219,6 +219,72 @@ def test_loop_break_and_non_sized_iterables(project: Project) -> None:
     assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name='loss'") == [(6,)]
 
 
+def test_a_loop_ended_by_break_or_return_is_finished(project: Project) -> None:
+    # Early stopping (break in the outer loop), a step loop cut short, a loop in a function
+    # left by return: every iteration ended, and the replay plan calls none unfinished.
+    project.write(
+        "train.py",
+        """
+        import retrolog as rl
+
+        def warm_up():
+            for i in rl.loop("warm", range(10)):
+                if i == 1:
+                    return i
+
+        warm_up()
+        for epoch in rl.loop("epoch", range(10)):
+            for step in rl.loop("step", range(100)):
+                if step == 2:
+                    break
+            rl.log("loss", 1.0 / (epoch + 1))
+            if epoch == 2:
+                break
+        """,
+    )
+    project.git("add", "-A")
+    project.git("commit", "--quiet", "-m", "train")
+    project.run("train.py")
+    assert read_db(
+        project.root, "SELECT name, COUNT(*) FROM loops GROUP BY name ORDER BY name"
+    ) == [
+        ("epoch", 3),
+        ("step", 9),
+        ("warm", 2),
+    ]
+    assert read_db(project.root, "SELECT COUNT(*) FROM loops WHERE t_end IS NULL") == [(0,)]
+    project.write(
+        "train.py",
+        (project.root / "train.py")
+        .read_text()
+        .replace(
+            '    rl.log("loss", 1.0 / (epoch + 1))\n',
+            '    rl.log("loss", 1.0 / (epoch + 1))\n    rl.log("half", 0.5 / (epoch + 1))\n',
+        ),
+    )
+    plan = project.cli("replay", "half", "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    assert "unfinished" not in plan.stderr, plan.stderr
+
+
+def test_the_iteration_a_run_crashed_in_is_not_finished(project: Project) -> None:
+    project.write(
+        "train.py",
+        """
+        import retrolog as rl
+        for epoch in rl.loop("epoch", range(5)):
+            for step in rl.loop("step", range(3)):
+                if epoch == 1 and step == 1:
+                    raise RuntimeError("diverged")
+        """,
+    )
+    project.run("train.py", check=False)
+    open_ = read_db(
+        project.root, "SELECT name, iteration FROM loops WHERE t_end IS NULL ORDER BY ctx_id"
+    )
+    assert open_ == [("epoch", 1), ("step", 1)]
+
+
 def test_log_rejects_a_non_string_name(project: Project) -> None:
     project.write("train.py", "import retrolog as rl\nrl.log(3, 1.0)\n")
     proc = project.run("train.py", check=False)
@@ -319,6 +385,26 @@ def test_large_arrays_are_exact_up_to_the_limit_and_refused_past_it(project: Pro
     assert shown.returncode == 0 and len(shown.stdout) < 10_000
     whole = json.loads(project.cli("dataframe", "exact", "--json").stdout)
     assert len(whole[0]["exact"]) == 50_000
+
+
+def test_a_large_array_nested_in_a_logged_value_is_named_by_its_path(project: Project) -> None:
+    project.write(
+        "train.py",
+        """
+        import numpy as np
+        import retrolog as rl
+
+        for epoch in rl.loop("epoch", range(2)):
+            rl.log("stats", {"loss": 0.5, "grads": [np.zeros(3), np.zeros(200_000)]})
+        """,
+    )
+    done = project.run("train.py")
+    said = " ".join(done.stderr.split())
+    assert said.count("'stats' at ['grads'][1] was logged as a ndarray of shape (200000,)") == 1
+    assert "train.py:6: RetrologWarning" in said, said  # the script's line, not retrolog's
+    stored = [json.loads(str(v)) for (v,) in read_db(project.root, "SELECT value FROM logs")]
+    assert stored[0]["loss"] == 0.5 and stored[0]["grads"][0] == [0.0, 0.0, 0.0]
+    assert "200,000 elements" in stored[0]["grads"][1]
 
 
 def test_a_recording_does_not_load_the_replay_runtime(project: Project) -> None:

@@ -41,6 +41,9 @@ DOCUMENTED_TABLES: dict[str, str] = {
     "logs": "one row per logged value: run_id, ctx_id, name, value, value_type, origin",
     "checkpoints": "one row per checkpoint: run_id, ctx_id, loop_name, kind, manifest, nbytes",
     "profile": "record-time timings for the replay cost model: run_id, phase, ctx_id, seconds",
+    "replays": "one row per replay: replay_id, started_at, names, where_sql, filename, status",
+    "replay_runs": "one row per run a replay answered: replay_id, run_id, status, backfilled",
+    "definitions": "one row per definition of a logged name: lineage, name, text, first_run",
     "migrations": "the schema migrations applied to this store",
 }
 """The tables ``query()`` documents for users, with what a row is."""
@@ -368,11 +371,11 @@ def _over_memory(subject: str | None, memory_mb: float) -> str:
 def query(conn: sqlite3.Connection, sql: str) -> pd.DataFrame:
     """Run one read-only SQL statement over the store; returns its rows as a DataFrame.
 
-    The documented tables are runs, loops, logs, checkpoints, profile and
-    migrations (see :data:`DOCUMENTED_TABLES`). Values keep their SQLite types:
-    a column of integers is int64 (``Int64`` when it holds NULLs), of reals
-    float64 (NULL reads as NaN), anything else object holding the Python values
-    sqlite3 returns (str, bytes, None, or a mix).
+    The documented tables are runs, loops, logs, checkpoints, profile, replays,
+    replay_runs, definitions and migrations (see :data:`DOCUMENTED_TABLES`).
+    Values keep their SQLite types: a column of integers is int64 (``Int64`` when
+    it holds NULLs), of reals float64 (NULL reads as NaN), anything else object
+    holding the Python values sqlite3 returns (str, bytes, None, or a mix).
 
     Raises QueryError when the statement would write or change the connection,
     is malformed, or is more than one statement.

@@ -106,6 +106,36 @@ def backfill(
     return conn.total_changes - before - deleted
 
 
+def already_stored(
+    conn: sqlite3.Connection,
+    *,
+    run_id: str,
+    replay_id: str,
+    rows: Iterable[Sequence[Any]],
+    names: Sequence[str],
+) -> dict[str, int]:
+    """Of the values of ``names`` this replay computed, those another replay had stored
+    first (kept, this replay's not inserted): that replay's id -> how many.
+
+    Two replays of one run at once (two clones, two machines) both compute every value;
+    only one of them stores each, and each says which.
+    """
+    wanted = set(names)
+    computed = {(row[0], row[1]) for row in rows if row[1] in wanted}
+    if not computed:
+        return {}
+    marks = ", ".join("?" for _ in wanted)
+    found: dict[str, int] = {}
+    for ctx, name, other in conn.execute(
+        "SELECT ctx_id, name, replay_id FROM logs WHERE run_id = ? AND origin = 'backfilled'"
+        f" AND replay_id IS NOT ? AND name IN ({marks})",
+        (run_id, replay_id, *sorted(wanted)),
+    ):
+        if (ctx, name) in computed:
+            found[str(other)] = found.get(str(other), 0) + 1
+    return found
+
+
 def check_recorded(conn: sqlite3.Connection, run_id: str, rows: Iterable[Sequence[Any]]) -> Check:
     """Compare recomputed values with the recorded ones of the same contexts (deferred check).
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from retrolog._config import mask
 from retrolog._query.runs import matching_runs
-from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
+from retrolog._replay.backfill import Check, Mismatch, already_stored, backfill, check_recorded
 from retrolog._replay.execute import (
     Job,
     claim,
@@ -72,11 +72,16 @@ class RunOutcome:
     """What happened to one run in a replay."""
 
     run_id: str
-    status: str  # "replayed", "failed", "partial", "unplaceable", "planned"
+    # "replayed", "failed", "partial", "unplaceable" (a statement has no place in its
+    # version), "unreadable" (its code version cannot be read), "planned", "reused"
+    status: str
     scan: str = ""
     estimate_seconds: float = 0.0
     actual_seconds: float = 0.0
     backfilled: int = 0
+    # Values it computed that another replay of the run stored first (kept): replay id ->
+    # how many. Two replays of one run at once both compute; each value is stored once.
+    already: dict[str, int] = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
     error: str | None = None
     log_paths: list[str] = field(default_factory=list)
@@ -114,6 +119,11 @@ class ReplayResult:
         """Runs whose recomputed recorded values differed (their backfills are marked)."""
         return [r for r, o in self.outcomes.items() if o.inexact == "mismatch"]
 
+    @property
+    def verified(self) -> int:
+        """Recorded values the replayed runs recomputed and compared."""
+        return sum(o.compared for o in self.outcomes.values() if o.status == "replayed")
+
 
 Echo = Callable[[str], None]
 
@@ -141,6 +151,7 @@ def replay(
     executor: str | None = None,
     ray_address: str | None = None,
     choose: Callable[[str], set[str]] | None = None,
+    settle: Callable[[dict[str, RunOutcome]], None] | None = None,
 ) -> ReplayResult:
     """Replay past runs of a script to backfill the values of ``names``.
 
@@ -159,6 +170,9 @@ def replay(
     ray_address: the Ray cluster's address (default: RAY_ADDRESS); only with Ray.
     choose: the runs ``where`` matches, when ``conn`` is a working copy of a store that
         judges it in its own dialect (_replay/shared.py); default: matched on ``conn``.
+    settle: called with the outcomes once the values are in ``conn``, before the report:
+        a working copy's are written into its store there, and each outcome's
+        ``backfilled`` and ``already`` set to what that store kept.
     """
     kind, address = choose_executor(executor, ray_address)
     if kind is Executor.RAY:
@@ -249,7 +263,7 @@ def replay(
                     old = _old_source(runs[run_id], filename)
                 except RetrologError as exc:
                     error = _version_gone(runs[run_id], filename, exc)
-                    outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=error)
+                    outcomes[run_id] = RunOutcome(run_id, "unreadable", error=error)
                     continue
                 old_sources[run_id] = old
                 propagations[run_id] = Propagation(old, (), ())
@@ -260,7 +274,9 @@ def replay(
                 # Each reason names the statement and its line in today's script, then what
                 # the old version lacks.
                 reasons = "; ".join(p.reason for p in result.problems)
-                outcomes[run_id] = RunOutcome(run_id, "unplaceable", error=reasons)
+                gone = any(p.name == _NO_CODE for p in result.problems)
+                status = "unreadable" if gone else "unplaceable"
+                outcomes[run_id] = RunOutcome(run_id, status, error=reasons)
             else:
                 propagations[run_id] = result
         placeable = [r for r in todo if r in propagations]
@@ -324,6 +340,9 @@ def replay(
                     echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
             return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
         if plan is None and not ready and not after:
+            _report_unreadable(outcomes, echo)
+            if verify:
+                echo(_nothing_verified([]))
             return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
         if confirm is not None and not confirm(text):
             echo("Replay cancelled; nothing was run.")
@@ -337,6 +356,8 @@ def replay(
                 starts=starts, launcher=launcher, cluster=cluster,
             )  # fmt: skip
         _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
+        if settle is not None:
+            settle(outcomes)
         actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
         if actual and plan is not None:
             echo(format_estimate_vs_actual(plan, actual))
@@ -419,7 +440,7 @@ def _propagate_all(
                 old = _old_source(row, filename)
             except RetrologError as exc:
                 # This run alone cannot be replayed; the others still are.
-                problem = Unplaceable("*", _version_gone(row, filename, exc))
+                problem = Unplaceable(_NO_CODE, _version_gone(row, filename, exc))
                 by_version[version] = ("", Propagation("", (), (problem,)), {})
                 result[run_id] = by_version[version]
                 continue
@@ -885,6 +906,10 @@ def _old_source(row: dict[str, Any], filename: str) -> str:
     return read_file(*_code(row), filename).decode()
 
 
+# The problem "name" of a run whose code version cannot be read: no statement is at fault.
+_NO_CODE = "*"
+
+
 def _version_gone(row: dict[str, Any], filename: str, exc: Exception) -> str:
     return (
         f"its code version ({str(row['code_commit'])[:12]}, {filename}) cannot be read: "
@@ -1288,6 +1313,9 @@ def _collect(
             rows=rows, names=names, force=force or run_id in lineage.changed,
             inexact=outcome.inexact, lineage=lineage.would.get(run_id, {}),
         )  # fmt: skip
+        outcome.already = already_stored(
+            conn, run_id=run_id, replay_id=replay_id, rows=rows, names=names
+        )
         # A segment with neither output nor error was stopped (Ctrl-C, SIGTERM) before it
         # finished: the run then has only some of its values, as when a worker fails.
         unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
@@ -1373,7 +1401,10 @@ def _likely_cause(check: Check, environment: Sequence[str]) -> str:
     return (
         "values differed only after restored checkpoints: a block changes state that the "
         "checkpoint does not hold; name every object the block changes in "
-        "rl.checkpointing(...) (a second model or optimizer, an EMA copy, a stateful loss)"
+        "rl.checkpointing(...) (a second model or optimizer, an EMA copy, a stateful loss, "
+        "and any random generator besides the global ones of torch, numpy and random, which "
+        "are restored: a gym environment's env.np_random, a numpy Generator or "
+        "random.Random the script made, a data sampler's generator)"
     )
 
 
@@ -1396,7 +1427,7 @@ def _plan_text(
     if plan is not None:
         lines.append(format_plan(plan))
     for outcome in outcomes.values():
-        if outcome.status == "unplaceable":
+        if outcome.status in ("unplaceable", "unreadable"):
             lines.append(f"run {outcome.run_id}: not replayed: {outcome.error}")
         elif outcome.status == "reused":
             lines.append(
@@ -1462,7 +1493,19 @@ def _within_what_ran(
     return kept, dropped
 
 
+def _report_unreadable(outcomes: dict[str, RunOutcome], echo: Echo) -> None:
+    unreadable = [o.run_id for o in outcomes.values() if o.status == "unreadable"]
+    if unreadable:
+        echo(
+            f"Skipped {len(unreadable)} run(s) whose code version cannot be read "
+            f"({', '.join(unreadable)}): they are not replayed and get no values from this "
+            "replay; the plan above says why for each. Make the version readable (fetch the "
+            "clone that recorded it, or replay where it is) and replay again."
+        )
+
+
 def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -> None:
+    _report_unreadable(outcomes, echo)
     for outcome in outcomes.values():
         if outcome.status in ("failed", "partial"):
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
@@ -1485,7 +1528,9 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
             )
     done = [o for o in outcomes.values() if o.status == "replayed"]
     inexact = [o for o in done if o.inexact == "mismatch" and o.reused_from is None]
-    if verify:
+    if verify and not sum(o.compared for o in done):
+        echo(_nothing_verified(done))
+    elif verify:
         exact = [o for o in done if not o.mismatches]
         checked = f" ({sum(o.compared for o in exact)} recorded values recomputed bit for bit)"
         echo(
@@ -1497,9 +1542,40 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
         added = sum(o.backfilled for o in outcomes.values())
         reused = [o for o in done if o.reused_from is not None]
         shown = f" ({len(reused)} of them by reuse)" if reused else ""
-        echo(f"Replayed {len(done)} run(s){shown}; backfilled {added} value(s).")
+        echo(f"Replayed {len(done)} run(s){shown}; backfilled {added} value(s){_kept(outcomes)}.")
     if inexact:
         echo(_inexact_paragraph(inexact, verify))
+
+
+def _nothing_verified(done: Sequence[RunOutcome]) -> str:
+    """Why a --verify replay compared no recorded value."""
+    if not done:
+        return (
+            "Nothing was verified: no run could be replayed (the lines above say why for "
+            "each), so no recorded value was recomputed."
+        )
+    return (
+        f"Nothing was verified: {len(done)} run(s) replayed, but none of their recorded "
+        "values was recomputed: the values they logged are all inside blocks the replay "
+        "restored from checkpoints rather than ran (or they logged none). --verify compares "
+        "what the replay runs again: values logged in the outer loop outside its inner "
+        "loops, or after it. Log one there (a loss or metric per epoch) to verify these runs."
+    )
+
+
+def _kept(outcomes: Mapping[str, RunOutcome]) -> str:
+    """ ", 12 already backfilled by replay R (kept)": values another replay stored first."""
+    by: dict[str, int] = {}
+    for outcome in outcomes.values():
+        for other, count in outcome.already.items():
+            by[other] = by.get(other, 0) + count
+    if not by:
+        return ""
+    if len(by) == 1:
+        ((other, count),) = by.items()
+        return f", {count} already backfilled by replay {other} (kept)"
+    each = ", ".join(f"{other} ({count})" for other, count in sorted(by.items()))
+    return f", {sum(by.values())} already backfilled by replays {each} (kept)"
 
 
 def _inexact_paragraph(inexact: Sequence[RunOutcome], verify: bool) -> str:

@@ -26,9 +26,12 @@ import os
 import sqlite3
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from retrolog.store.paths import ProjectPaths
+
+if TYPE_CHECKING:
+    from retrolog.store.transfer import WrittenBack
 
 
 class _WorkingCopy(sqlite3.Connection):
@@ -71,6 +74,19 @@ def replay_shared(
         chosen = _matching(metadata, where) if where else None
         copy_into_sqlite(conn, metadata, _scripts(metadata, paths, script), chosen)
         before = copy_state(conn, metadata)
+        settled = False
+
+        def settle(outcomes: dict[str, Any]) -> None:
+            # Written back before the report, so that it says what the database kept: a
+            # value another replay stored first stays, and this one's is not counted.
+            nonlocal settled
+            settled = True
+            stored = _write_back(conn, metadata, before, names, force)
+            for run_id, written in stored.written.items():
+                if run_id in outcomes:
+                    outcomes[run_id].backfilled = written
+                    outcomes[run_id].already = stored.already.get(run_id, {})
+
         try:
             return replay(
                 conn, paths, names, where, script=script, dry_run=dry_run, force=force,
@@ -78,10 +94,10 @@ def replay_shared(
                     set(chosen) if chosen is not None and predicate == where
                     else _matching(metadata, predicate)
                 ),
-                **options,
+                settle=settle, **options,
             )  # fmt: skip
         finally:
-            if not dry_run:
+            if not dry_run and not settled:
                 _write_back(conn, metadata, before, names, force)
     finally:
         if conn is not None:
@@ -101,12 +117,12 @@ def _matching(metadata: Any, where: str) -> set[str]:
 
 def _write_back(
     conn: sqlite3.Connection, metadata: Any, before: Any, names: list[str], force: bool
-) -> None:
+) -> WrittenBack:
     from retrolog.errors import StoreError
     from retrolog.store.transfer import write_back
 
     try:
-        write_back(conn, metadata, before, names=names, force=force)
+        return write_back(conn, metadata, before, names=names, force=force)
     except metadata.errors as exc:
         raise StoreError(
             f"The replay's values could not be written into {metadata.location}: "

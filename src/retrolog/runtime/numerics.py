@@ -267,9 +267,10 @@ def apply_torch(torch: Any, wanted: Mapping[str, Any]) -> list[str]:
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls ``then(module)`` right after ``name`` is imported, before anyone uses it."""
 
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+    def __init__(self, name: str, then: Callable[[ModuleType], None], key: str) -> None:
         self.name = name
         self.then = then
+        self.key = key
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -302,11 +303,20 @@ def apply_in_worker(wanted: Mapping[str, Any], problems: list[str]) -> None:
     def apply(torch: ModuleType) -> None:
         problems.extend(apply_torch(torch, wanted))
 
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        apply(torch)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport("torch", apply))
+    after_import("torch", apply, key="numerics")
+
+
+def after_import(name: str, then: Callable[[ModuleType], None], *, key: str) -> None:
+    """Call ``then(module)`` now if ``name`` is imported, else right after its import.
+
+    key: who asks; a second request with the same key while the first waits is dropped,
+    requests with different keys are all made.
+    """
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
+    elif not any(isinstance(f, _AfterImport) and f.key == key for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then, key))
 
 
 # -- comparing environments --------------------------------------------------------------

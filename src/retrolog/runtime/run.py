@@ -141,6 +141,11 @@ class Run:
         self._next_ctx = 0
         self._first_loop_at: float | None = None
         self._last_top_loop_end: float | None = None
+        # Iterations a loop was left from (break, return, or an exception on its way out):
+        # (ctx, t_end, top-level timing or None). A break ended the iteration, an exception
+        # that crashes the run did not; which it was shows later, so their ends are written
+        # once the script goes on (an iteration ends) or finishes, and dropped on a crash.
+        self._left: list[tuple[int, float, tuple[int, float, float | None] | None]] = []
         self._checkpointer: Any = None
         self._policy: Any = None
         self._settings: Any = None
@@ -257,6 +262,8 @@ class Run:
     def loop(self, name: str, iterable: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``iterable`` as loop ``name``: contexts, timings, checkpoint points."""
         self.check_writer()
+        if self._left:  # a loop left before this one starts: the script went on
+            self._write_left()
         stack = self._stack
         depth = len(stack)
         parent_ctx = self.ctx
@@ -301,6 +308,7 @@ class Run:
         plain = PLAIN_TYPES
         top_level = depth == 0
         is_outer = role is Role.OUTER
+        left = self._left
         try:
             for item in iterable:
                 ctx = self._next_ctx
@@ -315,9 +323,24 @@ class Run:
                 frame.ctx = ctx
                 frame.block_seen = False
                 self.ctx = ctx
-                yield item
+                try:
+                    yield item
+                except GeneratorExit:
+                    t_end = clock()
+                    timing = None
+                    if top_level:
+                        seconds = t_end - t_iter
+                        timing = (
+                            ctx,
+                            seconds,
+                            frame.block_seconds if frame.block_seen else seconds,
+                        )
+                    left.append((ctx, t_end - t0, timing))
+                    raise
                 t_end = clock()
                 self.ctx = parent_ctx
+                if left:  # loops left inside this iteration, which went on: they finished
+                    self._write_left()
                 end_append((t_end - t0, ctx))
                 if top_level:
                     seconds = t_end - t_iter
@@ -371,6 +394,14 @@ class Run:
                     attrs_before=attrs_at_start,
                 )
             user_frame = None  # no frame reference outlives the loop
+
+    def _write_left(self) -> None:
+        """Write the ends of the iterations loops were left from: the script went on."""
+        for ctx, t_end, timing in self._left:
+            self.writer.loop_ends.append((t_end, ctx))
+            if timing is not None:
+                self.writer.iterations.append(timing)
+        self._left.clear()
 
     def _training_starts(self) -> None:
         """At the first top-level loop: torch's state as training runs with it."""
@@ -645,6 +676,8 @@ class Run:
             return
         self.status = status
         ended = time.time()
+        if status is Status.FINISHED:
+            self._write_left()
         self._import_clock.stop()  # a run with no loop: importlib as it was
         try:
             if self._checkpointer is not None:

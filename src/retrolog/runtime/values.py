@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 # Values of these exact types skip normalize(): log()'s hot path, typed by SQLite's typeof().
@@ -23,6 +24,7 @@ MAX_CONTAINER_ITEMS = 10_000
 """Lists, tuples and dicts up to this many items are stored exactly, as JSON."""
 
 _warned: set[str] = set()  # names already warned about, once per process
+_TOP = object()  # the logged value itself, not an item inside it
 
 
 class DeferredJSON:
@@ -56,7 +58,7 @@ class Typed:
         self.kind = kind
 
 
-def normalize(value: Any, *, name: str = "", defer: bool = False) -> Any:
+def normalize(value: Any, *, name: str = "", defer: bool = False, path: str = "") -> Any:
     """Turn a non-plain value into a plain one, or a :class:`Typed` json/text value.
 
     Arrays and tensors of up to :data:`MAX_ARRAY_ELEMENTS` elements, and lists, tuples
@@ -65,6 +67,9 @@ def normalize(value: Any, *, name: str = "", defer: bool = False) -> Any:
     ones are not stored: a short text says what was left out, and a warning (once per
     name) says what to log instead. Deciding that costs nothing: their size is read,
     never their content.
+
+    path: where ``value`` sits inside the value logged as ``name`` (``['grads'][0]``),
+    for the warning about a large array nested in a dict or list.
     """
     if isinstance(value, bool):
         return bool(value)
@@ -84,7 +89,7 @@ def normalize(value: Any, *, name: str = "", defer: bool = False) -> Any:
             pass
     if size is not None and hasattr(value, "tolist"):
         if size > MAX_ARRAY_ELEMENTS:
-            return _too_large(value, size, MAX_ARRAY_ELEMENTS, "elements", name)
+            return _too_large(value, size, MAX_ARRAY_ELEMENTS, "elements", name, path)
         if defer:
             copied = _array_copy(value)
             if copied is not None:
@@ -95,9 +100,9 @@ def normalize(value: Any, *, name: str = "", defer: bool = False) -> Any:
             pass
     if isinstance(value, (list, tuple, dict)):
         if len(value) > MAX_CONTAINER_ITEMS:
-            return _too_large(value, len(value), MAX_CONTAINER_ITEMS, "items", name)
+            return _too_large(value, len(value), MAX_CONTAINER_ITEMS, "items", name, path)
         try:
-            return Typed(json.dumps(_finite(value)), "json")
+            return Typed(json.dumps(_finite(value, name, path)), "json")
         except (TypeError, ValueError, RecursionError):  # not JSON, a cycle, nested too deep
             pass
     return Typed(printable(value), "text")
@@ -131,26 +136,38 @@ def _array_copy(value: Any) -> Any:
     return None
 
 
-def _too_large(value: Any, size: int, limit: int, unit: str, name: str) -> Typed:
+def _too_large(value: Any, size: int, limit: int, unit: str, name: str, path: str = "") -> Typed:
     kind = type(value).__name__
     shape = getattr(value, "shape", None)
     what = f"a {kind}" + (f" of shape {tuple(shape)}" if shape is not None else "")
     text = f"<not stored: {what} with {size:,} {unit}, over rl.log's limit of {limit:,}>"
-    if name not in _warned:
-        _warned.add(name)
+    if name + path not in _warned:
+        _warned.add(name + path)
         import warnings
 
         from retrolog.errors import RetrologWarning
 
+        shown = f"{name!r}" + (f" at {path}" if path else "")
         warnings.warn(
-            f"retrolog: {name!r} was logged as {what} with {size:,} {unit}, more than rl.log "
+            f"retrolog: {shown} was logged as {what} with {size:,} {unit}, more than rl.log "
             f"stores ({limit:,}); it is recorded as a note saying so, not as its values. Log "
             "a summary instead (its mean, norm, a histogram with np.histogram), or keep the "
             "whole value in a file or in the objects rl.checkpointing saves.",
             RetrologWarning,
-            stacklevel=4,
+            stacklevel=_callers_level(),
         )
     return Typed(text, "text")
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside retrolog, for a warning raised here:
+    the script's line, however deep in a nested value the warning was found."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("retrolog"):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def normalize_scalar(value: Any) -> Any:
@@ -185,16 +202,27 @@ def _element_count(value: Any) -> int | None:
     return None
 
 
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN/Infinity; keep them as strings so the document stays standard."""
+def _finite(obj: Any, name: str = "", path: str = "", key: Any = _TOP) -> Any:
+    """JSON has no NaN/Infinity; keep them as strings so the document stays standard.
+
+    name, path, key: the logged name, and where ``obj`` sits in its value (its parent's
+    path, and its key or index there), for the warning about a large nested array; the
+    path is spelled out only for a container or a value that is not plain.
+    """
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k if isinstance(k, str) else printable(k): _finite(v) for k, v in obj.items()}
+        here = path if key is _TOP else f"{path}[{key!r}]"
+        return {
+            k if isinstance(k, str) else printable(k): _finite(v, name, here, k)
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        here = path if key is _TOP else f"{path}[{key!r}]"
+        return [_finite(v, name, here, i) for i, v in enumerate(obj)]
     if type(obj) not in PLAIN_TYPES:
-        normalized = normalize(obj)
+        here = path if key is _TOP else f"{path}[{key!r}]"
+        normalized = normalize(obj, name=name, path=here)
         if isinstance(normalized, Typed):
             return normalized.value if normalized.kind == "text" else json.loads(normalized.value)
         return normalized

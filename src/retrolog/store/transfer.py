@@ -418,11 +418,12 @@ def write_back(
     *,
     names: Sequence[str],
     force: bool,
-) -> int:
+) -> WrittenBack:
     """What a replay on the working copy ``copy`` wrote, into ``target``: replays the
     copy did not hold ``before`` and their runs, the values they backfilled, the
     definitions and module sets they kept, and replays the copy marked interrupted.
-    Returns the values written.
+    Returns, per run, the values written and those another replay had stored first;
+    each run's ``replay_runs.backfilled`` says what was written.
 
     Each run's values go in one transaction under an advisory lock on the run, so two
     replays of one run, from two machines, never both write a value: as on SQLite, a
@@ -433,7 +434,7 @@ def write_back(
     columns = before.columns
     replays = dict(copy.execute("SELECT replay_id, status FROM replays").fetchall())
     new = [r for r in replays if r not in before.replays]
-    written = 0
+    result = WrittenBack()
     with pg.transaction():
         for table, keys in _KEPT.items():
             added = set(_kept_rows(copy, table, columns[table])) - before.rows[table]
@@ -464,7 +465,7 @@ def write_back(
             interrupted,
         )
     if not new:
-        return 0
+        return result
     marks = ", ".join("?" * len(new))
     runs = [
         r
@@ -503,11 +504,32 @@ def write_back(
             with cursor.copy(f"COPY rl_backfill ({', '.join(parts)}, seq) FROM STDIN") as rows:
                 for seq, row in enumerate(found):
                     rows.write_row([*_split(log_columns, row), seq])
+            kept = pg.execute(
+                "SELECT l.replay_id, count(*) FROM rl_backfill b JOIN logs l ON"
+                " l.name = b.name AND l.run_id = b.run_id"
+                " AND l.ctx_id IS NOT DISTINCT FROM b.ctx_id"
+                " WHERE l.origin = 'backfilled' GROUP BY l.replay_id"
+            ).fetchall()
             inserted = pg.execute(
                 f"INSERT INTO logs ({', '.join(parts)}) SELECT {', '.join(parts)}"
                 " FROM rl_backfill b WHERE NOT EXISTS (SELECT 1 FROM logs l WHERE"
                 " l.name = b.name AND l.run_id = b.run_id"
                 " AND l.ctx_id IS NOT DISTINCT FROM b.ctx_id) ORDER BY seq"
             )
-            written += inserted.rowcount
-    return written
+            written = max(inserted.rowcount, 0)
+            pg.execute(
+                "UPDATE replay_runs SET backfilled = %s WHERE run_id = %s AND replay_id = ANY(%s)",
+                (written, run_id, new),
+            )
+        result.written[run_id] = written
+        result.already[run_id] = {str(other): int(count) for other, count in kept}
+    return result
+
+
+@dataclass
+class WrittenBack:
+    """What :func:`write_back` stored per run: values written, and values another replay
+    had stored first (kept): run -> that replay's id -> how many."""
+
+    written: dict[str, int] = field(default_factory=dict)
+    already: dict[str, dict[str, int]] = field(default_factory=dict)
