@@ -276,26 +276,26 @@ def test_a_connection_lost_around_commit_writes_each_record_once(
     dropped: list[int] = []
 
     class DropsOnce(postgres.PostgresRecordSink):
-        def _write(self, run_id: str, batch: RecordBatch, whole: RecordBatch) -> None:
+        before = False  # lose the connection in the transaction, before its COMMIT
+
+        def _write(self, run_id: str, whole: RecordBatch) -> None:
             marked = any(name == "drop-here" for _, name, _ in whole.values)
             if len(dropped) == len(losses) or not marked:
-                super()._write(run_id, batch, whole)
+                super()._write(run_id, whole)
                 return
             loss = losses[len(dropped)]
-            dropped.append(len(batch.values))
-            if loss == "after":
-                super()._write(run_id, batch, whole)  # the server has it all
-            else:
-                self._conn.execute("BEGIN")
-                (txid,) = self._conn.execute("SELECT txid_current()").fetchone()
-                self._conn.execute(
-                    "INSERT INTO logs(run_id, name, value_float, value_type)"
-                    " VALUES (%s, 'x', -1, 'float')",
-                    (run_id,),
-                )
-                self._attempt = (txid, whole.lengths())
+            dropped.append(len(whole.values))
+            self.before = loss == "before"
+            super()._write(run_id, whole)  # "after": the server has it all
             self._conn.close()
             raise psycopg.OperationalError("the connection was lost")
+
+        def _records(self, cur: Any, run_id: str, batch: RecordBatch) -> None:
+            super()._records(cur, run_id, batch)
+            if self.before:
+                self.before = False
+                self._conn.close()
+                raise psycopg.OperationalError("the connection was lost")
 
     writer = Writer(Path("unused.db"), RUN, interval=0.05, sink=lambda: DropsOnce(pg_store_url))
     writer.start()
@@ -317,5 +317,56 @@ def test_a_connection_lost_around_commit_writes_each_record_once(
     assert sorted(r[0] for r in rows) == [float(i) for i in range(1500)]  # each once
     assert read_pg(pg_store_url, "SELECT COUNT(*) FROM logs WHERE name = 'drop-here'") == [(1,)]
     assert read_pg(pg_store_url, "SELECT COUNT(*) FROM loops") == [(1,)]
+    err = capsys.readouterr().err
+    assert "cannot reach the store" in err and "nothing was lost" in err
+
+
+def test_a_transaction_the_server_still_runs_for_a_lost_connection_is_waited_for(
+    pg_store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a lost connection the run's row of record_batches is held by a transaction
+    the server has not ended yet (here another connection's, standing for the lost one's):
+    the writer holds its records and says why, then writes each once when it ends."""
+    from retrolog.runtime.writer import Writer
+
+    conn = postgres.connect(pg_store_url)
+    postgres.migrate(conn)
+    conn.execute(RUN_ROW.format(p="%s"), (RUN,))
+    conn.close()
+    holder = psycopg.connect(pg_store_url, autocommit=True)
+    lost: list[int] = []
+
+    class LosesOnce(postgres.PostgresRecordSink):
+        def _write(self, run_id: str, whole: RecordBatch) -> None:
+            super()._write(run_id, whole)
+            if not lost and any(name == "drop-here" for _, name, _ in whole.values):
+                lost.append(1)
+                holder.execute("BEGIN")
+                holder.execute("SELECT * FROM record_batches FOR UPDATE")
+                self._conn.close()
+                raise psycopg.OperationalError("the connection was lost")
+
+    writer = Writer(Path("unused.db"), RUN, interval=0.05, sink=lambda: LosesOnce(pg_store_url))
+    writer.start()
+    try:
+        writer.loop_starts.append((0, None, "epoch", 0, None, 0, 0.0))
+        writer.values.extend((0, "x", float(i)) for i in range(500))
+        writer.values.append((0, "drop-here", 1.0))
+        deadline = time.monotonic() + 20
+        while "still runs the transaction" not in (writer.full_error or ""):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        writer.values.extend((0, "x", float(i)) for i in range(500, 1000))
+        holder.execute("COMMIT")
+        while not writer.flush(1) and time.monotonic() < deadline:
+            pass
+        assert writer.flush(10)
+    finally:
+        writer.close(30)
+        holder.close()
+    assert writer.failure is None and lost == [1]
+    rows = read_pg(pg_store_url, "SELECT value_float FROM logs WHERE name = 'x'")
+    assert sorted(r[0] for r in rows) == [float(i) for i in range(1000)]  # each once
+    assert read_pg(pg_store_url, "SELECT COUNT(*) FROM logs WHERE name = 'drop-here'") == [(1,)]
     err = capsys.readouterr().err
     assert "cannot reach the store" in err and "nothing was lost" in err

@@ -122,7 +122,23 @@ def _write_back(
     from retrolog.store.transfer import write_back
 
     try:
+        # The server may have restarted while the replay ran on the copy: nothing was in
+        # flight on the connection then, so a new one writes everything.
+        metadata.reconnect_if_lost()
+    except StoreError as exc:
+        raise StoreError(
+            f"The replay's values could not be written: {exc} They were computed but are "
+            "not stored; run the replay again once the server answers."
+        ) from exc
+    try:
         return write_back(conn, metadata, before, names=names, force=force)
+    except metadata.operational_errors as exc:
+        raise StoreError(
+            f"The replay's values could not all be written into {metadata.location}: the "
+            f"connection to the server was lost ({' '.join(str(exc).split())}). The runs "
+            "written before are kept; run the replay again once the server answers: it "
+            "writes a value only where a run has none."
+        ) from exc
     except metadata.errors as exc:
         raise StoreError(
             f"The replay's values could not be written into {metadata.location}: "

@@ -239,11 +239,13 @@ class Writer:
                     record[1].set()
                 else:
                     self.dropped += 1
-        if self.full_error is None and isinstance(exc, SinkUnavailable):
+        if self._unreachable and isinstance(exc, SinkUnavailable):
+            self.full_error = str(exc)  # the latest reason, which the end of the run reports
+        elif self.full_error is None and isinstance(exc, SinkUnavailable):
             self.full_error = str(exc)
             self._unreachable = True
             _say(
-                f"cannot reach the store ({exc}). Training goes on: run {self.run_id}'s "
+                f"cannot reach the store: {exc}. Training goes on: run {self.run_id}'s "
                 f"records are held in memory (up to {HELD_LIMIT:,} values) and written as "
                 "soon as it answers again, or lost when the script ends before it does."
             )
@@ -265,10 +267,11 @@ class Writer:
         if self._unreachable:
             _say(
                 f"run {self.run_id} ended with {n_values} value(s) and {n_other} other "
-                f"record(s) not written: the store could not be reached ({self.full_error})"
+                "record(s) not written"
                 + (f", and {self.dropped} more were dropped meanwhile" if self.dropped else "")
-                + ". What was written before is intact; the run will be listed as crashed, "
-                "since its end could not be recorded either."
+                + f": the store could not be reached: {self.full_error}. What was written "
+                "before is intact; the run will be listed as crashed, since its end could "
+                "not be recorded either."
             )
         else:
             _say(

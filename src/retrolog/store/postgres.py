@@ -40,8 +40,8 @@ from retrolog.store.records import (
 )
 
 # The version SQLite's store/schema.py reaches with the same tables; a later migration
-# is added to both, with the same number.
-SCHEMA_VERSION = 9
+# is added to both, with the same number (MIGRATIONS, below the schema).
+SCHEMA_VERSION = 10
 
 # One advisory lock key for migrations: two processes opening a new database at once
 # must not both create it (SQLite's BEGIN IMMEDIATE does this there).
@@ -209,6 +209,23 @@ CREATE TABLE module_sets (
 )
 """
 
+# The last batch each run's writer committed: the sink updates its run's row in every
+# batch's transaction, so after a connection lost around a COMMIT the row says whether
+# that batch is in (PostgresRecordSink._settle).
+RECORD_BATCHES = """
+CREATE TABLE record_batches (
+    run_id text PRIMARY KEY,
+    batch  bigint NOT NULL
+)
+"""
+
+# (version, name, statements) in order; a new database gets them all, one at a time in
+# one transaction. Append new migrations; never edit an applied one.
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (9, "the schema of SQLite's version 9, in PostgreSQL's types", SCHEMA),
+    (10, "the last batch each run's writer committed, written with the batch", RECORD_BATCHES),
+]
+
 
 def _psycopg() -> Any:
     try:
@@ -240,10 +257,11 @@ def connect(url: str) -> Any:
 def migrate(conn: Any) -> int:
     """Bring the database to :data:`SCHEMA_VERSION`; returns the version.
 
-    A new database gets the whole schema in one transaction, under an advisory lock
-    that a second process opening it at the same time waits for. A current one is
-    only read: a role that may write retrolog's tables but not create any (what a
-    team gives the machines that record) opens it.
+    The migrations it lacks (:data:`MIGRATIONS`; all of them for a new database) are
+    applied in one transaction, under an advisory lock that a second process opening
+    it at the same time waits for. A current one is only read: a role that may write
+    retrolog's tables but not create any (what a team gives the machines that record)
+    opens it.
     """
     if _has_store(conn):
         (newest,) = conn.execute("SELECT MAX(version) FROM migrations").fetchone()
@@ -262,17 +280,15 @@ def migrate(conn: Any) -> int:
                 f"{newest}, this one knows {SCHEMA_VERSION}); upgrade retrolog "
                 "(pip install -U retrolog) to use it."
             )
-        if newest == 0:
-            for statement in SCHEMA.split(";"):
+        for version, name, script in MIGRATIONS:
+            if version <= newest:
+                continue
+            for statement in script.split(";"):
                 if statement.strip():
                     conn.execute(statement)
             conn.execute(
                 "INSERT INTO migrations(version, name, applied_at) VALUES (%s, %s, %s)",
-                (
-                    SCHEMA_VERSION,
-                    "the schema of SQLite's version 9, in PostgreSQL's types",
-                    time.strftime("%Y-%m-%dT%H:%M:%S"),
-                ),
+                (version, name, time.strftime("%Y-%m-%dT%H:%M:%S")),
             )
     return SCHEMA_VERSION
 
@@ -312,20 +328,33 @@ def typed(value: Any) -> tuple[float | None, int | None, str | None]:
 _VALUE_TYPE = {float: "float", int: "int", str: "str"}
 
 
+# How long a batch's transaction waits for its run's row of record_batches while a
+# transaction of a lost connection still holds it: the writer thread must not hang on it.
+SETTLE_LOCK_TIMEOUT = "2s"
+
+
 class PostgresRecordSink(RecordSink):
     """A recording run's batches into PostgreSQL: one transaction per batch.
 
     Values go in with COPY, the fastest way into PostgreSQL; their columns and types
     are chosen here, on the writer thread, never on the training thread.
+
+    Each batch's transaction also sets its run's row of ``record_batches`` to the batch's
+    number, so whether a batch was committed is a row written with it. A connection lost
+    before the COMMIT's answer came back leaves that unknown here; the next transaction
+    reads the row (:meth:`_settle`) and leaves out what it says is stored.
     """
 
     def __init__(self, url: str) -> None:
         self._psycopg = _psycopg()
         self._url = url
+        self._location = mask(url)
         self._conn: Any = connect(url)
-        # (transaction id, lengths of the writer's batch it completes) of the transaction
-        # being written, and of each whose connection was lost before its COMMIT was
-        # answered (committed or not, unknown) since the last write that succeeded.
+        # Per run: the number of the last batch this sink began (its row's value when the
+        # sink first wrote the run). (number, lengths of the writer's batch it completes)
+        # of the transaction being written, and of each whose connection was lost before
+        # its COMMIT was answered (committed or not, unknown) since the last that succeeded.
+        self._numbers: dict[str, int] = {}
         self._attempt: tuple[int, tuple[int, ...]] | None = None
         self._unsure: list[tuple[int, tuple[int, ...]]] = []
         self._staged: Any = None  # the connection whose staging tables exist
@@ -336,14 +365,18 @@ class PostgresRecordSink(RecordSink):
             try:
                 self._conn = connect(self._url)
             except StoreError as exc:
-                raise SinkUnavailable(str(exc)) from exc
-        # Set by _write once the server gave the transaction its id, and left set after
-        # the COMMIT: a connection lost while committing leaves its outcome unknown.
+                raise SinkUnavailable(
+                    f"the PostgreSQL server at {self._location} does not answer "
+                    f"({_complaint(exc.__cause__ or exc)}); check that it runs and that this "
+                    "machine reaches it"
+                ) from exc
+        # Set by _write when the batch's transaction begins, and left set after the COMMIT:
+        # a connection lost while committing leaves its outcome unknown.
         self._attempt = None
         try:
             self._staging()
-            written = self._settle() if self._unsure else None
-            self._write(run_id, batch if written is None else batch.after(written), batch)
+            self._first(run_id)
+            self._write(run_id, batch)
             self._unsure = []
         except (UnicodeEncodeError, OverflowError, errors.NumericValueOutOfRange) as exc:
             raise SinkUnstorable(str(exc)) from exc
@@ -364,92 +397,123 @@ class PostgresRecordSink(RecordSink):
             self._conn.close()
             if self._attempt is not None:
                 self._unsure.append(self._attempt)
-            raise SinkUnavailable(str(exc).strip()) from exc
+            raise SinkUnavailable(
+                f"the PostgreSQL server at {self._location} closed the connection "
+                f"({_complaint(exc)}); check that it runs and that this machine reaches it"
+            ) from exc
 
-    def _settle(self) -> tuple[int, ...] | None:
+    def _first(self, run_id: str) -> None:
+        """Make the run's row of record_batches, once, and take its number from there."""
+        if run_id in self._numbers:
+            return
+        self._conn.execute(
+            "INSERT INTO record_batches(run_id, batch) VALUES (%s, 0)"
+            " ON CONFLICT (run_id) DO NOTHING",
+            (run_id,),
+        )
+        (number,) = self._conn.execute(
+            "SELECT batch FROM record_batches WHERE run_id = %s", (run_id,)
+        ).fetchone()
+        self._numbers[run_id] = number
+
+    def _settle(self, cur: Any, run_id: str) -> tuple[int, ...] | None:
         """How much of the writer's batch the server already has: the lengths its lists
         begin with, from the transactions whose answers were lost; None for nothing.
 
         The writer's retry begins with every record of the batch it was given then
-        (SinkUnavailable), and each such transaction wrote that batch to its end; so the
-        last of them that committed says how far it is written. PostgreSQL keeps each
-        transaction's outcome by its id (``txid_status``).
+        (SinkUnavailable), and each such transaction wrote that batch to its end; the
+        run's row of record_batches names the last of them that committed. The row is
+        locked first: a transaction of the lost connection that the server has not yet
+        ended holds it, and its outcome is known only once it ends.
         """
-        written = None
-        for txid, upto in self._unsure:
-            (status,) = self._conn.execute("SELECT txid_status(%s)", (txid,)).fetchone()
-            if status == "in progress":
-                # The server has not yet noticed the lost connection: ask again later.
-                raise SinkUnavailable(
-                    "the server is still finishing the transaction of a connection it lost"
-                )
-            if status == "committed":  # aborted (or, far in the past, unknown): not there
-                written = upto
-        return written
+        (timeout,) = cur.execute("SELECT current_setting('lock_timeout')").fetchone()
+        cur.execute("SELECT set_config('lock_timeout', %s, true)", (SETTLE_LOCK_TIMEOUT,))
+        try:
+            (number,) = cur.execute(
+                "SELECT batch FROM record_batches WHERE run_id = %s FOR UPDATE", (run_id,)
+            ).fetchone()
+        except self._psycopg.errors.LockNotAvailable as exc:
+            raise SinkUnavailable(
+                f"the PostgreSQL server at {self._location} still runs the transaction of "
+                "the connection this run lost, which may yet commit its records; it ends "
+                "it when it notices the connection is gone (its TCP keepalive settings, "
+                "idle_in_transaction_session_timeout), and an administrator can end it "
+                "with pg_terminate_backend"
+            ) from exc
+        cur.execute("SELECT set_config('lock_timeout', %s, true)", (timeout,))
+        return next((upto for attempt, upto in self._unsure if attempt == number), None)
 
-    def _write(self, run_id: str, batch: RecordBatch, whole: RecordBatch) -> None:
-        """Write ``batch``, the end of the writer's ``whole`` batch, in one transaction."""
+    def _write(self, run_id: str, whole: RecordBatch) -> None:
+        """Write the writer's batch ``whole``, or what of it is not stored yet, in one
+        transaction."""
         conn = self._conn
         with conn.transaction():
             cur = conn.cursor()
-            (txid,) = cur.execute("SELECT txid_current()").fetchone()
-            self._attempt = (txid, whole.lengths())
-            # Loop rows go in with COPY as values do (a loop of 200,000 short iterations
-            # is 200,000 starts and ends): into this connection's staging tables, then one
-            # statement each into loops.
-            if batch.loop_starts:
-                with cur.copy(
-                    "COPY pg_temp.rl_starts (ctx_id, parent_ctx, name, iteration, value_float,"
-                    " value_int, value_text, depth, t_start) FROM STDIN"
-                ) as copy:
-                    for ctx, parent, name, i, value, depth, t_start in batch.loop_starts:
-                        copy.write_row((ctx, parent, name, i, *typed(value), depth, t_start))
-                cur.execute(
-                    "INSERT INTO loops(run_id, ctx_id, parent_ctx, name, iteration, value_float,"
-                    " value_int, value_text, depth, t_start)"
-                    " SELECT %s, ctx_id, parent_ctx, name, iteration, value_float, value_int,"
-                    " value_text, depth, t_start FROM pg_temp.rl_starts"
-                    # A context is started once; a batch written again after a lost answer
-                    # (an unknown outcome) writes its starts again: the same row.
-                    " ON CONFLICT (run_id, ctx_id) DO UPDATE SET parent_ctx = EXCLUDED.parent_ctx,"
-                    " name = EXCLUDED.name, iteration = EXCLUDED.iteration,"
-                    " value_float = EXCLUDED.value_float, value_int = EXCLUDED.value_int,"
-                    " value_text = EXCLUDED.value_text, depth = EXCLUDED.depth,"
-                    " t_start = EXCLUDED.t_start, t_end = NULL",
-                    (run_id,),
-                )
-            if batch.loop_ends:
-                with cur.copy("COPY pg_temp.rl_ends (t_end, ctx_id) FROM STDIN") as copy:
-                    for row in batch.loop_ends:
-                        copy.write_row(row)
-                cur.execute(
-                    "UPDATE loops l SET t_end = e.t_end FROM pg_temp.rl_ends e"
-                    " WHERE l.run_id = %s AND l.ctx_id = e.ctx_id",
-                    (run_id,),
-                )
-            if batch.iterations:
-                with cur.copy(
-                    "COPY profile (run_id, phase, ctx_id, seconds, block_seconds) FROM STDIN"
-                ) as copy:
-                    for ctx, seconds, block_seconds in batch.iterations:
-                        copy.write_row((run_id, "iteration", ctx, seconds, block_seconds))
-            if batch.values or batch.logs:
-                with cur.copy(
-                    "COPY logs (run_id, ctx_id, name, value_float, value_int, value_text,"
-                    " value_type) FROM STDIN"
-                ) as copy:
-                    for ctx, name, value in batch.values:
-                        copy.write_row((run_id, ctx, name, *typed(value), _VALUE_TYPE[type(value)]))
-                    for ctx, name, value, kind in batch.logs:
-                        copy.write_row((run_id, ctx, name, *typed(value), kind))
-            write_run_rows(cur, run_id, batch, "%s")
-            for digest, blob in batch.module_sets:
-                cur.execute(
-                    "INSERT INTO module_sets(digest, names) VALUES (%s, %s)"
-                    " ON CONFLICT (digest) DO NOTHING",
-                    (digest, blob),
-                )
-                cur.execute("UPDATE runs SET modules = %s WHERE run_id = %s", (digest, run_id))
+            written = self._settle(cur, run_id) if self._unsure else None
+            number = self._numbers[run_id] + 1
+            self._numbers[run_id] = number
+            self._attempt = (number, whole.lengths())
+            cur.execute("UPDATE record_batches SET batch = %s WHERE run_id = %s", (number, run_id))
+            self._records(cur, run_id, whole if written is None else whole.after(written))
+
+    def _records(self, cur: Any, run_id: str, batch: RecordBatch) -> None:
+        """The statements that write ``batch``, in the transaction of ``cur``."""
+        # Loop rows go in with COPY as values do (a loop of 200,000 short iterations
+        # is 200,000 starts and ends): into this connection's staging tables, then one
+        # statement each into loops.
+        if batch.loop_starts:
+            with cur.copy(
+                "COPY pg_temp.rl_starts (ctx_id, parent_ctx, name, iteration, value_float,"
+                " value_int, value_text, depth, t_start) FROM STDIN"
+            ) as copy:
+                for ctx, parent, name, i, value, depth, t_start in batch.loop_starts:
+                    copy.write_row((ctx, parent, name, i, *typed(value), depth, t_start))
+            cur.execute(
+                "INSERT INTO loops(run_id, ctx_id, parent_ctx, name, iteration, value_float,"
+                " value_int, value_text, depth, t_start)"
+                " SELECT %s, ctx_id, parent_ctx, name, iteration, value_float, value_int,"
+                " value_text, depth, t_start FROM pg_temp.rl_starts"
+                # A context is started once; a batch written again after a lost answer
+                # (an unknown outcome) writes its starts again: the same row.
+                " ON CONFLICT (run_id, ctx_id) DO UPDATE SET parent_ctx = EXCLUDED.parent_ctx,"
+                " name = EXCLUDED.name, iteration = EXCLUDED.iteration,"
+                " value_float = EXCLUDED.value_float, value_int = EXCLUDED.value_int,"
+                " value_text = EXCLUDED.value_text, depth = EXCLUDED.depth,"
+                " t_start = EXCLUDED.t_start, t_end = NULL",
+                (run_id,),
+            )
+        if batch.loop_ends:
+            with cur.copy("COPY pg_temp.rl_ends (t_end, ctx_id) FROM STDIN") as copy:
+                for row in batch.loop_ends:
+                    copy.write_row(row)
+            cur.execute(
+                "UPDATE loops l SET t_end = e.t_end FROM pg_temp.rl_ends e"
+                " WHERE l.run_id = %s AND l.ctx_id = e.ctx_id",
+                (run_id,),
+            )
+        if batch.iterations:
+            with cur.copy(
+                "COPY profile (run_id, phase, ctx_id, seconds, block_seconds) FROM STDIN"
+            ) as copy:
+                for ctx, seconds, block_seconds in batch.iterations:
+                    copy.write_row((run_id, "iteration", ctx, seconds, block_seconds))
+        if batch.values or batch.logs:
+            with cur.copy(
+                "COPY logs (run_id, ctx_id, name, value_float, value_int, value_text,"
+                " value_type) FROM STDIN"
+            ) as copy:
+                for ctx, name, value in batch.values:
+                    copy.write_row((run_id, ctx, name, *typed(value), _VALUE_TYPE[type(value)]))
+                for ctx, name, value, kind in batch.logs:
+                    copy.write_row((run_id, ctx, name, *typed(value), kind))
+        write_run_rows(cur, run_id, batch, "%s")
+        for digest, blob in batch.module_sets:
+            cur.execute(
+                "INSERT INTO module_sets(digest, names) VALUES (%s, %s)"
+                " ON CONFLICT (digest) DO NOTHING",
+                (digest, blob),
+            )
+            cur.execute("UPDATE runs SET modules = %s WHERE run_id = %s", (digest, run_id))
 
     def _staging(self) -> None:
         """This connection's temporary tables for loop rows, emptied at each commit;
@@ -681,6 +745,21 @@ class PostgresMetadata(MetadataStore):
             self._conn.close()
             raise
 
+    def reconnect_if_lost(self) -> bool:
+        """Whether the connection had been lost (the server restarted, the network
+        dropped) and a new one was made. Call it only between transactions: nothing
+        can then have been in flight on the lost one. Raises StoreError while the
+        server does not answer."""
+        try:
+            self._conn.execute("SELECT 1")
+            return False
+        except self._psycopg.OperationalError:
+            if not (self._conn.closed or self._conn.broken):
+                raise
+        self._conn.close()
+        self._conn = connect(self._url)
+        return True
+
     def _guarded(self, action: Callable[[], Any]) -> Any:
         try:
             return action()
@@ -710,6 +789,12 @@ class PostgresMetadata(MetadataStore):
     def errors(self) -> type[Exception]:
         """psycopg's base class of the errors the database reports."""
         error: type[Exception] = self._psycopg.Error
+        return error
+
+    @property
+    def operational_errors(self) -> type[Exception]:
+        """psycopg's class of the errors of a lost connection or a server going away."""
+        error: type[Exception] = self._psycopg.OperationalError
         return error
 
     @property

@@ -243,6 +243,22 @@ MIGRATIONS.append(
     )
 )
 
+# Written by PostgreSQL's record sink (store/postgres.py), which must tell after a lost
+# connection whether its last batch was committed. SQLite's answer to a COMMIT is never
+# lost, so its sink leaves the table empty; the two schemas stay the same.
+MIGRATIONS.append(
+    (
+        10,
+        "the last batch each run's writer committed, written with the batch",
+        """
+        CREATE TABLE record_batches (
+            run_id TEXT PRIMARY KEY,
+            batch  INTEGER NOT NULL
+        ) WITHOUT ROWID
+        """,
+    )
+)
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
