@@ -19,7 +19,8 @@ DESIGN_CALLS = {"arg", "log", "loop", "checkpointing", "commit", "dataframe", "q
 # rl.Project (one project's store: what the CLI, the API and the UI go through).
 ADDITIONS = {"configure", "restore", "lineage", "Project"}
 # Loops driven by events (a framework's hooks), for the integrations: docs/integrations.md.
-EVENT_CALLS = {"begin", "end", "restore_block", "volatile"}
+# rl.autolog: the frameworks' trainers patched so an unmodified script records.
+EVENT_CALLS = {"begin", "end", "restore_block", "volatile", "autolog"}
 
 
 def test_all_is_the_api_the_design_lists_and_the_additions() -> None:

@@ -21,10 +21,12 @@ from retrolog._api import (
 )
 from retrolog._project import Project
 from retrolog._restore import restore
+from retrolog.integrations import autolog
 
 __all__ = [
     "Project",
     "arg",
+    "autolog",
     "begin",
     "checkpointing",
     "commit",
