@@ -16,6 +16,7 @@ EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py").r
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+@pytest.mark.usefixtures("whole_machine")  # torch's default threads
 def test_autolog_records_an_unmodified_trainer_script(project: Project) -> None:
     # The example without its callback line: rl.autolog() alone records it.
     script = EXAMPLE.replace(", RetrologCallback()]", "]").replace(
@@ -41,6 +42,7 @@ def test_autolog_records_an_unmodified_trainer_script(project: Project) -> None:
     assert series.total == 8 and len(series.x) == 8
 
 
+@pytest.mark.usefixtures("whole_machine")  # torch's default threads
 def test_an_untested_transformers_records_without_checkpoints_and_says_so(
     project: Project,
 ) -> None:

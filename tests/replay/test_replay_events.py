@@ -119,6 +119,7 @@ def _fresh(project: Project, kwargs: list[str]) -> dict[tuple[object, ...], obje
     return {key[1:]: value for key, value in values.items()}
 
 
+@pytest.mark.usefixtures("whole_machine")  # torch's default threads
 def test_event_loops_record_every_step_and_replay_exactly(project: Project) -> None:
     runs = _record(project)
     database = project.root / ".retrolog" / "retrolog.db"
