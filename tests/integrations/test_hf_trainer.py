@@ -57,3 +57,32 @@ def test_an_untested_transformers_records_without_checkpoints_and_says_so(
     assert "without checkpoints" in lines[0]
     assert read_db(project.root, "SELECT COUNT(*) FROM checkpoints") == [(0,)]
     assert read_db(project.root, "SELECT COUNT(*) FROM loops WHERE name = 'step'") == [(2,)]
+
+
+@pytest.mark.usefixtures("whole_machine")  # torch's default threads
+def test_an_iterable_dataset_records_without_checkpoints_and_says_so(project: Project) -> None:
+    script = (
+        EXAMPLE.replace(
+            "class Tokens(torch.utils.data.Dataset):",
+            "class Tokens(torch.utils.data.IterableDataset):",
+        )
+        .replace(
+            "    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:\n",
+            "    def __iter__(self):\n"
+            "        return (self[i] for i in range(len(self.ids)))\n\n"
+            "    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:\n",
+        )
+        .replace("    def __len__(self) -> int:\n        return len(self.ids)\n\n", "")
+    )
+    # An iterable dataset has no length: the Trainer needs max_steps.
+    script = script.replace(
+        "    num_train_epochs=opts.epochs,\n",
+        "    num_train_epochs=opts.epochs,\n    max_steps=4,\n",
+    ).replace('eval_strategy="epoch",', 'eval_strategy="no",')
+    assert "max_steps=4" in script and 'eval_strategy="no"' in script
+    project.write("train.py", script)
+    out = project.run("train.py", "--epochs", "1", "--samples", "32", **ENV)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("retrolog:")]
+    assert len(lines) == 1 and "iterable dataset" in lines[0], out.stderr
+    assert read_db(project.root, "SELECT COUNT(*) FROM checkpoints") == [(0,)]
+    assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name = 'loss'") == [(4,)]

@@ -161,6 +161,13 @@ class RetrologCallback(TrainerCallback):
         self._wrap(trainer)
         if not self.checkpoints:
             return
+        if not _has_length(trainer.train_dataset):
+            _say(
+                "the training data is an iterable dataset: a checkpoint cannot hold where "
+                "it is, so training is recorded without checkpoints (a replay trains "
+                "every epoch)."
+            )
+            return
         objects: dict[str, Any] = {
             "model": trainer.model,
             "optimizer": trainer.optimizer,
@@ -330,6 +337,14 @@ def _calling_trainer() -> Trainer | None:
             return candidate
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def _has_length(dataset: Any) -> bool:
+    try:
+        len(dataset)
+    except TypeError:
+        return False
+    return True
 
 
 def _say(message: str) -> None:
