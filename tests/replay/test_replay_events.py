@@ -189,7 +189,8 @@ def test_end_without_begin_and_misnested_end_say_what_to_do(project: Project) ->
     )
     out = project.run("bad2.py", check=False)
     assert out.returncode == 1
-    assert "Traceback" not in out.stderr and "no loop 'step' is open" in out.stderr
+    said = " ".join(out.stderr.split())
+    assert "Traceback" not in said and "no loop 'step' is open" in said
 
 
 def test_loops_left_open_end_with_the_run(project: Project) -> None:
@@ -220,3 +221,21 @@ def test_loops_left_open_end_with_the_run(project: Project) -> None:
     assert {(e, s): v for (_, _, e, s), v in values.items()} == {
         (e, s): float(e * 10 + s) for e in range(3) for s in range(2)
     }
+
+
+def test_an_event_loop_cannot_end_around_a_running_for_loop(project: Project) -> None:
+    project.write(
+        "nested.py",
+        """\
+        import retrolog as rl
+        rl.begin("epoch", 0)
+        for step in rl.loop("step", range(3)):
+            rl.log("loss", 1.0)
+            rl.begin("epoch", 1)
+        """,
+    )
+    out = project.run("nested.py", check=False)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    said = " ".join(out.stderr.split())
+    assert "loop 'step', started inside it by rl.loop, is still running" in said
