@@ -28,6 +28,7 @@ RANKS = {
     "_api": 6,
     "_restore": 7,
     "ui": 8,
+    "integrations": 8,
     "cli": 9,
     "__init__": 10,
     "__main__": 10,

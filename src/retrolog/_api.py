@@ -128,6 +128,71 @@ def loop(name: str, iterable: Iterable[T]) -> Iterator[T]:
     return (_active or _begin()).loop(name, iterable)
 
 
+def begin(name: str, value: Any = None) -> None:
+    """Start the next iteration of the loop ``name``, for loops driven by events.
+
+    A framework's fit loop is not a Python iterator: it calls hooks. ``begin`` where
+    an iteration starts (``on_epoch_begin``) and ``end`` where the loop is over give it
+    the contexts, block roles, checkpoint points and progress of ``rl.loop``:
+
+    - when ``name`` is an open loop, its current iteration ends (loops opened inside
+      it end first) and the next one starts;
+    - otherwise a loop ``name`` starts, nested in the current context; the outermost
+      one inside ``checkpointing`` is the outer loop, the first one nested in an outer
+      iteration is that iteration's block (checkpointed when it ends).
+
+    value: kept as the iteration's loop value when plain (int, float, str, bool).
+    """
+    if type(name) is not str or not name:
+        raise UsageError(f"begin() needs a non-empty string name, got {name!r}.")
+    (_active or _begin()).event_loops.begin(name, value)
+
+
+def end(name: str | None = None) -> None:
+    """End the loop ``name`` (default: the innermost loop opened by ``begin``).
+
+    Loops opened inside it end first. The end of a block loop is where its outer
+    iteration's checkpoint may be taken; the outer loop's end is always captured.
+    Loops still open when the run ends are ended then.
+    """
+    run = _active
+    if run is None:
+        raise UsageError("rl.end() was called before any rl.begin(); nothing is open.")
+    run.event_loops.end(name)
+
+
+def restore_block() -> bool:
+    """Whether the coming block was restored from a checkpoint (replay only).
+
+    Ask it where an event-driven loop would start the code a checkpoint stands for:
+    in an outer iteration before its nested loop (the epoch's steps), or before the
+    outer loop's first iteration. While recording it returns False. In a replay
+    worker whose plan restores that block, the checkpoint is put into the objects
+    named by ``checkpointing`` (and the RNG states) and it returns True: the caller
+    then skips that code (the framework skips the epoch's steps, or the whole loop).
+    """
+    run = _active or _begin()
+    return bool(run.restore_block())
+
+
+def volatile(*names: str) -> None:
+    """Declare names whose values no replay can reproduce (wall-clock figures).
+
+    They are recorded and shown as any other; a replay recomputes them but leaves
+    them out of its exactness check and lists them as volatile in its report.
+    """
+    for name in names:
+        if type(name) is not str or not name:
+            raise UsageError(f"volatile() needs non-empty string names, got {name!r}.")
+    (_active or _begin()).volatile.update(names)
+
+
+def parsed_values(values: dict[str, Any]) -> None:
+    """Record an integration's configuration (a framework's training arguments) as
+    argparse's values are recorded: typed run-level values, compared by a replay."""
+    (_active or _begin()).set_parsed_args(values)
+
+
 @contextlib.contextmanager
 def checkpointing(**objects: Any) -> Iterator[None]:
     """Name the objects whose state makes a checkpoint, for the loops inside the block.
@@ -193,6 +258,7 @@ def commit() -> None:
         return
     _active = None
     _warn_unused_overrides(run)
+    run.event_loops.close_all()
     run.commit()
 
 
@@ -414,6 +480,7 @@ def _at_exit() -> None:
     if _uncaught is not None:
         run.commit(Status.CRASHED, _uncaught)
     else:
+        run.event_loops.close_all()
         run.commit(Status.FINISHED)
 
 

@@ -99,6 +99,8 @@ class RunOutcome:
     # A crashed run: values the replay computed past where the run got (name -> count),
     # not backfilled.
     past_the_crash: dict[str, int] = field(default_factory=dict)
+    # Names the replayed code declared volatile (rl.volatile): left out of the check.
+    volatile: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -1297,7 +1299,11 @@ def _collect(
             (str(key), str(why)) for out in outputs for key, why in out.get("fallbacks", [])
         ]
         hindsight = set(names)
-        check = check_recorded(conn, run_id, [r for r in rows if r[1] not in hindsight])
+        # Names the code declares volatile (rl.volatile: wall-clock figures) are recomputed
+        # and backfilled like any other, but no replay can reproduce them: not compared.
+        outcome.volatile = sorted({n for out in outputs for n in out.get("volatile", [])})
+        unchecked = hindsight | set(outcome.volatile)
+        check = check_recorded(conn, run_id, [r for r in rows if r[1] not in unchecked])
         check = _check_arguments(check, runs[run_id], outputs)
         outcome.mismatches, outcome.compared = check.mismatches, check.compared
         outcome.environment += _worker_environment(runs[run_id], outputs)
@@ -1520,6 +1526,11 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
             echo(
                 f"run {outcome.run_id}: checkpoint {key} was not restored, so its code was "
                 f"executed instead (values are still exact, the replay was slower): {why}"
+            )
+        if outcome.volatile and outcome.status in ("replayed", "partial"):
+            echo(
+                f"run {outcome.run_id}: not compared, declared volatile (rl.volatile): "
+                + ", ".join(outcome.volatile)
             )
         for m in outcome.mismatches:
             echo(

@@ -37,6 +37,37 @@ _NODE_BUDGET = 500_000
 _DEFAULT_MODULE_ALIASES = frozenset({"rl", "retrolog"})
 
 
+# Methods a training framework calls once per epoch, outside the epoch's steps (its
+# evaluation, its epoch hooks), by name: transformers' TrainerCallback and Trainer,
+# Lightning's Callback and LightningModule. The integrations open the epoch context
+# around them and end the step loop (the block) before them (docs/integrations.md), so
+# a statement there runs at the outer level. Called from the framework, they are never
+# reached by this file's own calls.
+EPOCH_HOOKS = frozenset(
+    {
+        # transformers
+        "on_epoch_begin",
+        "on_epoch_end",
+        "on_evaluate",
+        "compute_metrics",
+        # Lightning
+        "on_train_epoch_start",
+        "on_train_epoch_end",
+        "on_validation_start",
+        "on_validation_end",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+        "on_validation_batch_start",
+        "on_validation_batch_end",
+        "validation_step",
+    }
+)
+
+
+# Module-level functions a framework takes as arguments and calls once per evaluation.
+EPOCH_FUNCTIONS = frozenset({"compute_metrics"})
+
+
 class Position(enum.Enum):
     """Where a statement runs relative to the script's ``rl.loop`` calls."""
 
@@ -186,6 +217,7 @@ class _Module:
         self.in_lambda: set[int] = set()  # ids of log calls inside a lambda
         self.log_calls: list[tuple[str | None, ast.Call]] = []
         self.dynamic_names = 0
+        self.drives_events = False  # the file calls rl.begin
         self._index_body(tree.body, owner=None, cls=None, in_lambda=False)
         self.instances = self._instance_classes(tree)
         self.escaping = self._escaping_functions(tree)
@@ -203,7 +235,7 @@ class _Module:
             elif isinstance(node, ast.ImportFrom) and node.module == "retrolog":
                 found = True
                 for alias in node.names:
-                    if alias.name in ("log", "loop"):
+                    if alias.name in ("log", "loop", "begin"):
                         self.direct[alias.asname or alias.name] = alias.name
         if not found:
             self.module_aliases.update(_DEFAULT_MODULE_ALIASES)
@@ -219,7 +251,7 @@ class _Module:
             isinstance(func, ast.Attribute)
             and isinstance(func.value, ast.Name)
             and func.value.id in self.module_aliases
-            and func.attr in ("log", "loop")
+            and func.attr in ("log", "loop", "begin")
         ):
             return func.attr
         return None
@@ -288,6 +320,8 @@ class _Module:
             elif kind == "loop":
                 if owner is not None:
                     owner.has_loop = True
+            elif kind == "begin":
+                self.drives_events = True
             elif owner is not None:
                 owner.calls.append(node)
         for child in ast.iter_child_nodes(node):
@@ -548,18 +582,42 @@ class _Walker:
 
     def run(self, tree: ast.Module) -> None:
         self.statements(tree.body, _Context())
-        # Functions passed around (callbacks) may run anywhere: their statements go deep.
-        for fn in self.module.reachable(self.module.escaping):
-            for call in fn.log_calls:
-                self.add(
-                    call,
-                    _Candidate(
-                        Position.INNER,
-                        (),
-                        f"could not resolve: {fn.qualname} is passed around as a value "
-                        "(a callback?), so where it runs is unknown; every block is executed",
-                    ),
-                )
+        # Functions passed around (callbacks) may run anywhere: their statements go deep,
+        # except in a framework's epoch hook (compute_metrics=...), which runs once per epoch.
+        for root in self.module.escaping:
+            for fn in self.module.reachable([root]):
+                for call in fn.log_calls:
+                    if _is_epoch_hook(root):
+                        self.add(call, _epoch_hook(root))
+                        continue
+                    self.add(
+                        call,
+                        _Candidate(
+                            Position.INNER,
+                            (),
+                            f"could not resolve: {fn.qualname} is passed around as a value "
+                            "(a callback?), so where it runs is unknown; every block is "
+                            "executed",
+                        ),
+                    )
+        # A framework's epoch hooks (a callback's on_epoch_end), and what they call.
+        hooks = [fn for fn in self.module.all_functions if _is_epoch_hook(fn)]
+        for hook in hooks:
+            for fn in self.module.reachable([hook]):
+                for call in fn.log_calls:
+                    self.add(call, _epoch_hook(hook))
+        if self.module.drives_events:
+            # rl.begin opens loops this walk does not see: a statement it placed outside
+            # every rl.loop may run inside an event-driven loop's block.
+            for candidates in self.candidates.values():
+                for i, candidate in enumerate(candidates):
+                    if candidate.position in (Position.PREFIX, Position.SUFFIX):
+                        candidates[i] = _Candidate(
+                            Position.INNER,
+                            candidate.loops,
+                            "could not resolve: this file opens loops with rl.begin, "
+                            "which are not followed here; every block is executed",
+                        )
 
     def add(self, call: ast.Call, candidate: _Candidate) -> None:
         self.candidates.setdefault(id(call), []).append(candidate)
@@ -734,6 +792,23 @@ class _Walker:
                     if callee is not None:
                         callees.append(callee)
         return any(fn.has_loop for fn in self.module.reachable(callees))
+
+
+def _is_epoch_hook(fn: _Function) -> bool:
+    """A method named as a framework's epoch hook, or a ``compute_metrics`` function (which
+    transformers' Trainer takes as an argument and calls at each evaluation)."""
+    name = fn.node.name
+    if fn.method_scope() is not None:
+        return name in EPOCH_HOOKS
+    return name in EPOCH_FUNCTIONS and fn.parent is None
+
+
+def _epoch_hook(hook: _Function) -> _Candidate:
+    return _Candidate(
+        Position.OUTER,
+        (),
+        f"inside {hook.qualname}, which the framework runs once per epoch, outside its steps",
+    )
 
 
 def _walk_lexical(node: ast.AST) -> Iterator[ast.AST]:

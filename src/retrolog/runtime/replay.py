@@ -35,7 +35,15 @@ from types import FrameType
 from typing import Any
 
 from retrolog.runtime import cli_args, frames, numerics
-from retrolog.runtime.run import NO_OVERRIDE, CheckpointScope, Role, Status, _Frame, loop_role
+from retrolog.runtime.run import (
+    NO_OVERRIDE,
+    CheckpointScope,
+    EventLoops,
+    Role,
+    Status,
+    _Frame,
+    loop_role,
+)
 from retrolog.runtime.values import FAST_TYPES, slow_path, storage_form
 
 SPEC_ENV = "RETROLOG_REPLAY_SPEC"
@@ -132,6 +140,8 @@ class ReplayRun:
         self.ctx: int | None = None
         self.scope: CheckpointScope | None = None
         self._stack: list[_Frame] = []
+        self.event_loops = EventLoops(self)
+        self.volatile: set[str] = set()
         self.values: deque[tuple[Any, ...]] = deque()
         self.events: deque[tuple[Any, ...]] = deque()
         self._pid = os.getpid()
@@ -210,7 +220,9 @@ class ReplayRun:
             stored, kind = slow_path(value, name=name)
             self.events.append((ctx, name, stored, kind))
 
-    def loop(self, name: str, iterable: Iterable[Any]) -> Iterator[Any]:
+    def loop(self, name: str, iterable: Iterable[Any], *, events: bool = False) -> Iterator[Any]:
+        # An event-driven loop (events=True) is never skipped from inside: its caller asks
+        # restore_block() before the code it would skip, and skips that code itself.
         stack = self._stack
         depth = len(stack)
         parent_ctx = self.ctx
@@ -233,14 +245,14 @@ class ReplayRun:
         frame = _Frame(name, depth, role)
         # The script's frame running this loop: a restored checkpoint puts back the
         # locals the skipped code set there (runtime/frames.py).
-        user_frame = None if role is Role.PLAIN else frames.script_frame(sys._getframe(1))
+        user_frame = None if role is Role.PLAIN or events else frames.script_frame(sys._getframe(1))
 
-        if role is Role.OUTER and self.spec.restore_end and not self._outer_seen:
+        if role is Role.OUTER and self.spec.restore_end and not self._outer_seen and not events:
             self._outer_seen = True
             if self._restore_checkpoint(self.spec.end_checkpoint, scope, user_frame, ("end", None)):
                 return
             # The end checkpoint is unreadable: step through the loop instead.
-        if role is Role.BLOCK and outer is not None:
+        if role is Role.BLOCK and outer is not None and not events:
             iteration_of_outer = outer.iteration
             if iteration_of_outer in self._restore:
                 manifest = self.spec.block_checkpoints.get(str(iteration_of_outer))
@@ -266,6 +278,7 @@ class ReplayRun:
                     self._outer_iteration = iteration
                 if (
                     role is Role.OUTER
+                    and not events
                     and iteration in self._restore_whole
                     and self._restore_checkpoint(
                         self.spec.block_checkpoints.get(str(iteration)),
@@ -289,6 +302,37 @@ class ReplayRun:
             user_frame = None
 
     # -- checkpoints -----------------------------------------------------------------
+
+    def restore_block(self) -> bool:
+        """Restore the coming block when this segment restores it; True if it did.
+
+        Asked before the outer loop's first iteration, it restores the end checkpoint
+        when the segment skips the whole loop; asked in an outer iteration before its
+        nested loop began, it restores that iteration's block. The caller then skips
+        the code the checkpoint stands for (the loop, or the iteration's block).
+        """
+        scope = self.scope
+        if scope is None:
+            return False
+        stack = self._stack
+        if len(stack) == scope.depth:
+            if not self.spec.restore_end or self._outer_seen:
+                return False
+            self._outer_seen = True
+            return self._restore_checkpoint(self.spec.end_checkpoint, scope, None, ("end", None))
+        if len(stack) != scope.depth + 1:
+            return False
+        outer = stack[-1]
+        if outer.role is not Role.OUTER or outer.block_seen:
+            return False
+        iteration = outer.iteration
+        if iteration not in self._restore and iteration not in self._restore_whole:
+            return False
+        manifest = self.spec.block_checkpoints.get(str(iteration))
+        if not self._restore_checkpoint(manifest, scope, None, ("block", outer.ctx)):
+            return False  # unreadable: the block executes, from the state the earlier ones left
+        outer.block_seen = True
+        return True
 
     def _restore_checkpoint(
         self,
@@ -475,6 +519,7 @@ class ReplayRun:
             "parsed_args": self.parsed_args,
             "after_loop": self._after_loop_names(),
             "diagnosis": self._diagnosis,
+            "volatile": sorted(self.volatile),
         }
         path = Path(self.spec.output)
         tmp = path.with_suffix(".tmp")

@@ -138,6 +138,8 @@ class Run:
         self.ctx: int | None = None
         self.scope: CheckpointScope | None = None
         self._stack: list[_Frame] = []
+        self.event_loops = EventLoops(self)
+        self.volatile: set[str] = set()
         self._next_ctx = 0
         self._first_loop_at: float | None = None
         self._last_top_loop_end: float | None = None
@@ -228,6 +230,10 @@ class Run:
             stored, kind = slow_path(value, name=name, defer=True)
             self.events.append((Event.LOG, ctx, name, stored, kind))
 
+    def restore_block(self) -> bool:
+        """Recording executes every block: nothing is restored."""
+        return False
+
     def resolve_arg(self, name: str, default: Any, override: Any) -> Any:
         """The value of arg(name): the --kwargs override (already cast) or the default."""
         return default if override is NO_OVERRIDE else override
@@ -259,8 +265,12 @@ class Run:
 
     # -- loops -----------------------------------------------------------------------
 
-    def loop(self, name: str, iterable: Iterable[Any]) -> Iterator[Any]:
-        """Iterate ``iterable`` as loop ``name``: contexts, timings, checkpoint points."""
+    def loop(self, name: str, iterable: Iterable[Any], *, events: bool = False) -> Iterator[Any]:
+        """Iterate ``iterable`` as loop ``name``: contexts, timings, checkpoint points.
+
+        events: the loop is driven by ``begin``/``end`` calls (:class:`EventLoops`): no
+        script frame runs it, so a checkpoint carries no frame locals.
+        """
         self.check_writer()
         if self._left:  # a loop left before this one starts: the script went on
             self._write_left()
@@ -289,8 +299,9 @@ class Run:
         # cannot be carried makes its checkpoint one replay does not restore.
         attrs_at_start: dict[tuple[str, str], Any] = {}
         if role is not Role.PLAIN:
-            user_frame = frames.script_frame(sys._getframe(1))
-            locals_before = frames.local_ids(user_frame)
+            if not events:
+                user_frame = frames.script_frame(sys._getframe(1))
+                locals_before = frames.local_ids(user_frame)
             if self.scope is not None:
                 attrs_at_start = frames.attr_ids(self.scope.objects)
         attrs_before = attrs_at_start
@@ -709,6 +720,99 @@ class Run:
             )
             self.writer.close()
         self.check_writer()
+
+
+class _Feed:
+    """The items of an event-driven loop: each ``begin`` hands in one, then advances it."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def __iter__(self) -> _Feed:
+        return self
+
+    def __next__(self) -> Any:
+        if self.items:
+            return self.items.pop()
+        raise StopIteration
+
+
+class EventLoops:
+    """Loops opened and closed by calls (``rl.begin``/``rl.end``), for loops that are not
+    Python iterators (a framework's fit loop calling hooks).
+
+    Each event loop is the run's own ``loop`` generator fed one item per ``begin``, so
+    contexts, roles, timings and checkpoint points are those of ``rl.loop``: ``begin``
+    ends the loop's current iteration (if any) and starts the next; ``end`` finishes the
+    loop as a ``for`` loop finishes.
+    """
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.open: list[tuple[str, _Feed, Iterator[Any], _Frame]] = []
+
+    def begin(self, name: str, value: Any) -> None:
+        for index in range(len(self.open) - 1, -1, -1):
+            if self.open[index][0] == name:
+                self._close_from(index + 1)
+                _, feed, generator, frame = self.open[index]
+                self._require_innermost(name, frame)
+                feed.items.append(value)
+                try:
+                    next(generator)
+                except StopIteration:  # a replay that restored the rest of the loop
+                    del self.open[index]
+                return
+        feed = _Feed()
+        feed.items.append(value)
+        generator = self.run.loop(name, feed, events=True)
+        try:
+            next(generator)
+        except StopIteration:
+            return
+        self.open.append((name, feed, generator, self.run._stack[-1]))
+
+    def end(self, name: str | None) -> None:
+        if not self.open:
+            raise UsageError(
+                "rl.end() was called with no loop open by rl.begin(); call rl.begin(name, ...) "
+                "where each iteration starts and rl.end(name) where the loop is over."
+            )
+        if name is None:
+            index = len(self.open) - 1
+        else:
+            found = [i for i, entry in enumerate(self.open) if entry[0] == name]
+            if not found:
+                opened = ", ".join(repr(entry[0]) for entry in self.open)
+                raise UsageError(
+                    f"rl.end({name!r}): no loop {name!r} is open (open loops, outermost "
+                    f"first: {opened}). Pass the name given to rl.begin."
+                )
+            index = found[-1]
+        self._close_from(index)
+
+    def close_all(self) -> None:
+        """The run ends: loops still open end here (the outer loop's end checkpoint)."""
+        self._close_from(0)
+
+    def _close_from(self, index: int) -> None:
+        while len(self.open) > index:
+            name, _, generator, frame = self.open[-1]
+            self._require_innermost(name, frame)
+            self.open.pop()
+            next(generator, None)  # the feed is empty: the loop finishes
+
+    def _require_innermost(self, name: str, frame: _Frame) -> None:
+        stack = self.run._stack
+        if not stack or stack[-1] is not frame:
+            inner = stack[-1].name if stack else "?"
+            raise UsageError(
+                f"rl.begin/rl.end of the loop {name!r} while the loop {inner!r}, started "
+                f"inside it by rl.loop, is still running; end that for loop first (an "
+                "event-driven loop can hold rl.loop loops, but not end around them)."
+            )
 
 
 class CodeExport:
