@@ -40,7 +40,8 @@ _original_argv: list[str] = list(sys.argv)
 _overrides: dict[str, str] = {}
 _argv_error: ArgumentError | None = None
 _used_overrides: set[str] = set()
-_uncaught: str | None = None
+# The exception that ended the script (type, value, traceback), for the run's end.
+_uncaught: tuple[Any, Any, Any] | None = None
 _hooks_installed = False
 
 try:
@@ -341,7 +342,7 @@ def _install_hooks() -> None:
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         global _uncaught
-        _uncaught = f"{exc_type.__name__}: {exc}"
+        _uncaught = (exc_type, exc, tb)
         if isinstance(exc, RetrologError) and not os.environ.get("RETROLOG_DEBUG"):
             # retrolog's own errors say what to do; the user's script needs only where.
             sys.stderr.write(_script_error(exc, tb))
@@ -406,7 +407,7 @@ def _at_exit() -> None:
 
     _warn_unused_overrides(run)
     if _uncaught is not None:
-        run.commit(Status.CRASHED, _uncaught)
+        run.commit(Status.CRASHED, crash=run.crash_of(*_uncaught))
     else:
         run.commit(Status.FINISHED)
 

@@ -208,6 +208,15 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
             "estimated as the mean of the others"
         )
 
+    if status == "crashed":
+        # A loop an exception leaves ends there, and checkpoints the state it was left in
+        # as if its block, or the loop, had ended: restoring one would skip the failing
+        # code, where a crashed run's replay is expected to stop. The iterations that never
+        # ended are executed instead, and the end is not restored while one never ended.
+        unfinished = {r.ctx for r in outer_rows if r.t_end is None}
+        checkpoints = {c: v for c, v in checkpoints.items() if c not in unfinished}
+        if unfinished:
+            end = None
     index = {r.ctx: i for i, r in enumerate(outer_rows)}
     block_checkpoints = {index[c]: m for c, (m, _, _, _) in checkpoints.items() if c in index}
     overhead = {

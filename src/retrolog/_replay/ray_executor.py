@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -308,7 +307,7 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     imports torch once per Ray worker, not once per segment.
     """
     from retrolog._replay.checkout import checkout_prefix, make_checkout, sweep_checkouts
-    from retrolog._replay.execute import die_with, run_worker_env
+    from retrolog._replay.execute import die_with, run_worker_env, worker_output
     from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 
     started = time.perf_counter()
@@ -381,9 +380,7 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
                 with contextlib.suppress(Exception):
                     process.wait(timeout=5)
                 raise
-            out = Path(spec.output)
-            if result["returncode"] == 0 and out.exists():
-                result["output"] = json.loads(out.read_text())
+            result["output"] = worker_output(Path(spec.output), result["returncode"])
         finally:
             shutil.rmtree(checkout, ignore_errors=True)
         if log_path != shared_log:

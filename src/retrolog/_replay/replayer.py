@@ -24,6 +24,7 @@ from typing import Any
 
 from retrolog._config import mask
 from retrolog._query.runs import matching_runs
+from retrolog._replay import crashed
 from retrolog._replay.backfill import Check, Mismatch, backfill, check_recorded
 from retrolog._replay.execute import (
     Job,
@@ -94,6 +95,8 @@ class RunOutcome:
     # A crashed run: values the replay computed past where the run got (name -> count),
     # not backfilled.
     past_the_crash: dict[str, int] = field(default_factory=dict)
+    # A run an exception ended, whose replay raised it again where it did: what and where.
+    stopped: str = ""
 
 
 @dataclass
@@ -1168,6 +1171,7 @@ def _jobs(
                 torch_state=_torch_state_for_worker(recorded, profile.threads, threads),
                 parsed_args=parsed,
                 reads=reads,
+                crash_site=crashed.recorded_site(conn, row),
             )
             jobs.append(
                 Job(
@@ -1258,6 +1262,9 @@ def _collect(
     for run_id, run_jobs_ in per_run.items():
         outcome = outcomes[run_id]
         outcome.log_paths = [str(j.log_path) for j in run_jobs_]
+        outcome.stopped = crashed.check(
+            conn, runs[run_id], run_jobs_, _source_if_raised(runs[run_id], run_jobs_)
+        ).stopped
         finished = [j for j in run_jobs_ if j.output is not None]
         failed = [j for j in run_jobs_ if j.error is not None]
         if not finished and not failed:
@@ -1292,7 +1299,8 @@ def _collect(
         if failed:
             outcome.status = "partial" if finished else "failed"
             job = failed[0]
-            outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
+            tail = "" if job.diagnosed else f"\n{log_tail(job.log_path)}"
+            outcome.error = f"{job.error}; log: {job.log_path}{tail}"
         elif unfinished:
             outcome.status = "partial"
             outcome.error = (
@@ -1319,6 +1327,16 @@ def _collect(
                 json.dumps(outcome.environment), json.dumps(hosts),
             ),
         )  # fmt: skip
+
+
+def _source_if_raised(row: dict[str, Any], jobs: Sequence[Job]) -> str | None:
+    """The run's version of the script, when a worker raised (its lines are mapped to it)."""
+    if not any(j.output is not None and j.output.get("crash") for j in jobs):
+        return None
+    try:
+        return _old_source(row, jobs[0].filename)
+    except (RetrologError, OSError, UnicodeDecodeError):
+        return None
 
 
 def _check_arguments(check: Check, row: dict[str, Any], outputs: Sequence[dict[str, Any]]) -> Check:
@@ -1461,6 +1479,8 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
     for outcome in outcomes.values():
         if outcome.status in ("failed", "partial"):
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
+        if outcome.stopped:
+            echo(f"run {outcome.run_id}: replay {outcome.stopped}")
         if outcome.past_the_crash:
             counts = ", ".join(f"{n} x{c}" for n, c in sorted(outcome.past_the_crash.items()))
             echo(

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 from retrolog.runtime import cli_args, frames, numerics
+from retrolog.runtime.crash import Crash
 from retrolog.runtime.run import NO_OVERRIDE, CheckpointScope, Role, Status, _Frame, loop_role
 from retrolog.runtime.values import FAST_TYPES, slow_path, storage_form
 
@@ -63,6 +64,9 @@ class WorkerSpec:
     output: str  # JSON file the worker writes
     code_object: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # For a run an exception ended: "ctx" in it, the recorded context it was raised in (None:
+    # outside the loops). The worker says whether it went past that place without raising.
+    crash_site: dict[str, Any] | None = None
     # Torch threads and flags to apply as soon as torch is imported (runtime/numerics.py):
     # the recorded ones, or the thread count the user asked for instead.
     torch_state: dict[str, Any] = field(default_factory=dict)
@@ -161,6 +165,15 @@ class ReplayRun:
         # (values, events) queued when the first top-level loop began: a run-level value
         # queued after it is one a crashed run may never have got to.
         self._loop_mark: tuple[int, int] | None = None
+        # Iterations begun and not ended, in the order they began (a counter -> the recorded
+        # context): the newest is where an exception that ends the script was raised.
+        self._open: dict[int, int] = {}
+        self._begun = 0
+        self._crash: Crash | None = None
+        site = spec.crash_site
+        self._crash_ctx = site.get("ctx") if site is not None else None
+        self._passed_crash = False
+        self._stopping = False  # the segment ended it (finish), not the script
         self._store: Any = None
         self._prefetch: Any = None
         self.writer = None
@@ -259,6 +272,9 @@ class ReplayRun:
                 frame.block_seen = False
                 frame.iteration = iteration
                 self.ctx = ctx
+                self._begun += 1
+                began = self._begun
+                self._open[began] = ctx
                 if (
                     role is Role.OUTER
                     and iteration in self._restore_whole
@@ -271,11 +287,15 @@ class ReplayRun:
                 ):
                     # No nested loop: the whole iteration is the block, skipped by restoring.
                     self.ctx = parent_ctx
+                    del self._open[began]
                     if self.spec.stop_after == iteration:
                         self.finish()
                     continue
                 yield item
                 self.ctx = parent_ctx
+                del self._open[began]
+                if ctx == self._crash_ctx:
+                    self._passed_crash = True
                 if role is Role.OUTER and self.spec.stop_after == iteration:
                     self.finish()
         finally:
@@ -349,14 +369,26 @@ class ReplayRun:
     def owned_by_this_process(self) -> bool:
         return os.getpid() == self._pid
 
-    def commit(self, status: Status = Status.FINISHED, error: str | None = None) -> None:
+    def crash_of(self, exc_type: Any, exc: Any, tb: Any) -> Crash:
+        """The crash an uncaught exception makes; the checkout stands for the project."""
+        return Crash.of(exc_type, exc, tb, Path(self.spec.checkout or os.getcwd()))
+
+    def commit(
+        self, status: Status = Status.FINISHED, error: str | None = None, crash: Crash | None = None
+    ) -> None:
         if self.status is not Status.RUNNING:
             return
         self.status = status
+        self._crash = crash
+        if crash is not None:
+            error = crash.text()
+        elif self.spec.crash_site is not None and not self._stopping:
+            self._passed_crash = True  # the script ran to its end
         self._write_output(status, error)
 
     def finish(self) -> None:
         """The segment is done: write the output and leave without running the rest."""
+        self._stopping = True
         self.commit()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -412,11 +444,23 @@ class ReplayRun:
             "numerics_problems": list(_NUMERICS_PROBLEMS),
             "parsed_args": self.parsed_args,
             "after_loop": self._after_loop_names(),
+            "crash": self._crash_output(),
+            "passed_crash": self._passed_crash,
         }
         path = Path(self.spec.output)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         os.replace(tmp, path)
+
+    def _crash_output(self) -> dict[str, Any] | None:
+        """The exception that ended the script and the recorded context it was raised in
+        (the newest unfinished one, -1 for one the run never began; None outside every
+        loop), for the coordinator."""
+        if self._crash is None:
+            return None
+        newest = self._open[max(self._open)] if self._open else None
+        # _UNMAPPED: an iteration the recorded run never began.
+        return {**asdict(self._crash), "ctx": newest}
 
 
 def _torch_threads() -> int | None:
