@@ -289,3 +289,37 @@ def test_a_run_stopped_by_ctrl_c_is_replayed_as_far_as_it_got(project: Project) 
     )
     completed = {(e, s) for e in (0, 1) for s in range(3)} | {(2, 0)}
     assert {k[1:] for k in _stored(project, "w_sum")} == completed
+
+
+def test_a_checkpoint_taken_as_the_exception_left_the_loop_is_not_restored(
+    project: Project,
+) -> None:
+    """Every block checkpointed (the unit isolated from the adaptive rule's choice): the
+    step loop the exception left checkpoints epoch 2 as if its block had ended. An
+    epoch-level statement's replay restores blocks; restoring that one would skip the
+    failing step, so it is executed, and the replay raises where the run did."""
+    project.write("train.py", NUMPY_TRAIN)
+    ran = project.run("train.py", check=False, RETROLOG_CHECKPOINTS="every", FAIL_AT="2.1")
+    assert ran.returncode == 1, ran.stderr
+    ((run_id,),) = read_db(project.root, "SELECT run_id FROM runs")
+    kinds = read_db(
+        project.root,
+        "SELECT c.kind, l.iteration FROM checkpoints c LEFT JOIN loops l"
+        " ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id ORDER BY c.checkpoint_id",
+    )
+    assert ("block", 2) in kinds and ("end", None) in kinds  # taken as the exception left
+    project.write(
+        "train.py",
+        NUMPY_TRAIN.replace(
+            '            rl.log("w1", float(state["w"][1]))\n',
+            '            rl.log("w1", float(state["w"][1]))\n'
+            '            rl.log("w_norm", float(abs(state["w"]).sum()))\n',
+        ),
+    )
+    done = project.cli("replay", "w_norm", "--yes", FAIL_AT="2.1")
+    assert done.returncode == 0, done.stderr
+    assert (
+        f"run {run_id}: replay stopped where it did during recording: ValueError('bad batch at "
+        "epoch 2') at train.py, line 12, in train_epoch, in epoch 2, step 1"
+    ) in done.stderr, done.stderr
+    assert {k[1:] for k in _stored(project, "w_norm")} == {(0, None), (1, None)}

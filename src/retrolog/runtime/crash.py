@@ -20,9 +20,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-# Exceptions whose cause is outside the script (Ctrl-C, the machine's memory): a replay
-# is not expected to meet them again, so running on past them is not a failure.
-_FROM_OUTSIDE = ("KeyboardInterrupt", "MemoryError", "OutOfMemoryError")
+from retrolog import errors
+
+
+def _is_store_error(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, errors.StoreError)
+
+
+# Exceptions whose cause is outside the script (Ctrl-C, the machine's memory, the store
+# failing under the recording run): a replay is not expected to meet them again, so
+# running on past them is not a failure.
+_FROM_OUTSIDE = frozenset(
+    {"KeyboardInterrupt", "MemoryError", "OutOfMemoryError"}
+    | {name for name in dir(errors) if _is_store_error(getattr(errors, name))}
+)
 
 _SITE = re.compile(
     r"^(?P<head>.*) \[at (?P<file>[^\n]+):(?P<line>\d+) in (?P<function>[^\n\]]+)\]$", re.S
