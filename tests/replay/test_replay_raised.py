@@ -183,6 +183,7 @@ NUMPY_TRAIN = """\
 import argparse
 import os
 import signal
+import time
 
 import numpy as np
 import retrolog as rl
@@ -195,6 +196,7 @@ def train_epoch(state, epoch):
         if os.environ.get("INTERRUPT_AT") == f"{epoch}.{step}":
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
         state["w"] += np.random.standard_normal(2)
+        time.sleep(0.05)  # the step's work: restoring a block is cheaper than running it
         rl.log("w0", float(state["w"][0]))
 
 
@@ -233,8 +235,11 @@ def _replay_fails(project: Project, **env: str) -> str:
     done = project.cli("replay", "w_sum", "--yes", **env)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
-    assert read_db(project.root, "SELECT status FROM replay_runs") == [("failed",)]
-    assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name = 'w_sum'") == [(0,)]
+    # The segment that did not replay the run keeps none of its values; one before it
+    # (when the plan split the run) may have finished: the run is then partial.
+    ((status,),) = read_db(project.root, "SELECT status FROM replay_runs")
+    assert status in ("failed", "partial")
+    assert all(k[1] is not None and k[1] < 2 for k in _stored(project, "w_sum"))
     return done.stderr
 
 
@@ -243,8 +248,8 @@ def test_a_replay_that_raises_elsewhere_is_a_failure_that_says_where(project: Pr
     err = _replay_fails(project, FAIL_AT="1.2")  # the same exception, an epoch early
     assert (
         f"run {run_id}: replay failed: its replay raised ValueError('bad batch at epoch 1') "
-        "at train.py, line 12, in train_epoch, in epoch 1, step 2; during recording the run "
-        "raised ValueError('bad batch at epoch 2') at train.py, line 12, in train_epoch, "
+        "at train.py, line 13, in train_epoch, in epoch 1, step 2; during recording the run "
+        "raised ValueError('bad batch at epoch 2') at train.py, line 13, in train_epoch, "
         "in epoch 2, step 1; log: "
     ) in err, err
 
@@ -260,7 +265,7 @@ def test_a_replay_that_raises_another_exception_is_a_failure_that_says_what(
     err = _replay_fails(project, FAIL_AT="2.1")
     assert re.search(
         rf"run {run_id}: replay failed: its replay raised IndexError\('index 2 is out of "
-        r"bounds for axis 0 with size 2'\) at train\.py, line 17, in train_epoch, in epoch 0, "
+        r"bounds for axis 0 with size 2'\) at train\.py, line 19, in train_epoch, in epoch 0, "
         r"step 0; during recording the run raised ValueError\('bad batch at epoch 2'\)",
         err,
     ), err
@@ -269,19 +274,21 @@ def test_a_replay_that_raises_another_exception_is_a_failure_that_says_what(
 def test_a_replay_that_goes_past_where_the_run_raised_is_a_failure(project: Project) -> None:
     run_id = _record_numpy(project, FAIL_AT="2.1")
     err = _replay_fails(project)  # FAIL_AT unset: nothing raises
-    assert (
-        f"run {run_id}: replay failed: during recording the run raised ValueError('bad batch "
-        "at epoch 2') at train.py, line 12, in train_epoch, in epoch 2, step 1; its replay "
-        "went past that place without raising"
-    ) in err, err
+    assert re.search(
+        rf"run {run_id}: replay (failed|partial): during recording the run raised ValueError\("
+        r"'bad batch at epoch 2'\) at train\.py, line 13, in train_epoch, in epoch 2, step 1; "
+        r"its replay went past that place without raising",
+        err,
+    ), err
 
 
 def test_a_run_stopped_by_ctrl_c_is_replayed_as_far_as_it_got(project: Project) -> None:
     """Ctrl-C came from outside the script: the replay runs on, as for a killed run, and
     only what the run completed is backfilled."""
     run_id = _record_numpy(project, INTERRUPT_AT="2.1")
-    (error,) = read_db(project.root, "SELECT error FROM runs")
-    assert str(error[0]).startswith("KeyboardInterrupt")
+    ((error,),) = read_db(project.root, "SELECT error FROM runs")
+    # Where the interrupt landed is recorded with it.
+    assert error == "KeyboardInterrupt:  [at train.py:15 in train_epoch]", error
     done = project.cli("replay", "w_sum", "--yes")
     assert done.returncode == 0, done.stderr
     assert f"run {run_id} crashed: values the replay computed past where the run got" in (
@@ -320,6 +327,6 @@ def test_a_checkpoint_taken_as_the_exception_left_the_loop_is_not_restored(
     assert done.returncode == 0, done.stderr
     assert (
         f"run {run_id}: replay stopped where it did during recording: ValueError('bad batch at "
-        "epoch 2') at train.py, line 12, in train_epoch, in epoch 2, step 1"
+        "epoch 2') at train.py, line 13, in train_epoch, in epoch 2, step 1"
     ) in done.stderr, done.stderr
     assert {k[1:] for k in _stored(project, "w_norm")} == {(0, None), (1, None)}

@@ -32,7 +32,9 @@ class CrashCheck:
 
 
 def recorded_site(conn: sqlite3.Connection, run: dict[str, Any]) -> dict[str, Any] | None:
-    """What a worker needs to tell whether it passed the run's crash: its context.
+    """What a worker needs to tell whether it passed the run's crash: the context it was
+    raised in and the ones that context is in (a worker that ends one of them, by running
+    it or restoring it, went past the place).
 
     None when the run did not end by an exception of its own making (it finished,
     was killed, or was interrupted from outside): a replay then runs on as far as
@@ -41,7 +43,16 @@ def recorded_site(conn: sqlite3.Connection, run: dict[str, Any]) -> dict[str, An
     crash = Crash.parse(run.get("error")) if run.get("status") == "crashed" else None
     if crash is None:
         return None
-    return {"ctx": _crash_context(conn, run["run_id"])}
+    within: list[int] = []
+    current = _crash_context(conn, run["run_id"])
+    while current is not None and len(within) < 64:
+        within.append(current)
+        row = conn.execute(
+            "SELECT parent_ctx FROM loops WHERE run_id = ? AND ctx_id = ?",
+            (run["run_id"], current),
+        ).fetchone()
+        current = None if row is None else row[0]
+    return {"within": within}
 
 
 def check(

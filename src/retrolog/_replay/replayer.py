@@ -1298,9 +1298,14 @@ def _collect(
         unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
         if failed:
             outcome.status = "partial" if finished else "failed"
-            job = failed[0]
-            tail = "" if job.diagnosed else f"\n{log_tail(job.log_path)}"
-            outcome.error = f"{job.error}; log: {job.log_path}{tail}"
+            # What the script raised, and where, in each segment that says so (in their
+            # order); otherwise the first failure's log tail.
+            diagnosed = sorted((j for j in failed if j.diagnosed), key=_segment)
+            if diagnosed:
+                outcome.error = "\n".join(f"{j.error}; log: {j.log_path}" for j in diagnosed)
+            else:
+                job = failed[0]
+                outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
         elif unfinished:
             outcome.status = "partial"
             outcome.error = (
@@ -1327,6 +1332,10 @@ def _collect(
                 json.dumps(outcome.environment), json.dumps(hosts),
             ),
         )  # fmt: skip
+
+
+def _segment(job: Job) -> int:
+    return int(job.key.rsplit("#", 1)[1])
 
 
 def _source_if_raised(row: dict[str, Any], jobs: Sequence[Job]) -> str | None:

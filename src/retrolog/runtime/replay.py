@@ -64,8 +64,9 @@ class WorkerSpec:
     output: str  # JSON file the worker writes
     code_object: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    # For a run an exception ended: "ctx" in it, the recorded context it was raised in (None:
-    # outside the loops). The worker says whether it went past that place without raising.
+    # For a run an exception ended: "within", the recorded context it was raised in and the
+    # ones that context is in, innermost first (empty: outside the loops). The worker says
+    # whether it went past that place without raising.
     crash_site: dict[str, Any] | None = None
     # Torch threads and flags to apply as soon as torch is imported (runtime/numerics.py):
     # the recorded ones, or the thread count the user asked for instead.
@@ -171,7 +172,7 @@ class ReplayRun:
         self._begun = 0
         self._crash: Crash | None = None
         site = spec.crash_site
-        self._crash_ctx = site.get("ctx") if site is not None else None
+        self._crash_within = frozenset(site.get("within", [])) if site is not None else frozenset()
         self._passed_crash = False
         self._stopping = False  # the segment ended it (finish), not the script
         self._store: Any = None
@@ -288,13 +289,15 @@ class ReplayRun:
                     # No nested loop: the whole iteration is the block, skipped by restoring.
                     self.ctx = parent_ctx
                     del self._open[began]
+                    if ctx in self._crash_within:
+                        self._passed_crash = True
                     if self.spec.stop_after == iteration:
                         self.finish()
                     continue
                 yield item
                 self.ctx = parent_ctx
                 del self._open[began]
-                if ctx == self._crash_ctx:
+                if ctx in self._crash_within:  # that iteration (or one it is in) ended
                     self._passed_crash = True
                 if role is Role.OUTER and self.spec.stop_after == iteration:
                     self.finish()
