@@ -73,7 +73,11 @@ class Crash:
             if relative is not None:
                 file, line, function = relative, frame.lineno, frame.name
                 break
-        return cls(exc_type.__name__, str(exc), file, line, function)
+        try:
+            message = str(exc)
+        except Exception:  # an exception whose __str__ fails still ended the run
+            message = f"<{exc_type.__name__} that cannot be printed>"
+        return cls(exc_type.__name__, message, file, line, function)
 
     @classmethod
     def parse(cls, text: str | None) -> Crash | None:
