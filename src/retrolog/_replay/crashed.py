@@ -31,18 +31,17 @@ class CrashCheck:
     stopped: str = ""  # "stopped where it did during recording: ..." (empty: not applicable)
 
 
-def recorded_site(conn: sqlite3.Connection, run: dict[str, Any]) -> dict[str, Any] | None:
-    """What a worker needs to tell whether it passed the run's crash: the context it was
-    raised in and the ones that context is in (a worker that ends one of them, by running
-    it or restoring it, went past the place).
+def recorded_site(conn: sqlite3.Connection, run: dict[str, Any]) -> dict[str, Any]:
+    """What a worker needs to tell whether it passed the run's crash (the spec's extra
+    ``crash_within``): the context it was raised in and the ones that context is in (a
+    worker that ends one of them, by running it or restoring it, went past the place).
 
-    None when the run did not end by an exception of its own making (it finished,
-    was killed, or was interrupted from outside): a replay then runs on as far as
-    its segment goes.
+    Empty when the run did not end by an exception (it finished or was killed): a
+    replay then runs on as far as its segment goes.
     """
     crash = Crash.parse(run.get("error")) if run.get("status") == "crashed" else None
     if crash is None:
-        return None
+        return {}
     within: list[int] = []
     current = _crash_context(conn, run["run_id"])
     while current is not None and len(within) < 64:
@@ -52,7 +51,7 @@ def recorded_site(conn: sqlite3.Connection, run: dict[str, Any]) -> dict[str, An
             (run["run_id"], current),
         ).fetchone()
         current = None if row is None else row[0]
-    return {"within": within}
+    return {"crash_within": within}
 
 
 def check(

@@ -1171,7 +1171,7 @@ def _jobs(
                 torch_state=_torch_state_for_worker(recorded, profile.threads, threads),
                 parsed_args=parsed,
                 reads=reads,
-                crash_site=crashed.recorded_site(conn, row),
+                extra=crashed.recorded_site(conn, row),
             )
             jobs.append(
                 Job(

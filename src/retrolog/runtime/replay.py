@@ -63,11 +63,11 @@ class WorkerSpec:
     prefix_only: bool  # exit when the first top-level loop starts
     output: str  # JSON file the worker writes
     code_object: str | None = None
+    # What a worker of another retrolog version may ignore. "crash_within", for a run an
+    # exception ended: the recorded context it was raised in and the ones that context is
+    # in, innermost first (empty: outside the loops); the worker says whether it went past
+    # that place without raising.
     extra: dict[str, Any] = field(default_factory=dict)
-    # For a run an exception ended: "within", the recorded context it was raised in and the
-    # ones that context is in, innermost first (empty: outside the loops). The worker says
-    # whether it went past that place without raising.
-    crash_site: dict[str, Any] | None = None
     # Torch threads and flags to apply as soon as torch is imported (runtime/numerics.py):
     # the recorded ones, or the thread count the user asked for instead.
     torch_state: dict[str, Any] = field(default_factory=dict)
@@ -171,8 +171,8 @@ class ReplayRun:
         self._open: dict[int, int] = {}
         self._begun = 0
         self._crash: Crash | None = None
-        site = spec.crash_site
-        self._crash_within = frozenset(site.get("within", [])) if site is not None else frozenset()
+        within = spec.extra.get("crash_within")
+        self._crash_within = frozenset(within or ())
         self._passed_crash = False
         self._stopping = False  # the segment ended it (finish), not the script
         self._store: Any = None
@@ -385,7 +385,7 @@ class ReplayRun:
         self._crash = crash
         if crash is not None:
             error = crash.text()
-        elif self.spec.crash_site is not None and not self._stopping:
+        elif "crash_within" in self.spec.extra and not self._stopping:
             self._passed_crash = True  # the script ran to its end
         self._write_output(status, error)
 
