@@ -40,7 +40,8 @@ _original_argv: list[str] = list(sys.argv)
 _overrides: dict[str, str] = {}
 _argv_error: ArgumentError | None = None
 _used_overrides: set[str] = set()
-_uncaught: str | None = None
+# The exception that ended the script (type, value, traceback), for the run's end.
+_uncaught: tuple[Any, Any, Any] | None = None
 _hooks_installed = False
 
 try:
@@ -407,7 +408,7 @@ def _install_hooks() -> None:
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         global _uncaught
-        _uncaught = f"{exc_type.__name__}: {exc}"
+        _uncaught = (exc_type, exc, tb)
         failed = getattr(_active, "failed", None)  # a replay worker says what went wrong
         if callable(failed):
             try:
@@ -478,7 +479,7 @@ def _at_exit() -> None:
 
     _warn_unused_overrides(run)
     if _uncaught is not None:
-        run.commit(Status.CRASHED, _uncaught)
+        run.commit(Status.CRASHED, crash=run.crash_of(*_uncaught))
     else:
         run.event_loops.close_all()
         run.commit(Status.FINISHED)

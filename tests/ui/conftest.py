@@ -185,6 +185,12 @@ def serving(project: Any, *args: str, **env: str) -> Iterator[Dashboard]:
 
 
 @pytest.fixture
+def serve() -> Any:
+    """``serving``, for a test that records its own project: ``with serve(project) as d:``."""
+    return serving
+
+
+@pytest.fixture
 def dashboard(recorded: Any) -> Iterator[Dashboard]:
     """``retrolog ui --no-browser --port 0`` started in the project, as a user would."""
     with serving(recorded) as started:

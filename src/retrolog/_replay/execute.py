@@ -54,7 +54,7 @@ class Job:
     returncode: int | None = None
     output: dict[str, Any] | None = None
     error: str | None = None
-    diagnosed: bool = False  # error is the worker's own account, not its exit code
+    diagnosed: bool = False  # error says what the script raised, and where: no log tail needed
     checkout: Path | None = None
     process: subprocess.Popen[bytes] | ForkedProcess | None = field(default=None, repr=False)
     started: float = 0.0
@@ -325,8 +325,8 @@ def _finish(job: Job) -> None:
     job.seconds = time.perf_counter() - job.started
     job.returncode = job.process.returncode
     out = Path(job.spec.output)
-    if job.returncode == 0 and out.exists():
-        job.output = json.loads(out.read_text())
+    job.output = worker_output(out, job.returncode)
+    if job.output is not None:
         return
     job.error = (
         f"worker exited with code {job.returncode}"
@@ -346,6 +346,25 @@ def worker_diagnosis(out: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return found if isinstance(found, str) and found else None
+
+
+def worker_output(out: Path, returncode: int | None) -> dict[str, Any] | None:
+    """What a worker that exited with ``returncode`` wrote to ``out``, if it is its result.
+
+    A worker that exits 0 has written it. One that the script's own exception ended
+    exits 1 with the values it computed until then and that exception (``crash``): the
+    coordinator compares it with the run's (a crashed run's replay is expected to stop
+    where it did). Any other exit leaves no result.
+    """
+    if returncode is None or not out.exists():
+        return None
+    if returncode == 0:
+        return dict(json.loads(out.read_text()))
+    try:
+        written = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return None
+    return written if isinstance(written, dict) and written.get("crash") else None
 
 
 def _kill(job: Job) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from retrolog.errors import RunNotFoundError, StoreError
+from retrolog.runtime.crash import Crash
 from retrolog.store.objects import ForwardingStore, ObjectStore
 
 __all__ = ["RunProfile", "load_profiles", "measure_restore_throughput"]
@@ -123,7 +124,8 @@ class _LoopRow:
 
 def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
     row = conn.execute(
-        "SELECT filename, status, code_commit, started_at, ended_at FROM runs WHERE run_id = ?",
+        "SELECT filename, status, code_commit, started_at, ended_at, error FROM runs"
+        " WHERE run_id = ?",
         (run_id,),
     ).fetchone()
     if row is None:
@@ -132,10 +134,15 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
             "lists the runs there are.",
             run_id=run_id,
         )
-    filename, status, commit, started_at, ended_at = row
+    filename, status, commit, started_at, ended_at, error = row
     notes: list[str] = []
     if status == "crashed":
-        notes.append("the run crashed: its replay is expected to stop where it did")
+        crash = Crash.parse(error)
+        if crash is None:
+            notes.append("the run crashed: its replay is expected to stop where it did")
+        else:
+            at = f" at {crash.file}:{crash.line}" if crash.file is not None else ""
+            notes.append(f"the run raised {crash.type}{at}: its replay is expected to stop there")
 
     loops = [
         _LoopRow(ctx, name, depth, t_start, t_end)
@@ -219,6 +226,21 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
             "estimated as the mean of the others"
         )
 
+    if status == "crashed":
+        # A loop an exception leaves ends there, and checkpoints the state it was left in
+        # as if its block, or the loop, had ended: restoring one would skip the failing
+        # code, where a crashed run's replay is expected to stop. The iterations that never
+        # ended are executed instead, and the end is not restored while one never ended.
+        unfinished = {r.ctx for r in outer_rows if r.t_end is None}
+        left = sum(1 for c in checkpoints if c in unfinished) + int(bool(unfinished and end))
+        checkpoints = {c: v for c, v in checkpoints.items() if c not in unfinished}
+        if unfinished:
+            end = None
+        if left:
+            notes.append(
+                f"{left} checkpoint(s) taken as the run stopped inside its loop are not "
+                "restored: the iteration it stopped in is executed"
+            )
     index = {r.ctx: i for i, r in enumerate(outer_rows)}
     unrestorable = {index[c]: why for c, why in blocked.items() if c in index}
     if None in blocked:

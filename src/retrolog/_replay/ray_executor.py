@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -308,7 +307,7 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     imports torch once per Ray worker, not once per segment.
     """
     from retrolog._replay.checkout import checkout_prefix, make_checkout, sweep_checkouts
-    from retrolog._replay.execute import die_with, run_worker_env, worker_diagnosis
+    from retrolog._replay.execute import die_with, run_worker_env, worker_diagnosis, worker_output
     from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
 
     started = time.perf_counter()
@@ -382,9 +381,8 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
                     process.wait(timeout=5)
                 raise
             out = Path(spec.output)
-            if result["returncode"] == 0 and out.exists():
-                result["output"] = json.loads(out.read_text())
-            else:
+            result["output"] = worker_output(out, result["returncode"])
+            if result["output"] is None:
                 result["diagnosis"] = worker_diagnosis(out)
         finally:
             shutil.rmtree(checkout, ignore_errors=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 from retrolog._config import mask
 from retrolog._query.runs import matching_runs
+from retrolog._replay import crashed
 from retrolog._replay.backfill import Check, Mismatch, already_stored, backfill, check_recorded
 from retrolog._replay.execute import (
     Job,
@@ -101,6 +102,8 @@ class RunOutcome:
     past_the_crash: dict[str, int] = field(default_factory=dict)
     # Names the replayed code declared volatile (rl.volatile): left out of the check.
     volatile: list[str] = field(default_factory=list)
+    # A run an exception ended, whose replay raised it again where it did: what and where.
+    stopped: str = ""
 
 
 @dataclass
@@ -1197,6 +1200,7 @@ def _jobs(
                 torch_state=_torch_state_for_worker(recorded, profile.threads, threads),
                 parsed_args=parsed,
                 reads=reads,
+                extra=crashed.recorded_site(conn, row),
             )
             jobs.append(
                 Job(
@@ -1287,6 +1291,9 @@ def _collect(
     for run_id, run_jobs_ in per_run.items():
         outcome = outcomes[run_id]
         outcome.log_paths = [str(j.log_path) for j in run_jobs_]
+        outcome.stopped = crashed.check(
+            conn, runs[run_id], run_jobs_, _source_if_raised(runs[run_id], run_jobs_)
+        ).stopped
         finished = [j for j in run_jobs_ if j.output is not None]
         failed = [j for j in run_jobs_ if j.error is not None]
         if not finished and not failed:
@@ -1327,10 +1334,13 @@ def _collect(
         unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
         if failed:
             outcome.status = "partial" if finished else "failed"
-            job = failed[0]
-            if job.diagnosed:  # the worker said what failed, where, after which restores
-                outcome.error = f"{job.error} (worker log: {job.log_path})"
+            # What the script raised, and where, in each segment that says so (in their
+            # order); otherwise the first failure's log tail.
+            diagnosed = sorted((j for j in failed if j.diagnosed), key=_segment)
+            if diagnosed:
+                outcome.error = "\n".join(f"{j.error}; log: {j.log_path}" for j in diagnosed)
             else:
+                job = failed[0]
                 outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
         elif unfinished:
             outcome.status = "partial"
@@ -1358,6 +1368,20 @@ def _collect(
                 json.dumps(outcome.environment), json.dumps(hosts),
             ),
         )  # fmt: skip
+
+
+def _segment(job: Job) -> int:
+    return int(job.key.rsplit("#", 1)[1])
+
+
+def _source_if_raised(row: dict[str, Any], jobs: Sequence[Job]) -> str | None:
+    """The run's version of the script, when a worker raised (its lines are mapped to it)."""
+    if not any(j.output is not None and j.output.get("crash") for j in jobs):
+        return None
+    try:
+        return _old_source(row, jobs[0].filename)
+    except (RetrologError, OSError, UnicodeDecodeError):
+        return None
 
 
 def _check_arguments(check: Check, row: dict[str, Any], outputs: Sequence[dict[str, Any]]) -> Check:
@@ -1515,6 +1539,8 @@ def _report(outcomes: dict[str, RunOutcome], echo: Echo, verify: bool = False) -
     for outcome in outcomes.values():
         if outcome.status in ("failed", "partial"):
             echo(f"run {outcome.run_id}: replay {outcome.status}: {outcome.error}")
+        if outcome.stopped:
+            echo(f"run {outcome.run_id}: replay {outcome.stopped}")
         if outcome.past_the_crash:
             counts = ", ".join(f"{n} x{c}" for n, c in sorted(outcome.past_the_crash.items()))
             echo(

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 from retrolog.runtime import cli_args, frames, numerics
+from retrolog.runtime.crash import Crash
 from retrolog.runtime.run import (
     NO_OVERRIDE,
     CheckpointScope,
@@ -70,6 +71,10 @@ class WorkerSpec:
     prefix_only: bool  # exit when the first top-level loop starts
     output: str  # JSON file the worker writes
     code_object: str | None = None
+    # What a worker of another retrolog version may ignore. "crash_within", for a run an
+    # exception ended: the recorded context it was raised in and the ones that context is
+    # in, innermost first (empty: outside the loops); the worker says whether it went past
+    # that place without raising.
     extra: dict[str, Any] = field(default_factory=dict)
     # Torch threads and flags to apply as soon as torch is imported (runtime/numerics.py):
     # the recorded ones, or the thread count the user asked for instead.
@@ -174,6 +179,15 @@ class ReplayRun:
         # (values, events) queued when the first top-level loop began: a run-level value
         # queued after it is one a crashed run may never have got to.
         self._loop_mark: tuple[int, int] | None = None
+        # Iterations begun and not ended, in the order they began (a counter -> the recorded
+        # context): the newest is where an exception that ends the script was raised.
+        self._open: dict[int, int] = {}
+        self._begun = 0
+        self._crash: Crash | None = None
+        within = spec.extra.get("crash_within")
+        self._crash_within = frozenset(within or ())
+        self._passed_crash = False
+        self._stopping = False  # the segment ended it (finish), not the script
         self._store: Any = None
         self._prefetch: Any = None
         self.writer = None
@@ -276,6 +290,9 @@ class ReplayRun:
                 self.ctx = ctx
                 if role is Role.OUTER:
                     self._outer_iteration = iteration
+                self._begun += 1
+                began = self._begun
+                self._open[began] = ctx
                 if (
                     role is Role.OUTER
                     and not events
@@ -289,11 +306,17 @@ class ReplayRun:
                 ):
                     # No nested loop: the whole iteration is the block, skipped by restoring.
                     self.ctx = parent_ctx
+                    del self._open[began]
+                    if ctx in self._crash_within:
+                        self._passed_crash = True
                     if self.spec.stop_after == iteration:
                         self.finish()
                     continue
                 yield item
                 self.ctx = parent_ctx
+                del self._open[began]
+                if ctx in self._crash_within:  # that iteration (or one it is in) ended
+                    self._passed_crash = True
                 if role is Role.OUTER and self.spec.stop_after == iteration:
                     self.finish()
         finally:
@@ -455,14 +478,26 @@ class ReplayRun:
     def owned_by_this_process(self) -> bool:
         return os.getpid() == self._pid
 
-    def commit(self, status: Status = Status.FINISHED, error: str | None = None) -> None:
+    def crash_of(self, exc_type: Any, exc: Any, tb: Any) -> Crash:
+        """The crash an uncaught exception makes; the checkout stands for the project."""
+        return Crash.of(exc_type, exc, tb, Path(self.spec.checkout or os.getcwd()))
+
+    def commit(
+        self, status: Status = Status.FINISHED, error: str | None = None, crash: Crash | None = None
+    ) -> None:
         if self.status is not Status.RUNNING:
             return
         self.status = status
+        self._crash = crash
+        if crash is not None:
+            error = crash.text()
+        elif "crash_within" in self.spec.extra and not self._stopping:
+            self._passed_crash = True  # the script ran to its end
         self._write_output(status, error)
 
     def finish(self) -> None:
         """The segment is done: write the output and leave without running the rest."""
+        self._stopping = True
         self.commit()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -520,11 +555,23 @@ class ReplayRun:
             "after_loop": self._after_loop_names(),
             "diagnosis": self._diagnosis,
             "volatile": sorted(self.volatile),
+            "crash": self._crash_output(),
+            "passed_crash": self._passed_crash,
         }
         path = Path(self.spec.output)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         os.replace(tmp, path)
+
+    def _crash_output(self) -> dict[str, Any] | None:
+        """The exception that ended the script and the recorded context it was raised in
+        (the newest unfinished one, -1 for one the run never began; None outside every
+        loop), for the coordinator."""
+        if self._crash is None:
+            return None
+        newest = self._open[max(self._open)] if self._open else None
+        # _UNMAPPED: an iteration the recorded run never began.
+        return {**asdict(self._crash), "ctx": newest}
 
 
 def _torch_threads() -> int | None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from retrolog.errors import StoreError, UsageError
 from retrolog.runtime import cli_args, frames, numerics, progress
+from retrolog.runtime.crash import Crash
 from retrolog.runtime.import_clock import ImportClock
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
@@ -681,10 +682,19 @@ class Run:
         """False in a forked child (e.g. a DataLoader worker), which must not end the run."""
         return os.getpid() == self._pid
 
-    def commit(self, status: Status = Status.FINISHED, error: str | None = None) -> None:
-        """End the run: write what is in flight, then record its status."""
+    def crash_of(self, exc_type: Any, exc: Any, tb: Any) -> Crash:
+        """The crash an uncaught exception makes, placed in the project's code."""
+        return Crash.of(exc_type, exc, tb, self.paths.root)
+
+    def commit(
+        self, status: Status = Status.FINISHED, error: str | None = None, crash: Crash | None = None
+    ) -> None:
+        """End the run: write what is in flight, then record its status (and ``crash``, the
+        exception that ended it, as its error)."""
         if self.status is not Status.RUNNING:
             return
+        if crash is not None:
+            error = crash.text()
         self.status = status
         ended = time.time()
         if status is Status.FINISHED:
