@@ -312,13 +312,36 @@ def _begin() -> Run:
 
         _active = ReplayRun(WorkerSpec.load(spec))  # type: ignore[assignment]
     else:
-        script = _original_argv[0] if _original_argv else None
-        _active = Run(locate(), _original_argv, script)
+        from retrolog.runtime import notebook
+
+        shell = notebook.kernel_shell()
+        if shell is not None:
+            _active = notebook.start_run(shell, locate(), _cell_ended)
+        else:
+            script = _original_argv[0] if _original_argv else None
+            _active = Run(locate(), _original_argv, script)
     assert _active is not None
     parsed = {**cli_args.parsed, **cli_args.click_params()}
     if parsed:
         _active.set_parsed_args(parsed)
     return _active
+
+
+def _cell_ended(result: Any) -> None:
+    """A kernel finished a cell: the run that cell began ends with it (runtime/notebook.py)."""
+    global _active
+    run = _active
+    if run is None or not run.owned_by_this_process():
+        return
+    _active = None
+    from retrolog.runtime.run import Status
+
+    _warn_unused_overrides(run)
+    error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
+    if error is not None:
+        run.commit(Status.CRASHED, f"{type(error).__name__}: {error}")
+    else:
+        run.commit(Status.FINISHED)
 
 
 def _project() -> Project:
