@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from retrolog._project import Project
+    from retrolog.runtime.notebook import Kernel
     from retrolog.runtime.run import Run
 
 T = TypeVar("T")
@@ -86,8 +87,10 @@ def arg(name: str, default: T) -> T:
         raise _argv_error
     run = _active or _begin()
     if name in run.args:
-        value: Any = run.args[name]
-        return value
+        if _kernel is None or name not in _kernel.carried:
+            value: Any = run.args[name]
+            return value
+        _kernel.carried.discard(name)  # an earlier run's, resolved again in this one
     override: Any = NO_OVERRIDE
     if name in _overrides:
         override = cast(name, _overrides[name], default)
@@ -312,11 +315,8 @@ def _begin() -> Run:
 
         _active = ReplayRun(WorkerSpec.load(spec))  # type: ignore[assignment]
     else:
-        from retrolog.runtime import notebook
-
-        shell = notebook.kernel_shell()
-        if shell is not None:
-            _active = notebook.start_run(shell, locate(), _cell_ended)
+        if _kernel is not None:
+            _active = _kernel.start_run(locate())
         else:
             script = _original_argv[0] if _original_argv else None
             _active = Run(locate(), _original_argv, script)
@@ -327,21 +327,30 @@ def _begin() -> Run:
     return _active
 
 
-def _cell_ended(result: Any) -> None:
-    """A kernel finished a cell: the run that cell began ends with it (runtime/notebook.py)."""
+def _end_cell_run(run: Run, error: str | None) -> None:
+    """A kernel's cell ended the run it trained (runtime/notebook.py)."""
     global _active
-    run = _active
-    if run is None or not run.owned_by_this_process():
-        return
-    _active = None
     from retrolog.runtime.run import Status
 
+    _active = None
     _warn_unused_overrides(run)
-    error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
     if error is not None:
-        run.commit(Status.CRASHED, f"{type(error).__name__}: {error}")
+        run.commit(Status.CRASHED, error)
     else:
         run.commit(Status.FINISHED)
+
+
+def _follow_kernel() -> Kernel | None:
+    """In a Jupyter/IPython kernel: its cells followed from this import on."""
+    if "IPython" not in sys.modules:  # not a kernel: nothing to import
+        return None
+    from retrolog.runtime import notebook
+
+    shell = notebook.kernel_shell()
+    return None if shell is None else notebook.follow(shell, lambda: _active, _end_cell_run)
+
+
+_kernel = _follow_kernel()
 
 
 def _project() -> Project:

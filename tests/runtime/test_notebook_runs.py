@@ -13,20 +13,26 @@ from conftest import Project, read_db
 
 pytest.importorskip("IPython")
 
+# The user pauses 2 s before each training cell.
 SHELL = """\
-import sys
+import time
 from IPython.core.interactiveshell import InteractiveShell
 
 shell = InteractiveShell.instance()
 for cell in {cells!r}:
+    if "rl.loop" in cell:
+        time.sleep(2)
     shell.run_cell(cell, store_history=True)
 """
 
 CELLS = [
     "import retrolog as rl\n%time n = 3",
-    "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * 2)",
-    "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * 2)",
+    "lr = rl.arg('lr', 0.5)",  # begins a run that goes on into the next cell
+    "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)",
+    "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)",
     "for e in rl.loop('epoch', range(n)):\n    raise ValueError('boom')",
+    "n = 1 / 0",
+    "lr = rl.arg('lr', 0.25)",  # resolved again; the run ends with the kernel
 ]
 
 
@@ -45,29 +51,51 @@ def test_each_cell_execution_that_records_is_one_run(project: Project) -> None:
     project.write("train.ipynb", '{"cells": [], "nbformat": 4, "nbformat_minor": 5}')
     out = _shell(project, JPY_SESSION_NAME="train.ipynb")
     assert "boom" in out.stdout + out.stderr
-    runs = read_db(project.root, "SELECT run_id, filename, argv, status FROM runs ORDER BY rowid")
-    assert [(f, json.loads(str(a)), s) for _, f, a, s in runs] == [
-        ("train.ipynb", ["train.ipynb"], "finished"),
-        ("train.ipynb", ["train.ipynb"], "finished"),
-        ("train.ipynb", ["train.ipynb"], "crashed"),
+    runs = read_db(
+        project.root, "SELECT run_id, filename, argv, status, args FROM runs ORDER BY rowid"
+    )
+    assert [(f, json.loads(str(a)), s, json.loads(str(g))) for _, f, a, s, g in runs] == [
+        ("train.ipynb", ["train.ipynb"], "finished", {"lr": 0.5}),
+        ("train.ipynb", ["train.ipynb"], "finished", {"lr": 0.5}),
+        ("train.ipynb", ["train.ipynb"], "crashed", {"lr": 0.5}),
+        ("train.ipynb", ["train.ipynb"], "finished", {"lr": 0.25}),
     ]
-    counts = read_db(project.root, "SELECT run_id, COUNT(*) FROM loops GROUP BY run_id")
-    assert sorted(n for _, n in counts) == [1, 3, 3]
+    counts = dict(read_db(project.root, "SELECT run_id, COUNT(*) FROM loops GROUP BY run_id"))
+    assert [counts.get(run[0], 0) for run in runs] == [3, 3, 1, 0]
+    # A run's prefix is the cells' execution time, not the time the kernel was up.
+    prefixes = read_db(
+        project.root,
+        "SELECT seconds FROM profile WHERE phase = 'prefix' AND run_id = ?",
+        (runs[1][0],),
+    )
+    assert len(prefixes) == 1 and 0 <= float(str(prefixes[0][0])) < 2
 
     from retrolog import Project as Store
 
     second = Store(project.root).code(str(runs[1][0]))
-    assert second["text"].splitlines()[:8] == [
-        "# train.ipynb: the cells this kernel executed, in order, up to cell [3]",
+    assert second["text"].splitlines() == [
+        "# train.ipynb: the cells this kernel executed, in order, up to cell [4]",
         "",
         "# %% [1]",
         "import retrolog as rl",
         "# (IPython, not run outside a kernel) %time n = 3",
         "",
         "# %% [2]",
-        "# cell [2] began another run: not run again here",
+        "lr = rl.arg('lr', 0.5)",
+        "",
+        "# %% [3]",
+        "# cell [3] trained another run: not run again here",
+        "# for e in rl.loop('epoch', range(n)):",
+        "#     rl.log('v', e * lr)",
+        "",
+        "# %% [4]",
+        "for e in rl.loop('epoch', range(n)):",
+        "    rl.log('v', e * lr)",
     ]
     assert "train.ipynb.json" in second["files"]
+    last = Store(project.root).code(str(runs[3][0]))["text"]
+    assert "# cell [5] trained another run: not run again here" in last
+    assert "# cell [6] raised in the kernel: not run here\n# n = 1 / 0" in last
     # The user's notebook is untouched and nothing is left in the working tree.
     assert project.git("status", "--porcelain").split() == ["??", "train.ipynb"]
 
@@ -77,4 +105,4 @@ def test_a_kernel_without_its_notebook_records_and_says_so(project: Project) -> 
     assert "cannot tell which notebook this kernel runs" in out.stderr
     assert out.stderr.count("cannot tell which notebook") == 1
     runs = read_db(project.root, "SELECT filename FROM runs")
-    assert runs == [("<interactive>",)] * 3
+    assert runs == [("<interactive>",)] * 4
