@@ -79,19 +79,26 @@ def arg(name: str, default: T) -> T:
     name: how the value is called in ``--kwargs``, the dataframe and the runs list.
     default: the value when no override is given; its type decides the cast
         (bool, int, float, str; None keeps the string).
-    Returns the value, which is also logged as a run-level value.
+    Returns the value, which is also logged as a run-level value. In a notebook, a
+    cell that only reads arguments starts no run: the next run in the kernel records them.
     """
     if type(name) is not str or not name:
         raise UsageError(f"arg() needs a non-empty string name, got {name!r}.")
     if _argv_error is not None:
         raise _argv_error
+    override: Any = NO_OVERRIDE
+    if _active is None and _kernel is not None:
+        if name in _overrides:
+            override = cast(name, _overrides[name], default)
+        value = default if override is NO_OVERRIDE else override
+        _kernel.arguments[name] = value
+        return value
     run = _active or _begin()
     if name in run.args:
         if _kernel is None or name not in _kernel.carried:
-            value: Any = run.args[name]
+            value = run.args[name]
             return value
-        _kernel.carried.discard(name)  # an earlier run's, resolved again in this one
-    override: Any = NO_OVERRIDE
+        _kernel.carried.discard(name)  # an earlier cell's, resolved again in this one
     if name in _overrides:
         override = cast(name, _overrides[name], default)
         _used_overrides.add(name)

@@ -155,7 +155,8 @@ def test_notebook_records_each_cell_execution_and_replays_exactly(
     text = code["text"]
     assert "# %% [1]" in text and "# %% [4]" in text and '"cells"' not in text
     assert "# cell [2] trained another run: not run again here" in text
-    assert "# (IPython, not run outside a kernel) %time total" in text
+    assert "total = float(x.sum())  # (IPython) %time" in text
+    assert "# (IPython, not run outside a kernel) !echo shell" in text
     assert "train.ipynb.json" in code["files"]  # the notebook as saved
     diff = Store(project.root).compare([run_ids[0], run_ids[2]])["diffs"][0]["diff"]
     assert "+batches = 4" in diff and "train.ipynb.json" not in diff

@@ -27,12 +27,13 @@ for cell in {cells!r}:
 
 CELLS = [
     "import retrolog as rl\n%time n = 3",
-    "lr = rl.arg('lr', 0.5)",  # begins a run that goes on into the next cell
+    "lr = rl.arg('lr', 0.5)",  # begins no run: the next runs record it
     "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)",
     "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)",
     "for e in rl.loop('epoch', range(n)):\n    raise ValueError('boom')",
     "n = 1 / 0",
-    "lr = rl.arg('lr', 0.25)",  # resolved again; the run ends with the kernel
+    "lr = rl.arg('lr', 0.25)",  # resolved again
+    "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)",
 ]
 
 
@@ -61,7 +62,7 @@ def test_each_cell_execution_that_records_is_one_run(project: Project) -> None:
         ("train.ipynb", ["train.ipynb"], "finished", {"lr": 0.25}),
     ]
     counts = dict(read_db(project.root, "SELECT run_id, COUNT(*) FROM loops GROUP BY run_id"))
-    assert [counts.get(run[0], 0) for run in runs] == [3, 3, 1, 0]
+    assert [counts.get(run[0], 0) for run in runs] == [3, 3, 1, 3]
     # A run's prefix is the cells' execution time, not the time the kernel was up.
     prefixes = read_db(
         project.root,
@@ -78,7 +79,7 @@ def test_each_cell_execution_that_records_is_one_run(project: Project) -> None:
         "",
         "# %% [1]",
         "import retrolog as rl",
-        "# (IPython, not run outside a kernel) %time n = 3",
+        "n = 3  # (IPython) %time",
         "",
         "# %% [2]",
         "lr = rl.arg('lr', 0.5)",
@@ -98,6 +99,24 @@ def test_each_cell_execution_that_records_is_one_run(project: Project) -> None:
     assert "# cell [6] raised in the kernel: not run here\n# n = 1 / 0" in last
     # The user's notebook is untouched and nothing is left in the working tree.
     assert project.git("status", "--porcelain").split() == ["??", "train.ipynb"]
+
+    # Today's notebook: a statement added to the training cell; every run answers,
+    # the run that began after its arguments' cell too.
+    training = "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)"
+    today = [CELLS[0], CELLS[1], training + "\n    rl.log('sq', e * e * lr)"]
+    cells = [{"cell_type": "code", "source": c, "metadata": {}, "outputs": []} for c in today]
+    project.write("train.ipynb", json.dumps({"cells": cells, "nbformat": 4, "nbformat_minor": 5}))
+    out = project.cli("replay", "sq", "--script", "train.ipynb", "--yes")
+    assert out.returncode == 0, out.stderr
+    # Only the crashed run, whose loop body was `raise`, has no place for the statement.
+    unplaced = [line for line in out.stderr.splitlines() if "not replayed" in line]
+    assert len(unplaced) == 1 and unplaced[0].startswith(f"run {runs[2][0]}: "), out.stderr
+    values = read_db(project.root, "SELECT run_id, value FROM logs WHERE name = 'sq'")
+    by_run: dict[str, list[float]] = {}
+    for run_id, value in values:
+        by_run.setdefault(str(run_id), []).append(float(str(value)))
+    lrs = {str(run[0]): json.loads(str(run[4]))["lr"] for run in runs if run[3] == "finished"}
+    assert by_run == {run_id: [e * e * lr for e in range(3)] for run_id, lr in lrs.items()}
 
 
 def test_a_kernel_without_its_notebook_records_and_says_so(project: Project) -> None:

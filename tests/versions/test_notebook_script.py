@@ -18,14 +18,22 @@ def test_valid_python_is_kept_as_it_is() -> None:
 
 
 def test_line_magics_shell_escapes_and_help_are_commented_out() -> None:
-    source = "%matplotlib inline\nfiles = !ls\n!pip list\nx = 1\nx?\n    %time y = x\n"
+    source = "%matplotlib inline\nfiles = !ls\n!pip list\nx = 1\nx?\n%timeit x + 1\n"
     assert python_of_cell(source).splitlines() == [
         NOT_RUN + "%matplotlib inline",
         NOT_RUN + "files = !ls",
         NOT_RUN + "!pip list",
         "x = 1",
         NOT_RUN + "x?",
-        NOT_RUN + "    %time y = x",
+        NOT_RUN + "%timeit x + 1",
+    ]
+
+
+def test_a_timed_statement_is_kept() -> None:
+    assert python_of_cell("%time y = 2\nif y:\n    %time z = y").splitlines() == [
+        "y = 2  # (IPython) %time",
+        "if y:",
+        "    z = y  # (IPython) %time",
     ]
 
 

@@ -6,12 +6,11 @@ notebook beside it (``<path>.json``) when the notebook file is found. The run's
 filename is the notebook's path and its argv that path alone (not the kernel launcher
 and its connection file), so replay finds and runs it as it would a script.
 
-A run begins at a cell's first recording call and ends with the first cell in which it
-trained (entered a top-level ``rl.loop``), ``finished``, or with a cell that raised,
-``crashed``. A cell that only calls ``rl.arg`` (hyper-parameters set in their own cell)
-leaves the run going into the next cells; executing the training cell again begins
-another run, which carries the arguments this kernel resolved before (its variables
-still hold them) until a cell resolves them again.
+A run is one execution of a cell that records: it begins at the cell's first recording
+call and ends with the cell, ``finished``, or ``crashed`` when the cell raised (so its
+code version holds every cell it ran). ``rl.arg`` outside a run (hyper-parameters set in
+a cell of their own) begins none: each later run in the kernel records the arguments the
+kernel resolved (its variables still hold them), until a cell resolves one again.
 
 In a later run's script, a cell in which an earlier run trained, and a cell that raised,
 stay commented out: the first's loops are that other run's (replaying them would train
@@ -114,8 +113,6 @@ class Kernel:
         if run is None or not run.owned_by_this_process():
             return
         first_loop = run._first_loop_at
-        if error is None and first_loop is None:
-            return  # a cell that did not train: the run goes on into the next cells
         if first_loop is not None and stored:
             self.trained.add(number)
             run.process_started_at = first_loop - self._prefix(number, first_loop)

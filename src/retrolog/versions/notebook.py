@@ -8,7 +8,8 @@ worker, ``retrolog show`` and the dashboard all see Python, never the notebook's
 
 IPython syntax has no meaning in a plain Python process, which is what a replay worker
 is: a cell that is not valid Python has its line magics (``%time x``), shell escapes
-(``!ls``, ``files = !ls``) and help lines (``x?``) commented out. A cell magic
+(``!ls``, ``files = !ls``) and help lines (``x?``) commented out, except ``%time
+<statement>``, which runs its statement once, so the statement is kept. A cell magic
 (``%%...``) runs its body in another language or runs it under a control of its own;
 ``%%time``, ``%%capture`` and ``%%prun`` run the body once as Python, so they keep it;
 any other cell magic's cell is commented out whole. A statement that reads what a
@@ -32,6 +33,8 @@ SAVED_SUFFIX = ".json"
 _NOT_RUN = "# (IPython, not run outside a kernel) "
 # Cell magics whose body is Python run once, as it would run without the magic.
 _PYTHON_BODY_MAGICS = frozenset({"time", "capture", "prun"})
+# `%time <statement>` runs the statement once: it is kept, the magic dropped.
+_TIME_LINE = re.compile(r"^(\s*)%time\s+(\S.*)$")
 _IPYTHON_LINE = re.compile(r"^\s*(?:[%!]|[\w.,\s\[\]]+=\s*[%!])|^[^#]*\?\s*$")
 
 
@@ -58,7 +61,14 @@ def python_of_cell(source: str) -> str:
         return "\n".join(lines)
     except SyntaxError:
         pass
-    return "\n".join(_NOT_RUN + line if _IPYTHON_LINE.match(line) else line for line in lines)
+    return "\n".join(_python_of_line(line) for line in lines)
+
+
+def _python_of_line(line: str) -> str:
+    timed = _TIME_LINE.match(line)
+    if timed is not None:
+        return f"{timed.group(1)}{timed.group(2)}  # (IPython) %time"
+    return _NOT_RUN + line if _IPYTHON_LINE.match(line) else line
 
 
 def cells_script(cells: Iterable[tuple[str, str]], origin: str) -> str:
