@@ -283,6 +283,8 @@ def replay(
     from retrolog.errors import InexactReplayError, UnknownNameError
 
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    if _kernel is not None:  # a later run's cells script must not replay again
+        _kernel.replayed.add(_kernel.current_cell())
     project = _project()
     result = project.replay(
         wanted, where, script=script, workers=workers, threads=threads, dry_run=dry_run,

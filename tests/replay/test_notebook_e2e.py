@@ -92,7 +92,11 @@ def _execute(root: Path, nb: Any, order: list[int]) -> list[list[str]]:
     """Execute ``nb``'s cells (indexes) in ``order`` in one fresh kernel with its cwd at
     ``root``; the text each cell printed."""
     client = nbclient.NotebookClient(
-        nb, kernel_name=KERNEL, timeout=240, resources={"metadata": {"path": str(root)}}
+        nb,
+        kernel_name=KERNEL,
+        timeout=240,
+        startup_timeout=180,  # a busy machine
+        resources={"metadata": {"path": str(root)}},
     )
     printed = []
     with client.setup_kernel():

@@ -30,6 +30,7 @@ CELLS = [
     "lr = rl.arg('lr', 0.5)",  # begins no run: the next runs record it
     "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)",
     "for e in rl.loop('epoch', range(n)):\n    rl.log('v', e * lr)",
+    "try:\n    rl.replay('v', dry_run=True)\nexcept Exception:\n    pass",
     "for e in rl.loop('epoch', range(n)):\n    raise ValueError('boom')",
     "n = 1 / 0",
     "lr = rl.arg('lr', 0.25)",  # resolved again
@@ -95,8 +96,9 @@ def test_each_cell_execution_that_records_is_one_run(project: Project) -> None:
     ]
     assert "train.ipynb.json" in second["files"]
     last = Store(project.root).code(str(runs[3][0]))["text"]
-    assert "# cell [5] trained another run: not run again here" in last
-    assert "# cell [6] raised in the kernel: not run here\n# n = 1 / 0" in last
+    assert "# cell [5] replayed past runs: not run again here\n# try:" in last
+    assert "# cell [6] trained another run: not run again here" in last
+    assert "# cell [7] raised in the kernel: not run here\n# n = 1 / 0" in last
     # The user's notebook is untouched and nothing is left in the working tree.
     assert project.git("status", "--porcelain").split() == ["??", "train.ipynb"]
 

@@ -12,9 +12,10 @@ code version holds every cell it ran). ``rl.arg`` outside a run (hyper-parameter
 a cell of their own) begins none: each later run in the kernel records the arguments the
 kernel resolved (its variables still hold them), until a cell resolves one again.
 
-In a later run's script, a cell in which an earlier run trained, and a cell that raised,
-stay commented out: the first's loops are that other run's (replaying them would train
-twice), the second stopped part-way in the kernel and would stop the replay. A run that
+In a later run's script, a cell in which an earlier run trained, a cell that raised and
+a cell that called ``rl.replay`` stay commented out: the first's loops are that other
+run's (replaying them would train twice), the second stopped part-way in the kernel and
+would stop the replay, the third would start a replay inside the replay. A run that
 starts from what such a cell left (a model trained further, not re-created) replays
 inexactly, and the replay's deferred check says so.
 
@@ -87,6 +88,7 @@ class Kernel:
         self._end = end
         self.trained: set[int] = set()  # cells in which a run trained (and ended)
         self.failed: set[int] = set()  # cells that raised
+        self.replayed: set[int] = set()  # cells that called rl.replay
         self.seconds: dict[int, float] = {}  # each cell's execution time, from the import on
         self.arguments: dict[str, Any] = {}  # what rl.arg resolved in this kernel
         self.carried: set[str] = set()  # the active run's arguments from earlier runs
@@ -167,6 +169,8 @@ class Kernel:
             note = f"# cell [{number}] trained another run: not run again here"
         elif number in self.failed:
             note = f"# cell [{number}] raised in the kernel: not run here"
+        elif number in self.replayed:
+            note = f"# cell [{number}] replayed past runs: not run again here"
         else:
             return source
         return "\n".join([note, *("# " + line for line in source.splitlines())])
