@@ -337,7 +337,7 @@ def _begin() -> Run:
 
 
 def _end_cell_run(run: Run, error: str | None) -> None:
-    """A kernel's cell ended the run it trained (runtime/notebook.py)."""
+    """A kernel's cell ended: so does the run it began (runtime/notebook.py)."""
     global _active
     from retrolog.runtime.run import Status
 
