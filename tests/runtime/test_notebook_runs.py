@@ -13,6 +13,8 @@ from conftest import Project, read_db
 
 pytest.importorskip("IPython")
 
+pytestmark = pytest.mark.slow
+
 # The user pauses 3 s before executing the training cell again.
 SHELL = """\
 import time
