@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from retrolog._project import Project
+    from retrolog.runtime.notebook import Kernel
     from retrolog.runtime.run import Run
 
 T = TypeVar("T")
@@ -79,17 +80,26 @@ def arg(name: str, default: T) -> T:
     name: how the value is called in ``--kwargs``, the dataframe and the runs list.
     default: the value when no override is given; its type decides the cast
         (bool, int, float, str; None keeps the string).
-    Returns the value, which is also logged as a run-level value.
+    Returns the value, which is also logged as a run-level value. In a notebook, a
+    cell that only reads arguments starts no run: the next run in the kernel records them.
     """
     if type(name) is not str or not name:
         raise UsageError(f"arg() needs a non-empty string name, got {name!r}.")
     if _argv_error is not None:
         raise _argv_error
+    override: Any = NO_OVERRIDE
+    if _active is None and _kernel is not None:
+        if name in _overrides:
+            override = cast(name, _overrides[name], default)
+        value = default if override is NO_OVERRIDE else override
+        _kernel.arguments[name] = value
+        return value
     run = _active or _begin()
     if name in run.args:
-        value: Any = run.args[name]
-        return value
-    override: Any = NO_OVERRIDE
+        if _kernel is None or name not in _kernel.carried:
+            value = run.args[name]
+            return value
+        _kernel.carried.discard(name)  # an earlier cell's, resolved again in this one
     if name in _overrides:
         override = cast(name, _overrides[name], default)
         _used_overrides.add(name)
@@ -340,6 +350,8 @@ def replay(
     from retrolog.errors import InexactReplayError, UnknownNameError
 
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    if _kernel is not None:  # a later run's cells script must not replay again
+        _kernel.replayed.add(_kernel.current_cell())
     project = _project()
     result = project.replay(
         wanted, where, script=script, workers=workers, threads=threads, dry_run=dry_run,
@@ -379,13 +391,42 @@ def _begin() -> Run:
 
         _active = ReplayRun(WorkerSpec.load(spec))  # type: ignore[assignment]
     else:
-        script = _original_argv[0] if _original_argv else None
-        _active = Run(locate(), _original_argv, script)
+        if _kernel is not None:
+            _active = _kernel.start_run(locate())
+        else:
+            script = _original_argv[0] if _original_argv else None
+            _active = Run(locate(), _original_argv, script)
     assert _active is not None
     parsed = {**cli_args.parsed, **cli_args.click_params()}
     if parsed:
         _active.set_parsed_args(parsed)
     return _active
+
+
+def _end_cell_run(run: Run, error: str | None) -> None:
+    """A kernel's cell ended: so does the run it began (runtime/notebook.py)."""
+    global _active
+    from retrolog.runtime.run import Status
+
+    _active = None
+    _warn_unused_overrides(run)
+    if error is not None:
+        run.commit(Status.CRASHED, error)
+    else:
+        run.commit(Status.FINISHED)
+
+
+def _follow_kernel() -> Kernel | None:
+    """In a Jupyter/IPython kernel: its cells followed from this import on."""
+    if "IPython" not in sys.modules:  # not a kernel: nothing to import
+        return None
+    from retrolog.runtime import notebook
+
+    shell = notebook.kernel_shell()
+    return None if shell is None else notebook.follow(shell, lambda: _active, _end_cell_run)
+
+
+_kernel = _follow_kernel()
 
 
 def _project() -> Project:

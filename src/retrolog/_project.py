@@ -260,12 +260,13 @@ class Project:
         from retrolog._query.dataframe import logged_names
         from retrolog.errors import UsageError
         from retrolog.versions.lineage import definitions
+        from retrolog.versions.notebook import read_script
 
         path = (self.paths.root / script).resolve()
         if not path.is_relative_to(self.paths.root) or not path.is_file():
             raise UsageError(f"{script} is not a file of the project {self.paths.root}.")
         try:
-            found = definitions(path.read_text(), filename=script)
+            found = definitions(read_script(path), filename=script)
         except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
             raise UsageError(f"Cannot read the names {script} logs today: {exc}.") from exc
         with self._portable() as conn:

@@ -29,6 +29,7 @@ from retrolog._query.runs import resolve_run
 from retrolog.errors import UnknownNameError
 from retrolog.store.metadata import rollback
 from retrolog.versions.lineage import Definition, Reader, definitions
+from retrolog.versions.notebook import read_script
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def today_keys(root: Path) -> Callable[[str, Sequence[str]], dict[str, str]]:
 
     def keys(filename: str, names: Sequence[str]) -> dict[str, str]:
         try:
-            source = (root / filename).read_text()
+            source = read_script(root / filename)
             found = definitions(source, filename=filename, read=working_tree_reader(root, filename))
         except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
             return {}

@@ -66,6 +66,7 @@ from retrolog.store.metadata import (
     store_directory,
 )
 from retrolog.store.paths import ProjectPaths, storable_text
+from retrolog.versions.notebook import read_script
 
 
 @dataclass
@@ -628,7 +629,7 @@ def _early_launcher(
     if not row:
         return None
     try:
-        source = (paths.root / filename).read_text()
+        source = read_script(paths.root / filename)
         start = _start_plan(conn, paths, row, source)
         env = _server_env(row) if start.forked else None
     except (OSError, ValueError):
@@ -814,12 +815,14 @@ def _script(conn: sqlite3.Connection, paths: ProjectPaths, script: str | None) -
 def _read_newest(paths: ProjectPaths, filename: str) -> str:
     path = paths.root / filename
     try:
-        return path.read_text()
+        return read_script(path)  # a notebook: its code cells (versions/notebook.py)
     except OSError as exc:
         raise UsageError(
             f"Cannot read the newest version of {filename} at {path} ({exc.strerror}); replay "
             "takes the statements to add from the script as it is now."
         ) from exc
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _candidates(

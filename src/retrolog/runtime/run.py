@@ -124,7 +124,16 @@ _IMPORTED_AT = time.time()
 class Run:
     """One execution of a script being recorded."""
 
-    def __init__(self, paths: ProjectPaths, argv: list[str], script: str | None) -> None:
+    def __init__(
+        self,
+        paths: ProjectPaths,
+        argv: list[str],
+        script: str | None,
+        *,
+        code_files: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """code_files: files the code version holds instead of the working tree's
+        (runtime/notebook.py: a notebook's executed cells at its path)."""
         from retrolog.versions.git import capture_code_version
 
         self.paths = paths
@@ -168,7 +177,10 @@ class Run:
             self.values = self.writer.values  # log()'s hot path appends here directly
             self.events = self.writer.events
             code = capture_code_version(
-                paths, self.run_id, message=f"retrolog run {self.run_id}: {self.filename}"
+                paths,
+                self.run_id,
+                message=f"retrolog run {self.run_id}: {self.filename}",
+                replace=code_files,
             )
             tstamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.started_at))
             metadata.register_run(

@@ -24,7 +24,7 @@ import shutil
 import stat
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
@@ -96,12 +96,16 @@ def capture_code_version(
     *,
     message: str = "",
     max_file_bytes: int | None = None,
+    replace: Mapping[str, bytes] | None = None,
 ) -> CodeVersion:
     """Capture the project's working tree as a commit on ``refs/retrolog/runs/<run_id>``.
 
     message: extra text for the commit message (the run id is always in it).
     max_file_bytes: files larger than this are left out (and listed in one
         RetrologWarning); default: ``RETROLOG_MAX_FILE_BYTES``, else 2 MiB.
+    replace: files (paths relative to root) the version holds with these contents
+        instead of the working tree's (a notebook run's executed cells); the working
+        tree is not touched.
     Returns the captured version. Raises VersionError when git fails.
     """
     cap = _size_cap(max_file_bytes)
@@ -111,7 +115,7 @@ def capture_code_version(
     if paths.in_git:
         with tempfile.TemporaryDirectory(prefix="retrolog-index-") as tmp:
             work = _user_repo_workspace(root, Path(tmp), doing)
-            version, nested = _capture(paths, work, ref, run_id, message, cap, doing)
+            version, nested = _capture(paths, work, ref, run_id, message, cap, doing, replace)
     else:
         git_dir = _ensure_private_repo(paths.private_git_dir, root)
         # The temporary index lives in the private git directory so it can be
@@ -119,7 +123,7 @@ def capture_code_version(
         # starts with fresh stat data and rehashes only what changed.
         with tempfile.TemporaryDirectory(prefix="index-", dir=git_dir) as tmp:
             work = _private_workspace(git_dir, root, Path(tmp))
-            version, nested = _capture(paths, work, ref, run_id, message, cap, doing)
+            version, nested = _capture(paths, work, ref, run_id, message, cap, doing, replace)
             if work.index.exists():
                 os.replace(work.index, git_dir / "index")
     if version.skipped or nested:
@@ -135,6 +139,7 @@ def _capture(
     message: str,
     cap: int,
     doing: str,
+    replace: Mapping[str, bytes] | None = None,
 ) -> tuple[CodeVersion, tuple[str, ...]]:
     """Build the snapshot in ``work``'s temporary index and commit it to ``ref``.
 
@@ -177,6 +182,10 @@ def _capture(
             "or list it in .gitignore and try again."
         ),
     )
+    for path, content in (replace or {}).items():
+        blob = _sha(git("hash-object", "-w", "--stdin", stdin=content))
+        # No stat data: the next capture sharing this index rehashes the working tree's file.
+        git("update-index", "--add", "--cacheinfo", f"100644,{blob},{path}")
     tree = _sha(git("write-tree"))
 
     commit_args = ["commit-tree", "--no-gpg-sign"]
@@ -277,8 +286,13 @@ def list_files(git_dir: Path, commit: str) -> list[str]:
 def diff_versions(git_dir: Path, old: str, new: str, paths: Sequence[str] = ()) -> str:
     """The unified diff from code version ``old`` to ``new`` (limited to ``paths`` if given).
 
-    Each version is the exact tree a run executed, uncommitted edits included.
+    Each version is the exact tree a run executed, uncommitted edits included. Without
+    ``paths``, a notebook run's saved notebook (its JSON, beside the cells that ran at the
+    notebook's path) is left out: the cells show the change as code.
     """
+    from retrolog.versions.notebook import NOTEBOOK_SUFFIX, SAVED_SUFFIX
+
+    paths = paths or [f":(exclude,glob)**/*{NOTEBOOK_SUFFIX}{SAVED_SUFFIX}"]
     git_dir = Path(git_dir).resolve()
     doing = f"compare code versions {old} and {new}"
     for commit in (old, new):
