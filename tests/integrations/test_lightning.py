@@ -98,3 +98,31 @@ def test_a_data_order_it_cannot_capture_records_without_checkpoints(project: Pro
     assert len(lines) == 1 and "sampler is a Reversed" in lines[0], out.stderr
     assert read_db(project.root, "SELECT COUNT(*) FROM checkpoints") == [(0,)]
     assert read_db(project.root, "SELECT COUNT(*) FROM loops WHERE name = 'epoch'") == [(2,)]
+
+
+@pytest.mark.usefixtures("whole_machine")  # torch's default threads
+def test_a_torchmetrics_object_makes_its_epochs_execute_and_the_report_says_why(
+    project: Project,
+) -> None:
+    # Its accumulated state is the metric's own, which no checkpoint holds. Every epoch
+    # checkpointed (RETROLOG_CHECKPOINTS=every), to see each one refused.
+    script = EXAMPLE.replace(
+        "        self.save_hyperparameters()\n",
+        "        self.save_hyperparameters()\n"
+        "        import torchmetrics\n\n"
+        "        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=2)\n",
+    ).replace(
+        '        self.log("train_loss", loss, on_step=True, on_epoch=True)\n',
+        '        self.log("train_loss", loss, on_step=True, on_epoch=True)\n'
+        "        self.acc.update(self.net(x).argmax(-1), y)\n"
+        '        self.log("train_acc", self.acc, on_step=False, on_epoch=True)\n',
+    )
+    assert script.count("self.acc") == 3
+    project.write("train.py", script)
+    project.run("train.py", "--epochs", "2", "--samples", "32", RETROLOG_CHECKPOINTS="every")
+    assert read_db(project.root, "SELECT COUNT(*) FROM checkpoints WHERE kind = 'block'") == [(2,)]
+    out = project.cli("replay", "--verify", "--yes")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("whose accumulated state the checkpoint does not hold") == 2
+    assert "1 replay exactly" in out.stdout + out.stderr
+    assert read_db(project.root, "SELECT restored FROM replay_runs") == [(0,)]
