@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, logged_values, read_db
 
 pytest.importorskip("lightning")
 
@@ -55,6 +55,19 @@ def test_autolog_records_an_unmodified_lightning_script(project: Project) -> Non
     assert out.returncode == 0, out.stderr
     assert "1 replay exactly" in out.stdout + out.stderr, out.stdout + out.stderr
     assert read_db(project.root, "SELECT restored FROM replay_runs") == [(kept,)]
+    # Compared: every value outside the steps (the epochs' aggregates and validation of
+    # restored epochs too), and the steps' values of the epochs executed.
+    restored = {
+        e
+        for (e,) in read_db(
+            project.root,
+            "SELECT l.iteration FROM checkpoints c JOIN loops l ON l.run_id = c.run_id"
+            " AND l.ctx_id = c.ctx_id WHERE c.kind = 'block'",
+        )
+    }
+    recorded = logged_values(project.root / ".retrolog" / "retrolog.db")
+    expected = sum(1 for (_, _, e, s) in recorded if s is None or e not in restored)
+    assert read_db(project.root, "SELECT compared FROM replay_runs") == [(expected,)]
 
 
 @pytest.mark.usefixtures("whole_machine")  # torch's default threads
