@@ -13,14 +13,22 @@ _PATCHED: set[str] = set()
 
 
 def autolog() -> None:
-    """Record every transformers ``Trainer`` made from now on, with no other change.
+    """Record every transformers ``Trainer`` and Lightning ``Trainer`` made from now on,
+    with no other change.
 
-    Each Trainer gets a :class:`~retrolog.integrations.transformers.RetrologCallback`
-    (unless one was passed). Call it before the Trainer is made; calling it again
-    does nothing. Frameworks that are not installed are left alone.
+    Each Trainer gets its framework's ``RetrologCallback``
+    (:mod:`retrolog.integrations.transformers`, :mod:`retrolog.integrations.lightning`)
+    unless one was passed. Call it before the Trainer is made; calling it again does
+    nothing. Frameworks that are not installed are left alone.
     """
     if "transformers" not in _PATCHED and importlib.util.find_spec("transformers") is not None:
         from retrolog.integrations.transformers import patch_trainer
 
         patch_trainer()
         _PATCHED.add("transformers")
+
+    if "lightning" not in _PATCHED and importlib.util.find_spec("lightning") is not None:
+        from retrolog.integrations.lightning import patch_trainer as patch_lightning
+
+        patch_lightning()
+        _PATCHED.add("lightning")
