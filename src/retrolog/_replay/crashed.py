@@ -108,11 +108,12 @@ def check(
 
 
 def _fail(job: Job, why: str) -> None:
-    # The worker's own account says which checkpoints it had restored before the script
-    # raised, which is what a user needs when a restore is the cause.
-    account = (job.output or {}).get("diagnosis")
+    # When the worker had restored checkpoints before the script raised, its own account
+    # (what was restored, what a checkpoint holds, what to pass) is the likelier cause.
+    output = job.output or {}
+    account = output.get("diagnosis") if output.get("restored_before_failure") else None
     job.output = None
-    job.error = f"{why}. The worker says: {account}" if account else why
+    job.error = f"{account} (Compared with the recording: {why}.)" if account else why
     job.diagnosed = True
 
 

@@ -554,6 +554,7 @@ class ReplayRun:
             "parsed_args": self.parsed_args,
             "after_loop": self._after_loop_names(),
             "diagnosis": self._diagnosis,
+            "restored_before_failure": bool(self._diagnosis and self._restored_where),
             "volatile": sorted(self.volatile),
             "crash": self._crash_output(),
             "passed_crash": self._passed_crash,
