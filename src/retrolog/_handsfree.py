@@ -104,7 +104,7 @@ def prepare(script: str, args: list[str]) -> Any:
             "fix it and run again."
         ) from exc
     analysis.filename = script
-    sys.argv[:] = [script, *args]
+    sys.argv[:] = _command_line(script, args)
     _api._use_argv(sys.argv)
     # As ``python script`` does: the script's directory first on the path.
     directory = os.path.dirname(filename)
@@ -147,6 +147,18 @@ def explain_script(script: str) -> str:
             f"retrolog run --explain: {script} is not valid Python (line {exc.lineno}: {exc.msg})."
         ) from exc
     return handsfree.explain(analysis)
+
+
+def _command_line(script: str, args: list[str]) -> list[str]:
+    """The script's own command line, ``--kwargs`` included: importing retrolog took that
+    flag out of the CLI's ``sys.argv`` before click parsed it, so it is read from the
+    command line as retrolog found it at import."""
+    full = list(_api._original_argv)
+    if "run" in full:
+        start = full.index("run") + 1
+        if script in full[start:]:
+            return full[full.index(script, start) :]
+    return [script, *args]
 
 
 def _read(path: Path) -> str:
