@@ -8,8 +8,9 @@ import textwrap
 
 import numpy as np
 
-from conftest import Project
 from retrolog.runtime.handsfree import analyse, checkpoint_objects, explain, instrumented_text
+
+from conftest import Project
 
 CALLED = textwrap.dedent(
     """\
