@@ -44,6 +44,21 @@ def test_a_loop_nested_through_a_called_function_is_a_training_loop() -> None:
     assert "with __retrolog_handsfree__.checkpointing(0, locals(), globals()):" in text
 
 
+def test_an_instrumented_script_runs_as_it_is() -> None:
+    source = (
+        "import retrolog as rl\n"
+        "opt = make()\n"
+        "with rl.checkpointing(opt=opt):\n"
+        "    for epoch in rl.loop('epoch', range(2)):\n"
+        "        for b in range(2):\n"
+        "            opt.step()\n"
+    )
+    analysis = analyse(source, "t.py")
+    assert analysis.loops == []
+    assert "already calls rl.loop or rl.checkpointing" in explain(analysis)
+    assert "__retrolog_handsfree__.loop" not in instrumented_text(source, "t.py")
+
+
 def test_generators_and_globals_make_a_loop_uncertain() -> None:
     source = textwrap.dedent(
         """\

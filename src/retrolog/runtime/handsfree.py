@@ -211,7 +211,39 @@ class _Analyser:
         self.outer_at: dict[int, TrainingLoop] = {}
         self.inner_names: set[str] = set()
 
+    def instrumented(self) -> bool:
+        """Whether the script already calls ``rl.loop`` or ``rl.checkpointing``."""
+        aliases: set[str] = set()
+        direct: set[str] = set()
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname or a.name for a in node.names if a.name == "retrolog"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "retrolog":
+                direct |= {
+                    a.asname or a.name for a in node.names if a.name in ("loop", "checkpointing")
+                }
+        for node in ast.walk(self.tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in direct:
+                return True
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in ("loop", "checkpointing")
+                and isinstance(func.value, ast.Name)
+                and func.value.id in aliases
+            ):
+                return True
+        return False
+
     def run(self) -> Analysis:
+        if self.instrumented():
+            self.analysis.notes.append(
+                f"{self.analysis.filename} already calls rl.loop or rl.checkpointing: it runs "
+                "as it is, nothing inferred."
+            )
+            return self.analysis
         self.scope(self.tree.body, None)
         for fn in self.functions.values():
             self.scope(fn.body, fn)
