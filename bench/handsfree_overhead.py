@@ -6,6 +6,7 @@ alternating pairs (A/B, then B/A) so machine load falls on both alike. Prints ea
 pair's wall times and the median ratio.
 
     PYTHONPATH=src .venv/bin/python bench/handsfree_overhead.py --pairs 4 --repeat 4
+    PYTHONPATH=src .venv/bin/python bench/handsfree_overhead.py --pairs 4 --repeat 4 --aa
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=4, help="training set repetitions")
+    parser.add_argument(
+        "--aa", action="store_true", help="the A/A floor: the instrumented script against itself"
+    )
     opts = parser.parse_args()
     source = EXAMPLE.read_text().replace(".repeat(16", f".repeat({opts.repeat}")
     source = source.replace("repeat(16)", f"repeat({opts.repeat})")
@@ -74,6 +78,8 @@ def main() -> None:
         free = _project(Path(tmp) / "handsfree", stripped)
         a = [sys.executable, "train.py"]
         b = [sys.executable, "-m", "retrolog", "run", "train.py"]
+        if opts.aa:
+            b, free = [sys.executable, "train.py"], _project(Path(tmp) / "again", source)
         ratios = []
         for i in range(opts.pairs):
             order = [(a, inst), (b, free)] if i % 2 == 0 else [(b, free), (a, inst)]
