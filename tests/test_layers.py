@@ -27,6 +27,7 @@ RANKS = {
     "_project": 5,
     "_api": 6,
     "_restore": 7,
+    "_handsfree": 7,
     "ui": 8,
     "integrations": 8,
     "cli": 9,

@@ -53,6 +53,19 @@ except ArgumentError as _exc:  # raised at the first arg() so the message points
     _argv_error = _exc
 
 
+def _use_argv(argv: list[str]) -> None:
+    """``retrolog run script args``: the script's command line replaces the one this module
+    read at import (the CLI's); ``--kwargs`` is taken out of it as at import."""
+    global _original_argv, _overrides, _argv_error
+    _original_argv = list(argv)
+    _overrides, _argv_error = {}, None
+    try:
+        rest, _overrides = split_argv(argv)
+        argv[:] = rest
+    except ArgumentError as exc:
+        _argv_error = exc
+
+
 def _on_parsed(values: dict[str, Any]) -> None:
     """argparse parsed the command line: its values are run-level values of the run."""
     if _active is not None and _active.owned_by_this_process():

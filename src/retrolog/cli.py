@@ -475,6 +475,45 @@ def replay_command(
         sys.exit(1)
 
 
+@cli.command(
+    "run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="Print the training loops, objects, plain variables and uncertainties the analysis "
+    "finds; run nothing.",
+)
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run_command(explain: bool, script: str, args: tuple[str, ...]) -> None:
+    """Record SCRIPT unmodified: its training loops found and checkpointed hands-free.
+
+    ARGS are the script's own arguments (and --kwargs). The loops (an outermost for
+    loop with a nested one, also through functions of the same file) become rl.loop,
+    and the objects they change that have state_dict() are checkpointed; what was
+    inferred is recorded with the run and shown in replay plans. Where the analysis is
+    unsure, that loop is recorded without checkpoints and replay executes it.
+
+    \b
+    Example:
+      retrolog run --explain train.py
+      retrolog run train.py --epochs 3 --kwargs lr=0.01
+    """
+    from retrolog import _handsfree
+    from retrolog.errors import RetrologError
+
+    try:
+        if explain:
+            click.echo(terminal_safe(_handsfree.explain_script(script)))
+            return
+        code = _handsfree.prepare(script, list(args))
+    except RetrologError as exc:
+        _fail(str(exc))
+        return
+    _handsfree.execute(code)
+
+
 @cli.command("propagate")
 @click.argument("new_file", type=click.Path(exists=True, dir_okay=False))
 @click.argument("old_file", type=click.Path(exists=True, dir_okay=False))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import retrolog
 from retrolog._replay.checkout import make_checkout, remove_checkout, sweep_checkouts
 from retrolog._replay.forkserver import ForkedProcess, Launcher, StartPlan
 from retrolog.runtime.numerics import worker_environment
@@ -49,6 +50,7 @@ class Job:
     log_path: Path
     numerics: dict[str, Any] | None = None  # the run's recorded numerical environment
     start: StartPlan | None = None  # forked from a server that imported modules, or new
+    handsfree: bool = False  # recorded by `retrolog run`: the worker runs it the same way
     # filled in while it runs
     seconds: float = 0.0
     returncode: int | None = None
@@ -243,6 +245,8 @@ def _start(
     if not cwd.is_dir():
         cwd = job.checkout
     argv = [str(job.checkout / job.filename), *job.argv[1:]]
+    if job.handsfree:  # the propagated version goes through its recording's rewrite
+        argv = [str(Path(retrolog.__file__).parent / "__main__.py"), "run", *argv]
     if launcher is not None and job.start is not None and job.start.forked:
         job.log_path.write_bytes(b"")
         # The fork server's own imports (once, before its first worker) are not the job's:

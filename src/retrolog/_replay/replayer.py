@@ -24,7 +24,7 @@ from typing import Any
 
 from retrolog._config import mask
 from retrolog._query.runs import matching_runs
-from retrolog._replay import crashed
+from retrolog._replay import crashed, handsfree_runs
 from retrolog._replay.backfill import Check, Mismatch, already_stored, backfill, check_recorded
 from retrolog._replay.execute import (
     Job,
@@ -234,7 +234,10 @@ def replay(
             todo = candidates
         else:
             source = _read_newest(paths, filename)
-            sites = locate_statements(source, names, filename)
+            placed = source
+            if handsfree_runs.any_handsfree(conn, candidates):
+                placed = handsfree_runs.loops_source(source, filename)
+            sites = locate_statements(placed, names, filename)
             level, notes = scan_level_for(sites)
             # Without a requested statement after the outer loop, workers stop at its end: the
             # rest of the script only recomputes recorded values, and may use variables of
@@ -338,6 +341,7 @@ def replay(
                     environment=_environment_differences(runs[run_id], run_plan, threads),
                 )
         text = _plan_text(plan, outcomes, complete, names, filename, verify, lineage)
+        text = "\n".join([text, *handsfree_runs.plan_lines(runs, outcomes)])
         echo(text)
         result_args = (replay_id, names, filename)
         if dry_run:
@@ -1220,6 +1224,7 @@ def _jobs(
                     estimate_seconds=segment.estimate_seconds,
                     log_path=logs_dir / f"{run_plan.run_id}-{index}.log",
                     numerics=recorded,
+                    handsfree=handsfree_runs.inferred(row) is not None,
                 )
             )
     jobs.sort(key=lambda j: -j.estimate_seconds)

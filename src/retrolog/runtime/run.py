@@ -168,6 +168,7 @@ class Run:
         # replay workers reproduce it. Torch's state is taken again when training starts.
         self.numerics: dict[str, Any] = numerics.capture()
         self.parsed_args: dict[str, Any] = {}  # argparse/click values, runtime/cli_args.py
+        self.handsfree: dict[str, Any] | None = None  # what `retrolog run` inferred
 
         self._code_export: CodeExport | None = None
         metadata = open_metadata(paths)
@@ -258,6 +259,14 @@ class Run:
         self.events.append((Event.RUN_UPDATE, {"args": json.dumps(self.args, default=str)}))
         if self.parsed_args.pop(name, NO_OVERRIDE) is not NO_OVERRIDE:  # rl.arg wins
             self.events.append((Event.RUN_UPDATE, {"parsed_args": json.dumps(self.parsed_args)}))
+
+    def set_handsfree(self, inferred: Mapping[str, Any]) -> None:
+        """What ``retrolog run`` inferred (runtime/handsfree.py): kept in the run's
+        ``checkpointing`` record from now (a killed run has it too) and in its summary."""
+        self.handsfree = dict(inferred)
+        self.events.append(
+            (Event.RUN_UPDATE, {"checkpointing": json.dumps({"handsfree": self.handsfree})})
+        )
 
     def set_parsed_args(self, values: Mapping[str, Any]) -> None:
         """Record what argparse/click parsed (plain data) as run-level values.
@@ -639,6 +648,7 @@ class Run:
         lost = checkpointer.lost
         return json.dumps(
             {
+                **({"handsfree": self.handsfree} if self.handsfree is not None else {}),
                 "mode": config.checkpoints,
                 "overhead_tolerance": config.overhead_tolerance,
                 "restore_ratio": self._c(config),
