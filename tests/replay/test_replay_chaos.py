@@ -444,3 +444,17 @@ def test_replays_of_s3_runs_with_the_object_store_down_at_random_finish_exactly(
             ).items():
                 fresh[(s, epoch, step)] = value
     assert replayed == fresh, f"seed {seed}: {rounds}"
+
+
+def test_replay_workers_get_the_users_object_store_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The environment a worker (or its fork server) starts with keeps the one retrolog
+    setting that bounds its waits on the object store; the others it does not carry."""
+    from retrolog._replay.execute import run_worker_env
+
+    monkeypatch.setenv("RETROLOG_OBJECTS_TIMEOUT", "3")
+    monkeypatch.setenv("RETROLOG_OBJECTS_URL", "s3://bucket/prefix")
+    env = run_worker_env(None)
+    assert env["RETROLOG_OBJECTS_TIMEOUT"] == "3"
+    assert "RETROLOG_OBJECTS_URL" not in env  # the worker's spec says where the objects are
