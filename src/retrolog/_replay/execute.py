@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import retrolog
+from retrolog._config import lookup
 from retrolog._replay.checkout import make_checkout, remove_checkout, sweep_checkouts
 from retrolog._replay.forkserver import ForkedProcess, Launcher, StartPlan
 from retrolog.runtime.numerics import worker_environment
 from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
+from retrolog.store.fsspec_objects import TIMEOUT_ENV
 from retrolog.store.metadata import process_alive, process_start_marker
 
 _TAIL_LINES = 15
@@ -210,6 +212,11 @@ def run_worker_env(numerics: dict[str, Any] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
     env = worker_environment(env, numerics)
     env.update({"RETROLOG_PROGRESS": "0", "PYTHONUNBUFFERED": "1"})
+    # The user's limit on an object store's silence (environment or settings file) holds
+    # in the workers too: without it a worker waits the default 60 s per request.
+    timeout = lookup(TIMEOUT_ENV)
+    if timeout is not None:
+        env[TIMEOUT_ENV] = timeout
     return env
 
 
