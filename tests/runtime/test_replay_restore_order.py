@@ -43,6 +43,8 @@ def bare_runtime(calls: list[str]) -> ReplayRun:
     runtime._restored = 0
     runtime._checkpoint_at = []
     runtime._last_checkpoint = None
+    runtime._restored_where = []
+    runtime.spec = SimpleNamespace(end_checkpoint=None, block_checkpoints={})  # type: ignore[assignment]
     runtime.values = []  # type: ignore[assignment]
     runtime.events = []  # type: ignore[assignment]
     return runtime

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 
@@ -43,6 +44,7 @@ import os
 import time
 from pathlib import Path
 
+import fsspec
 import numpy as np
 
 import retrolog as rl
@@ -60,7 +62,7 @@ def log(name, value):
 
 rng = np.random.default_rng(7)
 w = np.zeros(50_000)
-with rl.checkpointing(w=w):
+with rl.checkpointing(w=w, rng=rng):
     for epoch in rl.loop("epoch", range(epochs)):
         if "MARKS" in os.environ:
             (marks / str(epoch)).write_text("")
@@ -91,7 +93,13 @@ def own_s3(_server: OwnS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[OwnS3]:
     test reads the store too). Each test uses a prefix of its own."""
     for name, value in _server.env().items():
         monkeypatch.setenv(name, value)
+    # fsspec reuses a file system made with the same arguments, and the endpoint comes
+    # from the environment, which is not among them: one made earlier in this process
+    # for another server would be handed back.
+    s3 = fsspec.get_filesystem_class("s3")
+    s3.clear_instance_cache()
     yield _server
+    s3.clear_instance_cache()
     if _server.paused:
         _server.resume()
     if _server.proxy is None:
