@@ -11,9 +11,7 @@ same way, so the propagated old version goes through the same rewrite.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import importlib.machinery
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -21,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog import _api
+from retrolog._replay._zygote import main_namespace
 from retrolog.errors import UsageError
 from retrolog.runtime import handsfree
 from retrolog.runtime.handsfree import Analysis
@@ -110,21 +109,7 @@ def prepare(script: str, args: list[str]) -> Any:
     directory = os.path.dirname(filename)
     if sys.path and not getattr(sys.flags, "safe_path", False):
         sys.path[0] = directory
-    import __main__
-
-    namespace = __main__.__dict__
-    namespace.clear()
-    namespace.update(
-        __name__="__main__",
-        __doc__=None,
-        __package__=None,
-        __loader__=importlib.machinery.SourceFileLoader("__main__", filename),
-        __spec__=None,
-        __annotations__={},
-        __builtins__=builtins,
-        __file__=filename,
-        __cached__=None,
-    )
+    namespace = main_namespace(filename)
     namespace[handsfree.HELPER] = Helpers(analysis)
     return code, namespace
 

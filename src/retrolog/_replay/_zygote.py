@@ -277,8 +277,9 @@ def _become(job: dict[str, Any], server_pid: int) -> None:
         generator.seed()
 
 
-def run_script(path: str) -> None:
-    """Run ``path`` as ``__main__``, in the real ``__main__`` module (pickling finds it)."""
+def main_namespace(path: str) -> dict[str, Any]:
+    """The real ``__main__`` module's namespace, emptied and set up as ``python path``
+    sets it up (pickling finds what the script defines there)."""
     import __main__
 
     namespace = __main__.__dict__
@@ -294,6 +295,12 @@ def run_script(path: str) -> None:
         __file__=path,
         __cached__=None,
     )
+    return namespace
+
+
+def run_script(path: str) -> None:
+    """Run ``path`` as ``__main__``, in the real ``__main__`` module."""
+    namespace = main_namespace(path)
     sys.modules.pop("_retrolog_zygote", None)
     with open(path, "rb") as source:
         code = compile(source.read(), path, "exec", dont_inherit=True)
