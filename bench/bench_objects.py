@@ -2,8 +2,8 @@
 
 Run from the repository root with the project's venv (the dev and team extras):
 
-    python bench/bench_objects.py              # ~2 min on 2 cores
-    python bench/bench_objects.py --reps 7
+    python -m bench.bench_objects              # ~2 min on 2 cores
+    python -m bench.bench_objects --reps 7
 
 Issue 16 asks for checkpoint write and restore throughput to the S3 server
 against local disk. Two states, each encoded as a recording's urgent lane
@@ -46,9 +46,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from _record_workload import CNN_SETUP
-from bench_checkpoint_floor import tensors
-from bench_log import Measured, spread
+from bench._record_workload import CNN_SETUP
+from bench.bench_checkpoint_floor import tensors
+from bench.harness import Measured, spread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "objects.json"
 BUCKET = "bench-objects"
