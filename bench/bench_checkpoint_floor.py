@@ -5,7 +5,7 @@ Run from the repository root with the project's venv (retrolog and torch install
     python -m bench.bench_checkpoint_floor            # ~1 min on 2 cores
     python -m bench.bench_checkpoint_floor --reps 30
 
-Issue 14 item 2 asks for at most 1% record overhead on bench_record's cnn
+The target is at most 1% record overhead on bench_record's cnn
 workload, whose epochs are the blocks the adaptive rule checkpoints. A 1%
 target is finer than what whole-run timings resolve on a shared 2-core VM
 (bench_record's A/A floor is 3-15%), so this measures the per-checkpoint

@@ -65,7 +65,7 @@ from bench.harness import (
 BENCH_DIR = Path(__file__).resolve().parent
 CHILD = BENCH_DIR / "_log_child.py"
 RESULTS = BENCH_DIR / "results" / "log.json"
-TARGET_US = 1.0  # the target: at most 1 microsecond per logged value
+TARGET_US = 1.0  # the target: at most 1 microsecond per logged value
 TARGET_LOOP_US = 1.5  # a loop iteration carrying one value: at most 1.5 microseconds
 SHAPES = ("inner", "loop")
 POSTGRESQL = "retrolog_postgresql"  # retrolog recording into PostgreSQL (--postgresql)

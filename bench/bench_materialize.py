@@ -1,4 +1,4 @@
-"""Benchmark: where checkpoint materialization should run (DESIGN.md, "Background materialization").
+"""Benchmark: where checkpoint materialization should run (docs/materialization.md).
 
 Run from the repository root with the project's venv (retrolog and torch installed):
 

@@ -5,11 +5,11 @@ Run from the repository root with the project's venv (the dev and team extras):
     python -m bench.bench_objects              # ~2 min on 2 cores
     python -m bench.bench_objects --reps 7
 
-Issue 16 asks for checkpoint write and restore throughput to the S3 server
-against local disk. Two states, each encoded as a recording's urgent lane
-encodes it, while training runs and when it is over (``encode_urgent``:
-uncompressed, small arrays in the manifest), and restored as a replay worker
-restores it (``decode``, retrolog's in-process cache emptied first):
+Checkpoint write and restore throughput to the S3 server against local disk.
+Two states, each encoded as a recording's urgent lane encodes it, while
+training runs and when it is over (``encode_urgent``: uncompressed, small
+arrays in the manifest), and restored as a replay worker restores it
+(``decode``, retrolog's in-process cache emptied first):
 
 - ``cnn``: bench_record's cnn model and Adam state (2.5 MB, 3 objects and the
   manifest);

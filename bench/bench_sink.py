@@ -6,11 +6,11 @@ Run from the repository root with the project's venv, the loopback services star
     python -m bench.bench_sink            # about a minute on 2 cores
     python -m bench.bench_sink --reps 5 --values 1000000
 
-Issue 16 asks for log throughput into PostgreSQL against SQLite, sustained by one
-run and by eight concurrent runs. A run's values reach the store through its writer
+Log throughput into PostgreSQL against SQLite, sustained by one run and by eight
+concurrent runs. A run's values reach the store through its writer
 thread's record sink (store/records.py), one transaction per batch. This drives the
 two sinks directly, as the writer does, to measure the sinks alone
-(``bench_log.py --postgresql`` measures a recording into PostgreSQL end to end):
+(``bench_log --postgresql`` measures a recording into PostgreSQL end to end):
 
 - each run is a process with its own sink and run id, writing ``--values`` hot-path
   values (floats, ``(ctx, name, value)``) in batches of ``--batch``, each batch with

@@ -11,7 +11,7 @@ Two parts, each side by side in one run, repetitions interleaved (every
 configuration once, then again) so that load from other processes spreads over
 all of them; figures are medians with [min..max]. torch runs one thread.
 
-compressors (issue 4, item 3: "compare ... and choose from measurements"):
+compressors (the codec is chosen from these measurements):
   the tensors of a real trained model (the CNN of workload (i) below after its
   last epoch): fp32 weights, Adam's exp_avg and exp_avg_sq, the weights cast
   to bf16 and fp16, and the change of the weights and of exp_avg_sq over the
