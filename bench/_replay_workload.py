@@ -27,6 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.harness import BenchError
+
 OUTER_NAME = "w_norm"
 INNER_NAME = "grad_norm"
 SUFFIX_NAME = "final_norm"  # after the loop (a suffix probe: bench/replay_breakdown.py)
@@ -161,10 +163,6 @@ GIT_IDENTITY = {
     "GIT_COMMITTER_NAME": "bench",
     "GIT_COMMITTER_EMAIL": "bench@example.invalid",
 }
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not produce a trustworthy figure."""
 
 
 def environment() -> dict[str, str]:

@@ -2,9 +2,9 @@
 
 Run from the repository root with the project's venv:
 
-    .venv/bin/python bench/bench_code_export.py  # ~1 min -> bench/results/code_export.json
-    .venv/bin/python bench/bench_code_export.py --reps 9
-    .venv/bin/python bench/bench_code_export.py --objects-url s3://bucket/prefix  # objects on S3
+    .venv/bin/python -m bench.bench_code_export  # ~1 min -> bench/results/code_export.json
+    .venv/bin/python -m bench.bench_code_export --reps 9
+    .venv/bin/python -m bench.bench_code_export --objects-url s3://bucket/prefix  # objects on S3
 
 The project is this repository's own tree (``git archive HEAD``, ~200 files),
 committed in a fresh temporary repository with a fresh store. Three cases, each

@@ -2,8 +2,8 @@
 
 Run from the repository root with the project's venv (retrolog installed):
 
-    python bench/bench_dataframe.py              # about a minute on a 2-core machine
-    python bench/bench_dataframe.py --reps 9
+    python -m bench.bench_dataframe              # about a minute on a 2-core machine
+    python -m bench.bench_dataframe --reps 9
 
 The store is a real one (``retrolog.store.metadata.connect`` and
 ``retrolog.store.schema.migrate`` on a temporary file), filled the way the
@@ -59,9 +59,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from bench_log import spread  # the script's directory is on sys.path
 
 import retrolog
+from bench.harness import spread
 from retrolog._query import dataframe as wide
 from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
@@ -320,8 +320,8 @@ def compare_postgresql(admin_url: str, sqlite_path: Path, reps: int) -> dict[str
     SELECT only: retrolog refuses a user's predicate as a superuser).
     """
     import psycopg
-    from bench_log import drop_schema, fresh_schema
 
+    from bench.harness import drop_schema, fresh_schema
     from retrolog.store.postgres import PostgresMetadata
 
     url = fresh_schema(admin_url)
@@ -391,7 +391,7 @@ COPY_WHERE = "lr >= 0.03"
 
 
 def working_copy_seconds(url: str, reps: int) -> dict[str, Any]:
-    """What a replay of this store's runs pays before its plan (_replay/shared.py): a
+    """What a replay of this store's runs pays before its plan (_replay/working_copy.py): a
     working copy of every run's rows (the script's: all of them here), into a fresh
     embedded store file, timed whole (migration, copy, commit), as a role that may
     read retrolog's tables (a user's predicate is refused to a superuser); and,
@@ -399,7 +399,7 @@ def working_copy_seconds(url: str, reps: int) -> dict[str, Any]:
     (judged in PostgreSQL first, as the replay judges it, and timed with it): the
     chosen runs' rows alone."""
     from retrolog._query.runs import matching_runs
-    from retrolog._replay.shared import _WorkingCopy
+    from retrolog._replay.working_copy import _WorkingCopy
     from retrolog.store.postgres import PostgresMetadata
     from retrolog.store.transfer import copy_into_sqlite
 
@@ -450,7 +450,7 @@ def _where_and_when(started: float) -> dict[str, Any]:
 
 def main_postgresql(args: argparse.Namespace) -> None:
     """--postgresql: the SQLite store and the same store in PostgreSQL, side by side."""
-    from bench_log import test_database_url
+    from bench.harness import test_database_url
 
     admin_url = test_database_url()
     if admin_url is None:

@@ -1,9 +1,9 @@
-"""Benchmark: where checkpoint materialization should run (DESIGN.md, "Background materialization").
+"""Benchmark: where checkpoint materialization should run (docs/materialization.md).
 
 Run from the repository root with the project's venv (retrolog and torch installed):
 
-    python bench/bench_materialize.py --threads 1  # about three minutes on a 2-core machine
-    python bench/bench_materialize.py --reps 7 --steps 40
+    python -m bench.bench_materialize --threads 1  # about three minutes on a 2-core machine
+    python -m bench.bench_materialize --reps 7 --steps 40
 
 One process trains an MLP with Adam (about 80 MB of state: parameters plus
 the two Adam moments) on random data, for ``--steps`` steps, checkpointing
@@ -53,9 +53,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_log import spread  # the script's directory is on sys.path
 from torch import nn
 
+from bench.harness import spread
 from retrolog.checkpoint.background import BackgroundCheckpointer
 from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
 from retrolog.checkpoint.codec import decode, encode

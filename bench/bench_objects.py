@@ -2,14 +2,14 @@
 
 Run from the repository root with the project's venv (the dev and team extras):
 
-    python bench/bench_objects.py              # ~2 min on 2 cores
-    python bench/bench_objects.py --reps 7
+    python -m bench.bench_objects              # ~2 min on 2 cores
+    python -m bench.bench_objects --reps 7
 
-Issue 16 asks for checkpoint write and restore throughput to the S3 server
-against local disk. Two states, each encoded as a recording's urgent lane
-encodes it, while training runs and when it is over (``encode_urgent``:
-uncompressed, small arrays in the manifest), and restored as a replay worker
-restores it (``decode``, retrolog's in-process cache emptied first):
+Checkpoint write and restore throughput to the S3 server against local disk.
+Two states, each encoded as a recording's urgent lane encodes it, while
+training runs and when it is over (``encode_urgent``: uncompressed, small
+arrays in the manifest), and restored as a replay worker restores it
+(``decode``, retrolog's in-process cache emptied first):
 
 - ``cnn``: bench_record's cnn model and Adam state (2.5 MB, 3 objects and the
   manifest);
@@ -46,9 +46,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from _record_workload import CNN_SETUP
-from bench_checkpoint_floor import tensors
-from bench_log import Measured, spread
+from bench._record_workload import CNN_SETUP
+from bench.bench_checkpoint_floor import tensors
+from bench.harness import Measured, spread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "objects.json"
 BUCKET = "bench-objects"

@@ -3,9 +3,9 @@
 Run from the repository root with the project's venv, on a repository fetched at
 run time (nothing of it is kept in this project):
 
-    python bench/bench_propagation_history.py --git DIR --file PATH [--file PATH ...]
-    python bench/bench_propagation_history.py --git DIR --file mnist/main.py --verbose
-    python bench/bench_propagation_history.py --git DIR --all \
+    python -m bench.bench_propagation_history --git DIR --file PATH [--file PATH ...]
+    python -m bench.bench_propagation_history --git DIR --file mnist/main.py --verbose
+    python -m bench.bench_propagation_history --git DIR --all \
         --json bench/results/propagation_history.json
 
 DIR is a git directory (bare or ``.git``); PATH a file in its newest commit, or
@@ -992,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "nproc": os.cpu_count(),
             "repository_head": head,
-            "command": "python bench/bench_propagation_history.py "
+            "command": "python -m bench.bench_propagation_history "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "total": total,
             "files": reports,

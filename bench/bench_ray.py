@@ -4,8 +4,8 @@ Run from the repository root with the project's venv, with the services up (the
 one-node Ray cluster on loopback that ``bash scripts/services.sh start`` starts, 2 CPUs):
 
     bash scripts/services.sh start
-    .venv/bin/python bench/bench_ray.py            # about 5 minutes on a 2-core machine
-    .venv/bin/python bench/bench_ray.py --reps 1 --ray-address HOST:PORT
+    .venv/bin/python -m bench.bench_ray            # about 5 minutes on a 2-core machine
+    .venv/bin/python -m bench.bench_ray --reps 1 --ray-address HOST:PORT
 
 The workload is bench_replay's CNN (``bench/_replay_workload.py``, code version V2,
 torch with one thread), recorded once as 8 runs (8 learning rates, so no run reuses
@@ -47,10 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _replay_workload as workload
-from _replay_workload import BenchError, read_values
-from bench_log import spread
+from bench import _replay_workload as workload
+from bench._replay_workload import read_values
+from bench.harness import BenchError, spread
 
 SERVICES_ENV = Path(__file__).resolve().parent.parent / ".services" / "env"
 RUNS = 8
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 reps.append({"seconds": seconds, "values_compared": len(values["local"])})
         finally:
             if schema_url is not None:
-                from bench_log import drop_schema
+                from bench.harness import drop_schema
 
                 drop_schema(schema_url)
         if {run for run, _ in values["local"]} != set(runs):
@@ -162,7 +161,7 @@ def replay(python: Path, project: Path, flags: list[str], database_url: str | No
 def to_postgresql(python: Path, base: Path) -> str:
     """The recorded store copied into a new schema of the services' PostgreSQL server,
     by ``retrolog migrate --to`` (the embedded store stays as it was); its URL."""
-    from bench_log import fresh_schema, test_database_url
+    from bench.harness import fresh_schema, test_database_url
 
     admin = test_database_url()
     if admin is None:

@@ -2,9 +2,9 @@
 
 Run from the repository root with the project's venv (retrolog and torch installed):
 
-    python bench/bench_record.py              # about 20 minutes on a 2-core machine
-    python bench/bench_record.py --reps 5 --no-flordb
-    python bench/bench_record.py --workloads stress --epochs stress=96 --no-blocking \
+    python -m bench.bench_record              # about 20 minutes on a 2-core machine
+    python -m bench.bench_record --reps 5 --no-flordb
+    python -m bench.bench_record --workloads stress --epochs stress=96 --no-blocking \
         --output /tmp/record-long.json   # a longer run, its one-time costs amortized
 
 (a) Record overhead. Four workloads (bench/_record_workload.py), each run as
@@ -82,14 +82,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-
-import _record_workload as workload  # noqa: E402
-from bench_log import (  # noqa: E402
+from bench import _record_workload as workload
+from bench.harness import (
     GIT_ENV,
     BenchError,
-    conditions,
+    Measured,
     flordb_python,
     git,
     source_fingerprint,
@@ -97,6 +94,7 @@ from bench_log import (  # noqa: E402
     tail,
 )
 
+BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "record.json"
 EPS = 1 / 15
 # Long enough that a run's one-time costs (its code version, the first and the end
@@ -311,7 +309,7 @@ def parse_epochs(items: list[str]) -> dict[str, int]:
 
 
 def torch_path(flor_python: Path, scratch: Path) -> tuple[Path | None, str]:
-    from bench_replay import torch_path_for
+    from bench.bench_replay import torch_path_for
 
     return torch_path_for(flor_python, scratch)
 
@@ -374,9 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
         print_report(result)
         return 0
-    started = time.time()
-    load_before = os.getloadavg()
-    source = source_fingerprint()
+    measured = Measured("record", args.reps).start()
     python = Path(sys.executable)
     env = base_env()
     names = [n for n in args.workloads.split(",") if n]
@@ -514,16 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    result: dict[str, Any] = conditions(
-        "record",
-        started,
-        load_before,
-        os.getloadavg(),
-        args.reps,
-        metadata.version("retrolog"),
-        source,
-        source_fingerprint(),
-    )
+    result: dict[str, Any] = measured.head()
     result["torch_version"] = metadata.version("torch")
     result["torch_threads"] = args.threads
     result["overhead_tolerance"] = EPS

@@ -2,9 +2,9 @@
 
 Run from the repository root with the project's venv (retrolog and torch installed):
 
-    python bench/bench_replay.py               # about 25 minutes on a 2-core machine
-    python bench/bench_replay.py --reps 5 --epochs 8 --no-flordb
-    python bench/bench_replay.py --torch-threads default   # as a script that never sets them
+    python -m bench.bench_replay               # about 25 minutes on a 2-core machine
+    python -m bench.bench_replay --reps 5 --epochs 8 --no-flordb
+    python -m bench.bench_replay --torch-threads default   # as a script that never sets them
 
 The workload (bench/_replay_workload.py) is a real PyTorch CPU training script
 (a small CNN on synthetic images; dropout, a shuffled DataLoader, an LR
@@ -78,17 +78,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import _replay_workload as workload
-from bench_log import (
+from bench import _replay_workload as workload
+from bench.harness import (
     FLORDB_VERSION,
     GIT_ENV,
     BenchError,
-    conditions,
+    Measured,
     flordb_python,
-    source_fingerprint,
     tail,
 )
-from bench_log import spread as summary  # this file's own spread() compares two runs
+from bench.harness import spread as summary  # this file's own spread() compares two runs
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "replay.json"
@@ -1231,7 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
     except metadata.PackageNotFoundError as exc:
         print(
             f"{exc.name} is not installed in {sys.executable}; run this with the project's "
-            "venv: .venv/bin/python bench/bench_replay.py",
+            "venv: .venv/bin/python -m bench.bench_replay",
             file=sys.stderr,
         )
         return 1
@@ -1244,9 +1243,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.no_flordb:
         flor_python, flordb_note = flordb_python()
 
-    started = time.time()
-    load_before = os.getloadavg()
-    source = source_fingerprint()
+    measured = Measured("replay", args.reps).start()
     scratch = Path(tempfile.mkdtemp(prefix="retrolog-bench-replay-scratch-"))
     reps: list[dict[str, Any]] = []
     flordb_reps: list[dict[str, Any]] = []
@@ -1286,28 +1283,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    load_after = os.getloadavg()
-    source_after = source_fingerprint()
-    if source_after.get("sha256") != source.get("sha256"):
-        print(
-            "warning: retrolog's source changed while the benchmark ran "
-            f"({source.get('sha256')} -> {source_after.get('sha256')}); run it again.",
-            file=sys.stderr,
-        )
+    measured.finish()
 
     reference_stable = len({r["reference_digest"] for r in reps}) == 1
     figs = figures(reps, mode.counts)
     result: dict[str, Any] = {
-        **conditions(
-            "replay",
-            started,
-            load_before,
-            load_after,
-            args.reps,
-            retrolog_version,
-            source,
-            source_after,
-        ),
+        **measured.head(retrolog_version),
         "torch_version": torch_version,
         "workload": {
             "script": "bench/_replay_workload.py",

@@ -2,8 +2,8 @@
 
 Run from the repository root with the project's venv:
 
-    python bench/bench_reuse.py                 # about 10 minutes on a 2-core machine
-    python bench/bench_reuse.py --reps 1 --launches 2
+    python -m bench.bench_reuse                 # about 10 minutes on a 2-core machine
+    python -m bench.bench_reuse --reps 1 --launches 2
 
 The workload is bench_replay's CNN (``bench/_replay_workload.py``, code version
 V2, torch with one thread), recorded as a small sweep: ``--configs`` learning
@@ -42,10 +42,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _replay_workload as workload
-from _replay_workload import BenchError, read_values
-from bench_log import spread
+from bench import _replay_workload as workload
+from bench._replay_workload import read_values
+from bench.harness import BenchError, spread
 
 
 def main(argv: list[str] | None = None) -> int:

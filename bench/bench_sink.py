@@ -3,14 +3,14 @@
 Run from the repository root with the project's venv, the loopback services started
 (``bash scripts/services.sh start``, for the PostgreSQL server):
 
-    python bench/bench_sink.py            # about a minute on 2 cores
-    python bench/bench_sink.py --reps 5 --values 1000000
+    python -m bench.bench_sink            # about a minute on 2 cores
+    python -m bench.bench_sink --reps 5 --values 1000000
 
-Issue 16 asks for log throughput into PostgreSQL against SQLite, sustained by one
-run and by eight concurrent runs. A run's values reach the store through its writer
+Log throughput into PostgreSQL against SQLite, sustained by one run and by eight
+concurrent runs. A run's values reach the store through its writer
 thread's record sink (store/records.py), one transaction per batch. This drives the
 two sinks directly, as the writer does, to measure the sinks alone
-(``bench_log.py --postgresql`` measures a recording into PostgreSQL end to end):
+(``bench_log --postgresql`` measures a recording into PostgreSQL end to end):
 
 - each run is a process with its own sink and run id, writing ``--values`` hot-path
   values (floats, ``(ctx, name, value)``) in batches of ``--batch``, each batch with
@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench_log import BenchError, Measured, spread
+from bench.harness import BenchError, Measured, spread
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sink.json"
 SERVICES_ENV = Path(__file__).resolve().parent.parent / ".services" / "env"

@@ -2,16 +2,16 @@
 
 Run from the repository root with the project's venv (retrolog installed):
 
-    python bench/bench_storage.py                     # both parts, ~4 min on 2 cores
-    python bench/bench_storage.py --mode compressors  # only the codec comparison
-    python bench/bench_storage.py --mode storage --reps 5
-    python bench/bench_storage.py --mode chains       # deltas: max_chain 0, 1, 2, 4
+    python -m bench.bench_storage                     # both parts, ~4 min on 2 cores
+    python -m bench.bench_storage --mode compressors  # only the codec comparison
+    python -m bench.bench_storage --mode storage --reps 5
+    python -m bench.bench_storage --mode chains       # deltas: max_chain 0, 1, 2, 4
 
 Two parts, each side by side in one run, repetitions interleaved (every
 configuration once, then again) so that load from other processes spreads over
 all of them; figures are medians with [min..max]. torch runs one thread.
 
-compressors (issue 4, item 3: "compare ... and choose from measurements"):
+compressors (the codec is chosen from these measurements):
   the tensors of a real trained model (the CNN of workload (i) below after its
   last epoch): fp32 weights, Adam's exp_avg and exp_avg_sq, the weights cast
   to bf16 and fp16, and the change of the weights and of exp_avg_sq over the
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -68,7 +67,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_log import conditions, source_fingerprint
+
+from bench.harness import Measured
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "storage.json"
@@ -618,9 +618,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    started = time.time()
-    load_before = os.getloadavg()
-    source = source_fingerprint()
+    measured = Measured("storage", args.reps).start()
     result: dict[str, Any] = {}
     if args.mode in ("all", "compressors"):
         result["compressors"] = compare_compressors(args.reps)
@@ -628,23 +626,14 @@ def main() -> None:
         result["storage"] = storage(args.reps, args.epochs_full, args.epochs_finetune)
     if args.mode in ("all", "chains"):
         result["chains"] = chains(args.reps, args.epochs_full)
-    load_after = os.getloadavg()
+    measured.finish()
     versions = {}
     for package in ("torch", "numpy", "imagecodecs", "blosc2", "xxhash", "zstandard"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    head = conditions(
-        "storage",
-        started,
-        load_before,
-        load_after,
-        args.reps,
-        metadata.version("retrolog"),
-        source,
-        source_fingerprint(),
-    )
+    head = measured.head()
     document = {**head, "versions": versions, "torch_threads": 1, **result}
     if "compressors" in result:
         print_compressors(result["compressors"])
@@ -652,7 +641,7 @@ def main() -> None:
         print_storage(result["storage"])
     if "chains" in result:
         print_chains(result["chains"])
-    print(f"\nload average before {load_before}, after {load_after}")
+    print(f"\nload average before {measured.load_before}, after {measured.load_after}")
     if args.output.exists() and args.mode != "all":
         # A partial run keeps the other part's figures from the last full run.
         previous = json.loads(args.output.read_text())

@@ -60,9 +60,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_log import conditions, spread  # the script's directory is on sys.path
-
 import retrolog
+from bench.harness import conditions, spread
 from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
 

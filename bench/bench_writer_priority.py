@@ -2,8 +2,8 @@
 
 Run from the repository root with the project's venv (retrolog and torch installed):
 
-    python bench/bench_writer_priority.py            # about 3 minutes on a 2-core machine
-    python bench/bench_writer_priority.py --reps 7
+    python -m bench.bench_writer_priority            # about 3 minutes on a 2-core machine
+    python -m bench.bench_writer_priority --reps 7
 
 A small CNN (the cnn workload of bench_record.py) trains for a fixed number of
 steps with torch using every core, in a fresh process per trial, while a
@@ -34,17 +34,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench import _record_workload as workload
+from bench.harness import BenchError, Measured, spread, tail
+
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-
-import _record_workload as workload  # noqa: E402
-from bench_log import BenchError, conditions, source_fingerprint, spread, tail  # noqa: E402
-
 RESULTS = BENCH_DIR / "results" / "writer_priority.json"
 MODES = ("none", "normal", "low", "idle")
 
@@ -128,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sys.platform.startswith("linux"):
         print("per-thread priorities are Linux's; nothing to measure here", file=sys.stderr)
         return 1
-    started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
+    measured = Measured("writer_priority", args.reps).start()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for rep in range(args.reps):
         order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
@@ -143,16 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             file=sys.stderr,
         )
-    result: dict[str, Any] = conditions(
-        "writer_priority",
-        started,
-        load_before,
-        os.getloadavg(),
-        args.reps,
-        metadata.version("retrolog"),
-        source,
-        source_fingerprint(),
-    )
+    result: dict[str, Any] = measured.head()
     result.update(torch_threads=args.threads, steps=args.steps, modes={})
     for mode in MODES:
         seconds = [r["seconds"] for r in runs[mode]]
@@ -175,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"writer priority: {result['nproc']} cores, torch {args.threads} threads, "
-        f"{args.steps} steps, {args.reps} reps, load {load_before[0]:.1f} -> "
+        f"{args.steps} steps, {args.reps} reps, load {measured.load_before[0]:.1f} -> "
         f"{result['load_average_after'][0]:.1f}"
     )
     for mode, entry in result["modes"].items():

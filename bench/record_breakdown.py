@@ -1,8 +1,8 @@
 """Where a recorded run's extra time goes: per-thread CPU accounting of bench_record's cnn.
 
-    .venv/bin/python bench/record_breakdown.py      # ~6 min on 2 cores -> bench/results/
-    .venv/bin/python bench/record_breakdown.py --workload saturated --reps 5
-    .venv/bin/python bench/record_breakdown.py --baseline-src /tmp/base/src   # vs another version
+    .venv/bin/python -m bench.record_breakdown      # ~6 min on 2 cores -> bench/results/
+    .venv/bin/python -m bench.record_breakdown --workload saturated --reps 5
+    .venv/bin/python -m bench.record_breakdown --baseline-src /tmp/base/src   # vs another version
 
 bench_record.py measures that recording costs the cnn workload a few percent of
 wall time; this says which thread pays it and how. Each repetition runs the
@@ -48,17 +48,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench import _record_workload as workload
+from bench.harness import GIT_ENV, BenchError, Measured, git, tail
+
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-
-import _record_workload as workload  # noqa: E402
-from bench_log import GIT_ENV, BenchError, conditions, git, source_fingerprint, tail  # noqa: E402
-
 RESULTS = BENCH_DIR / "results" / "record_breakdown.json"
 EPOCHS = {"cnn": 12, "saturated": 12, "stress": 24, "finetune": 16}
 VARIANTS = ("plain", "plain_again", "retrolog")
@@ -281,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--baseline-src {args.baseline_src}: no retrolog package in it")
         variants = (*VARIANTS, "baseline")
     python = Path(sys.executable)
-    started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
+    measured = Measured("record_breakdown", args.reps).start()
     runs: list[dict[str, dict[str, Any]]] = []
     try:
         for rep in range(args.reps):
@@ -328,16 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         if v in ("retrolog", "baseline")
     }
     result = {
-        **conditions(
-            "record_breakdown",
-            started,
-            load_before,
-            os.getloadavg(),
-            args.reps,
-            metadata.version("retrolog"),
-            source,
-            source_fingerprint(),
-        ),
+        **measured.head(),
         "workload": args.workload,
         "epochs": epochs,
         "torch_threads": args.threads,

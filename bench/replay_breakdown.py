@@ -2,9 +2,9 @@
 
 Run from the repository root with the project's venv:
 
-    python bench/replay_breakdown.py                  # about 6 minutes on a 2-core machine
-    python bench/replay_breakdown.py --reps 1 --epochs 6
-    python bench/replay_breakdown.py --torch-threads default --reps 1   # about 2 minutes
+    python -m bench.replay_breakdown                  # about 6 minutes on a 2-core machine
+    python -m bench.replay_breakdown --reps 1 --epochs 6
+    python -m bench.replay_breakdown --torch-threads default --reps 1   # about 2 minutes
 
 It records the bench_replay workload (3 runs, 2 code versions), re-records each
 run once more into a scratch store (the run-to-run spread of the same run on this
@@ -54,13 +54,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import _replay_workload as workload
-from bench_log import BenchError, conditions, source_fingerprint
-from bench_replay import add_thread_options, base_env, new_project, run_ids, run_kwargs, timed
+from bench import _replay_workload as workload
+from bench.bench_replay import add_thread_options, base_env, new_project, run_ids, run_kwargs, timed
+from bench.harness import BenchError, Measured
 
 BENCH_DIR = Path(__file__).resolve().parent
 SITE_DIR = BENCH_DIR / "_breakdown_site"
@@ -311,7 +310,7 @@ def thread_experiment(python: Path, cores: int) -> dict[str, Any]:
 
 def recorded_totals(db: Path) -> dict[str, dict[str, float]]:
     """Per run: prefix, the outer loop's iterations summed, and the suffix (record time)."""
-    from bench_replay import read_rows
+    from bench.bench_replay import read_rows
 
     out: dict[str, dict[str, float]] = {}
     for run_id, phase, seconds in read_rows(db, "SELECT run_id, phase, seconds FROM profile"):
@@ -389,7 +388,7 @@ def one_rep(
 
 def record_prefix_parts(db: Path, timelines: Path) -> list[dict[str, Any]]:
     """Per recording: the profile's prefix, and the same interval measured in parts."""
-    from bench_replay import read_rows
+    from bench.bench_replay import read_rows
 
     prefix = dict(read_rows(db, "SELECT run_id, seconds FROM profile WHERE phase = 'prefix'"))
     rows = []
@@ -504,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or (RESULTS if threads == 1 else RESULTS_DEFAULT_THREADS)
     workload.check_sources()
     python = Path(sys.executable)
-    started, load_before, source = time.time(), os.getloadavg(), source_fingerprint()
+    measured = Measured("replay_breakdown", args.reps).start()
     reps = []
     try:
         for rep in range(args.reps):
@@ -523,16 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     threads = thread_experiment(python, os.cpu_count() or 1)
     result = {
-        **conditions(
-            "replay_breakdown",
-            started,
-            load_before,
-            os.getloadavg(),
-            args.reps,
-            metadata.version("retrolog"),
-            source,
-            source_fingerprint(),
-        ),
+        **measured.head(),
         "workload": {
             "epochs": args.epochs,
             "n_train": args.n_train,

@@ -341,7 +341,7 @@ def replay_workers(text: str = REPLAY_WORKERS) -> list[int]:
         except OSError:
             continue
         if ("train.py" in cmdline and (text in cmdline or cwd.startswith(text))) or (
-            "_zygote.py" in cmdline and cwd.startswith(text)
+            "forkserver_main.py" in cmdline and cwd.startswith(text)
         ):
             found.append(int(entry.name))
     return found

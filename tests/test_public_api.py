@@ -12,22 +12,21 @@ import pytest
 import retrolog
 from retrolog import errors
 
-# The design's five recording calls and three reading ones.
-DESIGN_CALLS = {"arg", "log", "loop", "checkpointing", "commit", "dataframe", "query", "replay"}
-# Added since: rl.configure (checkpoint settings), rl.restore (load a past checkpoint into
-# live objects, the model-registry use), rl.lineage (how a value came to be) and
-# rl.Project (one project's store: what the CLI, the API and the UI go through).
-ADDITIONS = {"configure", "restore", "lineage", "Project"}
+# The recording calls and the reading ones.
+CORE_CALLS = {"arg", "log", "loop", "checkpointing", "commit", "dataframe", "query", "replay"}
+# rl.configure (checkpoint settings), rl.restore (load a past checkpoint into live objects,
+# the model-registry use), rl.lineage (how a value came to be) and rl.Project (one
+# project's store: what the CLI, the API and the UI go through).
+PROJECT_CALLS = {"configure", "restore", "lineage", "Project"}
 # Loops driven by events (a framework's hooks), for the integrations: docs/integrations.md.
 # rl.autolog: the frameworks' trainers patched so an unmodified script records.
 EVENT_CALLS = {"begin", "end", "restore_block", "volatile", "autolog"}
 
 
-def test_all_is_the_api_the_design_lists_and_the_additions() -> None:
-    # The README documents each of them in its API table.
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    documented = set(re.findall(r"^\| `(\w+)\(", readme.read_text(), flags=re.M))
-    assert set(retrolog.__all__) == DESIGN_CALLS | ADDITIONS | EVENT_CALLS
+def test_all_is_the_api_and_docs_api_md_documents_each_call() -> None:
+    reference = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+    documented = set(re.findall(r"^\| `(\w+)\(", reference.read_text(), flags=re.M))
+    assert set(retrolog.__all__) == CORE_CALLS | PROJECT_CALLS | EVENT_CALLS
     assert set(retrolog.__all__) <= documented
     for name in retrolog.__all__:
         assert callable(getattr(retrolog, name))
@@ -92,3 +91,23 @@ def test_the_replay_coordinator_imports_no_pandas_nor_numpy() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_readme_shows_the_tool_working_in_its_first_screen() -> None:
+    """Installs, records, adds a statement, replays and shows the dataframe in about 50
+    lines; every ``retrolog`` command its shell blocks run is one the CLI has."""
+    from retrolog.cli import cli
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first_screen = "\n".join(readme.splitlines()[:50])
+    for shown in ("pip install", "rl.checkpointing(", "rl.loop(", "rl.log(", "retrolog replay"):
+        assert shown in first_screen, shown
+    assert "retrolog dataframe" in first_screen and "w_norm" in first_screen
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    commands = {
+        line.split()[1]
+        for block in blocks
+        for line in block.splitlines()
+        if line.startswith("retrolog ")
+    }
+    assert commands and commands <= set(cli.commands), commands - set(cli.commands)

@@ -185,5 +185,7 @@ class _AfterLoad:
 if _OUT:
     sys.meta_path.insert(
         0,
-        _AfterLoad({"retrolog.runtime.replay": _install, "retrolog.runtime.run": _install_record}),
+        _AfterLoad(
+            {"retrolog.runtime.replay_worker": _install, "retrolog.runtime.run": _install_record}
+        ),
     )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from retrolog.errors import ArgumentError, RetrologError, UsageError
 from retrolog.runtime import cli_args
-from retrolog.runtime.args import cast, split_argv
+from retrolog.runtime.kwargs import cast, split_argv
 from retrolog.runtime.run import NO_OVERRIDE
 from retrolog.runtime.values import FAST_TYPES
 
@@ -53,7 +53,7 @@ except ArgumentError as _exc:  # raised at the first arg() so the message points
     _argv_error = _exc
 
 
-def _use_argv(argv: list[str]) -> None:
+def use_argv(argv: list[str]) -> None:
     """``retrolog run script args``: the script's command line replaces the one this module
     read at import (the CLI's); ``--kwargs`` is taken out of it as at import."""
     global _original_argv, _overrides, _argv_error
@@ -77,12 +77,12 @@ def _on_parsed(values: dict[str, Any]) -> None:
 cli_args.install()
 cli_args.listener = _on_parsed
 
-# runtime.replay.SPEC_ENV, named here so that a recording never imports the replay runtime.
+# runtime.replay_worker.SPEC_ENV, named here so that a recording never imports the replay runtime.
 _REPLAY_SPEC_ENV = "RETROLOG_REPLAY_SPEC"
 if os.environ.get(_REPLAY_SPEC_ENV):
-    # A replay worker (runtime/replay.py): the recorded numerical environment must be in
+    # A replay worker (runtime/replay_worker.py): the recorded numerical environment must be in
     # place before the script's first torch call, so before the first recording call.
-    from retrolog.runtime.replay import prepare_worker
+    from retrolog.runtime.replay_worker import prepare_worker
 
     prepare_worker(os.environ[_REPLAY_SPEC_ENV])
 
@@ -298,12 +298,12 @@ def dataframe(*names: str, where: str | None = None, definitions: str = "any") -
     columns (e.g. epoch, step) and the requested names; run-level values such
     as arguments are repeated on each row of their run.
     """
-    return _project().dataframe(*names, where=where, definitions=definitions)
+    return current_project().dataframe(*names, where=where, definitions=definitions)
 
 
 def query(sql: str) -> pd.DataFrame:
     """Run read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
-    return _project().query(sql)
+    return current_project().query(sql)
 
 
 def lineage(run: str, name: str, at: dict[str, int] | None = None) -> dict[str, Any]:
@@ -317,7 +317,7 @@ def lineage(run: str, name: str, at: dict[str, int] | None = None) -> dict[str, 
     origin, definition key, replay, propagated code object, the checkpoint it
     started from and its inexact mark.
     """
-    return _project().lineage(run, name, at)
+    return current_project().lineage(run, name, at)
 
 
 def replay(
@@ -365,7 +365,7 @@ def replay(
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     if _kernel is not None:  # a later run's cells script must not replay again
         _kernel.replayed.add(_kernel.current_cell())
-    project = _project()
+    project = current_project()
     result = project.replay(
         wanted, where, script=script, workers=workers, threads=threads, dry_run=dry_run,
         force=force, reuse=reuse, progress=False, executor=executor, ray_address=ray_address,
@@ -388,7 +388,17 @@ def replay(
         return pd.DataFrame()
 
 
+def original_argv() -> list[str]:
+    """The command line as retrolog found it: ``--kwargs`` still in it."""
+    return list(_original_argv)
+
+
 # -- run lifecycle -----------------------------------------------------------------------
+
+
+def current_run() -> Run:
+    """This process's run, started now if no recording call started it yet."""
+    return _active or _begin()
 
 
 def _begin() -> Run:
@@ -399,8 +409,8 @@ def _begin() -> Run:
 
     _install_hooks()
     spec = os.environ.get(_REPLAY_SPEC_ENV)
-    if spec:  # a replay worker: see retrolog.runtime.replay
-        from retrolog.runtime.replay import ReplayRun, WorkerSpec
+    if spec:  # a replay worker: see retrolog.runtime.replay_worker
+        from retrolog.runtime.replay_worker import ReplayRun, WorkerSpec
 
         _active = ReplayRun(WorkerSpec.load(spec))  # type: ignore[assignment]
     else:
@@ -442,7 +452,7 @@ def _follow_kernel() -> Kernel | None:
 _kernel = _follow_kernel()
 
 
-def _project() -> Project:
+def current_project() -> Project:
     """The current directory's project, after this process's own run's records are written
     (a script reading its own run sees what it logged)."""
     from retrolog._project import Project

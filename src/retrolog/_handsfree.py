@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog import _api
-from retrolog._replay._zygote import main_namespace
+from retrolog._replay.forkserver_main import main_namespace
 from retrolog.errors import UsageError
 from retrolog.runtime import handsfree
 from retrolog.runtime.handsfree import Analysis
@@ -58,7 +58,7 @@ class Helpers:
         record["objects"] = sorted(objects)
         record["uncertain"] = uncertain
         self.inferred["objects"][str(loop.line)] = sorted(objects)
-        run = _api._active or _api._begin()
+        run = _api.current_run()
         set_inferred = getattr(run, "set_handsfree", None)
         if set_inferred is not None:
             set_inferred(self.inferred)
@@ -104,7 +104,7 @@ def prepare(script: str, args: list[str]) -> Any:
         ) from exc
     analysis.filename = script
     sys.argv[:] = _command_line(script, args)
-    _api._use_argv(sys.argv)
+    _api.use_argv(sys.argv)
     # As ``python script`` does: the script's directory first on the path.
     directory = os.path.dirname(filename)
     if sys.path and not getattr(sys.flags, "safe_path", False):
@@ -138,7 +138,7 @@ def _command_line(script: str, args: list[str]) -> list[str]:
     """The script's own command line, ``--kwargs`` included: importing retrolog took that
     flag out of the CLI's ``sys.argv`` before click parsed it, so it is read from the
     command line as retrolog found it at import."""
-    full = list(_api._original_argv)
+    full = _api.original_argv()
     if "run" in full:
         start = full.index("run") + 1
         if script in full[start:]:

@@ -237,6 +237,22 @@ class Project:
         with self._portable() as conn:
             return checkpoint_list(conn, run)
 
+    def checkpoint_positions(self, run: str) -> tuple[str, list[tuple[Any, ...]]]:
+        """The run ``run`` names (a unique prefix is enough) and where its checkpoints are:
+        (ctx_id, kind, outer-loop iteration, loop name, manifest key), what ``rl.restore``
+        chooses from."""
+        from retrolog._query.runs import checkpoint_positions
+        from retrolog.errors import StoreError
+
+        with self._portable() as conn:  # the embedded store, or PostgreSQL's reader
+            errors = (sqlite3.Error, getattr(conn, "errors", sqlite3.Error))
+            try:
+                return checkpoint_positions(conn, run)
+            except errors as exc:
+                raise StoreError(
+                    f"Cannot read the checkpoints of run {run} from the store: {exc}."
+                ) from exc
+
     def code(self, run: str, path: str | None = None) -> dict[str, Any]:
         """The code a run executed: its version's file list and the text of ``path``
         (default: its script), uncommitted edits included."""
@@ -259,7 +275,7 @@ class Project:
         what a replay can fill in."""
         from retrolog._query.dataframe import logged_names
         from retrolog.errors import UsageError
-        from retrolog.versions.lineage import definitions
+        from retrolog.versions.definitions import definitions
         from retrolog.versions.notebook import read_script
 
         path = (self.paths.root / script).resolve()
@@ -435,8 +451,8 @@ class Project:
         wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
         extra: dict[str, Any] = {} if echo is None else {"echo": echo}
         url = database_url()
-        if url is not None:  # through a working copy of the runs (_replay/shared.py)
-            from retrolog._replay.shared import replay_shared
+        if url is not None:  # through a working copy of the runs (_replay/working_copy.py)
+            from retrolog._replay.working_copy import replay_shared
 
             return replay_shared(
                 self.paths, url, [n for n in wanted if n], where, script=script,

@@ -13,7 +13,6 @@ from the store and loaded in place, exactly as replay restores a skipped block.
 from __future__ import annotations
 
 import operator
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +67,7 @@ def restore(
 
     Returns a :class:`RestoredCheckpoint` saying which checkpoint was restored.
     """
-    from retrolog._api import _project
-    from retrolog._query.runs import resolve_run
+    from retrolog._api import current_project
     from retrolog.checkpoint.capture import load_checkpoint
     from retrolog.checkpoint.state import Snapshot
     from retrolog.checkpoint.state import restore as restore_state
@@ -84,16 +82,9 @@ def restore(
     ref, row = _run_reference(run)
     if at is not None:
         at = _position(at)
-    project = _project()
-    with project._portable() as conn:  # the embedded store, or PostgreSQL's reader
-        errors = (sqlite3.Error, getattr(conn, "errors", sqlite3.Error))
-        try:
-            run_id = resolve_run(conn, ref)
-            rows = _checkpoint_rows(conn, run_id)
-        except errors as exc:
-            raise StoreError(
-                f"Cannot read the checkpoints of run {ref} from the store: {exc}."
-            ) from exc
+    project = current_project()
+    run_id, positions = project.checkpoint_positions(ref)
+    rows = [_Row(*position) for position in positions]
     loop_name = rows[-1].loop_name if rows else ""
     if at is None and row is not None:
         at = _position_from_row(row, loop_name)
@@ -187,18 +178,6 @@ def _position_from_row(row: Any, loop_name: str) -> int | str | None:
     if pd.isna(value):
         return None
     return _position(value)
-
-
-def _checkpoint_rows(conn: Any, run_id: str) -> list[_Row]:
-    return [
-        _Row(ctx, kind, iteration, loop_name, manifest)
-        for ctx, kind, iteration, loop_name, manifest in conn.execute(
-            "SELECT c.ctx_id, c.kind, l.iteration, c.loop_name, c.manifest FROM checkpoints c"
-            " LEFT JOIN loops l ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id"
-            " WHERE c.run_id = ? ORDER BY c.ctx_id IS NULL, c.ctx_id, c.checkpoint_id",
-            (run_id,),
-        )
-    ]
 
 
 def _choose(run_id: str, rows: Sequence[_Row], at: int | str | None) -> _Row:

@@ -1,6 +1,6 @@
 """Fork servers: a forked worker is the process ``python script argv...`` would have been.
 
-The server is the real one (_replay/_zygote.py in its own process, with numpy and
+The server is the real one (_replay/forkserver_main.py in its own process, with numpy and
 torch imported); each test compares what a forked worker sees with what a new
 interpreter running the same script sees.
 """
@@ -374,7 +374,7 @@ def test_forkserver_off_by_environment(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_the_server_program_imports_nothing_of_retrolog() -> None:
-    source = (Path(__file__).parents[2] / "src/retrolog/_replay/_zygote.py").read_text()
+    source = (Path(__file__).parents[2] / "src/retrolog/_replay/forkserver_main.py").read_text()
     tree = ast.parse(source)
     imported = {
         alias.name.partition(".")[0]

@@ -1,6 +1,6 @@
 """Replay through the CLI and the API, checked against fresh runs of the new code.
 
-The exactness requirement (DESIGN.md): for a deterministic script, a value
+The exactness requirement: for a deterministic script, a value
 obtained by replay equals, bit for bit, what a fresh run of that code version
 with the statement logs; at every scan level, with dense and sparse
 checkpoints. The script has dropout, a shuffled DataLoader and an LR scheduler

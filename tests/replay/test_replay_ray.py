@@ -304,7 +304,7 @@ def _workers_of(run_id: str) -> list[int]:
             cwd = os.readlink(entry / "cwd")
         except (OSError, ValueError):
             continue
-        if ("train.py" in cmdline or "_zygote.py" in cmdline) and (
+        if ("train.py" in cmdline or "forkserver_main.py" in cmdline) and (
             marker in cmdline or marker in cwd
         ):
             found.append(int(entry.name))

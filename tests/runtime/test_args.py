@@ -7,7 +7,7 @@ import json
 import pytest
 
 from retrolog.errors import ArgumentError
-from retrolog.runtime.args import cast, split_argv
+from retrolog.runtime.kwargs import cast, split_argv
 
 from conftest import Project, read_db
 

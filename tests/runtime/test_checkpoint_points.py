@@ -1,4 +1,4 @@
-"""Where checkpoints are taken (DESIGN.md "Blocks and checkpoints") and what they hold."""
+"""Where checkpoints are taken (runtime/run.py: blocks and checkpoints) and what they hold."""
 
 from __future__ import annotations
 

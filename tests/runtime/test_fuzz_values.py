@@ -5,7 +5,7 @@ NaN and infinities, text with lone surrogates and control characters, bytes,
 nested containers, numpy arrays and scalars of many dtypes, objects whose
 ``str()`` fails, cycles). Each is logged with ``rl.log`` into one real run, then
 read back with ``dataframe``. The properties: ``rl.log`` never raises and
-returns at once, the writer never fails, and what the README promises to keep
+returns at once, the writer never fails, and what docs/api.md promises to keep
 exactly (numbers, strings, bools, None, JSON-able containers) reads back equal.
 """
 
@@ -117,7 +117,7 @@ def _read_back(run: Run, name: str) -> Any:
 
 
 def _plain(value: Any) -> bool:
-    """Whether the README promises ``value`` back exactly (strings that UTF-8 can hold)."""
+    """Whether docs/api.md promises ``value`` back exactly (strings that UTF-8 can hold)."""
     if value is None or isinstance(value, (bool, float)):
         return True
     if isinstance(value, int):

@@ -410,7 +410,7 @@ def test_a_large_array_nested_in_a_logged_value_is_named_by_its_path(project: Pr
 def test_a_recording_does_not_load_the_replay_runtime(project: Project) -> None:
     """It is for replay workers only; loading it cost every run's start its import."""
     from retrolog import _api
-    from retrolog.runtime import replay
+    from retrolog.runtime import replay_worker as replay
 
     assert _api._REPLAY_SPEC_ENV == replay.SPEC_ENV
     project.write(
@@ -423,7 +423,7 @@ def test_a_recording_does_not_load_the_replay_runtime(project: Project) -> None:
             for i in rl.loop("epoch", range(2)):
                 rl.log("x", float(i))
             rl.commit()
-            print("replay runtime loaded:", "retrolog.runtime.replay" in sys.modules)
+            print("replay runtime loaded:", "retrolog.runtime.replay_worker" in sys.modules)
             """
         ),
     )

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from retrolog.runtime import frames
-from retrolog.runtime import replay as replay_runtime
-from retrolog.runtime.replay import ReplayRun
+from retrolog.runtime import replay_worker as replay_runtime
+from retrolog.runtime.replay_worker import ReplayRun
 
 
 class SpyPrefetcher:

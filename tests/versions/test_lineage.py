@@ -7,7 +7,7 @@ import textwrap
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrolog.versions.lineage import definitions
+from retrolog.versions.definitions import definitions
 
 SCRIPT = textwrap.dedent(
     '''

@@ -1,6 +1,6 @@
 """Which definition produced each value in the store, and how a value came to be.
 
-A definition (``versions/lineage.py``) is what the statement logging a name
+A definition (``versions/definitions.py``) is what the statement logging a name
 computes: the statement plus the project functions and constants it reaches.
 The store keeps each definition once, in ``definitions`` (key, name, text,
 dependencies, why it is coarse, first seen), and links values to them:
@@ -28,7 +28,7 @@ from typing import Any
 from retrolog._query.runs import resolve_run
 from retrolog.errors import UnknownNameError
 from retrolog.store.metadata import rollback
-from retrolog.versions.lineage import Definition, Reader, definitions
+from retrolog.versions.definitions import Definition, Reader, definitions
 from retrolog.versions.notebook import read_script
 
 

@@ -382,6 +382,23 @@ def checkpoint_list(conn: Any, ref: str) -> list[dict[str, Any]]:
     return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
+def checkpoint_positions(conn: Any, ref: str) -> tuple[str, list[tuple[Any, ...]]]:
+    """The run ``ref`` names and its checkpoints as (ctx_id, kind, outer-loop iteration, loop
+    name, manifest key), in context order, the end checkpoint last: what a restore chooses
+    from."""
+    run_id = resolve_run(conn, ref)
+    rows = [
+        tuple(row)
+        for row in conn.execute(
+            "SELECT c.ctx_id, c.kind, l.iteration, c.loop_name, c.manifest FROM checkpoints c"
+            " LEFT JOIN loops l ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id"
+            " WHERE c.run_id = ? ORDER BY c.ctx_id IS NULL, c.ctx_id, c.checkpoint_id",
+            (run_id,),
+        )
+    ]
+    return run_id, rows
+
+
 def _version(
     conn: Any, run_id: str, *, from_store: bool = False
 ) -> tuple[str, str, bool, str, str]:

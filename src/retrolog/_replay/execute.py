@@ -27,7 +27,7 @@ from retrolog._config import lookup
 from retrolog._replay.checkout import make_checkout, remove_checkout, sweep_checkouts
 from retrolog._replay.forkserver import ForkedProcess, Launcher, StartPlan
 from retrolog.runtime.numerics import worker_environment
-from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
+from retrolog.runtime.replay_worker import SPEC_ENV, WorkerSpec
 from retrolog.store.fsspec_objects import TIMEOUT_ENV
 from retrolog.store.metadata import process_alive, process_start_marker
 
@@ -351,7 +351,7 @@ def _finish(job: Job) -> None:
 
 
 def worker_diagnosis(out: Path) -> str | None:
-    """What a failed worker wrote about its failure (runtime/replay.py, ``failed``)."""
+    """What a failed worker wrote about its failure (runtime/replay_worker.py, ``failed``)."""
     try:
         found = json.loads(out.read_text()).get("diagnosis")
     except (OSError, ValueError, AttributeError):

@@ -6,7 +6,7 @@ take 3.5 s here, more than a replayed epoch. A fork server pays that once per
 replay: it starts with the worker's environment, imports what the recorded run
 had imported by its first loop (runtime/modules.py), and forks one worker per
 segment, which then runs the script as ``python script argv...`` would
-(_replay/_zygote.py).
+(_replay/forkserver_main.py).
 
 Where that is not safe, or not what a new interpreter would do, workers start
 as new interpreters and the plan says why (:func:`start_plan`):
@@ -49,16 +49,16 @@ from retrolog.runtime.modules import STDLIB, valid_name
 FORKSERVER_ENV = "RETROLOG_FORKSERVER"  # "0": every worker starts as a new interpreter
 # What a worker imports of retrolog before the script's own work: the package, the replay
 # runtime its import sets up, and what that runtime loads at the script's first call. A
-# fork server times a child importing them (_zygote.time_a_start) for the plan.
+# fork server times a child importing them (forkserver_main.time_a_start) for the plan.
 WORKER_MODULES = (
     "retrolog",
-    "retrolog.runtime.replay",
+    "retrolog.runtime.replay_worker",
     "retrolog.runtime.isolation",
     "retrolog.checkpoint.prefetch",
     "retrolog.store.backends",
 )
-_ZYGOTE = Path(__file__).with_name("_zygote.py")
-# Loads _zygote.py as a module of its own (not as part of retrolog) and serves.
+_ZYGOTE = Path(__file__).with_name("forkserver_main.py")
+# Loads forkserver_main.py as a module of its own (not as part of retrolog) and serves.
 _BOOT = (
     "import sys\n"
     "if sys.path and sys.path[0] == '': sys.path.pop(0)\n"

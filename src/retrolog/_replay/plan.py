@@ -4,7 +4,7 @@ A plan says, for each past run, how a worker replays it (docs/replay-planning.md
 which scan level, which outer-loop iterations have their block restored from a
 checkpoint and which execute it, and how an inner-loop scan is cut into
 contiguous iteration ranges for parallel workers. The estimate comes from the
-run's record-time profile (DESIGN.md, "Cost estimate")::
+run's record-time profile, which splits a run's time as::
 
     prefix | pre | it 0: non-block + block | it 1 ... | it n-1 | post + suffix
                             ^ restored from its checkpoint, or executed

@@ -381,8 +381,7 @@ def measure_restore_throughput(store_root: Path, manifest: str) -> float:
 
     Pass ``1 / throughput`` to :func:`plan_replay` as ``restore_seconds_per_byte``.
     """
-    from retrolog.checkpoint._arrays import DECODED
-    from retrolog.checkpoint.capture import load_checkpoint
+    from retrolog.checkpoint.capture import forget_decoded, load_checkpoint
     from retrolog.store.backends import object_store_for
 
     store = _CountingStore(object_store_for(store_root))
@@ -394,7 +393,7 @@ def measure_restore_throughput(store_root: Path, manifest: str) -> float:
         # The first decode imported something (torch: a second or more), which a worker
         # pays once in its prefix, not per restore: time a second decode (from the page
         # cache, so a little optimistic for a cold disk), with no array cached by the first.
-        DECODED.clear()
+        forget_decoded()
         store.sizes.clear()
         started = time.perf_counter()
         load_checkpoint(store, manifest)

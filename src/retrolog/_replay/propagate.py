@@ -56,7 +56,7 @@ from retrolog._replay._scopes import (
     _scopes,
     _stored,
 )
-from retrolog.versions.lineage import (
+from retrolog.versions.definitions import (
     Binding,
     canonical,
     global_reads,

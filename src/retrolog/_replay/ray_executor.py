@@ -236,7 +236,7 @@ class SegmentTask:
 @dataclass
 class WorkerRows:
     """What a worker reads of the metadata store: the run's loop contexts and the frame
-    locals kept with its checkpoints (runtime/replay.py, _load_contexts and
+    locals kept with its checkpoints (runtime/replay_worker.py, _load_contexts and
     _load_frame_locals)."""
 
     loops: list[tuple[Any, ...]]  # (ctx_id, parent_ctx, name, iteration)
@@ -308,7 +308,7 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     """
     from retrolog._replay.checkout import checkout_prefix, make_checkout, sweep_checkouts
     from retrolog._replay.execute import die_with, run_worker_env, worker_diagnosis, worker_output
-    from retrolog.runtime.replay import SPEC_ENV, WorkerSpec
+    from retrolog.runtime.replay_worker import SPEC_ENV, WorkerSpec
 
     started = time.perf_counter()
     sweep_checkouts()  # what killed Ray workers of this node left (no coordinator runs here)

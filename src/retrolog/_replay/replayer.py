@@ -58,7 +58,7 @@ from retrolog._replay.statements import Position, locate_statements, names_read
 from retrolog.errors import RetrologError, StoreUnreachableError, UsageError
 from retrolog.runtime import numerics
 from retrolog.runtime.modules import decode as decode_modules
-from retrolog.runtime.replay import WorkerSpec
+from retrolog.runtime.replay_worker import WorkerSpec
 from retrolog.store.backends import objects_location
 from retrolog.store.metadata import (
     is_readonly,
@@ -175,7 +175,7 @@ def replay(
         docs/replay-on-ray.md); default the ``executor`` setting, else local.
     ray_address: the Ray cluster's address (default: RAY_ADDRESS); only with Ray.
     choose: the runs ``where`` matches, when ``conn`` is a working copy of a store that
-        judges it in its own dialect (_replay/shared.py); default: matched on ``conn``.
+        judges it in its own dialect (_replay/working_copy.py); default: matched on ``conn``.
     settle: called with the outcomes once the values are in ``conn``, before the report:
         a working copy's are written into its store there, and each outcome's
         ``backfilled`` and ``already`` set to what that store kept.
@@ -418,7 +418,7 @@ def _copy_reused(
 class _RunLineage:
     """Today's definitions of the names, and how the runs' values relate to them."""
 
-    today: dict[str, Any]  # name -> versions.lineage.Definition, in today's script
+    today: dict[str, Any]  # name -> versions.definitions.Definition, in today's script
     changed: dict[str, list[str]]  # run -> names whose backfilled values have another key
     recorded_differs: dict[str, list[str]]  # name -> runs that recorded it by another key
     # run -> name -> the key of what a replay computes there now (the statement propagated
@@ -437,7 +437,7 @@ def _propagate_all(
     """Per run: its old source, today's statements propagated into it, and the definition
     keys of the names in the propagated file (what a replay would compute now)."""
     from retrolog._query.lineage import version_reader
-    from retrolog.versions.lineage import definitions
+    from retrolog.versions.definitions import definitions
 
     rows = _run_rows(conn, run_ids, root)
     by_version: dict[tuple[str, str], tuple[str, Propagation, dict[str, str]]] = {}
@@ -479,7 +479,7 @@ def _lineage_of(
 ) -> _RunLineage:
     """Compare the definitions the runs' values came from with what a replay computes now."""
     from retrolog._query.lineage import value_keys, working_tree_reader
-    from retrolog.versions.lineage import definitions
+    from retrolog.versions.definitions import definitions
 
     today = definitions(
         source, names, filename=filename, read=working_tree_reader(paths.root, filename)
@@ -503,7 +503,7 @@ def _lineage_of(
 def _same_after_renames(new_source: str, old_source: str, name: str, key: str) -> bool:
     """Whether the old statement is today's but for variables the alignment maps renamed."""
     from retrolog._replay.propagate import renames
-    from retrolog.versions.lineage import definitions
+    from retrolog.versions.definitions import definitions
 
     mapping = renames(new_source, old_source)
     if not mapping:
@@ -769,7 +769,7 @@ def _thread_notes(
 # worker has frozen the garbage collector (0.7 s without), 0.05 s without torch. A worker
 # forked from a fork server frees less (most of its pages are still the server's): 0.015 s
 # to leave. Run to its end, it joins threads, runs the atexit handlers and leaves by
-# os._exit without finalizing its modules (_zygote._leave): 0.025 s more, whatever it
+# os._exit without finalizing its modules (forkserver_main._leave): 0.025 s more, whatever it
 # imported (finalizing took 0.17 s with torch on bench_replay's workload, 0.4-0.7 s with
 # scikit-learn too). The recorded profile has none of these: a recording ends at commit().
 EXIT_SECONDS = 0.05
@@ -1136,7 +1136,7 @@ def _keep_propagated(
 ) -> None:
     """The definitions of what each replayed version computes (most are today's)."""
     from retrolog._query.lineage import keep, version_reader
-    from retrolog.versions.lineage import definitions
+    from retrolog.versions.definitions import definitions
 
     seen: set[tuple[str, str]] = set()
     for run_id, propagated in propagations.items():

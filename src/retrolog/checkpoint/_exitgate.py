@@ -22,6 +22,9 @@ torch frame, so a thread ended by finalization there exits quietly.
 
 Sections of different threads do not exclude each other: the idle lane, at the
 lowest CPU priority, must never make the urgent lane wait.
+
+A module of its own because two packages' threads share it (the writer lanes in
+background.py, the prefetcher in prefetch.py); private to ``checkpoint``.
 """
 
 from __future__ import annotations

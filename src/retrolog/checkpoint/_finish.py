@@ -5,6 +5,9 @@ Training is over and the user waits for the exit, so the wait is shown
 and an estimate of the time, updated as tqdm would) and can be cut short: a
 first Ctrl-C says what is being finished, a second one abandons it. What is
 abandoned is reported, never dropped silently (docs/materialization.md).
+
+Kept apart from background.py, which owns the writer lanes: this is the exit's
+interaction with the user (signals, the progress line), private to ``checkpoint``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Checkpoints whose encoding and writing happen off the training thread, never lost.
 
-DESIGN.md, "Background materialization": the training thread only takes a
-snapshot; hashing, compression and I/O happen elsewhere. The choice of a
-thread over a forked child or a worker process was made from measurements
-(docs/materialization.md, bench/bench_materialize.py)::
+The training thread only takes a snapshot; hashing, compression and I/O happen
+elsewhere. The choice of a thread over a forked child or a worker process was
+made from measurements (docs/materialization.md, bench/bench_materialize.py)::
 
     training thread                   writer lanes (threads)
     ---------------                   ----------------------

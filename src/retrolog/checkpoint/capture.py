@@ -4,8 +4,8 @@ The runtime hands a :class:`Checkpointer` the named objects at the end of a
 block (or of the outer loop) and learns about the finished checkpoint through
 a sink, which receives a :class:`CheckpointRecord` only once every object the
 manifest references is written. :class:`SynchronousCheckpointer` does all of
-it on the calling thread; the background materializer (DESIGN.md,
-"Background materialization") replaces it behind the same two methods, which
+it on the calling thread; the background materializer
+(background.py) replaces it behind the same two methods, which
 is why ``capture`` returns only the calling thread's cost (what the adaptive
 rule sees) and ``close`` is the only flush: every checkpoint a capture
 took is written by the time it returns.
@@ -142,6 +142,14 @@ class SynchronousCheckpointer(Checkpointer):
 def load_checkpoint(store: ObjectStore, manifest: str) -> Snapshot:
     """Read the checkpoint whose manifest key is ``manifest``."""
     return decode(manifest, store)
+
+
+def forget_decoded() -> None:
+    """Empty this process's cache of decoded arrays, so the next load decodes every array
+    (what a measurement of decode time needs)."""
+    from retrolog.checkpoint._arrays import DECODED
+
+    DECODED.clear()
 
 
 def restore_checkpoint(objects: Mapping[str, object], store: ObjectStore, manifest: str) -> None:

@@ -4,10 +4,10 @@ Format ``retrolog.snapshot/2`` (docs/checkpoint-storage.md has the byte
 layout and the measurements behind it). Each tensor's and array's content is
 an object of its own, keyed by the xxh3-128 of its dtype, shape and bytes, so
 a tensor that did not change between checkpoints (a frozen layer, a shared
-base model) is stored once, across checkpoints and runs ("Checkpoint storage"
-in DESIGN.md). Float data is compressed losslessly (byte planes, then zstd)
-and, given a :class:`DeltaHistory`, may be stored as a delta against the same
-tensor in the run's previous checkpoint (:mod:`retrolog.checkpoint._arrays`).
+base model) is stored once, across checkpoints and runs. Float data is
+compressed losslessly (byte planes, then zstd) and, given a
+:class:`DeltaHistory`, may be stored as a delta against the same tensor in the
+run's previous checkpoint (:mod:`retrolog.checkpoint._arrays`).
 Manifests of format ``/1`` (raw, sha256-keyed objects) are still read.
 
 The manifest is a JSON tree that gives back exactly the Python structure that

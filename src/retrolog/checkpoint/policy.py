@@ -1,6 +1,6 @@
 """When a block's end state is checkpointed: Flor's joint invariant, per skippable block.
 
-DESIGN.md, "Adaptive checkpointing": with M the main-thread cost of
+With M the main-thread cost of
 materializing a checkpoint, C the block's compute time, n the block's
 executions so far (this one included) and k its checkpoints so far, take a
 checkpoint when

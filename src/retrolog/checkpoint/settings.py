@@ -6,7 +6,7 @@ and a keyword of :func:`retrolog.configure`, which wins over the variable:
 =========================  ==============================  ==========================
 setting                    environment variable            default
 =========================  ==============================  ==========================
-``overhead_tolerance``     ``RETROLOG_OVERHEAD_TOLERANCE`` 1/15 (eps in DESIGN.md)
+``overhead_tolerance``     ``RETROLOG_OVERHEAD_TOLERANCE`` 1/15 (eps in policy.py)
 ``checkpoints``            ``RETROLOG_CHECKPOINTS``        ``"adaptive"``
 ``max_in_flight``          ``RETROLOG_MAX_IN_FLIGHT``      2
 ``when_full``              ``RETROLOG_WHEN_FULL``          ``"skip"``; with ``"every"``:

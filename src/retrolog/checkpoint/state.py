@@ -1,10 +1,11 @@
 """Capture and restore the live state a checkpoint is made of, in memory.
 
 A :class:`Snapshot` is an independent deep copy of the named objects' state
-plus the RNG states (DESIGN.md, "Blocks and checkpoints"). :func:`restore`
+plus the RNG states. :func:`restore`
 puts it back *into the same live objects*: a module keeps its parameter
 tensors, an optimizer stays the object the training loop holds, so code after
-a skipped block sees exactly what it saw during record ("Replay exactness").
+a skipped block sees exactly what it saw during record: replay is exact only
+if a restored block leaves the same objects in the same state.
 
 torch is never imported here unless the caller already did (a tensor can only
 exist once torch is imported) or a snapshot to restore holds torch state.
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from retrolog.checkpoint._loaded import is_tensor, loaded_torch
+from retrolog.checkpoint.lazy_types import is_tensor, loaded_torch
 from retrolog.errors import CheckpointTargetError, RetrologWarning
 
 ACCEPTED = (

@@ -19,6 +19,8 @@ dataframe see them without the user calling anything:
 same name (docs/recording.md, "Arguments"). Replay runs the script with its
 recorded command line, so the parser yields the recorded values again; a
 worker reports what it parsed and the deferred check compares them.
+
+retrolog's own ``--kwargs`` flag for ``rl.arg`` is kwargs.py's.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from retrolog.checkpoint._loaded import is_tensor, numpy_scalar_types
+from retrolog.checkpoint.lazy_types import is_tensor, numpy_scalar_types
 from retrolog.errors import StoreError, UntrustedPickleError
 
 MAX_ITEMS = 10_000

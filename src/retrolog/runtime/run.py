@@ -3,7 +3,7 @@
 One :class:`Run` exists per recording process at a time. It owns the record
 deque (drained by :class:`~retrolog.runtime.writer.Writer`) and decides, as
 loops start and end, which context each value belongs to and where a
-checkpoint is taken (DESIGN.md, "Blocks and checkpoints"):
+checkpoint is taken:
 
 - the outermost loop started inside ``checkpointing`` is the OUTER loop;
 - the first loop nested directly in an OUTER iteration is that iteration's

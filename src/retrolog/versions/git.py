@@ -5,7 +5,7 @@ At run start :func:`capture_code_version` snapshots the project's working tree
 into a commit on ``refs/retrolog/runs/<run_id>``. The snapshot is built in a
 temporary index, so the user's HEAD, index, branches, stash, config and
 working tree are never touched; the only traces are new objects and the ref
-(FlorDB commits the user's edits and switches branches: see DESIGN.md).
+(unlike FlorDB, which commits the user's edits and switches branches).
 Outside a git repository the same happens in a private git directory inside
 the store. :func:`materialize` and :func:`read_file` give a version back
 without going near any work tree of the user's.

@@ -87,7 +87,7 @@ class WorkerSpec:
     # into the project are made private to the checkout (runtime/isolation.py).
     checkout: str | None = None
     # The database the coordinator reads, when it is not <store>/retrolog.db: a replay of
-    # a PostgreSQL store reads a working copy of the runs it replays (_replay/shared.py).
+    # a PostgreSQL store reads a working copy of the runs it replays (_replay/working_copy.py).
     database: str | None = None
     project: str | None = None
     # Where the checkpoint objects are: the coordinator's RETROLOG_OBJECTS_URL, which the

@@ -3,6 +3,9 @@
 The flag is FlorDB's: ``python train.py --kwargs lr=0.01 batch_size=64``. It is
 taken out of ``sys.argv`` when retrolog is imported, so a script's own argparse
 (which usually runs before the first ``arg()`` call) never sees it.
+
+The script's own parsers (argparse, click) are read by cli_args.py: this module
+is retrolog's flag, that one the values of flags the script defines.
 """
 
 from __future__ import annotations
