@@ -5,10 +5,15 @@ the comparison's metric summaries."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from conftest import values_by_run
@@ -134,3 +139,29 @@ def test_compare_shows_metric_summaries_beside_the_arguments_and_code(
     page.wait_for_function("!document.getElementById('runs-view').hidden")
     assert page.evaluate(SECTIONS) == ["runs-view", "chart-view"]
     assert problems == []
+
+
+def test_without_torch_on_the_server_a_download_says_what_to_install(
+    page: Any, serve: Any, recorded: Any, tmp_path: Path
+) -> None:
+    # The dashboard's own Python cannot import torch (the runs were recorded with it).
+    blocker = tmp_path / "no_torch"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\n\nsys.modules['torch'] = None\n")
+    path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
+    with serve(recorded, PYTHONPATH=path) as dashboard:
+        page.goto(dashboard.url)
+        page.wait_for_selector(READY)
+        run_id = page.locator("#runs tbody tr").first.get_attribute("data-run")
+        page.click(f"#runs tbody tr[data-run='{run_id}'] a.run-link")
+        page.click("#run-checkpoints a[data-at='end']")
+        page.wait_for_selector("#run-checkpoint-error:not([hidden])")
+        assert "pip install 'retrolog[torch]'" in page.inner_text("#run-checkpoint-error")
+        # The address itself answers with the same advice, never a traceback.
+        address = f"{dashboard.base}/api/runs/{run_id}/checkpoints/end"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(address, timeout=30)
+        assert refused.value.code == 400
+        error = json.loads(refused.value.read())["error"]
+        assert "needs torch, which is not installed" in error
+        assert "pip install 'retrolog[torch]'" in error

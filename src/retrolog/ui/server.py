@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import hmac
+import importlib.util
 import io
 import ipaddress
 import json
@@ -211,7 +212,9 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
     def project_info(request: Request) -> dict[str, Any]:
         scripts = project.scripts()
         return {"root": str(project.root), "store": str(project.paths.store), "scripts": scripts,
-                "indexer": None if indexer is None else indexer.state}  # fmt: skip
+                "indexer": None if indexer is None else indexer.state,
+                # Whether checkpoints can be downloaded as torch.save files here.
+                "torch": importlib.util.find_spec("torch") is not None}  # fmt: skip
 
     def names(request: Request) -> list[str]:
         return project.names()

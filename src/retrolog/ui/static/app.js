@@ -743,6 +743,15 @@ function checkpointTable(runId, ckpts) {
     link.textContent = "download .pt";
     link.setAttribute("download", "");
     link.dataset.at = at;
+    link.addEventListener("click", (event) => {
+      if (view.project && view.project.torch === false) { // the download would only fail
+        event.preventDefault();
+        $("run-checkpoint-error").textContent = "A checkpoint is downloaded as a torch.save "
+          + "file, which needs torch where `retrolog ui` runs, and it is not installed there: "
+          + "pip install 'retrolog[torch]' in that environment and restart the dashboard.";
+        $("run-checkpoint-error").hidden = false;
+      }
+    });
     const written = c.created_at ? new Date(c.created_at * 1000).toLocaleString() : "";
     return [c.kind === "end" ? "the end" : `${c.loop} ${c.iteration}`,
       `${(c.nbytes / 1e6).toFixed(2)} MB`, written, link];
@@ -787,6 +796,7 @@ async function showRun(runId) {
     facts([...details.loops.map((l) => [l.name, `${l.iterations} iterations (depth ${l.depth})`]),
       ...details.names.map((n) => [n.name, `${n.count} value(s), ${n.level} level, ${n.origin}`])]),
   );
+  $("run-checkpoint-error").hidden = true;
   $("run-checkpoints").replaceChildren(
     facts([["written", `${ck.count} (${(ck.bytes / 1e6).toFixed(2)} MB)`],
       ["chosen / written / abandoned", ck.chosen === undefined ? null
