@@ -667,7 +667,7 @@ function heading(text) {
   return h;
 }
 
-function table(className, header, rows) {
+function detailTable(className, header, rows) {
   // rows: arrays of cells, each a string or a node; a row that is a string is a section.
   const t = document.createElement("table");
   t.className = className;
@@ -703,10 +703,12 @@ function table(className, header, rows) {
   return t;
 }
 
-function flatten(value, prefix = "", out = []) {
+function flattenFacts(value, prefix = "", out = []) {
   // A nested object as [dotted key, text] pairs, for a table.
   if (value && typeof value === "object" && !Array.isArray(value)) {
-    for (const [k, v] of Object.entries(value)) flatten(v, prefix ? `${prefix}.${k}` : k, out);
+    for (const [k, v] of Object.entries(value)) {
+      flattenFacts(v, prefix ? `${prefix}.${k}` : k, out);
+    }
   } else {
     out.push([prefix, Array.isArray(value) ? value.join(", ") : String(value)]);
   }
@@ -724,14 +726,14 @@ function environmentTable(details) {
     "machine",
     ["python", details.python || ""],
     ["host", details.host ? `${details.host} (pid ${details.pid})` : ""],
-    ...flatten(rest),
+    ...flattenFacts(rest),
     "environment variables",
     ...set.map(([k, v]) => [k, String(v)]),
   ];
   if (unset.length) rows.push(["not set", unset.join(", ")]);
   const packages = Object.entries(details.packages || {});
   if (packages.length) rows.push("packages", ...packages.map(([k, v]) => [k, String(v)]));
-  return table("env", ["setting", "value"], rows);
+  return detailTable("env", ["setting", "value"], rows);
 }
 
 function checkpointTable(runId, ckpts) {
@@ -756,7 +758,7 @@ function checkpointTable(runId, ckpts) {
     return [c.kind === "end" ? "the end" : `${c.loop} ${c.iteration}`,
       `${(c.nbytes / 1e6).toFixed(2)} MB`, written, link];
   });
-  return table("checkpoints", ["at", "stored", "written", "file"], rows);
+  return detailTable("checkpoints", ["at", "stored", "written", "file"], rows);
 }
 
 async function showRun(runId) {
@@ -833,7 +835,7 @@ function renderDiff(text) {
   return pre;
 }
 
-const shown = (v) => (v === null || v === undefined ? "-"
+const compareCell = (v) => (v === null || v === undefined ? "-"
   : typeof v === "number" ? String(Number.isInteger(v) ? v : Number(v.toPrecision(6)))
     : JSON.stringify(v));
 
@@ -843,10 +845,11 @@ function metricTable(found) {
   for (const name of found.metrics.names) {
     rows.push(name);
     for (const agg of ["last", "min", "max"]) {
-      rows.push([agg, ...found.runs.map((run) => shown(found.metrics.values[run][`${name}:${agg}`]))]);
+      const cells = found.runs.map((run) => found.metrics.values[run][`${name}:${agg}`]);
+      rows.push([agg, ...cells.map(compareCell)]);
     }
   }
-  return table("metrics", ["", ...found.runs], rows);
+  return detailTable("metrics", ["", ...found.runs], rows);
 }
 
 async function showCompare() {
@@ -868,8 +871,8 @@ async function showCompare() {
   $("compare-title").replaceChildren(...found.runs.flatMap((r, i) =>
     (i ? [document.createTextNode(", "), runLink(r)] : [runLink(r)])));
   const rows = Object.entries(found.args_differ).map(([name, values]) => [name,
-    ...values.map(shown)]);
-  $("compare-args").replaceChildren(table("", ["argument", ...found.runs], rows));
+    ...values.map(compareCell)]);
+  $("compare-args").replaceChildren(detailTable("", ["argument", ...found.runs], rows));
   $("compare-same").textContent = "the same in all: " + (Object.entries(found.args_same)
     .map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ") || "-");
   $("compare-metrics").replaceChildren(found.metrics.names.length ? metricTable(found)
