@@ -165,3 +165,27 @@ def test_without_torch_on_the_server_a_download_says_what_to_install(
         error = json.loads(refused.value.read())["error"]
         assert "needs torch, which is not installed" in error
         assert "pip install 'retrolog[torch]'" in error
+
+
+def test_the_download_address_names_what_is_wrong_and_the_favicon_is_served(
+    recorded: Any,
+) -> None:
+    from starlette.testclient import TestClient
+
+    from retrolog import Project
+    from retrolog.ui.server import Settings, create_app
+
+    app = create_app(Project(recorded.root), Settings(host="127.0.0.1", port=7431))
+    with TestClient(app, base_url="http://127.0.0.1:7431") as client:
+        run_id = client.get("/api/runs").json()["rows"][0]["run_id"]
+        word = client.get(f"/api/runs/{run_id}/checkpoints/last")
+        assert word.status_code == 400
+        assert "outer-loop iteration or 'end'" in word.json()["error"]
+        missing = client.get(f"/api/runs/{run_id}/checkpoints/99")
+        assert missing.status_code == 400
+        assert f"Run {run_id} has no checkpoint at epoch 99" in missing.json()["error"]
+        assert "end" in missing.json()["error"]
+        assert client.get("/api/runs/nope/checkpoints/end").status_code == 400
+        icon = client.get("/favicon.ico")
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+        assert client.get("/api/project").json()["torch"] is True
