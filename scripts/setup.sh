@@ -14,5 +14,3 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   .venv/bin/python -m pip install --quiet -e ".[dev,torch,ui,team]"
   touch "$stamp"
 fi
-# The dashboard's chart library, from the npm registry (checked against its pinned hash).
-.venv/bin/python -m retrolog.ui.assets

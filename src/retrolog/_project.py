@@ -13,7 +13,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from retrolog.store.paths import ProjectPaths, locate
 
@@ -252,6 +252,41 @@ class Project:
                 raise StoreError(
                     f"Cannot read the checkpoints of run {run} from the store: {exc}."
                 ) from exc
+    def export_checkpoint(
+        self, run: str, at: int | str | None, out: str | os.PathLike[str] | IO[bytes]
+    ) -> dict[str, Any]:
+        """Write a run's checkpoint as the file ``torch.save`` writes, which
+        ``torch.load(path, weights_only=True)`` reads back: a dict of the checkpoint's named
+        objects (state_dicts, tensors, plain values) as it holds them.
+
+        at: the outer-loop iteration whose block ended at the checkpoint, ``"end"``, or None
+            (the end checkpoint, else the latest), as ``rl.restore`` chooses.
+        out: a path (written whole or not at all) or a binary file open for writing.
+
+        Returns the run id, loop, position and the names of the objects written. Needs torch
+        here; a checkpoint holding a pickle is refused (nothing read from the store runs).
+        """
+        from retrolog._query.runs import checkpoint_at
+        from retrolog.checkpoint.export import export_torch
+        from retrolog.store.backends import object_store_for
+
+        with self._portable() as conn:
+            found = checkpoint_at(conn, run, at)
+        position = "the end" if found["at"] == "end" else f"{found['loop']} {found['at']}"
+        where = f"checkpoint at {position} of run {found['run_id']}"
+        store = object_store_for(self.paths.store)
+        if not isinstance(out, str | os.PathLike):
+            names = export_torch(store, found["manifest"], out, where)
+            return {**found, "names": names}
+        target = Path(out)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            with open(partial, "wb") as handle:
+                names = export_torch(store, found["manifest"], handle, where)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return {**found, "names": names, "path": str(target)}
 
     def code(self, run: str, path: str | None = None) -> dict[str, Any]:
         """The code a run executed: its version's file list and the text of ``path``

@@ -682,6 +682,57 @@ def gc_command(
     emit(done, table=not asked)
 
 
+@cli.group("checkpoint")
+def checkpoint_group() -> None:
+    """A run's checkpoints as files other tools read."""
+
+
+@checkpoint_group.command("export")
+@click.argument("run")
+@click.argument("at", required=False)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, writable=True),
+    help="The file to write (e.g. model.pt).",
+)
+@click.option("--force", is_flag=True, help="Replace the output file if it exists.")
+@_handle_errors
+def checkpoint_export_command(run: str, at: str | None, output: str, force: bool) -> None:
+    """Write RUN's checkpoint at AT as a torch.save file.
+
+    RUN is a run id or a unique prefix of one. AT is the outer-loop iteration
+    whose block ended at the checkpoint (0-based), or `end`; without it, the end
+    checkpoint, else the latest. The file is a dict of the checkpoint's named
+    objects (state_dicts, tensors, plain values), which
+    torch.load(path, weights_only=True) reads. Needs torch.
+
+    \b
+    Example:
+      retrolog checkpoint export 20261122-1635 3 -o epoch3.pt
+    """
+    position: int | str | None = at
+    if at is not None and at != "end":
+        try:
+            position = int(at)
+        except ValueError:
+            raise click.BadParameter(
+                f"{at!r} is neither an iteration number nor 'end'", param_hint="AT"
+            ) from None
+    if os.path.exists(output) and not force:
+        _fail(f"{output} exists; pass --force to replace it, or write to another file.")
+    done = _project().export_checkpoint(run, position, output)
+    where = "the end" if done["at"] == "end" else f"{done['loop']} {done['at']}"
+    click.echo(
+        terminal_safe(
+            f"wrote {output}: the checkpoint at {where} of run {done['run_id']} "
+            f"({', '.join(done['names'])})"
+        ),
+        err=True,
+    )
+
+
 @cli.command("ui")
 @click.option(
     "--port", type=click.IntRange(min=0, max=65535), help="Port (default 7431, or a free one)."

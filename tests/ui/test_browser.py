@@ -105,16 +105,17 @@ def test_find_chart_and_replay_runs_from_the_browser(
     assert f"{spike_run}: {max(loss[spike_run])!r}" in page.inner_text("#chart-tip")
     # Compare the two: lr differs, and the code diff between their versions shows.
     page.click("#compare-selected")
-    page.wait_for_selector("#compare-view:not([hidden])")
+    page.wait_for_selector("#compare-args table")
     assert "lr" in page.inner_text("#compare-args")
     diff = page.inner_text("#compare-diffs")
     assert "-DECAY = 0.001" in diff and "+DECAY = 0.002" in diff
     # A run's page: its arguments, checkpoints and the code it ran.
+    page.go_back()
     newest = page.locator("#runs tbody tr").first.get_attribute("data-run")
     page.click(f"#runs tbody tr[data-run='{newest}'] a.run-link")
     page.wait_for_function("document.getElementById('run-code').textContent.includes('DECAY')")
     assert "DECAY = 0.002" in page.inner_text("#run-code")
-    assert "epoch 0" in page.inner_text("#run-details")  # which iterations have a checkpoint
+    assert "epoch 0" in page.inner_text("#run-checkpoints")  # which iterations have one
     # Reloading the address gives the same view.
     page.reload()
     page.wait_for_selector(READY)
@@ -122,6 +123,7 @@ def test_find_chart_and_replay_runs_from_the_browser(
 
     # Today's script logs a new name; replay the selected runs from the page.
     log_w_sq_today()
+    page.click("#nav a[data-view='replay']")
     page.focus("#replay-names")  # the page offers what today's script logs that no run has
     page.wait_for_function("document.getElementById('replay-hint').textContent.includes('w_sq')")
     page.fill("#replay-names", "w_sq")
@@ -134,6 +136,7 @@ def test_find_chart_and_replay_runs_from_the_browser(
         "document.getElementById('status').textContent.startsWith('replay')", timeout=240_000
     )
     assert page.inner_text("#status") == "replay finished", page.inner_text("#replay-output")
+    page.click("#nav a[data-view='runs']")
     page.select_option("#chart-name", "w_sq")
     page.wait_for_function(
         "window.__retrolog.series.length === 2"
@@ -278,6 +281,7 @@ def test_the_dashboard_reads_and_replays_a_postgresql_store(
     source = path.read_text()
     assert line in source
     path.write_text(source.replace(line, line + '            rl.log("w_sq", state["w"] ** 2)\n'))
+    page.click("#nav a[data-view='replay']")
     page.fill("#replay-names", "w_sq")
     page.click("#replay-plan")
     page.wait_for_selector("#replay-start:not([disabled])", timeout=120_000)
@@ -287,6 +291,7 @@ def test_the_dashboard_reads_and_replays_a_postgresql_store(
         "document.getElementById('status').textContent.startsWith('replay')", timeout=240_000
     )
     assert page.inner_text("#status") == "replay finished", page.inner_text("#replay-output")
+    page.click("#nav a[data-view='runs']")
     page.select_option("#chart-name", "w_sq")
     page.wait_for_function(
         "window.__retrolog.series.length === 2"

@@ -494,3 +494,48 @@ def compare_runs(conn: Any, refs: list[str]) -> dict[str, Any]:
         diffs.append({"from": run_ids[0], "to": run_id, "same_code": other[3] == base[3],
                       "diff": text})  # fmt: skip
     return {"runs": run_ids, "args_differ": differ, "args_same": same, "diffs": diffs}
+
+
+def checkpoint_at(conn: Any, ref: str, at: int | str | None) -> dict[str, Any]:
+    """The checkpoint of run ``ref`` at outer-loop iteration ``at`` (or ``"end"``; None:
+    the end checkpoint, else the latest), as ``rl.restore`` chooses it: the last written
+    of several (an outer loop that ran twice). Its run id, loop, position and manifest."""
+    run_id = resolve_run(conn, ref)
+    rows = conn.execute(
+        "SELECT c.kind, c.loop_name, l.iteration, c.manifest FROM checkpoints c"
+        " LEFT JOIN loops l ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id"
+        " WHERE c.run_id = ? ORDER BY c.ctx_id IS NULL, c.ctx_id, c.checkpoint_id",
+        (run_id,),
+    ).fetchall()
+    if not rows:
+        raise RunNotFoundError(
+            f"Run {run_id} has no checkpoint: it ran no loop inside rl.checkpointing(...), or "
+            "garbage collection (retrolog gc) removed them all.",
+            run_id=run_id,
+        )
+    if at is None:
+        ends = [r for r in rows if r[0] == "end"]
+        chosen = ends[-1] if ends else rows[-1]
+    else:
+        kind = "end" if at == "end" else "block"
+        matches = [r for r in rows if r[0] == kind and (kind == "end" or r[2] == at)]
+        if not matches:
+            loop = rows[-1][1]
+            have = [str(r[2]) for r in rows if r[0] == "block"] + [
+                "end" for r in rows if r[0] == "end"
+            ]
+            raise RunNotFoundError(
+                f"Run {run_id} has no checkpoint at {'the end' if at == 'end' else f'{loop} {at}'}"
+                f"; it has checkpoints at {loop} {', '.join(dict.fromkeys(have))}. Adaptive "
+                "checkpointing skips some blocks, a crashed run has no end checkpoint, and "
+                "garbage collection (retrolog gc) may have removed others.",
+                run_id=run_id,
+            )
+        chosen = matches[-1]
+    kind, loop, iteration, manifest = chosen
+    return {
+        "run_id": run_id,
+        "loop": loop,
+        "at": "end" if kind == "end" else iteration,
+        "manifest": manifest,
+    }

@@ -1,7 +1,7 @@
 """``retrolog ui``: a local web dashboard over the project's store (docs/ui.md).
 
-Needs the ``ui`` extra (starlette, uvicorn) and the chart library fetched at
-build time (``python -m retrolog.ui.assets``); the core never imports this package.
+Needs the ``ui`` extra (starlette, uvicorn); the chart library's files ship in the
+package (retrolog.ui.assets). The core never imports this package.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def serve(
     if assets.missing():
         raise UsageError(
             "The dashboard's chart library is not installed "
-            f"({', '.join(assets.missing())} missing from {assets.VENDOR}); run "
-            "`python -m retrolog.ui.assets` once, with access to registry.npmjs.org."
+            f"({', '.join(assets.missing())} missing from {assets.VENDOR}): the package is "
+            "incomplete. Reinstall retrolog, or run `python -m retrolog.ui.assets` once, with "
+            "access to registry.npmjs.org."
         )
     project.check_readable()  # a clear error now, when there is no store, not in the browser
     sock = _bind(host, port)

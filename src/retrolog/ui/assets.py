@@ -1,12 +1,15 @@
-"""The dashboard's third-party front-end files, fetched from the npm registry at build time.
+"""The dashboard's third-party front-end files: uPlot's, vendored from its pinned npm release.
 
 The page draws its charts with uPlot (MIT; fast canvas time series with zoom,
-cursor and log scales). It is not kept in this repository: `scripts/setup.sh`
-runs ``python -m retrolog.ui.assets``, which downloads the pinned release from
-the npm registry, checks it against the registry's sha512 integrity hash and
-copies its files next to ours (``static/vendor/``, ignored by git). At run
-time the page loads only files the package holds, never a CDN: it works
-offline.
+cursor and log scales). Its files are kept in the repository
+(``static/vendor/``, with its licence) and ship in the package, so any install
+(a wheel, a git URL, an editable clone) serves a working dashboard, offline,
+never from a CDN. Each file's sha256 is pinned here beside the release's npm
+integrity hash: ``python -m retrolog.ui.assets --force`` downloads the release
+from the npm registry, checks the tarball against the integrity hash and each
+file against its pin, and only then replaces the vendored copies (the way to
+move to a new release: change the version and both hashes). The tests check
+the vendored files against the pins.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ class Package:
     version: str
     integrity: str  # the registry's "dist.integrity": algorithm-base64digest
     files: dict[str, str]  # path in the tarball -> file name in VENDOR
+    sha256: dict[str, str]  # file name in VENDOR -> its sha256 in that release
+    registry: str = "https://registry.npmjs.org"
 
     @property
     def tarball(self) -> str:
-        return f"https://registry.npmjs.org/{self.name}/-/{self.name}-{self.version}.tgz"
+        return f"{self.registry}/{self.name}/-/{self.name}-{self.version}.tgz"
 
 
 PACKAGES = (
@@ -48,6 +53,11 @@ PACKAGES = (
             "package/dist/uPlot.min.css": "uPlot.min.css",
             "package/LICENSE": "uPlot.LICENSE",
         },
+        sha256={
+            "uPlot.iife.min.js": "19c8d4c6ad88929a79f4ae49d6f7161566dfd0ba3d15cc495e974f787eb78f1f",
+            "uPlot.min.css": "df630c6a8d6f8eeaff264b50f73ce5b114f646ffd9a0bb74f049b0a00135fa04",
+            "uPlot.LICENSE": "8f989229699b4fe2f1a0432d0e9edc338a8a911e250e2d1b01ecd770a5f5b1bd",
+        },
     ),
 )
 
@@ -57,10 +67,24 @@ def missing() -> list[str]:
     return [name for p in PACKAGES for name in p.files.values() if not (VENDOR / name).is_file()]
 
 
-def fetch(timeout: float = 60.0) -> None:
-    """Download, verify and unpack every pinned package's files into VENDOR."""
-    VENDOR.mkdir(parents=True, exist_ok=True)
-    for package in PACKAGES:
+def changed() -> list[str]:
+    """The vendored files whose bytes are not their pinned release's (empty when all are)."""
+    return [
+        name
+        for p in PACKAGES
+        for name, digest in p.sha256.items()
+        if (VENDOR / name).is_file()
+        and hashlib.sha256((VENDOR / name).read_bytes()).hexdigest() != digest
+    ]
+
+
+def fetch(
+    timeout: float = 60.0, packages: tuple[Package, ...] = PACKAGES, into: Path = VENDOR
+) -> None:
+    """Download every pinned package, verify the tarball and each file against their pinned
+    hashes, and only then put the files in ``into``."""
+    into.mkdir(parents=True, exist_ok=True)
+    for package in packages:
         with urllib.request.urlopen(package.tarball, timeout=timeout) as response:
             data = response.read()
         algorithm, _, expected = package.integrity.partition("-")
@@ -71,19 +95,28 @@ def fetch(timeout: float = 60.0) -> None:
                 f"pinned {algorithm} hash; nothing was installed. Check the registry (or a proxy "
                 "in between)."
             )
+        found: dict[str, bytes] = {}
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
             for member, target in package.files.items():
                 extracted = archive.extractfile(member)
                 if extracted is None:
                     raise RuntimeError(f"{package.name} {package.version} has no {member}")
-                tmp = VENDOR / (target + ".tmp")
-                tmp.write_bytes(extracted.read())
-                tmp.replace(VENDOR / target)
+                found[target] = extracted.read()
+                if hashlib.sha256(found[target]).hexdigest() != package.sha256.get(target):
+                    raise RuntimeError(
+                        f"{member} of {package.name} {package.version} does not match its "
+                        "pinned sha256; nothing was installed."
+                    )
+        for target, content in found.items():
+            tmp = into / (target + ".tmp")
+            tmp.write_bytes(content)
+            tmp.replace(into / target)
 
 
 def main() -> None:
-    """``python -m retrolog.ui.assets``: fetch what is missing (``--force``: everything)."""
-    if "--force" not in sys.argv[1:] and not missing():
+    """``python -m retrolog.ui.assets``: fetch what is missing or not the pinned release's
+    (``--force``: everything)."""
+    if "--force" not in sys.argv[1:] and not missing() and not changed():
         return
     try:
         fetch()

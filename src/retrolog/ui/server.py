@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import hmac
+import importlib.util
 import io
 import ipaddress
 import json
@@ -26,6 +27,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -37,6 +39,7 @@ from typing import Any
 import anyio
 import orjson
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -58,6 +61,7 @@ MAX_COLUMNS = 250_000  # pixel columns in one answer: runs x width (4 points eac
 RUNS_PAGE, MAX_RUNS_PAGE = 100, 1000  # rows of the runs table
 FRAME_PAGE, MAX_FRAME_PAGE = 1000, 50_000  # rows of the dataframe
 MAX_COMPARED = 20  # runs compared at once
+MAX_COMPARED_NAMES = 40  # metrics summarised when runs are compared (3 columns each)
 
 
 @dataclass
@@ -208,7 +212,9 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
     def project_info(request: Request) -> dict[str, Any]:
         scripts = project.scripts()
         return {"root": str(project.root), "store": str(project.paths.store), "scripts": scripts,
-                "indexer": None if indexer is None else indexer.state}  # fmt: skip
+                "indexer": None if indexer is None else indexer.state,
+                # Whether checkpoints can be downloaded as torch.save files here.
+                "torch": importlib.util.find_spec("torch") is not None}  # fmt: skip
 
     def names(request: Request) -> list[str]:
         return project.names()
@@ -240,6 +246,29 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
     def checkpoints(request: Request) -> list[dict[str, Any]]:
         return project.checkpoints(request.path_params["run_id"])
 
+    def checkpoint_file(request: Request) -> Response:
+        # Written to a temporary file, then streamed from it: a checkpoint can be larger
+        # than the server should hold in memory.
+        run_id, position = request.path_params["run_id"], request.path_params["at"]
+        if position != "end" and not position.isdigit():
+            raise ValueError(
+                f"a checkpoint is named by its outer-loop iteration or 'end', not {position!r}"
+            )
+        at: int | str = position if position == "end" else int(position)
+        descriptor, path = tempfile.mkstemp(prefix="retrolog-", suffix=".pt")
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                found = project.export_checkpoint(run_id, at, handle)
+        except BaseException:
+            os.unlink(path)
+            raise
+        label = "end" if found["at"] == "end" else f"{found['loop']}{found['at']}"
+        return FileResponse(
+            path, media_type="application/octet-stream",
+            filename=f"{found['run_id']}-{label}.pt",
+            background=BackgroundTask(os.unlink, path),
+        )  # fmt: skip
+
     def code(request: Request) -> dict[str, Any]:
         return project.code(request.path_params["run_id"], request.query_params.get("path"))
 
@@ -247,7 +276,9 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         runs = _split(request.query_params.get("runs"))
         if len(runs) > MAX_COMPARED:
             raise ValueError(f"compare at most {MAX_COMPARED} runs at once, not {len(runs)}")
-        return project.compare(runs)
+        found = project.compare(runs)
+        found["metrics"] = _metric_summaries(project, found["runs"])
+        return found
 
     def groups(request: Request) -> Response:
         q = request.query_params
@@ -338,14 +369,20 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
             return error(refused, 403)
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
 
+    async def favicon(request: Request) -> Response:
+        # What a browser or tool asks for when a page names no icon: the page's own.
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     routes = [
         Route("/", index),
+        Route("/favicon.ico", favicon),
         Route("/api/project", api(project_info)),
         Route("/api/names", api(names)),
         Route("/api/script", api(script)),
         Route("/api/runs", api(runs)),
         Route("/api/runs/{run_id}", api(run)),
         Route("/api/runs/{run_id}/checkpoints", api(checkpoints)),
+        Route("/api/runs/{run_id}/checkpoints/{at}", api(checkpoint_file)),
         Route("/api/runs/{run_id}/code", api(code)),
         Route("/api/compare", api(compare)),
         Route("/api/groups", api(groups)),
@@ -361,6 +398,29 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
     app = Starlette(routes=routes)
     app.state.jobs = jobs
     return app
+
+
+def _metric_summaries(project: Project, runs: Sequence[str]) -> dict[str, Any]:
+    """The last, min and max of each name the compared runs logged (their arguments aside),
+    by run, from the runs table's aggregates."""
+    names: dict[str, None] = {}
+    for run in runs:
+        details = project.run(run)
+        args = {**(details.get("parsed_args") or {}), **(details.get("args") or {})}
+        names.update((n["name"], None) for n in details["names"] if n["name"] not in args)
+    ordered = sorted(names)
+    shown = ordered[:MAX_COMPARED_NAMES]
+    values: dict[str, dict[str, Any]] = {run: {} for run in runs}
+    if shown:
+        quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in runs)
+        table = project.table(
+            where=f"run_id IN ({quoted})",
+            columns=[f"{name}:{how}" for name in shown for how in ("last", "min", "max")],
+            limit=len(runs),
+        )
+        for row in table["rows"]:
+            values[row["run_id"]] = {column: row.get(column) for column in table["columns"]}
+    return {"names": shown, "more": len(ordered) - len(shown), "values": values}
 
 
 async def _unless_gone(

@@ -8,6 +8,14 @@ const PAGE = 100;
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
   "#7f7f7f", "#bcbd22", "#d62728"];
 const ORIGIN = { recorded: 0, backfilled: 1, inexact: 2 };
+// The page's views, one shown at a time, each with its address (?view=...): the sections
+// each shows and its title.
+const VIEWS = {
+  runs: { sections: ["runs-view", "chart-view"], title: "runs" },
+  run: { sections: ["run-view"], title: "run" },
+  compare: { sections: ["compare-view"], title: "compare" },
+  replay: { sections: ["replay-view"], title: "replay" },
+};
 
 const token = (() => {
   const url = new URL(location.href);
@@ -21,7 +29,7 @@ const token = (() => {
 const state = {
   where: "", columns: [], sort: "started_at", desc: true, offset: 0, selected: [],
   name: "", x: "step", log: false, smooth: 0, lo: null, hi: null, run: null, group: "",
-  compare: false,
+  view: "runs",
 };
 const view = { total: 0, rows: [], chart: null, series: [], groups: null, job: null };
 window.__retrolog = view; // for the browser tests: the drawn chart and its data
@@ -44,10 +52,10 @@ function readState() {
   state.hi = q.has("hi") ? Number(q.get("hi")) : null;
   state.run = q.get("run");
   state.group = q.get("group") || "";
-  state.compare = q.get("compare") === "1";
+  state.view = VIEWS[q.get("view")] ? q.get("view") : "runs";
 }
 
-function writeState() {
+function stateQuery() {
   const q = new URLSearchParams();
   const put = (key, value, skip) => { if (value !== skip && value !== null) q.set(key, value); };
   put("where", state.where, "");
@@ -64,9 +72,17 @@ function writeState() {
   put("hi", state.hi === null ? null : String(state.hi));
   put("run", state.run, null);
   put("group", state.group, "");
-  put("compare", state.compare ? "1" : "0", "0");
-  const text = q.toString();
-  history.replaceState(null, "", text ? "?" + text : location.pathname);
+  put("view", state.view, "runs");
+  return q;
+}
+
+// push: a new entry in the browser's history (another view), so Back returns to this one;
+// otherwise the current entry is updated in place (a filter, a zoom).
+function writeState(push = false) {
+  const text = stateQuery().toString();
+  const address = text ? "?" + text : location.pathname;
+  if (push) history.pushState(null, "", address);
+  else history.replaceState(null, "", address);
 }
 
 // A newer load of the table or the chart replaces one still waiting: the older request is
@@ -223,12 +239,7 @@ function runRow(row, keys) {
     const td = document.createElement("td");
     const value = row[key];
     if (key === "run_id") {
-      const a = document.createElement("a");
-      a.href = "#";
-      a.className = "run-link";
-      a.textContent = value;
-      a.addEventListener("click", (event) => { event.preventDefault(); showRun(value); });
-      td.append(a);
+      td.append(runLink(value));
     } else {
       td.textContent = formatCell(key, value, row);
       td.title = typeof value === "object" ? JSON.stringify(value) : String(value ?? "");
@@ -588,6 +599,52 @@ function showTip(idx) {
   $("chart-tip").textContent = lines.join("\n");
 }
 
+// -- views and the address -----------------------------------------------------------------
+
+function addressOf(changes) {
+  // The address of this view with ``changes`` to its state, for a link's href (a new tab).
+  const saved = { ...state };
+  Object.assign(state, changes);
+  const q = stateQuery();
+  Object.assign(state, saved);
+  return "?" + q;
+}
+
+function navigate(changes) {
+  // Another view: a new history entry, so Back and Forward step through views.
+  Object.assign(state, changes);
+  writeState(true);
+  route({ top: true });
+}
+
+async function route({ top = false } = {}) {
+  for (const [name, about] of Object.entries(VIEWS)) {
+    for (const id of about.sections) $(id).hidden = name !== state.view;
+  }
+  for (const link of document.querySelectorAll("#nav a[data-view]")) {
+    if (link.dataset.view === state.view) link.setAttribute("aria-current", "page");
+    else link.removeAttribute("aria-current");
+  }
+  document.title = `retrolog · ${state.view === "run" && state.run ? "run " + state.run
+    : VIEWS[state.view].title}`;
+  if (top) window.scrollTo(0, 0);
+  if (state.view === "run" && state.run) await showRun(state.run);
+  else if (state.view === "compare") await showCompare();
+}
+
+function runLink(runId) {
+  const a = document.createElement("a");
+  a.href = addressOf({ view: "run", run: runId });
+  a.className = "run-link";
+  a.textContent = runId;
+  a.addEventListener("click", (event) => {
+    if (event.button !== 0 || event.ctrlKey || event.metaKey || event.shiftKey) return;
+    event.preventDefault();
+    navigate({ view: "run", run: runId });
+  });
+  return a;
+}
+
 // -- one run, and runs compared -----------------------------------------------------------
 
 function facts(pairs) {
@@ -610,23 +667,123 @@ function heading(text) {
   return h;
 }
 
+function detailTable(className, header, rows) {
+  // rows: arrays of cells, each a string or a node; a row that is a string is a section.
+  const t = document.createElement("table");
+  t.className = className;
+  const head = document.createElement("tr");
+  head.append(...header.map((text) => {
+    const th = document.createElement("th");
+    th.textContent = text;
+    return th;
+  }));
+  t.createTHead().append(head);
+  const body = t.createTBody();
+  for (const row of rows) {
+    const tr = document.createElement("tr");
+    if (typeof row === "string") {
+      const th = document.createElement("th");
+      th.colSpan = header.length;
+      th.scope = "rowgroup";
+      th.textContent = row;
+      tr.append(th);
+    } else {
+      tr.append(...row.map((cell) => {
+        const td = document.createElement("td");
+        if (cell instanceof Node) td.append(cell);
+        else {
+          td.textContent = cell;
+          td.title = cell;
+        }
+        return td;
+      }));
+    }
+    body.append(tr);
+  }
+  return t;
+}
+
+function flattenFacts(value, prefix = "", out = []) {
+  // A nested object as [dotted key, text] pairs, for a table.
+  if (value && typeof value === "object" && !Array.isArray(value)) {
+    for (const [k, v] of Object.entries(value)) {
+      flattenFacts(v, prefix ? `${prefix}.${k}` : k, out);
+    }
+  } else {
+    out.push([prefix, Array.isArray(value) ? value.join(", ") : String(value)]);
+  }
+  return out;
+}
+
+function environmentTable(details) {
+  const numerics = details.numerics || {};
+  const env = numerics.env || {};
+  const set = Object.entries(env).filter(([, v]) => v !== null && v !== undefined);
+  const unset = Object.keys(env).filter((k) => env[k] === null || env[k] === undefined);
+  const rest = { ...numerics };
+  delete rest.env;
+  const rows = [
+    "machine",
+    ["python", details.python || ""],
+    ["host", details.host ? `${details.host} (pid ${details.pid})` : ""],
+    ...flattenFacts(rest),
+    "environment variables",
+    ...set.map(([k, v]) => [k, String(v)]),
+  ];
+  if (unset.length) rows.push(["not set", unset.join(", ")]);
+  const packages = Object.entries(details.packages || {});
+  if (packages.length) rows.push("packages", ...packages.map(([k, v]) => [k, String(v)]));
+  return detailTable("env", ["setting", "value"], rows);
+}
+
+function checkpointTable(runId, ckpts) {
+  // One row per checkpoint, its download the torch.save file of its named objects.
+  const rows = ckpts.map((c) => {
+    const at = c.kind === "end" ? "end" : String(c.iteration);
+    const link = document.createElement("a");
+    link.href = `/api/runs/${encodeURIComponent(runId)}/checkpoints/${at}`;
+    link.textContent = "download .pt";
+    link.setAttribute("download", "");
+    link.dataset.at = at;
+    link.addEventListener("click", (event) => {
+      if (view.project && view.project.torch === false) { // the download would only fail
+        event.preventDefault();
+        $("run-checkpoint-error").textContent = "A checkpoint is downloaded as a torch.save "
+          + "file, which needs torch where `retrolog ui` runs, and it is not installed there: "
+          + "pip install 'retrolog[torch]' in that environment and restart the dashboard.";
+        $("run-checkpoint-error").hidden = false;
+      }
+    });
+    const written = c.created_at ? new Date(c.created_at * 1000).toLocaleString() : "";
+    return [c.kind === "end" ? "the end" : `${c.loop} ${c.iteration}`,
+      `${(c.nbytes / 1e6).toFixed(2)} MB`, written, link];
+  });
+  return detailTable("checkpoints", ["at", "stored", "written", "file"], rows);
+}
+
 async function showRun(runId) {
-  state.run = runId;
-  writeState();
+  const signal = supersede("run");
+  if ($("run-view").dataset.run !== runId) { // another run's facts must not show meanwhile
+    delete $("run-view").dataset.run;
+    $("run-title").textContent = "";
+    for (const id of ["run-details", "run-checkpoints", "run-environment"]) {
+      $(id).replaceChildren();
+    }
+    $("run-code-path").textContent = $("run-code").textContent = "";
+  }
   let details;
   let ckpts;
   try {
     [details, ckpts] = await Promise.all([
-      api("/api/runs/" + encodeURIComponent(runId)),
-      api("/api/runs/" + encodeURIComponent(runId) + "/checkpoints"),
+      api("/api/runs/" + encodeURIComponent(runId), { signal }),
+      api("/api/runs/" + encodeURIComponent(runId) + "/checkpoints", { signal }),
     ]);
   } catch (err) {
-    status(err.message);
+    if (!aborted(err)) status(err.message);
     return;
   }
   $("run-title").textContent = "run " + details.run_id;
-  const numerics = details.numerics || {};
-  const blocks = ckpts.filter((c) => c.kind === "block");
+  $("run-view").dataset.run = runId;
   const ck = details.checkpoints;
   $("run-details").replaceChildren(
     facts([["status", details.status + (details.error ? ` (${details.error})` : "")],
@@ -634,32 +791,33 @@ async function showRun(runId) {
       ["duration", details.duration], ["argv", (details.argv || []).join(" ")],
       ["code version", `${details.code_commit} (tree ${details.code_tree})`
         + (details.dirty ? ", with uncommitted edits" : "")],
-      ["HEAD then", details.head_commit], ["host", `${details.host} (pid ${details.pid})`],
-      ["python", details.python]]),
+      ["HEAD then", details.head_commit]]),
     heading("Arguments"), facts(Object.entries({ ...(details.parsed_args || {}),
       ...(details.args || {}) })),
     heading("Loops and names"),
     facts([...details.loops.map((l) => [l.name, `${l.iterations} iterations (depth ${l.depth})`]),
       ...details.names.map((n) => [n.name, `${n.count} value(s), ${n.level} level, ${n.origin}`])]),
-    heading("Checkpoints"),
+  );
+  $("run-checkpoint-error").hidden = true;
+  $("run-checkpoints").replaceChildren(
     facts([["written", `${ck.count} (${(ck.bytes / 1e6).toFixed(2)} MB)`],
       ["chosen / written / abandoned", ck.chosen === undefined ? null
-        : `${ck.chosen} / ${ck.written} / ${ck.abandoned}`],
-      ["at", blocks.map((c) => `${c.loop} ${c.iteration} (${(c.nbytes / 1e6).toFixed(2)} MB)`)
-        .join(", ") + (ckpts.some((c) => c.kind === "end") ? ", the end" : "")]]),
+        : `${ck.chosen} / ${ck.written} / ${ck.abandoned}`]]),
+    ckpts.length ? checkpointTable(details.run_id, ckpts)
+      : document.createTextNode("no checkpoint is stored for this run"),
+  );
+  $("run-environment").replaceChildren(
+    environmentTable(details),
     heading("Timing profile"),
     facts(Object.entries(details.profile).map(([phase, p]) =>
       [phase, `${p.seconds.toFixed(3)} s over ${p.count}`])),
-    heading("Environment"),
-    facts([["numerics", numerics], ["packages", details.packages]]),
   );
-  $("run-view").hidden = false;
   try {
-    const code = await api("/api/runs/" + encodeURIComponent(runId) + "/code");
+    const code = await api("/api/runs/" + encodeURIComponent(runId) + "/code", { signal });
     $("run-code-path").textContent = `${code.path} (${code.files.length} file(s) in the version)`;
     $("run-code").textContent = code.text;
   } catch (err) {
-    $("run-code").textContent = err.message;
+    if (!aborted(err)) $("run-code").textContent = err.message;
   }
 }
 
@@ -677,49 +835,56 @@ function renderDiff(text) {
   return pre;
 }
 
+const compareCell = (v) => (v === null || v === undefined ? "-"
+  : typeof v === "number" ? String(Number.isInteger(v) ? v : Number(v.toPrecision(6)))
+    : JSON.stringify(v));
+
+function metricTable(found) {
+  // Per metric, each run's last, min and max, runs side by side.
+  const rows = [];
+  for (const name of found.metrics.names) {
+    rows.push(name);
+    for (const agg of ["last", "min", "max"]) {
+      const cells = found.runs.map((run) => found.metrics.values[run][`${name}:${agg}`]);
+      rows.push([agg, ...cells.map(compareCell)]);
+    }
+  }
+  return detailTable("metrics", ["", ...found.runs], rows);
+}
+
 async function showCompare() {
+  $("compare-title").textContent = "";
+  for (const id of ["compare-args", "compare-metrics", "compare-diffs"]) $(id).replaceChildren();
   if (state.selected.length < 2) {
-    status("Select two or more runs to compare.");
+    $("compare-same").textContent = "Select two or more runs in the table to compare them.";
     return;
   }
-  state.compare = true;
-  writeState();
+  $("compare-same").textContent = "loading...";
   let found;
   try {
-    found = await api("/api/compare?runs=" + encodeURIComponent(state.selected.join(",")));
+    found = await api("/api/compare?runs=" + encodeURIComponent(state.selected.join(",")),
+      { signal: supersede("compare") });
   } catch (err) {
-    status(err.message);
+    if (!aborted(err)) status(err.message);
     return;
   }
-  $("compare-title").textContent = found.runs.join(", ");
-  const head = document.createElement("tr");
-  head.append(...["argument", ...found.runs].map((t) => {
-    const th = document.createElement("th");
-    th.textContent = t;
-    return th;
-  }));
-  const rows = Object.entries(found.args_differ).map(([name, values]) => {
-    const tr = document.createElement("tr");
-    const label = document.createElement("td");
-    label.textContent = name;
-    tr.append(label, ...values.map((v) => {
-      const td = document.createElement("td");
-      td.textContent = v === null || v === undefined ? "-" : JSON.stringify(v);
-      return td;
-    }));
-    return tr;
-  });
-  $("compare-args").replaceChildren(head, ...rows);
+  $("compare-title").replaceChildren(...found.runs.flatMap((r, i) =>
+    (i ? [document.createTextNode(", "), runLink(r)] : [runLink(r)])));
+  const rows = Object.entries(found.args_differ).map(([name, values]) => [name,
+    ...values.map(compareCell)]);
+  $("compare-args").replaceChildren(detailTable("", ["argument", ...found.runs], rows));
   $("compare-same").textContent = "the same in all: " + (Object.entries(found.args_same)
     .map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ") || "-");
+  $("compare-metrics").replaceChildren(found.metrics.names.length ? metricTable(found)
+    : document.createTextNode("these runs logged no metric"),
+  ...(found.metrics.more ? [document.createTextNode(
+    ` (and ${found.metrics.more} more name(s): pick them as columns of the runs table)`)] : []));
   $("compare-diffs").replaceChildren(...found.diffs.flatMap((d) => {
     const title = document.createElement("p");
     title.textContent = d.same_code ? `${d.from} -> ${d.to}: the same code`
       : `${d.from} -> ${d.to}:`;
     return d.same_code ? [title] : [title, renderDiff(d.diff)];
   }));
-  $("compare-view").hidden = false;
-  await loadChart(); // their curves, overlaid
 }
 
 // -- replays -------------------------------------------------------------------------------
@@ -817,7 +982,22 @@ function wire() {
   $("next").addEventListener("click", () => { state.offset += PAGE; writeState(); loadRuns(); });
   $("chart-selected").addEventListener("click", () => { state.lo = state.hi = null;
     writeState(); loadChart(); });
-  $("compare-selected").addEventListener("click", showCompare);
+  $("compare-selected").addEventListener("click", () => navigate({ view: "compare" }));
+  for (const link of document.querySelectorAll("#nav a[data-view]")) {
+    link.addEventListener("click", (event) => {
+      if (event.button !== 0 || event.ctrlKey || event.metaKey || event.shiftKey) return;
+      event.preventDefault();
+      navigate({ view: link.dataset.view });
+    });
+  }
+  // Back and Forward: the view and its state from the address.
+  window.addEventListener("popstate", () => {
+    readState();
+    $("where").value = state.where;
+    $("columns").value = state.columns.join(", ");
+    if (state.view === "runs") loadRuns();
+    route();
+  });
   const redraw = () => { writeState(); loadChart(); };
   $("chart-name").addEventListener("change", () => { state.name = $("chart-name").value;
     state.lo = state.hi = null; redraw(); });
@@ -853,6 +1033,7 @@ async function main() {
   readState();
   writeState(); // drops the token from the address bar and history
   wire();
+  const routed = route(); // the view the address names, while the table loads
   try {
     const project = await api("/api/project");
     $("project").textContent = project.root;
@@ -863,8 +1044,7 @@ async function main() {
   }
   await Promise.all([loadRuns(), loadNames()]);
   await loadChart();
-  if (state.run) showRun(state.run);
-  if (state.compare) showCompare();
+  await routed;
   document.body.dataset.ready = "1";
 }
 
