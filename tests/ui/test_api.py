@@ -28,6 +28,7 @@ from starlette.testclient import TestClient
 
 from retrolog import Project
 from retrolog._query.series import Series, encode_series
+from retrolog._query.table import AGGREGATES
 from retrolog.ui.server import TOKEN_HEADER, Settings, create_app
 
 from conftest import read_db, values_by_run
@@ -106,10 +107,21 @@ def test_a_bad_predicate_or_column_is_a_clear_error(client: TestClient) -> None:
     bad = client.get("/api/runs", params={"where": "lr >>> 1"})
     assert bad.status_code == 400
     assert "lr >>> 1" in bad.json()["error"] and "Traceback" not in bad.text
-    unknown = client.get("/api/runs", params={"columns": "nope"})
-    assert unknown.status_code == 400 and "'nope'" in unknown.json()["error"]
     sort = client.get("/api/runs", params={"sort": "acc:last"})
     assert sort.status_code == 400 and "sorts by" in sort.json()["error"]
+    median = client.get("/api/runs", params={"columns": "acc,loss:median"})
+    assert median.status_code == 400 and "Traceback" not in median.text
+    error = median.json()["error"]
+    assert "'median'" in error and all(f":{a}" in error for a in AGGREGATES)
+
+
+def test_a_name_no_run_logged_is_an_empty_column_with_a_note(client: TestClient) -> None:
+    table = client.get(
+        "/api/runs", params={"columns": "acc,grad_norm:max", "sort": "grad_norm:max"}
+    ).json()
+    assert table["total"] == 3 and table["columns"] == ["acc:last", "grad_norm:max"]
+    assert all(r.get("grad_norm:max") is None and r["acc:last"] is not None for r in table["rows"])
+    assert len(table["notes"]) == 1 and "'grad_norm'" in table["notes"][0]
 
 
 def test_runs_table_exports_csv(client: TestClient) -> None:
