@@ -31,6 +31,9 @@ from retrolog.errors import UsageError
 
 AGGREGATES: tuple[str, ...] = ("last", "first", "min", "max", "mean", "count")
 
+DEFAULT_COLUMNS = 8
+"""How many metrics' last values the table shows when no column is picked."""
+
 FIELDS: tuple[str, ...] = (
     "run_id",
     "tstamp",
@@ -82,24 +85,40 @@ def runs_table(
     descending: bool = True,
     offset: int = 0,
     limit: int | None = 100,
+    status: Sequence[str] = (),
+    default_columns: bool = False,
+    ids: bool = False,
 ) -> dict[str, Any]:
     """A page of the runs table.
 
     where: the predicate `retrolog dataframe --where` takes, choosing runs.
     columns: the picked columns, computed for the page's rows only (or for every
         matching run when ``sort`` is one of them).
-    sort: a field of FIELDS or a picked column's key (``acc:last``); runs without a
-        value sort last either way.
+    sort: a field of FIELDS, a picked column's key (``acc:last``) or an argument
+        (``args.lr``); runs without a value sort last either way.
+    status: the statuses of the runs chosen (any when empty).
+    default_columns: without ``columns``, the last value of each metric the runs log (the
+        first DEFAULT_COLUMNS of them by name).
+    ids: also every matching run's id, in the table's order (selecting all of them).
     Returns {"total": matching runs, "offset", "fields", "columns": keys, "rows": [...],
-    "notes": [why a column is empty, ...]}.
+    "notes": [why a column is empty, ...], "metrics": names holding numbers[, "ids"]}.
     """
     if offset < 0 or (limit is not None and limit < 1):
         raise UsageError("A page starts at offset 0 or later and holds at least one run.")
+    metrics = [
+        name
+        for (name,) in conn.execute(
+            "SELECT DISTINCT name FROM run_summaries WHERE n_numbers > 0 ORDER BY name"
+        )
+    ]
+    if default_columns and not columns:
+        columns = [Column(name) for name in metrics[:DEFAULT_COLUMNS]]
     keys = [c.key for c in columns]
-    if sort not in FIELDS and sort not in keys:
+    argument = sort[len("args.") :] if sort.startswith("args.") else None
+    if sort not in FIELDS and sort not in keys and not argument:
         raise UsageError(
-            f"The table sorts by one of {', '.join(FIELDS)} or a shown column "
-            f"({', '.join(keys) or 'none is shown'}), not {sort!r}."
+            f"The table sorts by one of {', '.join(FIELDS)}, an argument (args.NAME) or a "
+            f"shown column ({', '.join(keys) or 'none is shown'}), not {sort!r}."
         )
     logged = set(logged_names(conn)) if columns else set()
     for c in columns:
@@ -121,15 +140,23 @@ def runs_table(
     if where and where.strip():
         chosen = matching_runs(conn, where)
         rows = [r for r in rows if r["run_id"] in chosen]
+    if status:
+        rows = [r for r in rows if r["status"] in status]
     total = len(rows)
     by_column = {c.key: c for c in columns}
     if sort in by_column:
         values = _column_values(conn, by_column[sort], [r["run_id"] for r in rows])
         for r in rows:
             r[sort] = values.get(r["run_id"])
-    if sort == "args":
+    if sort == "args" or argument:
         _decode_args(rows)
+    if argument:
+        for r in rows:
+            r[sort] = r["args"].get(argument)
     rows = _sorted(rows, sort, descending)
+    if argument:
+        for r in rows:
+            del r[sort]
     page = rows[offset : None if limit is None else offset + limit]
     _decode_args(page)
     for column in columns:
@@ -139,7 +166,8 @@ def runs_table(
         for r in page:
             r[column.key] = values.get(r["run_id"])
     return {"total": total, "offset": offset, "fields": list(FIELDS), "columns": keys,
-            "rows": page, "notes": notes}  # fmt: skip
+            "rows": page, "notes": notes, "metrics": metrics,
+            **({"ids": [r["run_id"] for r in rows]} if ids else {})}  # fmt: skip
 
 
 def _base_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
