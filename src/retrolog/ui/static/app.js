@@ -378,7 +378,8 @@ function runRow(row, keys) {
       td.append(a);
     } else {
       td.textContent = formatCell(key, value, row);
-      td.title = typeof value === "object" ? JSON.stringify(value) : String(value ?? "");
+      td.title = value !== null && typeof value === "object" ? JSON.stringify(value)
+        : String(value ?? "");
     }
     if (key === "status") td.className = value;
     tr.append(td);
