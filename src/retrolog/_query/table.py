@@ -275,8 +275,11 @@ def _at_context(conn: Any, column: Column, wanted: set[str]) -> dict[str, Any]:
             run_level.append(run_id)
     for row in conn.execute(
         f"SELECT l.run_id, l.origin, l.log_id, l.value_type, {', '.join(parts)}"
-        f" FROM run_summaries s JOIN logs l ON l.name = s.name AND l.run_id = s.run_id"
-        f" AND l.ctx_id = s.{at} WHERE s.name = ?",
+        # CROSS JOIN: SQLite then reads the summaries first and each run's record by the
+        # logs_by_name index, rather than every record of the name (PostgreSQL plans it
+        # as any join).
+        f" FROM run_summaries s CROSS JOIN logs l WHERE s.name = ? AND l.name = s.name"
+        f" AND l.run_id = s.run_id AND l.ctx_id = s.{at}",
         (column.name,),
     ).fetchall():
         run_id = row[0]
