@@ -30,6 +30,7 @@ backend's placeholder (``mark``) and its expression for a value as a number
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,39 +125,41 @@ class _Part:
     later context than the one before (what a run's writer sees for a name logged at one
     loop level), the condition for adding them to a stored row without a scan."""
 
-    n_values: int = 0
-    n_numbers: int = 0
-    total: float = 0.0
-    smallest: float | None = None
-    largest: float | None = None
-    first_ctx: int | None = None
-    last_ctx: int | None = None
-    ordered: bool = True
-    _last_key: float = -math.inf
-    _seen: bool = False
+    n_values: int
+    n_numbers: int
+    total: float | None
+    smallest: float | None
+    largest: float | None
+    first_ctx: int | None
+    last_ctx: int | None
+    ordered: bool
 
-    def add(self, ctx: int | None, number: float | None) -> None:
-        key = -math.inf if ctx is None else ctx
-        if self._seen and key <= self._last_key:
-            self.ordered = False
-        if not self._seen:
-            self.first_ctx = ctx
-        self._seen = True
-        self._last_key = key
-        self.last_ctx = ctx
-        self.n_values += 1
-        if number is not None:
-            self.n_numbers += 1
-            self.total += number
-            self.smallest = number if self.smallest is None else min(self.smallest, number)
-            self.largest = number if self.largest is None else max(self.largest, number)
+    @classmethod
+    def of(cls, contexts: list[Any], numbers: list[float]) -> _Part:
+        """contexts: of every value in order; numbers: the values that are numbers."""
+        if None in contexts:
+            # A run-level value: in order only as the first, before any in a loop.
+            ordered = contexts.index(None) == 0 and None not in contexts[1:]
+            later = contexts[1:] if ordered else []
+        else:
+            ordered, later = True, contexts
+        ordered = ordered and all(map(operator.lt, later, later[1:]))
+        return cls(
+            len(contexts), len(numbers), math.fsum(numbers) if numbers else None,
+            min(numbers, default=None), max(numbers, default=None), contexts[0], contexts[-1],
+            ordered,
+        )  # fmt: skip
 
 
-def _number(value: Any, value_type: str) -> float | None:
-    if value_type not in NUMERIC_TYPES or value is None:
-        return None
-    number = float(value)
-    return None if math.isnan(number) else number
+def _numbers(values: list[Any], types: list[str] | None) -> list[float]:
+    """The values that are numbers (bool, int, float; not a NaN), as floats."""
+    if types is None:  # RecordBatch.values: a float, int or str (None: a NaN float)
+        return [float(v) for v in values if (type(v) is float and v == v) or type(v) is int]
+    return [
+        float(v)
+        for v, kind in zip(values, types, strict=True)
+        if kind in NUMERIC_TYPES and v is not None and not (type(v) is float and v != v)
+    ]
 
 
 def add_batch(
@@ -177,14 +180,28 @@ def add_batch(
     context given twice, a run-level value after others) is summarized from its values
     (:func:`recompute`).
     """
-    parts: dict[str, _Part] = {}
+    # Per name: its values' contexts, values and (for RecordBatch.logs) stored types.
+    grouped: dict[str, tuple[list[Any], list[Any], list[Any], list[str]]] = {}
     for ctx, name, value in values:
-        part = parts.get(name) or parts.setdefault(name, _Part())
-        kind = "float" if value is None else _TYPE_NAMES.get(type(value), "str")
-        part.add(ctx, _number(value, kind))
+        found = grouped.get(name)
+        if found is None:
+            found = grouped[name] = ([], [], [], [])
+        found[0].append(ctx)
+        found[1].append(value)
     for ctx, name, value, kind in logs:
-        part = parts.get(name) or parts.setdefault(name, _Part())
-        part.add(ctx, _number(value, kind))
+        found = grouped.get(name)
+        if found is None:
+            found = grouped[name] = ([], [], [], [])
+        found[0].append(ctx)
+        found[2].append(value)
+        found[3].append(kind)
+    parts: dict[str, _Part] = {}
+    for name, (contexts, plain, typed, kinds) in grouped.items():
+        if plain and typed:  # one name in both lists: their order in the batch is unknown
+            parts[name] = _Part(0, 0, None, None, None, None, None, ordered=False)
+            continue
+        numbers = _numbers(plain, None) if plain else _numbers(typed, kinds)
+        parts[name] = _Part.of(contexts, numbers)
     if not parts:
         return
     names = sorted(parts)
@@ -207,9 +224,8 @@ def add_batch(
             again.append(name)
         elif row is None:
             rows.append(
-                (name, run_id, part.n_values, part.n_numbers,
-                 part.total if part.n_numbers else None, part.smallest, part.largest,
-                 part.first_ctx, part.last_ctx)
+                (name, run_id, part.n_values, part.n_numbers, part.total, part.smallest,
+                 part.largest, part.first_ctx, part.last_ctx)
             )  # fmt: skip
         elif row[8] is None or part.first_ctx is None or part.first_ctx <= row[8]:
             again.append(name)
@@ -217,7 +233,7 @@ def add_batch(
             _, _, n_values, n_numbers, total, smallest, largest, first_ctx, _ = row
             rows.append(
                 (name, run_id, n_values + part.n_values, n_numbers + part.n_numbers,
-                 _plus(total, part.total if part.n_numbers else None),
+                 _plus(total, part.total),
                  _least(smallest, part.smallest), _greatest(largest, part.largest),
                  first_ctx, part.last_ctx)
             )  # fmt: skip
@@ -234,9 +250,6 @@ def add_batch(
         )
     if again:
         recompute(cursor, run_id, again, mark=mark, number=number)
-
-
-_TYPE_NAMES = {float: "float", int: "int", bool: "bool", str: "str"}
 
 
 def _plus(a: float | None, b: float | None) -> float | None:
