@@ -81,6 +81,15 @@ def test_the_runs_table_columns_selection_and_filters(page: Any, dashboard: Any)
     keys = header_keys(page)
     assert {"acc:last", "loss:last", "lr:last", "args.lr"} <= set(keys)
     assert "args" not in keys
+    # A filter keeps the default columns (the address names none).
+    page.fill("#where", "lr > 0.05")
+    page.click("#filter button[type=submit]")
+    page.wait_for_function("location.search.includes('where')")
+    page.wait_for_load_state("networkidle")
+    assert "columns" not in page.url and {"acc:last", "loss:last"} <= set(header_keys(page))
+    page.fill("#where", "")
+    page.click("#filter button[type=submit]")
+    page.wait_for_function("!location.search.includes('where')")
     # Sorting by an argument, both ways.
     page.click("#runs thead th[data-key='args.lr']")
     page.wait_for_selector("th[data-key='args.lr'][aria-sort='descending']")

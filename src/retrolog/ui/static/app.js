@@ -237,6 +237,9 @@ async function loadRuns() {
   view.rows = data.rows;
   view.columns = data.columns;
   view.metrics = data.metrics;
+  if (state.columns === null && document.activeElement !== $("columns")) {
+    $("columns").value = data.columns.join(", "); // the default columns, as typed ones
+  }
   renderRuns(data);
   renderPicker(data);
   groupOptions();
@@ -249,7 +252,9 @@ async function loadRuns() {
 
 function newNames(metrics) {
   // A name that came into the store since the names were read (a replay's values landed).
-  const known = new Set([...$("chart-name").options].map((o) => o.value));
+  const select = $("chart-name");
+  if (!select || typeof loadNames !== "function") return;
+  const known = new Set([...select.options].map((o) => o.value));
   if (metrics.some((n) => !known.has(n))) loadNames().catch(() => {});
 }
 
