@@ -14,6 +14,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from retrolog.store import postgres
 from retrolog.store.schema import migrate
 
@@ -123,6 +125,24 @@ def pg_state(url: str) -> tuple[dict[Any, Any], dict[Any, Any]]:
     return stored, expected(rows)
 
 
+def check_table(root: Path) -> None:
+    """The runs table's aggregates, read from the summaries, against what the script logs."""
+    from retrolog import Project as Store
+
+    columns = ["acc:first", "acc", "acc:mean", "acc:count", "twice:min", "twice:max",
+               "note", "final:count", "loss:count", "flag:mean"]  # fmt: skip
+    table = Store(root).table(columns=columns, sort="acc:mean", descending=False)
+    assert [round(r["args"]["lr"], 6) for r in table["rows"]] == [0.1, 0.3]
+    for row in table["rows"]:
+        lr = row["args"]["lr"]
+        assert math.isclose(row["acc:first"], lr) and math.isclose(row["acc:last"], 2 / 3 + lr)
+        assert math.isclose(row["acc:mean"], 1 / 3 + lr) and row["acc:count"] == 3
+        # The second value of each step's context counts: -step.
+        assert row["twice:min"] == -39 and row["twice:max"] == 0
+        assert row["note:last"] == "start" and row["final:count"] == 2
+        assert row["loss:count"] == 120 and row["flag:mean"] == 0.5
+
+
 def record(project: Project, **env: str) -> None:
     project.write("train.py", SCRIPT)
     project.git("add", "-A")
@@ -144,6 +164,7 @@ def test_summaries_are_a_scan_of_the_values_after_recording_and_replay(project: 
     names = {"loss", "twice", "flag", "note", "done", "final", "acc"}
     assert {name for name, _ in scanned} >= names
     same(stored, scanned)
+    check_table(project.root)
     replay(project)
     stored, scanned = sqlite_state(database)
     assert sum(1 for name, _ in scanned if name == "w_sum") == 2
@@ -166,10 +187,12 @@ def test_migration_11_summarizes_the_values_a_store_holds(project: Project) -> N
 
 
 def test_summaries_on_postgresql_after_recording_and_write_back(
-    project: Project, pg_store_url: str
+    project: Project, pg_store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     record(project, RETROLOG_DATABASE_URL=pg_store_url)
     same(*pg_state(pg_store_url))
+    monkeypatch.setenv("RETROLOG_DATABASE_URL", pg_store_url)
+    check_table(project.root)
     replay(project, RETROLOG_DATABASE_URL=pg_store_url)
     stored, scanned = pg_state(pg_store_url)
     assert sum(1 for name, _ in scanned if name == "w_sum") == 2
