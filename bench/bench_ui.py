@@ -221,17 +221,185 @@ def browser_view(page: Any, url: str, wait: str) -> dict[str, float]:
     }
 
 
+# -- runs x steps x metrics: the runs table read from the runs' summaries ---------------------
+#
+# ``--sizes 300,1000``: stores of that many runs, each 5,000 steps of 3 metrics (``loss``,
+# ``acc``, ``lr_now``) plus 3 arguments, written through the embedded store's record sink
+# (store/records.py: the writer's own path, which keeps the summaries), one batch per run.
+# Measured per size, at the API (a real ``retrolog ui --no-index``) and in Chromium: the
+# table with 5 metric columns, and sorted by an aggregate. Chart timings (a 300-run chart,
+# a grid of 6, parallel coordinates) belong in METRIC_VIEWS / browser_metric_views as more
+# entries over the same stores.
+
+METRIC_STEPS = 5_000
+METRICS = ("loss", "acc", "lr_now")
+FIVE_COLUMNS = "loss:last,loss:min,acc:max,acc:mean,lr_now:last"
+METRIC_VIEWS: dict[str, dict[str, Any]] = {
+    "5 metric columns": {"columns": FIVE_COLUMNS},
+    "5 metric columns, sorted by loss:min": {"columns": FIVE_COLUMNS, "sort": "loss:min"},
+    "5 metric columns, sorted by acc:mean": {"columns": FIVE_COLUMNS, "sort": "acc:mean"},
+}
+
+
+def build_metric_store(root: Path, runs: int, start: int = 0) -> None:
+    """Runs ``start`` .. ``runs - 1``: METRIC_STEPS steps of METRICS each, seeded."""
+    from retrolog.store.records import RecordBatch, SqliteRecordSink
+
+    store = root / ".retrolog"
+    store.mkdir(parents=True, exist_ok=True)
+    conn = connect(store / "retrolog.db")
+    migrate(conn)
+    conn.close()
+    sink = SqliteRecordSink(store / "retrolog.db")
+    sink._conn.execute("PRAGMA synchronous = OFF")
+    try:
+        for r in range(start, runs):
+            rng = random.Random(r)
+            run_id = f"20260102-{r // 3600:02d}{(r // 60) % 60:02d}{r % 60:02d}-{r:06x}"
+            started = 1_780_000_000.0 + r * 600
+            args = {"lr": rng.choice([1e-3, 3e-3, 1e-2]), "seed": r,
+                    "optimizer": rng.choice(["adam", "sgd"])}  # fmt: skip
+            sink._conn.execute(
+                "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at,"
+                " ended_at, host, pid, python, argv, args, parsed_args, code_commit, code_tree,"
+                " dirty) VALUES (?, 'proj', ?, 'train.py', 'finished', ?, ?, 'host', 1, '3.11',"
+                " '[]', '{}', ?, ?, ?, 0)",
+                (run_id, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)), started,
+                 started + 500, json.dumps(args), f"{r % 7:040x}", f"{r % 7:040x}"),
+            )  # fmt: skip
+            batch = RecordBatch()
+            batch.values.extend((None, name, value) for name, value in args.items())
+            loss, acc, t = 2.5, 0.1, 0.0
+            for step in range(METRIC_STEPS):
+                batch.loop_starts.append((step, None, "step", step, None, 0, t))
+                batch.loop_ends.append((t + 0.01, step))
+                t += 0.01
+                loss = max(0.01, loss * 0.9995 + rng.gauss(0, 0.01))
+                acc = min(1.0, acc + rng.random() * 1e-4)
+                batch.values.append((step, "loss", loss))
+                batch.values.append((step, "acc", acc))
+                batch.values.append((step, "lr_now", args["lr"] * (1 - step / METRIC_STEPS)))
+            sink.write(run_id, batch)
+    finally:
+        sink.close()
+
+
+def browser_metric_views(page: Any, server: Server, reps: int) -> dict[str, Any]:
+    """In Chromium: the page opened with 5 metric columns (navigation to the table drawn),
+    and a click on a metric column's header to the table sorted by it."""
+    url = f"{server.base}/?token={server.token}&" + urllib.parse.urlencode(
+        {"columns": FIVE_COLUMNS}
+    )
+    drawn = "document.body.dataset.ready === '1' && document.querySelector('#runs tbody tr')"
+    opened, sorted_by = [], []
+    for _ in range(reps):
+        opened.append(browser_view(page, url, drawn)["ready_seconds"])
+        for key in ("loss:min", "acc:mean"):
+            header = f"#runs thead th[data-key='{key}']"
+            began = time.perf_counter()
+            page.click(header)
+            page.wait_for_selector(f"{header}[aria-sort]", timeout=600_000)
+            sorted_by.append(time.perf_counter() - began)
+    return {"open with 5 metric columns": spread(opened),
+            "click to sort by an aggregate": spread(sorted_by)}  # fmt: skip
+
+
+def measure_metric_store(sizes: list[int], reps: int, root: Path) -> dict[str, Any]:
+    from playwright.sync_api import sync_playwright
+
+    found: dict[str, Any] = {}
+    built = 0
+    for size in sizes:
+        t0 = time.perf_counter()
+        build_metric_store(root, size, built)
+        built = size
+        took = time.perf_counter() - t0
+        print(f"store: {size} runs x {METRIC_STEPS} steps ({took:.0f} s)", file=sys.stderr)
+        server = Server(root)
+        try:
+            api: dict[str, Any] = {}
+            for label, params in METRIC_VIEWS.items():
+                samples = []
+                for _ in range(reps):
+                    seconds, table = server.get("/api/runs", **params)
+                    assert table["total"] == size and len(table["rows"]) == min(100, size)
+                    samples.append(seconds)
+                api[label] = spread(samples)
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(
+                    executable_path=CHROMIUM, headless=True, chromium_sandbox=False,
+                    args=["--no-sandbox", "--disable-dev-shm-usage"],
+                )  # fmt: skip
+                try:
+                    page = browser.new_context().new_page()
+                    page.add_init_script(LONGTASKS)
+                    chromium = browser_metric_views(page, server, reps)
+                finally:
+                    browser.close()
+        finally:
+            server.stop()
+        found[str(size)] = {
+            "runs": size,
+            "values": size * METRIC_STEPS * len(METRICS),
+            "build_seconds": took,
+            "bytes": (root / ".retrolog" / "retrolog.db").stat().st_size,
+            "api_seconds": api,
+            "chromium_seconds": chromium,
+        }
+    return found
+
+
+def run_metric_stores(args: argparse.Namespace, root: Path) -> int:
+    from bench_log import source_fingerprint
+
+    started, load_before = time.time(), os.getloadavg()
+    source = source_fingerprint()
+    sizes = sorted(int(n) for n in args.sizes.split(","))
+    result = measure_metric_store(sizes, args.reps, root)
+    load_after = os.getloadavg()
+    out = json.loads(args.out.read_text()) if args.out.exists() else {}
+    out["runs_table_by_runs"] = {
+        **conditions(
+            "ui",
+            started,
+            load_before,
+            load_after,
+            args.reps,
+            retrolog.__version__,
+            source,
+            source_fingerprint(),
+        ),
+        "steps_per_run": METRIC_STEPS,
+        "metrics": list(METRICS),
+        "columns": FIVE_COLUMNS,
+        "target_seconds": TARGETS["table_seconds"],
+        "by_runs": result,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    for size, figures in result.items():
+        print(f"{size} runs ({figures['values']:,} values):")
+        for label, s in {**figures["api_seconds"], **figures["chromium_seconds"]}.items():
+            print(f"  {label:45s} {s['median']:.3f} s [{s['min']:.3f}..{s['max']:.3f}]")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ui.json")
     parser.add_argument("--keep", type=Path, help="build the store here and keep it")
+    parser.add_argument(
+        "--sizes",
+        help="measure the runs table on stores of these many runs x 5,000 steps x 3 metrics "
+        "(e.g. 300,1000) instead of the 10,000-run store",
+    )
     args = parser.parse_args(argv)
     if args.keep is not None and (args.keep / ".retrolog").exists():
         parser.error(f"{args.keep} already holds a store; --keep takes a new directory")
     root = args.keep or Path(tempfile.mkdtemp(prefix="retrolog-bench-ui-"))
     try:
-        return run(args, root)
+        return run_metric_stores(args, root) if args.sizes else run(args, root)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

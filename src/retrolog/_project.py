@@ -333,16 +333,21 @@ class Project:
         descending: bool = True,
         offset: int = 0,
         limit: int | None = 100,
+        status: Sequence[str] = (),
+        default_columns: bool = False,
+        ids: bool = False,
     ) -> dict[str, Any]:
         """A page of the runs table: fixed fields plus ``columns`` such as ``acc``
-        (its last value), ``loss:min`` or ``acc:max``; see _query/table.py."""
+        (its last value), ``loss:min``, ``loss:mean`` or ``acc:first``, read from the
+        runs' summaries; runs of ``status`` only; see _query/table.py."""
         from retrolog._query.table import Column, runs_table
 
         picked = [Column.parse(c) for c in columns]
         with self._portable() as conn:
             return runs_table(
                 conn, where=where, columns=picked, sort=sort, descending=descending,
-                offset=offset, limit=limit,
+                offset=offset, limit=limit, status=status, default_columns=default_columns,
+                ids=ids,
             )  # fmt: skip
 
     def series(

@@ -28,6 +28,7 @@ from starlette.testclient import TestClient
 
 from retrolog import Project
 from retrolog._query.series import Series, encode_series
+from retrolog._query.table import AGGREGATES
 from retrolog.ui.server import TOKEN_HEADER, Settings, create_app
 
 from conftest import read_db, values_by_run
@@ -68,6 +69,38 @@ def test_runs_table_columns_are_the_runs_last_min_and_max(
     assert len({r["code_version"] for r in table["rows"]}) == 2
 
 
+def test_runs_table_aggregates_first_mean_and_count(client: TestClient, recorded: Any) -> None:
+    table = client.get("/api/runs", params={"columns": "loss:first,loss:mean,loss:count,acc:first"})
+    loss, acc = values_by_run(recorded.root, "loss"), values_by_run(recorded.root, "acc")
+    for row in table.json()["rows"]:
+        run_id = row["run_id"]
+        assert row["loss:first"] == loss[run_id][0] and row["acc:first"] == acc[run_id][0]
+        assert math.isclose(row["loss:mean"], sum(loss[run_id]) / len(loss[run_id]))
+        assert row["loss:count"] == len(loss[run_id]) == 1200
+    by_mean = client.get(
+        "/api/runs", params={"columns": "loss:mean", "sort": "loss:mean", "desc": "0"}
+    ).json()
+    means = [r["loss:mean"] for r in by_mean["rows"]]
+    assert means == sorted(means) and len(means) == 3
+
+
+def test_runs_table_default_columns_status_argument_sort_and_ids(client: TestClient) -> None:
+    default = client.get("/api/runs", params={"default": "1"}).json()
+    assert default["metrics"] == ["acc", "loss", "lr"]
+    assert default["columns"] == ["acc:last", "loss:last", "lr:last"]
+    assert "ids" not in default
+    by_lr = client.get("/api/runs", params={"sort": "args.lr", "desc": "0", "ids": "1"}).json()
+    assert [r["args"]["lr"] for r in by_lr["rows"]] == [0.1, 0.2, 0.3]
+    assert by_lr["ids"] == [r["run_id"] for r in by_lr["rows"]]
+    assert all("args.lr" not in r for r in by_lr["rows"])
+    finished = client.get("/api/runs", params={"status": "finished,crashed", "ids": "1"}).json()
+    assert finished["total"] == 3 and len(finished["ids"]) == 3
+    running = client.get("/api/runs", params={"status": "running", "ids": "1"}).json()
+    assert running["total"] == 0 and running["rows"] == [] and running["ids"] == []
+    matching = client.get("/api/runs", params={"where": "lr > 0.15", "ids": "1", "limit": 1})
+    assert matching.json()["total"] == 2 and len(matching.json()["ids"]) == 2
+
+
 def test_runs_table_sorts_filters_and_pages(client: TestClient) -> None:
     by_acc = client.get("/api/runs", params={"columns": "acc", "sort": "acc:last", "desc": "0"})
     accs = [r["acc:last"] for r in by_acc.json()["rows"]]
@@ -106,10 +139,21 @@ def test_a_bad_predicate_or_column_is_a_clear_error(client: TestClient) -> None:
     bad = client.get("/api/runs", params={"where": "lr >>> 1"})
     assert bad.status_code == 400
     assert "lr >>> 1" in bad.json()["error"] and "Traceback" not in bad.text
-    unknown = client.get("/api/runs", params={"columns": "nope"})
-    assert unknown.status_code == 400 and "'nope'" in unknown.json()["error"]
     sort = client.get("/api/runs", params={"sort": "acc:last"})
     assert sort.status_code == 400 and "sorts by" in sort.json()["error"]
+    median = client.get("/api/runs", params={"columns": "acc,loss:median"})
+    assert median.status_code == 400 and "Traceback" not in median.text
+    error = median.json()["error"]
+    assert "'median'" in error and all(f":{a}" in error for a in AGGREGATES)
+
+
+def test_a_name_no_run_logged_is_an_empty_column_with_a_note(client: TestClient) -> None:
+    table = client.get(
+        "/api/runs", params={"columns": "acc,grad_norm:max", "sort": "grad_norm:max"}
+    ).json()
+    assert table["total"] == 3 and table["columns"] == ["acc:last", "grad_norm:max"]
+    assert all(r.get("grad_norm:max") is None and r["acc:last"] is not None for r in table["rows"])
+    assert len(table["notes"]) == 1 and "'grad_norm'" in table["notes"][0]
 
 
 def test_runs_table_exports_csv(client: TestClient) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from retrolog.store.metadata import rollback
+from retrolog.store.summaries import SQLITE_NUMBER, recompute
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ def backfill(
                 for ctx, name, value, kind, checkpoint in latest.values()
             ],
         )
+        recompute(conn, run_id, names, mark="?", number=SQLITE_NUMBER)
         conn.execute("COMMIT")
     except BaseException:
         rollback(conn)

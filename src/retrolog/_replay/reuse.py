@@ -31,6 +31,7 @@ from typing import Any
 
 from retrolog.errors import RetrologError
 from retrolog.store.metadata import rollback
+from retrolog.store.summaries import SQLITE_NUMBER, recompute
 
 # Run columns that decide what a run computes. Host and timing do not; the CPU
 # model does, and is in numerics.
@@ -238,6 +239,7 @@ def copy_values(
             " AND t.ctx_id IS s.ctx_id)",
             (target, replay_id, source, source, *names, target),
         )
+        recompute(conn, target, names, mark="?", number=SQLITE_NUMBER)
         conn.execute("COMMIT")
     except BaseException:
         rollback(conn)

@@ -38,10 +38,11 @@ from retrolog.store.records import (
     SinkUnstorable,
     write_run_rows,
 )
+from retrolog.store.summaries import POSTGRES_NUMBER, add_batch, migration
 
 # The version SQLite's store/schema.py reaches with the same tables; a later migration
 # is added to both, with the same number (MIGRATIONS, below the schema).
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 # One advisory lock key for migrations: two processes opening a new database at once
 # must not both create it (SQLite's BEGIN IMMEDIATE does this there).
@@ -224,6 +225,7 @@ CREATE TABLE record_batches (
 MIGRATIONS: list[tuple[int, str, str]] = [
     (9, "the schema of SQLite's version 9, in PostgreSQL's types", SCHEMA),
     (10, "the last batch each run's writer committed, written with the batch", RECORD_BATCHES),
+    (11, "per-run summaries of each logged name, for the runs table", migration(postgres=True)),
 ]
 
 
@@ -506,6 +508,7 @@ class PostgresRecordSink(RecordSink):
                     copy.write_row((run_id, ctx, name, *typed(value), _VALUE_TYPE[type(value)]))
                 for ctx, name, value, kind in batch.logs:
                     copy.write_row((run_id, ctx, name, *typed(value), kind))
+            add_batch(cur, run_id, batch.values, batch.logs, mark="%s", number=POSTGRES_NUMBER)
         write_run_rows(cur, run_id, batch, "%s")
         for digest, blob in batch.module_sets:
             cur.execute(

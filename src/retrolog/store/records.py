@@ -22,6 +22,7 @@ from typing import Any
 
 from retrolog.errors import disk_full
 from retrolog.store.metadata import connect, rollback
+from retrolog.store.summaries import SQLITE_NUMBER, add_batch
 
 Row = tuple[Any, ...]
 
@@ -209,6 +210,7 @@ class SqliteRecordSink(RecordSink):
                     insert_sql("logs", ("ctx_id", "name", "value", "value_type"), "?"),
                     with_run(run_id, batch.logs),
                 )
+            add_batch(conn, run_id, batch.values, batch.logs, mark="?", number=SQLITE_NUMBER)
             write_run_rows(conn, run_id, batch, "?")
             for digest, blob in batch.module_sets:
                 conn.execute(

@@ -11,6 +11,7 @@ import sqlite3
 import time
 
 from retrolog.errors import StoreError
+from retrolog.store.summaries import migration
 
 # (version, name, statements). Columns named ``value`` are declared without a
 # type on purpose: no affinity, so a float stays REAL, an int INTEGER, a str TEXT.
@@ -257,6 +258,12 @@ MIGRATIONS.append(
         ) WITHOUT ROWID
         """,
     )
+)
+
+# Kept current by every writer of logs (store/summaries.py); filled here for the values a
+# store holds.
+MIGRATIONS.append(
+    (11, "per-run summaries of each logged name, for the runs table", migration(postgres=False))
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

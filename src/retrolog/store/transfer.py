@@ -27,6 +27,7 @@ from typing import Any
 
 from retrolog.errors import StoreError
 from retrolog.store.postgres import PostgresMetadata, placeholders, typed
+from retrolog.store.summaries import POSTGRES_NUMBER, recompute
 
 # The tables holding one run's rows, copied with it, and how SQLite orders them
 # (None: no order of their own; their fingerprint sorts them).
@@ -186,6 +187,7 @@ def _copy_run(
             with cursor.copy(f"COPY {table} ({', '.join(targets)}) FROM STDIN") as copy:
                 for values in found:
                     copy.write_row(_split(names, values))
+        recompute(cursor, run_id, None, mark="%s", number=POSTGRES_NUMBER)
 
 
 def _split(names: Sequence[str], values: Sequence[Any]) -> list[Any]:
@@ -517,6 +519,9 @@ def write_back(
                 " AND l.ctx_id IS NOT DISTINCT FROM b.ctx_id) ORDER BY seq"
             )
             written = max(inserted.rowcount, 0)
+            recompute(pg.cursor(), run_id, names if force else
+                      {row[log_columns.index("name")] for row in found},
+                      mark="%s", number=POSTGRES_NUMBER)  # fmt: skip
             pg.execute(
                 "UPDATE replay_runs SET backfilled = %s WHERE run_id = %s AND replay_id = ANY(%s)",
                 (written, run_id, new),

@@ -235,6 +235,9 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
             descending=q.get("desc", "1") != "0",
             offset=_count(q.get("offset"), "offset", 0),
             limit=None if csv_export else _page(q.get("limit"), RUNS_PAGE, MAX_RUNS_PAGE),
+            status=_split(q.get("status")),
+            default_columns=q.get("default") == "1",
+            ids=q.get("ids") == "1",
         )
         if q.get("format") == "csv":
             return _csv_response(table, "runs.csv")

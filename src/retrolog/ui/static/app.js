@@ -26,12 +26,14 @@ const token = (() => {
   return given || sessionStorage.getItem(TOKEN_KEY) || "";
 })();
 
+// columns: null shows the default columns (the last value of each metric the runs log).
 const state = {
-  where: "", columns: [], sort: "started_at", desc: true, offset: 0, selected: [],
+  where: "", status: "", columns: null, sort: "started_at", desc: true, offset: 0, selected: [],
   name: "", x: "step", log: false, smooth: 0, lo: null, hi: null, run: null, group: "",
   view: "runs",
 };
-const view = { total: 0, rows: [], chart: null, series: [], groups: null, job: null };
+const view = { total: 0, rows: [], chart: null, series: [], groups: null, job: null,
+  columns: [], metrics: [], requests: {} };
 window.__retrolog = view; // for the browser tests: the drawn chart and its data
 
 const $ = (id) => document.getElementById(id);
@@ -39,7 +41,9 @@ const $ = (id) => document.getElementById(id);
 function readState() {
   const q = new URLSearchParams(location.search);
   state.where = q.get("where") || "";
-  state.columns = (q.get("columns") || "").split(",").filter(Boolean);
+  state.status = q.get("status") || "";
+  state.columns = !q.has("columns") ? null
+    : q.get("columns") === "-" ? [] : q.get("columns").split(",").filter(Boolean);
   state.sort = q.get("sort") || "started_at";
   state.desc = q.get("desc") !== "0";
   state.offset = Number(q.get("offset") || 0);
@@ -59,7 +63,8 @@ function stateQuery() {
   const q = new URLSearchParams();
   const put = (key, value, skip) => { if (value !== skip && value !== null) q.set(key, value); };
   put("where", state.where, "");
-  put("columns", state.columns.join(","), "");
+  put("status", state.status, "");
+  if (state.columns !== null) q.set("columns", state.columns.join(",") || "-");
   put("sort", state.sort, "started_at");
   put("desc", state.desc ? "1" : "0", "1");
   put("offset", String(state.offset), "0");
@@ -85,33 +90,54 @@ function writeState(push = false) {
   else history.replaceState(null, "", address);
 }
 
-// A newer load of the table or the chart replaces one still waiting: the older request is
-// aborted, so its answer cannot overwrite the newer view, and the server stops its query
-// (docs/ui.md, "Requests a client gave up on").
+// Every request belongs to a view ("runs", "chart", "names", "replay", ...): a newer
+// request of the same view replaces one still waiting. The older one is aborted, so the
+// server stops its query (docs/ui.md, "Requests a client gave up on"), and an answer that
+// arrives after its view was asked for again is dropped (a Stale error, which callers
+// treat as an abort): it never overwrites the newer view.
 const pending = {};
+const requests = {}; // per view, how many were made: for the browser tests
+view.requests = requests;
 function supersede(kind) {
   if (pending[kind]) pending[kind].abort();
   pending[kind] = new AbortController();
+  requests[kind] = (requests[kind] || 0) + 1;
   return pending[kind].signal;
+}
+class Stale extends Error {
+  constructor(kind) { super(`a newer ${kind} request replaced this one`); this.name = "AbortError"; }
 }
 const aborted = (err) => err && err.name === "AbortError";
 
-async function api(path, options = {}) {
+// options.view: the view the request belongs to (supersede); or options.signal, given.
+function sent(options) {
+  const { view: kind, ...rest } = options;
+  const signal = kind ? supersede(kind) : rest.signal;
   const headers = { "X-Retrolog-Token": token };
-  if (options.body !== undefined) headers["Content-Type"] = "application/json";
-  const response = await fetch(path, { ...options, headers });
+  if (rest.body !== undefined) headers["Content-Type"] = "application/json";
+  return { kind: kind || "request", signal, init: { ...rest, signal, headers } };
+}
+
+async function api(path, options = {}) {
+  const { kind, signal, init } = sent(options);
+  const response = await fetch(path, init);
   const body = await response.json();
+  if (signal && signal.aborted) throw new Stale(kind);
   if (!response.ok) throw new Error(body.error || response.statusText);
   return body;
 }
 
 async function apiBytes(path, options = {}) {
-  const response = await fetch(path, { ...options, headers: { "X-Retrolog-Token": token } });
+  const { kind, signal, init } = sent(options);
+  const response = await fetch(path, init);
   if (!response.ok) {
     const body = await response.json().catch(() => ({}));
+    if (signal && signal.aborted) throw new Stale(kind);
     throw new Error(body.error || response.statusText);
   }
-  return response.arrayBuffer();
+  const bytes = await response.arrayBuffer();
+  if (signal && signal.aborted) throw new Stale(kind);
+  return bytes;
 }
 
 const SPECIAL = (y) => (Number.isNaN(y) ? "NaN" : y > 0 ? "Infinity" : "-Infinity");
@@ -158,16 +184,66 @@ function runsQuery(extra = {}) {
     limit: String(PAGE), ...extra,
   });
   if (state.where) q.set("where", state.where);
-  if (state.columns.length) q.set("columns", state.columns.join(","));
+  if (state.status) q.set("status", state.status);
+  if (state.columns === null) q.set("default", "1");
+  else if (state.columns.length) q.set("columns", state.columns.join(","));
   return q;
+}
+
+// The table's selection, for every view that acts on chosen runs (charts, compare,
+// replay): get() the run ids, set(ids) them; each change is announced to the page as a
+// "retrolog:selection" event on document, its detail {runs}.
+const selection = {
+  get: () => [...state.selected],
+  set(ids) {
+    state.selected = [...new Set(ids)];
+    writeState();
+    for (const tr of $("runs").tBodies[0].rows) {
+      const chosen = state.selected.includes(tr.dataset.run);
+      tr.classList.toggle("selected", chosen);
+      const box = tr.querySelector("input[type=checkbox]");
+      if (box) box.checked = chosen;
+    }
+    showSelected();
+    document.dispatchEvent(new CustomEvent("retrolog:selection",
+      { detail: { runs: selection.get() } }));
+  },
+};
+window.retrolog = { ...(window.retrolog || {}), selection };
+
+function showSelected() {
+  const n = state.selected.length;
+  $("selected-count").textContent = n ? `${n} selected` : "";
+  const page = $("runs").tHead.querySelector("input[type=checkbox]");
+  if (page) {
+    const ids = view.rows.map((r) => r.run_id);
+    const chosen = ids.filter((r) => state.selected.includes(r)).length;
+    page.checked = ids.length > 0 && chosen === ids.length;
+    page.indeterminate = chosen > 0 && chosen < ids.length;
+  }
+}
+
+async function selectAll(matching) {
+  // Every run (or every run the filter matches), not only this page's.
+  const q = new URLSearchParams({ ids: "1", limit: "1", sort: state.sort,
+    desc: state.desc ? "1" : "0", columns: "" });
+  if (matching && state.where) q.set("where", state.where);
+  if (matching && state.status) q.set("status", state.status);
+  try {
+    const found = await api("/api/runs?" + q, { view: "select" });
+    selection.set(found.ids);
+  } catch (err) {
+    if (!aborted(err)) status(err.message);
+  }
 }
 
 async function loadRuns() {
   let data;
   try {
-    data = await api("/api/runs?" + runsQuery(), { signal: supersede("runs") });
+    data = await api("/api/runs?" + runsQuery(), { view: "runs" });
   } catch (err) {
     if (aborted(err)) return;
+    // The table shown stays: a failed refresh says why, and the next one may succeed.
     $("where-error").textContent = err.message;
     $("where-error").hidden = false;
     return;
@@ -175,27 +251,59 @@ async function loadRuns() {
   $("where-error").hidden = true;
   view.total = data.total;
   view.rows = data.rows;
+  view.columns = data.columns;
+  view.metrics = data.metrics;
+  if (state.columns === null && document.activeElement !== $("columns")) {
+    $("columns").value = data.columns.join(", "); // the default columns, as typed ones
+  }
   renderRuns(data);
+  renderPicker(data);
   groupOptions();
+  newNames(data.metrics);
   const csv = runsQuery({ format: "csv" });
   csv.delete("offset");
   csv.delete("limit");
   $("csv").href = "/api/runs?" + csv;
 }
 
+function newNames(metrics) {
+  // A name that came into the store since the names were read (a replay's values landed).
+  const select = $("chart-name");
+  if (!select || typeof loadNames !== "function") return;
+  const known = new Set([...select.options].map((o) => o.value));
+  if (metrics.some((n) => !known.has(n))) loadNames().catch(() => {});
+}
+
 const FIELD_LABELS = {
   run_id: "run", tstamp: "started", filename: "script", status: "status",
-  duration: "duration", code_version: "code version", args: "arguments",
+  duration: "duration", code_version: "code version",
 };
 
+function argumentNames(rows) {
+  return [...new Set(rows.flatMap((r) => Object.keys(r.args || {})))].sort();
+}
+
 function renderRuns(data) {
-  const keys = ["run_id", "tstamp", "filename", "status", "duration", "code_version", "args",
-    ...data.columns];
+  const keys = ["run_id", "tstamp", "filename", "status", "duration", "code_version",
+    ...argumentNames(data.rows).map((a) => "args." + a), ...data.columns];
   const head = document.createElement("tr");
-  head.append(document.createElement("th"));
+  const all = document.createElement("th");
+  const pageBox = document.createElement("input");
+  pageBox.type = "checkbox";
+  pageBox.setAttribute("aria-label", "select this page's runs");
+  pageBox.addEventListener("change", () => {
+    const ids = data.rows.map((r) => r.run_id);
+    selection.set(pageBox.checked ? [...state.selected, ...ids]
+      : state.selected.filter((r) => !ids.includes(r)));
+  });
+  all.append(pageBox);
+  head.append(all);
   for (const key of keys) {
     const th = document.createElement("th");
-    th.textContent = FIELD_LABELS[key] || key;
+    const argument = key.startsWith("args.");
+    th.textContent = argument ? key.slice(5) : FIELD_LABELS[key] || key;
+    th.title = argument ? `argument ${key.slice(5)}` : key;
+    if (argument) th.className = "arg";
     th.dataset.key = key;
     if (key === state.sort) th.setAttribute("aria-sort", state.desc ? "descending" : "ascending");
     th.addEventListener("click", () => {
@@ -215,6 +323,52 @@ function renderRuns(data) {
     ? `runs ${data.offset + 1}-${last} of ${data.total}` : "no run matches";
   $("prev").disabled = data.offset === 0;
   $("next").disabled = last >= data.total;
+  $("runs-notes").textContent = (data.notes || []).join(" ");
+  $("runs-notes").hidden = !(data.notes || []).length;
+  showSelected();
+}
+
+const AGGREGATES = ["last", "first", "min", "max", "mean", "count"];
+
+function renderPicker(data) {
+  // A checkbox per metric and aggregate; the shown columns are checked.
+  const shown = new Set(data.columns);
+  const head = document.createElement("tr");
+  head.append(...["metric", ...AGGREGATES].map((t) => {
+    const th = document.createElement("th");
+    th.textContent = t;
+    return th;
+  }));
+  const names = [...new Set([...data.metrics, ...data.columns.map((c) => c.replace(/:[^:]*$/, ""))])];
+  const rows = names.map((name) => {
+    const tr = document.createElement("tr");
+    const label = document.createElement("td");
+    label.textContent = name;
+    tr.append(label, ...AGGREGATES.map((agg) => {
+      const td = document.createElement("td");
+      const box = document.createElement("input");
+      box.type = "checkbox";
+      box.checked = shown.has(`${name}:${agg}`);
+      box.dataset.column = `${name}:${agg}`;
+      box.setAttribute("aria-label", `${name}:${agg}`);
+      box.addEventListener("change", () => {
+        const now = [...view.columns];
+        state.columns = box.checked ? [...now, box.dataset.column]
+          : now.filter((c) => c !== box.dataset.column);
+        view.columns = state.columns;
+        $("columns").value = state.columns.join(", ");
+        if (!state.columns.includes(state.sort) && state.sort.includes(":")) state.sort = "started_at";
+        state.offset = 0;
+        writeState();
+        loadRuns();
+      });
+      td.append(box);
+      return td;
+    }));
+    return tr;
+  });
+  $("column-grid").tHead.replaceChildren(head);
+  $("column-grid").tBodies[0].replaceChildren(...rows);
 }
 
 function runRow(row, keys) {
@@ -227,22 +381,21 @@ function runRow(row, keys) {
   box.checked = chosen;
   box.setAttribute("aria-label", "select " + row.run_id);
   box.addEventListener("change", () => {
-    state.selected = box.checked ? [...state.selected, row.run_id]
-      : state.selected.filter((r) => r !== row.run_id);
-    tr.classList.toggle("selected", box.checked);
-    writeState();
+    selection.set(box.checked ? [...state.selected, row.run_id]
+      : state.selected.filter((r) => r !== row.run_id));
   });
   const cell = document.createElement("td");
   cell.append(box);
   tr.append(cell);
   for (const key of keys) {
     const td = document.createElement("td");
-    const value = row[key];
+    const value = key.startsWith("args.") ? (row.args || {})[key.slice(5)] : row[key];
     if (key === "run_id") {
       td.append(runLink(value));
     } else {
       td.textContent = formatCell(key, value, row);
-      td.title = typeof value === "object" ? JSON.stringify(value) : String(value ?? "");
+      td.title = value !== null && typeof value === "object" ? JSON.stringify(value)
+        : String(value ?? "");
     }
     if (key === "status") td.className = value;
     tr.append(td);
@@ -947,10 +1100,19 @@ async function startReplay() {
 }
 
 async function followReplay() {
-  const job = await api("/api/replay/" + view.job.id);
+  let job;
+  try {
+    job = await api("/api/replay/" + view.job.id, { view: "replay" });
+  } catch (err) {
+    // A missed poll (the server busy, a request replaced) is tried again, never thrown.
+    if (!aborted(err)) status(err.message);
+    setTimeout(followReplay, 2000);
+    return;
+  }
   view.job = job;
   $("replay-output").textContent = job.output.join("\n");
-  await Promise.all([loadRuns(), loadChart()]); // backfilled values fill in as they land
+  // Backfilled values fill in as each run's land; a failed refresh keeps what is shown.
+  await Promise.all([loadRuns(), loadChart().catch((err) => status(err.message))]);
   if (job.running) {
     setTimeout(followReplay, 1000);
     return;
@@ -965,14 +1127,20 @@ async function followReplay() {
 
 function wire() {
   $("where").value = state.where;
-  $("columns").value = state.columns.join(", ");
+  $("columns").value = (state.columns || []).join(", ");
+  $("status-filter").value = state.status;
   $("chart-x").value = state.x;
   $("chart-log").checked = state.log;
   $("chart-smooth").value = String(state.smooth);
   $("filter").addEventListener("submit", (event) => {
     event.preventDefault();
     state.where = $("where").value.trim();
-    state.columns = $("columns").value.split(",").map((c) => c.trim()).filter(Boolean);
+    const typed = $("columns").value.split(",").map((c) => c.trim()).filter(Boolean);
+    // Untouched default columns stay the default (they follow the metrics the runs log).
+    if (state.columns !== null || typed.join(",") !== (view.columns || []).join(",")) {
+      state.columns = typed;
+    }
+    state.status = $("status-filter").value;
     state.offset = 0;
     writeState();
     loadRuns();
@@ -994,10 +1162,20 @@ function wire() {
   window.addEventListener("popstate", () => {
     readState();
     $("where").value = state.where;
-    $("columns").value = state.columns.join(", ");
+    $("status-filter").value = state.status;
+    $("columns").value = (state.columns || []).join(", ");
     if (state.view === "runs") loadRuns();
     route();
   });
+  $("status-filter").addEventListener("change", () => {
+    state.status = $("status-filter").value;
+    state.offset = 0;
+    writeState();
+    loadRuns();
+  });
+  $("select-all").addEventListener("click", () => selectAll(false));
+  $("select-matching").addEventListener("click", () => selectAll(true));
+  $("select-none").addEventListener("click", () => selection.set([]));
   const redraw = () => { writeState(); loadChart(); };
   $("chart-name").addEventListener("change", () => { state.name = $("chart-name").value;
     state.lo = state.hi = null; redraw(); });
@@ -1019,12 +1197,13 @@ function wire() {
   $("replay-start").addEventListener("click", startReplay);
   $("replay-cancel").addEventListener("click", () =>
     api(`/api/replay/${view.job.id}/cancel`, { method: "POST", body: "{}" }));
-  // Running runs update live: every 2 s while any is shown.
+  // Running runs update live: every 2 s while any is shown. A refresh replaces one still
+  // waiting (supersede) and a failed one keeps the table shown.
   setInterval(() => {
     if (document.visibilityState !== "visible") return;
     if (view.rows.some((r) => r.status === "running")) {
       loadRuns();
-      if (view.series.length) loadChart();
+      if (view.series.length) loadChart().catch((err) => status(err.message));
     }
   }, 2000);
 }
