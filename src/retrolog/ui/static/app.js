@@ -17,8 +17,8 @@ const token = (() => {
 
 const state = {
   where: "", columns: [], sort: "started_at", desc: true, offset: 0, selected: [],
-  name: "", x: "step", log: false, smooth: 0, lo: null, hi: null, run: null, group: "",
-  compare: false,
+  charts: [], label: "", sx: "", sy: "", sagg: "last", x: "step", log: false, smooth: 0,
+  lo: null, hi: null, run: null, group: "", compare: false,
 };
 const view = { total: 0, rows: [], chart: null, series: [], groups: null, job: null };
 window.__retrolog = view; // for the browser tests: the drawn chart and its data
@@ -33,7 +33,7 @@ function readState() {
   state.desc = q.get("desc") !== "0";
   state.offset = Number(q.get("offset") || 0);
   state.selected = (q.get("runs") || "").split(",").filter(Boolean);
-  state.name = q.get("name") || "";
+  readChartState(q);
   state.x = q.get("x") || "step";
   state.log = q.get("log") === "1";
   state.smooth = Number(q.get("smooth") || 0);
@@ -53,7 +53,7 @@ function writeState() {
   put("desc", state.desc ? "1" : "0", "1");
   put("offset", String(state.offset), "0");
   put("runs", state.selected.join(","), "");
-  put("name", state.name, "");
+  writeChartState(put);
   put("x", state.x, "step");
   put("log", state.log ? "1" : "0", "0");
   put("smooth", String(state.smooth), "0");
@@ -301,6 +301,7 @@ async function showRun(runId) {
     facts([["numerics", numerics], ["packages", details.packages]]),
   );
   $("run-view").hidden = false;
+  showRunCharts(runId, details.names);
   try {
     const code = await api("/api/runs/" + encodeURIComponent(runId) + "/code");
     $("run-code-path").textContent = `${code.path} (${code.files.length} file(s) in the version)`;
@@ -448,9 +449,6 @@ async function followReplay() {
 function wire() {
   $("where").value = state.where;
   $("columns").value = state.columns.join(", ");
-  $("chart-x").value = state.x;
-  $("chart-log").checked = state.log;
-  $("chart-smooth").value = String(state.smooth);
   $("filter").addEventListener("submit", (event) => {
     event.preventDefault();
     state.where = $("where").value.trim();
@@ -462,23 +460,8 @@ function wire() {
   $("prev").addEventListener("click", () => { state.offset = Math.max(0, state.offset - PAGE);
     writeState(); loadRuns(); });
   $("next").addEventListener("click", () => { state.offset += PAGE; writeState(); loadRuns(); });
-  $("chart-selected").addEventListener("click", () => { state.lo = state.hi = null;
-    writeState(); loadChart(); });
   $("compare-selected").addEventListener("click", showCompare);
-  const redraw = () => { writeState(); loadChart(); };
-  $("chart-name").addEventListener("change", () => { state.name = $("chart-name").value;
-    state.lo = state.hi = null; redraw(); });
-  $("chart-x").addEventListener("change", () => { state.x = $("chart-x").value;
-    state.lo = state.hi = null; redraw(); });
-  $("chart-log").addEventListener("change", () => { state.log = $("chart-log").checked;
-    redraw(); });
-  $("chart-group").addEventListener("change", () => { state.group = $("chart-group").value;
-    state.lo = state.hi = null; redraw(); });
-  $("chart-smooth").addEventListener("input", () => {
-    state.smooth = Number($("chart-smooth").value);
-    redraw();
-  });
-  $("chart-reset").addEventListener("click", () => { state.lo = state.hi = null; redraw(); });
+  wireCharts();
   $("replay-plan").addEventListener("click", showPlan);
   $("replay-names").addEventListener("focus", () => {
     if (view.project) loadScriptNames(view.project); // the script may have been edited
@@ -510,6 +493,7 @@ async function main() {
   }
   await Promise.all([loadRuns(), loadNames()]);
   await loadChart();
+  loadExplore();
   if (state.run) showRun(state.run);
   if (state.compare) showCompare();
   document.body.dataset.ready = "1";
