@@ -133,7 +133,8 @@ function wireCharts() {
     const name = $("chart-name").value;
     $("chart-name").value = "";
     if (!name) return;
-    if (!state.charts.includes(name)) state.charts = [...state.charts, name];
+    // The newest choice comes first, top left, where the eye starts.
+    state.charts = [name, ...state.charts.filter((n) => n !== name)];
     redraw();
     loadExplore();
   });
@@ -505,6 +506,8 @@ function drawChart(grid, cell, spec, found) {
     grid.settle(cell, "empty");
     return;
   }
+  cell.state = "drawing";
+  cell.el.dataset.state = "drawing";
   const tables = [];
   const series = [{ label: spec.x }];
   const lines = []; // drawn by drawLines, a few runs per frame
@@ -1026,7 +1029,13 @@ function svgPoint(svg, event) {
 
 function brushAxis(event, svg, field, y, height, pad) {
   event.preventDefault();
-  const t = (py) => Math.max(0, Math.min(1, 1 - (py - pad.top) / (height - pad.top - pad.bottom)));
+  // A brush that starts or ends within 3 px of an axis's end reaches the end: the runs at
+  // the extreme value are in it.
+  const span = height - pad.top - pad.bottom;
+  const t = (py) => {
+    const v = 1 - (py - pad.top) / span;
+    return v > 1 - 3 / span ? 1 : v < 3 / span ? 0 : v;
+  };
   const start = t(svgPoint(svg, event).y);
   const move = (e) => {
     const now = t(svgPoint(svg, e).y);
