@@ -425,13 +425,22 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     ).fetchall()
     if not found:
         return None
-    # (ctx, value, origin, inexact, replay_id, value_type), the value whole again
-    rows = [(r[0], whole_value(r[5:]), r[1], r[2], r[3], r[4]) for r in found]
-    ctx_ids, values, origins, _, _, types = zip(*rows, strict=True)
-    n = len(rows)
+    # Column by column: a per-row Python step costs more than SQLite's read of the row.
+    ctx_ids, origins, inexacts, replay_of, types, *value_columns = zip(*found, strict=True)
+    if len(value_columns) == 1:
+        values = value_columns[0]
+    else:  # the value whole again from its parts
+        values = tuple(whole_value(v) for v in zip(*value_columns, strict=True))
+    n = len(found)
     ctx = np.array(ctx_ids, dtype=np.int64)
-    numeric = np.array([t in NUMERIC_TYPES for t in types], dtype=bool)
-    recorded = np.array([o == "recorded" for o in origins], dtype=bool)
+    if set(types) <= set(NUMERIC_TYPES):
+        numeric = np.ones(n, dtype=bool)
+    else:
+        numeric = np.array([t in NUMERIC_TYPES for t in types], dtype=bool)
+    if set(origins) == {"recorded"}:
+        recorded = np.ones(n, dtype=bool)
+    else:
+        recorded = np.array([o == "recorded" for o in origins], dtype=bool)
     if numeric.all():
         y = np.array(values, dtype=np.float64)  # None (a logged NaN) becomes NaN
     else:
@@ -443,7 +452,7 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     if not recorded.all():
         known: dict[str, int] = {}
         for i in np.flatnonzero(~recorded).tolist():
-            _, _, _, inexact, replay_id, _ = rows[i]
+            inexact, replay_id = inexacts[i], replay_of[i]
             if inexact is not None:
                 origin[i] = INEXACT
             if replay_id is not None:

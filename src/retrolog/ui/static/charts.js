@@ -128,6 +128,7 @@ function wireCharts() {
   $("chart-smooth").value = String(state.smooth);
   $("scatter-agg").value = state.sagg;
   const redraw = () => { writeState(); loadChart(); };
+  const restyle = () => { writeState(); loadChart(true); };
   $("chart-selected").addEventListener("click", () => { state.lo = state.hi = null; redraw(); });
   $("chart-name").addEventListener("change", () => {
     const name = $("chart-name").value;
@@ -141,14 +142,14 @@ function wireCharts() {
   $("chart-x").addEventListener("change", () => { state.x = $("chart-x").value;
     state.lo = state.hi = null; redraw(); });
   $("chart-log").addEventListener("change", () => { state.log = $("chart-log").checked;
-    redraw(); });
+    restyle(); });
   $("chart-group").addEventListener("change", () => { state.group = $("chart-group").value;
     state.lo = state.hi = null; redraw(); });
   $("chart-label").addEventListener("change", () => { state.label = $("chart-label").value;
-    redraw(); });
+    restyle(); });
   $("chart-smooth").addEventListener("input", () => {
     state.smooth = Number($("chart-smooth").value);
-    redraw();
+    restyle();
   });
   $("chart-reset").addEventListener("click", () => { state.lo = state.hi = null; redraw(); });
   $("scatter-x").addEventListener("change", () => { state.sx = $("scatter-x").value;
@@ -190,7 +191,9 @@ class ChartGrid {
     this.base = null;
   }
 
-  show(names, base) {
+  // reuse: a chart whose request would be the same is redrawn from the answer it has (a
+  // change of smoothing, scale or labels); otherwise it asks again (values may have arrived).
+  show(names, base, reuse = false) {
     this.names = [...names];
     this.base = base;
     for (const [name, cell] of this.cells) {
@@ -204,12 +207,12 @@ class ChartGrid {
     order.forEach((cell, i) => {
       if (cell.left) cell.left.disabled = i === 0;
       if (cell.right) cell.right.disabled = i === order.length - 1;
-      this.load(cell);
+      this.load(cell, reuse);
     });
     if (!names.length) this.renderLegend();
   }
 
-  refresh() { if (this.base) this.show(this.names, this.base); }
+  refresh() { if (this.base) this.show(this.names, this.base, true); }
 
   clear() { this.show([], null); }
 
@@ -257,7 +260,7 @@ class ChartGrid {
     return cell;
   }
 
-  async load(cell) {
+  async load(cell, reuse) {
     const base = this.base;
     const width = Math.max(200, Math.floor(cell.plot.clientWidth || 600));
     const spec = { ...base, name: cell.name, width, height: CHART_HEIGHT };
@@ -280,7 +283,7 @@ class ChartGrid {
     const generation = ++cell.generation;
     if (cell.controller) cell.controller.abort();
     cell.controller = null;
-    if (cell.key === key && cell.data) { // only the look changed: no request
+    if (reuse && cell.key === key && cell.data) {
       this.draw(cell, spec, cell.data);
       return;
     }
@@ -357,7 +360,7 @@ function moveChart(name, by) {
   }
   state.charts = charts;
   writeState();
-  loadChart();
+  loadChart(true);
 }
 
 function runLabel(runId, label) {
@@ -387,12 +390,12 @@ const mainGrid = new ChartGrid(document.getElementById("charts"),
     legend: document.getElementById("chart-legend") });
 let runGrid = null; // made in the run view's container when a run is shown
 
-async function loadChart() {
+async function loadChart(reuse = false) {
   const names = state.charts;
   const runs = chartSelection.get();
   $("chart-info").textContent = !names.length ? "add a chart: pick a name"
     : !runs.length ? "select runs in the table" : "";
-  mainGrid.show(names, chartSpec(runs));
+  mainGrid.show(names, chartSpec(runs), reuse);
 }
 
 function showRunCharts(runId, names) {
