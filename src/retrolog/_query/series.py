@@ -333,10 +333,10 @@ def series(
     stops = [float(w.x[-1]) for w in found if len(w.x)]
     first = lo if lo is not None else min(starts, default=0.0)
     last = hi if hi is not None else max(stops, default=0.0)
-    columns = width
+    shared = width
     if width is not None and budget is not None and found:
-        columns = max(1, min(width, budget // (4 * len(found))))
-    return [_window(w, lo, hi, columns, (first, last)) for w in found]
+        shared = max(1, min(width, budget // (4 * len(found))))
+    return [_window(w, lo, hi, shared, (first, last)) for w in found]
 
 
 def index_series(
