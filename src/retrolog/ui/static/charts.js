@@ -46,19 +46,30 @@ function hashText(text) {
 }
 
 function runColor(id) {
-  const h = hashText(String(id));
-  const hue = (h % 360) / 360;
-  const light = [0.38, 0.46, 0.54][(h >>> 9) % 3];
-  return hslHex(hue, 0.7, light);
+  // The hash's bits mixed (murmur3's finalizer), then a hue in OKLCH, where equal steps of
+  // hue look equally different (in HSL, a third of the circle is one green), at one of two
+  // lightnesses so that neighbouring hues still differ.
+  let h = hashText(String(id));
+  h = Math.imul(h ^ (h >>> 16), 0x85ebca6b);
+  h = Math.imul(h ^ (h >>> 13), 0xc2b2ae35);
+  h = (h ^ (h >>> 16)) >>> 0;
+  return oklchHex(h & 1 ? 0.52 : 0.66, 0.15, ((h >>> 1) % 3600) / 10);
 }
 
-function hslHex(h, s, l) {
-  const f = (n) => {
-    const k = (n + h * 12) % 12;
-    const c = l - s * Math.min(l, 1 - l) * Math.max(-1, Math.min(k - 3, 9 - k, 1));
-    return Math.round(c * 255).toString(16).padStart(2, "0");
-  };
-  return `#${f(0)}${f(8)}${f(4)}`;
+function oklchHex(l, c, hue) {
+  const a = c * Math.cos((hue * Math.PI) / 180);
+  const b = c * Math.sin((hue * Math.PI) / 180);
+  const l1 = (l + 0.3963377774 * a + 0.2158037573 * b) ** 3;
+  const m1 = (l - 0.1055613458 * a - 0.0638541728 * b) ** 3;
+  const s1 = (l - 0.0894841775 * a - 1.291485548 * b) ** 3;
+  const linear = [4.0767416621 * l1 - 3.3077115913 * m1 + 0.2309699292 * s1,
+    -1.2684380046 * l1 + 2.6097574011 * m1 - 0.3413193965 * s1,
+    -0.0041960863 * l1 - 0.7034186147 * m1 + 1.707614701 * s1];
+  return "#" + linear.map((v) => {
+    const x = Math.max(0, Math.min(1, v));
+    const srgb = x <= 0.0031308 ? 12.92 * x : 1.055 * x ** (1 / 2.4) - 0.055;
+    return Math.round(srgb * 255).toString(16).padStart(2, "0");
+  }).join("");
 }
 
 // -- the address ----------------------------------------------------------------------------------
