@@ -319,7 +319,7 @@ class Project:
 
     def series_bytes(
         self,
-        name: str,
+        name: str | None,
         runs: Sequence[str],
         *,
         x: str = "step",
@@ -329,9 +329,12 @@ class Project:
         budget: int | None = None,
     ) -> bytes:
         """``series(...)`` in the dashboard page's binary form: a JSON header, then the
-        points as raw little-endian arrays (docs/ui.md, the API table)."""
+        points as raw little-endian arrays (docs/ui.md, the API table). No ``name``: no
+        series (a chart of nothing)."""
         from retrolog._query.series import encode_series
 
+        if name is None:
+            return encode_series([])
         found = self.series(name, runs, x=x, lo=lo, hi=hi, width=width, budget=budget)
         return encode_series(found)
 

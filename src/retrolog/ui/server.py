@@ -44,7 +44,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from retrolog._project import Project
-from retrolog.errors import RetrologError
+from retrolog.errors import RetrologError, UnknownNameError
 from retrolog.ui.indexer import Indexer
 
 STATIC = Path(__file__).parent / "static"
@@ -259,11 +259,14 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         if not name or not by:
             raise ValueError("name= and by= are required: the logged name, the argument")
         runs = _split(q.get("runs"))
-        found = project.groups(
-            name, runs, by, x=q.get("x") or "step",
-            lo=_number(q.get("lo")), hi=_number(q.get("hi")),
-            width=_width(q.get("width")),
-        )  # fmt: skip
+        width = _width(q.get("width"))
+        try:
+            found = project.groups(
+                name, runs, by, x=q.get("x") or "step",
+                lo=_number(q.get("lo")), hi=_number(q.get("hi")), width=width,
+            )  # fmt: skip
+        except UnknownNameError:
+            found = []  # not logged yet (a replay may add it): an empty chart, not an error
         return _fast_json([g.to_json() for g in found])
 
     def series(request: Request) -> Response:
@@ -275,10 +278,21 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         lo, hi = _number(q.get("lo")), _number(q.get("hi"))
         pixels = _width(q.get("width"))
         budget = pixels * _height(q.get("height")) * POINTS_PER_PIXEL
-        if q.get("format") == "binary":  # the page's own form
-            found = project.series_bytes(name, runs, x=x, lo=lo, hi=hi, width=pixels, budget=budget)
-            return Response(found, media_type="application/octet-stream")
-        drawn = project.series(name, runs, x=x, lo=lo, hi=hi, width=pixels, budget=budget)
+        binary = q.get("format") == "binary"  # the page's own form
+        try:
+            if binary:
+                found = project.series_bytes(
+                    name, runs, x=x, lo=lo, hi=hi, width=pixels, budget=budget
+                )
+                return Response(found, media_type="application/octet-stream")
+            drawn = project.series(name, runs, x=x, lo=lo, hi=hi, width=pixels, budget=budget)
+        except UnknownNameError:
+            # Not logged yet (a replay may add it): an empty chart, not an error.
+            if binary:
+                return Response(
+                    project.series_bytes(None, []), media_type="application/octet-stream"
+                )
+            drawn = []
         return _fast_json([s.to_json() for s in drawn])
 
     def dataframe(request: Request) -> Any:

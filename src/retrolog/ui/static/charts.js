@@ -881,7 +881,8 @@ function exportSvg(cell) {
 
 // -- parallel coordinates and a scatter, linked to the table -----------------------------------
 
-const explore = { rows: [], args: new Map(), columns: [], brushes: {}, generation: 0 };
+const explore = { rows: [], args: new Map(), columns: [], brushes: {}, generation: 0,
+  controller: null };
 
 async function loadExplore() {
   // The runs the table's filter chooses (up to 1,000), each with its arguments and the
@@ -892,9 +893,11 @@ async function loadExplore() {
   if (state.where) q.set("where", state.where);
   if (columns.length) q.set("columns", columns.join(","));
   const generation = ++explore.generation;
+  if (explore.controller) explore.controller.abort();
+  explore.controller = new AbortController();
   let found;
   try {
-    found = await api("/api/runs?" + q, { signal: supersede("explore") });
+    found = await api("/api/runs?" + q, { signal: explore.controller.signal });
   } catch (err) {
     if (aborted(err) || generation !== explore.generation) return;
     $("explore-info").textContent = err.message;
