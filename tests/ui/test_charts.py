@@ -305,3 +305,43 @@ def test_random_clicks_on_the_chart_controls_draw_what_they_say(page: Any, dashb
         assert set(shot["legend"]) == legend, where
         assert errors == [], where
         assert time.monotonic() < deadline
+
+
+SEEDED = """\
+import argparse
+
+import retrolog as rl
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+for step in rl.loop("step", range(50)):
+    rl.log("loss", 1.0 / (step + 1) + args.seed * 1e-4)
+"""
+
+
+def test_grouping_by_a_continuous_argument_bins_it(page: Any, project: Any, serve: Any) -> None:
+    project.write("seeded.py", SEEDED)
+    seeds = [3, 17, 29, 41, 58, 64, 77, 85, 93]
+    for seed in seeds:
+        project.run("seeded.py", "--seed", str(seed))
+    errors = console_errors(page)
+    with serve(project) as dashboard:
+        page.set_viewport_size({"width": 1300, "height": 1000})
+        page.goto(dashboard.url)
+        page.wait_for_selector(READY)
+        select_all(page)
+        page.select_option("#chart-name", "loss")
+        page.select_option("#chart-group", "seed")
+        shot = settle(page)
+    (cell,) = shot["cells"]
+    bins = cell["groups"]
+    # A handful of [low, high] bins in order, covering every seed; not one group per run.
+    assert 2 <= len(bins) <= 6 and bins == sorted(bins)
+    assert all(any(low <= s <= high for low, high in bins) for s in seeds)
+    assert len(shot["legend"]) == len(bins)
+    assert all(entry.startswith("seed ") and ".." in entry for entry in shot["legend"])
+    counts = [int(e.rsplit("(", 1)[1].split(" ")[0]) for e in shot["legend"]]
+    assert sum(counts) == len(seeds)
+    assert errors == []
