@@ -139,7 +139,17 @@ function wireCharts() {
   $("chart-smooth").value = String(state.smooth);
   $("scatter-agg").value = state.sagg;
   const redraw = () => { writeState(); loadChart(); };
-  const restyle = () => { writeState(); loadChart(true); };
+  // A slider sends many events a frame: one redraw per frame, with the latest value.
+  let styling = 0;
+  const restyle = () => {
+    writeState();
+    cancelAnimationFrame(styling);
+    for (const cell of mainGrid.cells.values()) { // drawn, but not with these settings yet
+      cell.state = "loading";
+      cell.el.dataset.state = "loading";
+    }
+    styling = requestAnimationFrame(() => loadChart(true));
+  };
   $("chart-selected").addEventListener("click", () => { state.lo = state.hi = null; redraw(); });
   $("chart-name").addEventListener("change", () => {
     const name = $("chart-name").value;
@@ -763,13 +773,17 @@ function drawnLines(cell) {
     values: u.data[i + 1], dash: Boolean(s.dash), band: / (max|min)$/.test(s.label) }));
 }
 
+const EXPORTED_ENTRIES = 40; // legend rows in an exported image; the rest are counted
+
 function legendEntries(cell) {
-  if (cell.groups) {
-    return cell.groups.map((g) => ({ color: groupColor(g.key),
-      text: `${groupLabel(cell.spec.group, g.key)} (${g.run_ids.length} runs)` }));
-  }
-  return cell.series.map((s) => ({ color: runColor(s.run_id),
-    text: runLabel(s.run_id, cell.spec.label) }));
+  const entries = cell.groups
+    ? cell.groups.map((g) => ({ color: groupColor(g.key),
+      text: `${groupLabel(cell.spec.group, g.key)} (${g.run_ids.length} runs)` }))
+    : cell.series.map((s) => ({ color: runColor(s.run_id),
+      text: runLabel(s.run_id, cell.spec.label) }));
+  if (entries.length <= EXPORTED_ENTRIES) return entries;
+  return [...entries.slice(0, EXPORTED_ENTRIES - 1),
+    { color: "#fff", text: `and ${entries.length - EXPORTED_ENTRIES + 1} more` }];
 }
 
 function exportCsv(cell) {
