@@ -185,7 +185,9 @@ def test_a_grid_of_charts_with_a_legend_exports_and_a_runs_own_charts(
     assert errors == []
 
 
-def test_parallel_coordinates_and_a_scatter_select_runs(page: Any, dashboard: Any) -> None:
+def test_parallel_coordinates_and_a_scatter_select_runs(
+    page: Any, dashboard: Any, recorded: Any
+) -> None:
     errors = console_errors(page)
     page.set_viewport_size({"width": 1300, "height": 1200})
     page.goto(dashboard.url)
@@ -233,6 +235,30 @@ def test_parallel_coordinates_and_a_scatter_select_runs(page: Any, dashboard: An
     assert page.locator("#runs tbody tr.selected").get_attribute("data-run") == lowest[0]
     assert min(lr, key=lambda r: lr[r]) == lowest[0]
     assert "sx=lr" in page.url and "sy=acc" in page.url
+
+    # Both export as SVG, PNG and CSV: one line or dot per run, the runs' values.
+    def export(plot: str, kind: str) -> Path:
+        with page.expect_download() as file:
+            page.click(f".exports[data-plot='{plot}'] button[title='{kind}']")
+        assert file.value.suggested_filename.startswith(plot)
+        return Path(file.value.path())
+
+    tree = ET.parse(export("parallel", "export as SVG")).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    assert len(list(tree.iter(f"{ns}polyline"))) == 3
+    assert {"lr", "loss:last"} <= {t.text for t in tree.iter(f"{ns}text")}
+    table = list(
+        csv.DictReader(io.StringIO(export("parallel", "export the data as CSV").read_text()))
+    )
+    assert {r["run_id"]: float(r["lr"]) for r in table} == lr
+    loss = values_by_run(recorded.root, "loss")
+    assert all(float(r["loss:last"]) == loss[r["run_id"]][-1] for r in table)
+    assert export("scatter", "export as PNG").read_bytes()[:4] == b"\x89PNG"
+    points = list(
+        csv.DictReader(io.StringIO(export("scatter", "export the data as CSV").read_text()))
+    )
+    acc = values_by_run(recorded.root, "acc")
+    assert {r["run_id"]: float(r["acc:last"]) for r in points} == {r: v[-1] for r, v in acc.items()}
     assert errors == []
 
 

@@ -180,6 +180,21 @@ function wireCharts() {
   $("scatter-agg").addEventListener("change", () => { state.sagg = $("scatter-agg").value;
     writeState(); loadExplore(); });
   $("filter").addEventListener("submit", () => setTimeout(loadExplore, 0));
+  for (const plot of ["parallel", "scatter"]) {
+    const bar = document.querySelector(`.exports[data-plot="${plot}"]`);
+    if (!bar) continue;
+    const button = (text, label, action) => {
+      const b = document.createElement("button");
+      b.type = "button";
+      b.textContent = text;
+      b.title = label;
+      b.addEventListener("click", action);
+      bar.append(b);
+    };
+    button("PNG", "export as PNG", () => exportPlotPng(plot));
+    button("SVG", "export as SVG", () => exportPlotSvg(plot));
+    button("CSV", "export the data as CSV", () => exportPlotCsv(plot));
+  }
   document.addEventListener("retrolog:selection", () => { loadChart(); drawExplore(); });
   let resizing = null;
   window.addEventListener("resize", () => {
@@ -1181,4 +1196,56 @@ function drawScatter() {
   });
   box.replaceChildren(svg);
   box.dataset.points = String(points);
+}
+
+// -- exporting the parallel coordinates and the scatter ---------------------------------------
+
+function plotSvg(plot) {
+  const svg = $(plot).querySelector("svg");
+  if (!svg) return null;
+  const copy = svg.cloneNode(true);
+  copy.setAttribute("xmlns", SVG);
+  for (const grip of copy.querySelectorAll(".grip")) grip.remove();
+  return new XMLSerializer().serializeToString(copy);
+}
+
+function exportPlotSvg(plot) {
+  const text = plotSvg(plot);
+  if (text) download(`${plot}.svg`, new Blob([text], { type: "image/svg+xml" }));
+}
+
+function exportPlotPng(plot) {
+  const text = plotSvg(plot);
+  if (!text) return;
+  const svg = $(plot).querySelector("svg");
+  const [width, height] = [Number(svg.getAttribute("width")), Number(svg.getAttribute("height"))];
+  const image = new Image();
+  const url = URL.createObjectURL(new Blob([text], { type: "image/svg+xml" }));
+  image.onload = () => {
+    const canvas = document.createElement("canvas");
+    canvas.width = Math.round(width * devicePixelRatio);
+    canvas.height = Math.round(height * devicePixelRatio);
+    const ctx = canvas.getContext("2d");
+    ctx.scale(devicePixelRatio, devicePixelRatio);
+    ctx.drawImage(image, 0, 0, width, height);
+    URL.revokeObjectURL(url);
+    canvas.toBlob((blob) => download(`${plot}.png`, blob), "image/png");
+  };
+  image.src = url;
+}
+
+function exportPlotCsv(plot) {
+  // One row per run drawn: its id, then the plot's fields.
+  const fields = plot === "parallel" ? exploreFields().map((f) => ({ label: f.label, key: f.key }))
+    : [{ label: state.sx, key: { arg: state.sx } },
+      { label: `${state.sy}:${explore.aggregate || state.sagg}`,
+        key: { column: `${state.sy}:${explore.aggregate || state.sagg}` } }];
+  const drawn = new Set([...$(plot).querySelectorAll("[data-run]")].map((e) => e.dataset.run));
+  const quote = (t) => (/[",\n]/.test(t) ? `"${t.replace(/"/g, '""')}"` : t);
+  const cell = (v) => (v === null || v === undefined ? ""
+    : quote(typeof v === "object" ? JSON.stringify(v) : String(v)));
+  const rows = explore.rows.filter((r) => drawn.has(r.run_id))
+    .map((r) => [r.run_id, ...fields.map((f) => cell(fieldValue(r, f.key)))].join(","));
+  const header = ["run_id", ...fields.map((f) => quote(f.label))].join(",");
+  download(`${plot}.csv`, new Blob([[header, ...rows].join("\n") + "\n"], { type: "text/csv" }));
 }
