@@ -4,6 +4,7 @@ coordinates and a scatter that select runs, and random clicks on the chart contr
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
@@ -370,4 +371,34 @@ def test_grouping_by_a_continuous_argument_bins_it(page: Any, project: Any, serv
     assert all(entry.startswith("seed ") and ".." in entry for entry in shot["legend"])
     counts = [int(e.rsplit("(", 1)[1].split(" ")[0]) for e in shot["legend"]]
     assert sum(counts) == len(seeds)
+    assert errors == []
+
+
+def test_a_late_answer_is_never_drawn_over_a_newer_choice(page: Any, dashboard: Any) -> None:
+    """The ungrouped chart's answer is held back until the grouped one is drawn: released
+    then, it must not replace the groups (nor raise)."""
+    errors = console_errors(page)
+    page.set_viewport_size({"width": 1300, "height": 1000})
+    page.goto(dashboard.url)
+    page.wait_for_selector(READY)
+    select_all(page)
+    held: list[Any] = []
+    page.route("**/api/series?*", lambda route: held.append(route))
+    page.select_option("#chart-name", "loss")
+    page.wait_for_function(
+        "window.__retrolog.grid.cells.get('loss')?.state === 'loading'", timeout=30_000
+    )
+    while not held:
+        page.wait_for_timeout(50)
+    page.select_option("#chart-group", "lr")
+    shot = settle(page)
+    assert shot["cells"][0]["groups"] == [0.1, 0.2, 0.3]
+    for route in held:  # the old answer arrives after all (its request was aborted)
+        with contextlib.suppress(Exception):
+            route.continue_()
+    page.unroute("**/api/series?*")
+    page.wait_for_timeout(1000)
+    shot = settle(page)
+    assert shot["cells"][0]["groups"] == [0.1, 0.2, 0.3] and shot["cells"][0]["runs"] == []
+    assert all(entry.startswith("lr=") for entry in shot["legend"]), shot["legend"]
     assert errors == []
