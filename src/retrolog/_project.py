@@ -359,33 +359,40 @@ class Project:
         lo: float | None = None,
         hi: float | None = None,
         width: int | None = None,
+        budget: int | None = None,
     ) -> list[Series]:
         """``name``'s values in each of ``runs`` (ids or unique prefixes), against ``x``
         ("step" or "time"), cut to [lo, hi] and downsampled to ``width`` pixel columns
-        keeping each column's first, last, min and max (see _query/series.py)."""
+        keeping each column's first, last, min and max, sending at most ``budget`` points
+        over all runs together (see _query/series.py)."""
         from retrolog._query.runs import resolve_run
         from retrolog._query.series import series
 
         with self._portable() as conn:
             run_ids = [resolve_run(conn, r) for r in runs]
             return series(conn, name, run_ids, x=x, lo=lo, hi=hi, width=width,
-                          cache=self._cache())  # fmt: skip
+                          budget=budget, cache=self._cache())  # fmt: skip
 
     def series_bytes(
         self,
-        name: str,
+        name: str | None,
         runs: Sequence[str],
         *,
         x: str = "step",
         lo: float | None = None,
         hi: float | None = None,
         width: int | None = None,
+        budget: int | None = None,
     ) -> bytes:
         """``series(...)`` in the dashboard page's binary form: a JSON header, then the
-        points as raw little-endian arrays (docs/ui.md, the API table)."""
+        points as raw little-endian arrays (docs/ui.md, the API table). No ``name``: no
+        series (a chart of nothing)."""
         from retrolog._query.series import encode_series
 
-        return encode_series(self.series(name, runs, x=x, lo=lo, hi=hi, width=width))
+        if name is None:
+            return encode_series([])
+        found = self.series(name, runs, x=x, lo=lo, hi=hi, width=width, budget=budget)
+        return encode_series(found)
 
     def index_series(
         self,
@@ -432,16 +439,18 @@ class Project:
         width: int = 800,
     ) -> list[Group]:
         """``name`` over ``runs`` grouped by the value of argument ``by``: per group and
-        pixel column, the mean of its runs' values and their min and max (a band)."""
+        pixel column, the mean of its runs' values and their min and max (a band). A numeric
+        argument of many values is binned (``_query.series.bin_keys``): a handful of groups,
+        each keyed ``[low, high]``."""
         from retrolog._query.runs import resolve_run
-        from retrolog._query.series import group_series, series
+        from retrolog._query.series import bin_keys, group_series, series
         from retrolog._query.table import argument_values
 
         with self._portable() as conn:
             run_ids = [resolve_run(conn, r) for r in runs]
             found = series(conn, name, run_ids, x=x, lo=lo, hi=hi, cache=self._cache())
             keys = argument_values(conn, run_ids, by)
-        return group_series(found, keys, width, lo, hi)
+        return group_series(found, bin_keys(keys), width, lo, hi)
 
     def _cache(self) -> SeriesCache:
         """Whole series of ended runs, kept between calls (redrawing and zooming a chart)."""

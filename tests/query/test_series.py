@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from retrolog._query.series import downsample
+from retrolog._query.series import Series, bin_keys, downsample, group_series
 
 
 def columns(x: np.ndarray, width: int) -> np.ndarray:
@@ -46,3 +46,30 @@ def test_nan_is_never_chosen_as_a_minimum_or_maximum() -> None:
 def test_a_series_at_one_x_and_an_empty_one() -> None:
     assert downsample(np.zeros(5), np.arange(5.0), 3).tolist() == [0, 4]
     assert downsample(np.zeros(0), np.zeros(0), 3).tolist() == []
+
+
+def test_a_continuous_argument_is_binned_into_a_handful_of_groups() -> None:
+    rng = np.random.default_rng(3)
+    lrs = {f"r{i}": float(v) for i, v in enumerate(10 ** rng.uniform(-5, -1, 300))}
+    binned = bin_keys(lrs)
+    bins = {tuple(b) for b in binned.values()}
+    assert 2 <= len(bins) <= 6
+    for run_id, (low, high) in binned.items():
+        assert low <= float(f"{lrs[run_id]:.3g}") <= high
+    # Quantile bins: about as many runs in each.
+    sizes = [list(map(tuple, binned.values())).count(b) for b in bins]
+    assert min(sizes) >= 300 / 6 / 2
+    # Few values, text or booleans: one group per value.
+    assert bin_keys({"a": 0.1, "b": 0.2, "c": 0.1}) == {"a": 0.1, "b": 0.2, "c": 0.1}
+    named = {f"r{i}": f"opt{i}" for i in range(10)}
+    assert bin_keys(named) == named
+    # The groups come in the bins' order, low to high (not as text: "1e-05" after "0.01").
+    found = [
+        Series(run_id=r, loop=None, total=2, in_range=2, x=np.array([0.0, 1.0]),
+               y=np.array([1.0, 2.0]), origin=np.zeros(2, np.uint8),
+               replay_index=np.full(2, -1, np.int32), replay_ids=[], exact=True)
+        for r in lrs
+    ]  # fmt: skip
+    groups = group_series(found, binned, 10, None, None)
+    assert [g.key[0] for g in groups] == sorted(b[0] for b in bins)
+    assert sum(len(g.run_ids) for g in groups) == 300

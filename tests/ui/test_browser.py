@@ -89,7 +89,8 @@ def test_find_chart_and_replay_runs_from_the_browser(
     chart_every_row(page, "loss")
     # The page strokes the lines itself, a few runs per frame: both runs' colours are on it.
     page.wait_for_function("window.__retrolog.drawn === true")
-    assert page.evaluate(STROKED, ["#1f77b4", "#ff7f0e"]) == [True, True]
+    colours = page.evaluate("ids => ids.map(runColor)", [s["run_id"] for s in drawn(page)])
+    assert page.evaluate(STROKED, colours) == [True, True]
     for series in drawn(page):
         stored = loss[series["run_id"]]
         assert max(series["y"]) == max(stored)

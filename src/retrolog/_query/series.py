@@ -278,6 +278,7 @@ def series(
     lo: float | None = None,
     hi: float | None = None,
     width: int | None = None,
+    budget: int | None = None,
     cache: SeriesCache | None = None,
 ) -> list[Series]:
     """``name``'s numeric values in each of ``run_ids`` (runs without any are left out).
@@ -287,6 +288,10 @@ def series(
     width: the chart's width in pixels; with it, a range holding more than
         4 * width values is downsampled to each pixel column's first, last, min and
         max. None sends every value.
+    budget: with ``width``, the most points to send over all runs together: the runs
+        share it, each downsampled on fewer columns than ``width`` when ``4 * width``
+        points per run would exceed it (so a chart of many runs sends what its pixels
+        can show, not 4 points per column per run).
     cache: where whole series of ended runs are kept between calls (see SeriesCache).
     """
     if x not in X_AXES:
@@ -328,7 +333,10 @@ def series(
     stops = [float(w.x[-1]) for w in found if len(w.x)]
     first = lo if lo is not None else min(starts, default=0.0)
     last = hi if hi is not None else max(stops, default=0.0)
-    return [_window(w, lo, hi, width, (first, last)) for w in found]
+    shared = width
+    if width is not None and budget is not None and found:
+        shared = max(1, min(width, budget // (4 * len(found))))
+    return [_window(w, lo, hi, shared, (first, last)) for w in found]
 
 
 def index_series(
@@ -417,13 +425,22 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     ).fetchall()
     if not found:
         return None
-    # (ctx, value, origin, inexact, replay_id, value_type), the value whole again
-    rows = [(r[0], whole_value(r[5:]), r[1], r[2], r[3], r[4]) for r in found]
-    ctx_ids, values, origins, _, _, types = zip(*rows, strict=True)
-    n = len(rows)
+    # Column by column: a per-row Python step costs more than SQLite's read of the row.
+    ctx_ids, origins, inexacts, replay_of, types, *value_columns = zip(*found, strict=True)
+    if len(value_columns) == 1:
+        values = value_columns[0]
+    else:  # the value whole again from its parts
+        values = tuple(whole_value(v) for v in zip(*value_columns, strict=True))
+    n = len(found)
     ctx = np.array(ctx_ids, dtype=np.int64)
-    numeric = np.array([t in NUMERIC_TYPES for t in types], dtype=bool)
-    recorded = np.array([o == "recorded" for o in origins], dtype=bool)
+    if set(types) <= set(NUMERIC_TYPES):
+        numeric = np.ones(n, dtype=bool)
+    else:
+        numeric = np.array([t in NUMERIC_TYPES for t in types], dtype=bool)
+    if set(origins) == {"recorded"}:
+        recorded = np.ones(n, dtype=bool)
+    else:
+        recorded = np.array([o == "recorded" for o in origins], dtype=bool)
     if numeric.all():
         y = np.array(values, dtype=np.float64)  # None (a logged NaN) becomes NaN
     else:
@@ -435,7 +452,7 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     if not recorded.all():
         known: dict[str, int] = {}
         for i in np.flatnonzero(~recorded).tolist():
-            _, _, _, inexact, replay_id, _ = rows[i]
+            inexact, replay_id = inexacts[i], replay_of[i]
             if inexact is not None:
                 origin[i] = INEXACT
             if replay_id is not None:
@@ -596,12 +613,53 @@ class Group:
                 "count": self.count.tolist()}  # fmt: skip
 
 
+# Grouping by a numeric argument with more distinct values than this bins it (quantiles).
+BINS = 6
+
+
+def bin_keys(keys: dict[str, Any], bins: int = BINS) -> dict[str, Any]:
+    """``keys`` (run id -> argument value) with a numeric argument of more than ``bins``
+    distinct values replaced by its bin, ``[low, high]`` (3 significant digits): at most
+    ``bins`` bins holding about as many runs each (quantiles of the values). Any other
+    argument is returned as it is: one group per value."""
+    numeric = [
+        v for v in keys.values()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ]  # fmt: skip
+    if len(set(numeric)) <= bins or len(numeric) < len([v for v in keys.values() if v is not None]):
+        return keys
+    values = np.asarray(numeric, dtype=np.float64)
+    quantiles = np.quantile(values, np.linspace(0.0, 1.0, bins + 1))
+    edges = np.unique([float(f"{e:.3g}") for e in quantiles])
+    edges[0], edges[-1] = min(edges[0], values.min()), max(edges[-1], values.max())
+    if len(edges) < 2:
+        return keys
+    binned: dict[str, Any] = {}
+    for run_id, value in keys.items():
+        if value is None:
+            binned[run_id] = None
+            continue
+        i = min(int(np.searchsorted(edges, value, side="right")) - 1, len(edges) - 2)
+        binned[run_id] = [float(f"{edges[i]:.3g}"), float(f"{edges[i + 1]:.3g}")]
+    return binned
+
+
+def _key_order(key: Any) -> tuple[int, float, str]:
+    """Groups in their values' order: numbers and bins by value, the rest by text."""
+    if isinstance(key, (int, float)) and not isinstance(key, bool):
+        return (0, float(key), "")
+    if isinstance(key, list) and key and isinstance(key[0], (int, float)):
+        return (0, float(key[0]), "")
+    return (1, 0.0, json.dumps(key, sort_keys=True, default=str))
+
+
 def group_series(
     found: Sequence[Series], keys: dict[str, Any], width: int, lo: float | None, hi: float | None
 ) -> list[Group]:
     """``found`` (whole series, not downsampled) grouped by ``keys[run_id]``: per group and
     pixel column over [lo, hi] (default: the groups' whole x range), the mean, min and max
-    of its runs' values (NaN ignored). Groups are ordered by key."""
+    of its runs' values (NaN ignored). Groups are ordered by key (numbers and bins by
+    value)."""
     if width < 1:
         raise UsageError(f"A chart needs a positive width in pixels, not {width}.")
     xs = [s.x for s in found if len(s.x)]
@@ -617,7 +675,7 @@ def group_series(
         members.setdefault(label, []).append(s)
         labels[label] = keys.get(s.run_id)
     groups = []
-    for label in sorted(members):
+    for label in sorted(members, key=lambda label: _key_order(labels[label])):
         x = np.concatenate([s.x for s in members[label]])
         y = np.concatenate([s.y for s in members[label]])
         keep = (x >= start) & (x <= stop) & ~np.isnan(y)

@@ -47,7 +47,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from retrolog._project import Project
-from retrolog.errors import RetrologError
+from retrolog.errors import RetrologError, UnknownNameError
 from retrolog.ui.indexer import Indexer
 
 STATIC = Path(__file__).parent / "static"
@@ -57,7 +57,11 @@ EVERY_INTERFACE = ("0.0.0.0", "::", "")
 # Every answer is bounded (docs/ui.md, "Bounds").
 MAX_WIDTH = 8192  # pixels: a series never sends more than 4 points per pixel of this
 DEFAULT_WIDTH = 1000  # pixels, for a series or groups asked for without a width
-MAX_COLUMNS = 250_000  # pixel columns in one answer: runs x width (4 points each at most)
+MAX_HEIGHT, DEFAULT_HEIGHT = 4096, 360  # pixels of a chart's plot, for the points budget
+# A chart's series send at most width x height points over all its runs together (one per
+# pixel of the plot: more cannot be told apart), each run downsampled on fewer columns as
+# runs are added; and never more than 4 per pixel column and run.
+POINTS_PER_PIXEL = 1
 RUNS_PAGE, MAX_RUNS_PAGE = 100, 1000  # rows of the runs table
 FRAME_PAGE, MAX_FRAME_PAGE = 1000, 50_000  # rows of the dataframe
 MAX_COMPARED = 20  # runs compared at once
@@ -289,11 +293,14 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         if not name or not by:
             raise ValueError("name= and by= are required: the logged name, the argument")
         runs = _split(q.get("runs"))
-        found = project.groups(
-            name, runs, by, x=q.get("x") or "step",
-            lo=_number(q.get("lo")), hi=_number(q.get("hi")),
-            width=_width(q.get("width"), len(runs)),
-        )  # fmt: skip
+        width = _width(q.get("width"))
+        try:
+            found = project.groups(
+                name, runs, by, x=q.get("x") or "step",
+                lo=_number(q.get("lo")), hi=_number(q.get("hi")), width=width,
+            )  # fmt: skip
+        except UnknownNameError:
+            found = []  # not logged yet (a replay may add it): an empty chart, not an error
         return _fast_json([g.to_json() for g in found])
 
     def series(request: Request) -> Response:
@@ -303,11 +310,23 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
             raise ValueError("name= is required: the logged name to draw")
         runs, x = _split(q.get("runs")), q.get("x") or "step"
         lo, hi = _number(q.get("lo")), _number(q.get("hi"))
-        pixels = _width(q.get("width"), len(runs))
-        if q.get("format") == "binary":  # the page's own form
-            found = project.series_bytes(name, runs, x=x, lo=lo, hi=hi, width=pixels)
-            return Response(found, media_type="application/octet-stream")
-        drawn = project.series(name, runs, x=x, lo=lo, hi=hi, width=pixels)
+        pixels = _width(q.get("width"))
+        budget = pixels * _height(q.get("height")) * POINTS_PER_PIXEL
+        binary = q.get("format") == "binary"  # the page's own form
+        try:
+            if binary:
+                found = project.series_bytes(
+                    name, runs, x=x, lo=lo, hi=hi, width=pixels, budget=budget
+                )
+                return Response(found, media_type="application/octet-stream")
+            drawn = project.series(name, runs, x=x, lo=lo, hi=hi, width=pixels, budget=budget)
+        except UnknownNameError:
+            # Not logged yet (a replay may add it): an empty chart, not an error.
+            if binary:
+                return Response(
+                    project.series_bytes(None, []), media_type="application/octet-stream"
+                )
+            drawn = []
         return _fast_json([s.to_json() for s in drawn])
 
     def dataframe(request: Request) -> Any:
@@ -566,18 +585,21 @@ def _page(text: str | None, default: int, most: int) -> int:
     return limit
 
 
-def _width(text: str | None, runs: int) -> int:
-    """The pixel columns of a chart of ``runs`` runs: ``width=``, DEFAULT_WIDTH without one;
-    at most MAX_WIDTH, and at most MAX_COLUMNS over all runs."""
+def _width(text: str | None) -> int:
+    """The pixel columns of a chart: ``width=``, DEFAULT_WIDTH without one; at most
+    MAX_WIDTH."""
     width = _count(text, "width", DEFAULT_WIDTH)
     if not 1 <= width <= MAX_WIDTH:
         raise ValueError(f"width= is a number of pixels from 1 to {MAX_WIDTH}, not {text!r}")
-    if width * runs > MAX_COLUMNS:
-        raise ValueError(
-            f"{runs} runs at {width} pixels is more than the {MAX_COLUMNS:,} pixel columns one "
-            "chart may ask for: ask for fewer runs, or a narrower width"
-        )
     return width
+
+
+def _height(text: str | None) -> int:
+    """The pixel rows of a chart's plot: ``height=``, DEFAULT_HEIGHT without one."""
+    height = _count(text, "height", DEFAULT_HEIGHT)
+    if not 1 <= height <= MAX_HEIGHT:
+        raise ValueError(f"height= is a number of pixels from 1 to {MAX_HEIGHT}, not {text!r}")
+    return height
 
 
 def _split(text: str | None) -> list[str]:
