@@ -252,6 +252,7 @@ class Project:
                 raise StoreError(
                     f"Cannot read the checkpoints of run {run} from the store: {exc}."
                 ) from exc
+
     def export_checkpoint(
         self, run: str, at: int | str | None, out: str | os.PathLike[str] | IO[bytes]
     ) -> dict[str, Any]:
