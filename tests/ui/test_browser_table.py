@@ -222,6 +222,7 @@ def test_a_replay_from_the_page_fills_an_empty_column_and_the_table_stays(
     page.click("#select-all")
     page.wait_for_function("window.retrolog.selection.get().length === 3")
     log_w_sq_today()
+    page.click("#nav a[data-view='replay']")  # the replay view keeps the table in sight
     page.fill("#replay-names", "w_sq")
     page.click("#replay-plan")
     page.wait_for_selector("#replay-start:not([disabled])", timeout=120_000)

@@ -179,7 +179,9 @@ def test_a_grid_of_charts_with_a_legend_exports_and_a_runs_own_charts(
         " [s.run_id, s.y.length])])"
     )
     assert sorted(cells) == [["acc", [[runs[0], 3]]], ["loss", [[runs[0], 1200]]]]
-    # Removing a chart.
+    # Removing a chart, back in the runs view.
+    page.go_back()
+    page.wait_for_selector("#charts", state="visible")
     button(page, "acc", "remove").click()
     shot = settle(page)
     assert shot["titles"] == ["loss"] and address(shot)["charts"] == "loss"

@@ -40,7 +40,7 @@ def test_a_run_opens_as_its_own_view_and_back_and_forward_step_through_views(
     page.set_viewport_size({"width": 900, "height": 400})
     page.goto(dashboard.url)
     page.wait_for_selector(READY)
-    assert page.evaluate(SECTIONS) == ["runs-view", "chart-view"]
+    assert page.evaluate(SECTIONS) == ["runs-view", "chart-view", "explore-view"]
     # The table's own state: a filter and a selection.
     page.fill("#where", "lr > 0.15")
     page.click("#filter button[type=submit]")
@@ -84,7 +84,7 @@ def test_a_run_opens_as_its_own_view_and_back_and_forward_step_through_views(
     # Back: the table as it was, filter and selection kept; Forward: the run again.
     page.go_back()
     page.wait_for_function("!document.getElementById('runs-view').hidden")
-    assert page.evaluate(SECTIONS) == ["runs-view", "chart-view"]
+    assert page.evaluate(SECTIONS) == ["runs-view", "chart-view", "explore-view"]
     assert page.url == table_address
     assert page.input_value("#where") == "lr > 0.15"
     page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 2")
@@ -137,7 +137,7 @@ def test_compare_shows_metric_summaries_beside_the_arguments_and_code(
     # Back: the table.
     page.go_back()
     page.wait_for_function("!document.getElementById('runs-view').hidden")
-    assert page.evaluate(SECTIONS) == ["runs-view", "chart-view"]
+    assert page.evaluate(SECTIONS) == ["runs-view", "chart-view", "explore-view"]
     assert problems == []
 
 

@@ -8,10 +8,11 @@ const PAGE = 100;
 // The page's views, one shown at a time, each with its address (?view=...): the sections
 // each shows and its title.
 const VIEWS = {
-  runs: { sections: ["runs-view", "chart-view"], title: "runs" },
+  runs: { sections: ["runs-view", "chart-view", "explore-view"], title: "runs" },
   run: { sections: ["run-view"], title: "run" },
   compare: { sections: ["compare-view"], title: "compare" },
-  replay: { sections: ["replay-view"], title: "replay" },
+  // The table stays in sight while a replay runs, so its values are seen filling in.
+  replay: { sections: ["runs-view", "replay-view"], title: "replay" },
 };
 
 const token = (() => {
@@ -418,8 +419,9 @@ function navigate(changes) {
 }
 
 async function route({ top = false } = {}) {
-  for (const [name, about] of Object.entries(VIEWS)) {
-    for (const id of about.sections) $(id).hidden = name !== state.view;
+  const shown = new Set(VIEWS[state.view].sections);
+  for (const about of Object.values(VIEWS)) {
+    for (const id of about.sections) $(id).hidden = !shown.has(id);
   }
   for (const link of document.querySelectorAll("#nav a[data-view]")) {
     if (link.dataset.view === state.view) link.setAttribute("aria-current", "page");
