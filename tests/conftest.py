@@ -259,7 +259,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Each test holds the machine lock while it is set up, runs and is torn down (its
     module fixtures' set-up included): exclusive for a ``whole_machine`` test, shared
-    for every other. Only pytest-xdist's workers need it; they share one lock file."""
+    for every other. Only pytest-xdist's workers need it; they share one lock file.
+
+    It also tells ``require_services_marker`` whether the test is marked ``services``."""
+    os.environ[_SERVICES_MARKED] = "1" if item.get_closest_marker("services") else "0"
     where = os.environ.get(MACHINE_LOCK_DIR)
     if where is None or not hasattr(item.config, "workerinput"):
         yield
@@ -277,6 +280,52 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
         yield
+
+
+# -- the lanes: markers that say what a test needs ------------------------------------------
+#
+# `bash scripts/test.sh --fast` runs the tests marked none of slow, services and browser,
+# on a machine without the test servers or chromium (docs/testing.md). The markers are
+# kept true here: a test that takes a server's or the browser's fixture gets the marker
+# at collection, and a test that reaches a server another way (a private server,
+# ``service_setting``) fails unless it carries ``services`` itself.
+
+SERVICE_FIXTURES = frozenset({"s3_url", "ray_address", "database_url", "pg_store_url"})
+BROWSER_FIXTURES = frozenset({"browser", "page"})
+# Whether the running test is marked ``services``: in the environment, not a global,
+# because test modules import this file a second time as ``conftest``.
+_SERVICES_MARKED = "PYTEST_SERVICES_MARKED"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test that takes a server's fixture ``services`` and each that takes the
+    browser's ``browser``, before ``-m`` selects (hence ``tryfirst``); puts slow files first."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & SERVICE_FIXTURES and item.get_closest_marker("services") is None:
+            item.add_marker(pytest.mark.services)
+        if used & BROWSER_FIXTURES and item.get_closest_marker("browser") is None:
+            item.add_marker(pytest.mark.browser)
+    # Files with a slow test first, each file's tests in their own order: pytest-xdist
+    # (scripts/test.sh passes --no-loadscope-reorder) then hands out the long files while
+    # the short ones are left to even out the workers' ends, instead of leaving a file of
+    # one 40 s test to run alone at the end.
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
+def require_services_marker(what: str) -> None:
+    """Fails the running test unless it is marked ``services``: it is about to use ``what``,
+    which the fast lane's machine does not have."""
+    if os.environ.get(_SERVICES_MARKED) == "0":
+        pytest.fail(
+            f"this test uses {what}, but it is not marked `services`: add "
+            "`@pytest.mark.services` (or `pytestmark = pytest.mark.services` for the module) "
+            "so that `bash scripts/test.sh --fast`, which runs without the test servers, "
+            "leaves it out.",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
@@ -370,6 +419,7 @@ S3_HINT = (
 def service_setting(variable: str) -> str:
     """``variable`` from the environment, else from .services/env (scripts/services.sh
     writes it), else ''."""
+    require_services_marker(f"the test servers' setting {variable}")
     found = os.environ.get(variable, "").strip()
     if not found and SERVICES_ENV.exists():
         for line in SERVICES_ENV.read_text().splitlines():
