@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,10 +207,8 @@ def logged_values(
     return {(r, n, e, s): v for r, n, e, s, v in rows}
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Iterator[Project]:
-    """A git repository with one commit, as most users' projects are."""
-    root = tmp_path / "proj"
+def new_project(root: Path) -> Project:
+    """A git repository with one commit at ``root``, as most users' projects are."""
     root.mkdir()
     p = Project(root)
     p.git("init", "--quiet", "--initial-branch=main")
@@ -217,7 +216,46 @@ def project(tmp_path: Path) -> Iterator[Project]:
     p.write(".gitignore", "data/\n")
     p.git("add", "-A")
     p.git("commit", "--quiet", "-m", "initial")
-    yield p
+    return p
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[Project]:
+    """A git repository with one commit, as most users' projects are."""
+    yield new_project(tmp_path / "proj")
+
+
+@dataclass
+class RecordedOnce:
+    """A project whose runs a module records once; :meth:`fresh` gives each test the
+    project as it was just after recording, at the same path, whatever an earlier test
+    changed in it (its store, scripts, git repository).
+
+    The same path, not a copy elsewhere, so that the store, the git repository and
+    everything that names the project's directory are byte for byte what a recording in
+    the test itself would leave. A module's tests run one at a time in one process
+    (pytest-xdist's ``--dist loadfile``), so they never share the directory at once.
+    """
+
+    project: Project
+    saved: Path
+
+    @classmethod
+    def record(
+        cls, tmp_path_factory: pytest.TempPathFactory, recording: Callable[[Project], None]
+    ) -> RecordedOnce:
+        """A new project in a temporary directory, after ``recording(project)``."""
+        base = tmp_path_factory.mktemp("recorded")
+        project = new_project(base / "proj")
+        recording(project)
+        saved = base / "saved"
+        shutil.copytree(project.root, saved, symlinks=True)
+        return cls(project, saved)
+
+    def fresh(self) -> Project:
+        shutil.rmtree(self.project.root)
+        shutil.copytree(self.saved, self.project.root, symlinks=True)
+        return self.project
 
 
 @pytest.fixture
