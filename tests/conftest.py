@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,10 +207,8 @@ def logged_values(
     return {(r, n, e, s): v for r, n, e, s, v in rows}
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Iterator[Project]:
-    """A git repository with one commit, as most users' projects are."""
-    root = tmp_path / "proj"
+def new_project(root: Path) -> Project:
+    """A git repository with one commit at ``root``, as most users' projects are."""
     root.mkdir()
     p = Project(root)
     p.git("init", "--quiet", "--initial-branch=main")
@@ -217,7 +216,46 @@ def project(tmp_path: Path) -> Iterator[Project]:
     p.write(".gitignore", "data/\n")
     p.git("add", "-A")
     p.git("commit", "--quiet", "-m", "initial")
-    yield p
+    return p
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[Project]:
+    """A git repository with one commit, as most users' projects are."""
+    yield new_project(tmp_path / "proj")
+
+
+@dataclass
+class RecordedOnce:
+    """A project whose runs a module records once; :meth:`fresh` gives each test the
+    project as it was just after recording, at the same path, whatever an earlier test
+    changed in it (its store, scripts, git repository).
+
+    The same path, not a copy elsewhere, so that the store, the git repository and
+    everything that names the project's directory are byte for byte what a recording in
+    the test itself would leave. A module's tests run one at a time in one process
+    (pytest-xdist's ``--dist loadfile``), so they never share the directory at once.
+    """
+
+    project: Project
+    saved: Path
+
+    @classmethod
+    def record(
+        cls, tmp_path_factory: pytest.TempPathFactory, recording: Callable[[Project], None]
+    ) -> RecordedOnce:
+        """A new project in a temporary directory, after ``recording(project)``."""
+        base = tmp_path_factory.mktemp("recorded")
+        project = new_project(base / "proj")
+        recording(project)
+        saved = base / "saved"
+        shutil.copytree(project.root, saved, symlinks=True)
+        return cls(project, saved)
+
+    def fresh(self) -> Project:
+        shutil.rmtree(self.project.root)
+        shutil.copytree(self.saved, self.project.root, symlinks=True)
+        return self.project
 
 
 @pytest.fixture
@@ -259,7 +297,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Each test holds the machine lock while it is set up, runs and is torn down (its
     module fixtures' set-up included): exclusive for a ``whole_machine`` test, shared
-    for every other. Only pytest-xdist's workers need it; they share one lock file."""
+    for every other. Only pytest-xdist's workers need it; they share one lock file.
+
+    It also tells ``require_services_marker`` whether the test is marked ``services``."""
+    os.environ[_SERVICES_MARKED] = "1" if item.get_closest_marker("services") else "0"
     where = os.environ.get(MACHINE_LOCK_DIR)
     if where is None or not hasattr(item.config, "workerinput"):
         yield
@@ -277,6 +318,52 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
         yield
+
+
+# -- the lanes: markers that say what a test needs ------------------------------------------
+#
+# `bash scripts/test.sh --fast` runs the tests marked none of slow, services and browser,
+# on a machine without the test servers or chromium (docs/testing.md). The markers are
+# kept true here: a test that takes a server's or the browser's fixture gets the marker
+# at collection, and a test that reaches a server another way (a private server,
+# ``service_setting``) fails unless it carries ``services`` itself.
+
+SERVICE_FIXTURES = frozenset({"s3_url", "ray_address", "database_url", "pg_store_url"})
+BROWSER_FIXTURES = frozenset({"browser", "page"})
+# Whether the running test is marked ``services``: in the environment, not a global,
+# because test modules import this file a second time as ``conftest``.
+_SERVICES_MARKED = "PYTEST_SERVICES_MARKED"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test that takes a server's fixture ``services`` and each that takes the
+    browser's ``browser``, before ``-m`` selects (hence ``tryfirst``); puts slow files first."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & SERVICE_FIXTURES and item.get_closest_marker("services") is None:
+            item.add_marker(pytest.mark.services)
+        if used & BROWSER_FIXTURES and item.get_closest_marker("browser") is None:
+            item.add_marker(pytest.mark.browser)
+    # Files with a slow test first, each file's tests in their own order: pytest-xdist
+    # (scripts/test.sh passes --no-loadscope-reorder) then hands out the long files while
+    # the short ones are left to even out the workers' ends, instead of leaving a file of
+    # one 40 s test to run alone at the end.
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
+def require_services_marker(what: str) -> None:
+    """Fails the running test unless it is marked ``services``: it is about to use ``what``,
+    which the fast lane's machine does not have."""
+    if os.environ.get(_SERVICES_MARKED) == "0":
+        pytest.fail(
+            f"this test uses {what}, but it is not marked `services`: add "
+            "`@pytest.mark.services` (or `pytestmark = pytest.mark.services` for the module) "
+            "so that `bash scripts/test.sh --fast`, which runs without the test servers, "
+            "leaves it out.",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
@@ -370,6 +457,7 @@ S3_HINT = (
 def service_setting(variable: str) -> str:
     """``variable`` from the environment, else from .services/env (scripts/services.sh
     writes it), else ''."""
+    require_services_marker(f"the test servers' setting {variable}")
     found = os.environ.get(variable, "").strip()
     if not found and SERVICES_ENV.exists():
         for line in SERVICES_ENV.read_text().splitlines():

@@ -49,6 +49,9 @@ class PrivateServer:
     """One PostgreSQL cluster in a temporary directory; :meth:`close` removes it."""
 
     def __init__(self) -> None:
+        from conftest import require_services_marker
+
+        require_services_marker("a PostgreSQL server of its own")
         self.bin = _bin_dir()
         self.root = Path(tempfile.mkdtemp(prefix="retrolog-pg-own-"))
         self.data = self.root / "data"

@@ -73,6 +73,9 @@ class OwnS3:
     """moto on a free port behind a proxy on another; ``endpoint`` is the proxy's URL."""
 
     def __init__(self, workdir: Path) -> None:
+        from conftest import require_services_marker
+
+        require_services_marker("an S3-compatible server of its own")
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.moto_port = free_port()

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from retrolog.cli import cli
 
-from conftest import Project
+from conftest import Project, RecordedOnce
 
 SCRIPT = """
     import retrolog as rl
@@ -24,12 +24,21 @@ SCRIPT = """
 """
 
 
-@pytest.fixture
-def recorded(project: Project) -> Project:
+def _record(project: Project) -> None:
     project.write("train.py", SCRIPT)
     project.run("train.py", "--kwargs", "lr=0.5")
     project.run("train.py", "--kwargs", "lr=0.25")
-    return project
+
+
+@pytest.fixture(scope="module")
+def recorded_once(tmp_path_factory: pytest.TempPathFactory) -> RecordedOnce:
+    return RecordedOnce.record(tmp_path_factory, _record)
+
+
+@pytest.fixture
+def recorded(recorded_once: RecordedOnce) -> Project:
+    """The project after two runs, as each test's own."""
+    return recorded_once.fresh()
 
 
 def test_runs_lists_each_run(recorded: Project) -> None:

@@ -14,15 +14,24 @@ from click.testing import CliRunner
 from retrolog.cli import cli
 from training_scripts import NUMPY_TRAIN
 
-from conftest import Project, read_db
+from conftest import Project, RecordedOnce, read_db
 
 
-@pytest.fixture
-def recorded(project: Project) -> Project:
+def _record(project: Project) -> None:
     project.write("train.py", NUMPY_TRAIN)
     project.run("train.py", "--kwargs", "seed=1")
     project.run("train.py", "--kwargs", "seed=2")
-    return project
+
+
+@pytest.fixture(scope="module")
+def recorded_once(tmp_path_factory: pytest.TempPathFactory) -> RecordedOnce:
+    return RecordedOnce.record(tmp_path_factory, _record)
+
+
+@pytest.fixture
+def recorded(recorded_once: RecordedOnce) -> Project:
+    """The project after two runs, as each test's own."""
+    return recorded_once.fresh()
 
 
 def runs(project: Project) -> list[str]:

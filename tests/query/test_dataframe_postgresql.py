@@ -21,7 +21,7 @@ from retrolog.errors import QueryError
 
 from conftest import DATABASE_HINT, Project, pg_role, read_pg, service_setting
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]
 
 # Shaped like a real script (argparse, its loops in a function), logging every kind of
 # value the view types: floats, ints beyond 2**53, bools, strings, JSON, NaN, a name of

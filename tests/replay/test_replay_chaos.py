@@ -45,7 +45,7 @@ from s3_outage import BUCKET, OwnS3
 
 from conftest import Project, logged_values, read_db, read_pg, replay_workers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]
 
 ROUNDS = int(os.environ.get("RETROLOG_SOAK_TRIALS") or 3)
 SEEDS = (0, 1)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, RecordedOnce, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ NEWEST = (
 )
 
 
-def _record(project: Project) -> list[str]:
+def _record(project: Project) -> None:
     project.write(".gitignore", "data/\n")
     project.write("data/offset.txt", "0.25\n")
     project.write("train.py", V1)
@@ -89,6 +89,21 @@ def _record(project: Project) -> list[str]:
     project.write("train.py", V2)
     project.run("train.py", "--kwargs", "lr=0.1", "epochs=3")
     project.write("train.py", NEWEST)
+
+
+@pytest.fixture(scope="module")
+def recorded_once(tmp_path_factory: pytest.TempPathFactory) -> RecordedOnce:
+    return RecordedOnce.record(tmp_path_factory, _record)
+
+
+@pytest.fixture
+def project(recorded_once: RecordedOnce) -> Project:
+    """The project after a run of V1 and one of V2, with today's code (NEWEST) in train.py:
+    recorded once for the module, the same for each test."""
+    return recorded_once.fresh()
+
+
+def _runs(project: Project) -> list[str]:
     return [r for (r,) in read_db(project.root, "SELECT run_id FROM runs ORDER BY started_at")]
 
 
@@ -130,7 +145,7 @@ def _expected(fresh: dict, name: str) -> dict:
 
 
 def test_replay_is_exact_at_every_scan_level_across_two_versions(project: Project) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     # Sparse checkpoints in the second run: blocks 1 and 2 must then execute.
     import sqlite3
 
@@ -194,7 +209,7 @@ def test_replay_is_exact_at_every_scan_level_across_two_versions(project: Projec
 
 
 def test_dry_run_shows_plan_and_diff_and_runs_nothing(project: Project) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     out = project.cli("replay", "w_norm", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert runs[0] in out.stderr and "outer loop" in out.stderr
@@ -203,7 +218,7 @@ def test_dry_run_shows_plan_and_diff_and_runs_nothing(project: Project) -> None:
 
 
 def test_statement_the_old_version_cannot_hold_is_reported_per_run(project: Project) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     project.write(
         "train.py",
         NEWEST.replace('rl.log("w_norm"', 'rl.log("width", hidden)\n        rl.log("w_norm"'),
@@ -222,7 +237,6 @@ def test_statement_the_old_version_cannot_hold_is_reported_per_run(project: Proj
 
 
 def test_a_failing_worker_is_reported_with_its_log(project: Project) -> None:
-    _record(project)
     shutil.rmtree(project.root / "data")  # the data the script reads is gone
     out = project.cli("replay", "w_norm", "--yes")
     assert out.returncode == 1
@@ -234,7 +248,7 @@ def test_a_failing_worker_is_reported_with_its_log(project: Project) -> None:
 def test_python_api_returns_the_dataframe(
     project: Project, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     monkeypatch.chdir(project.root)
     import retrolog as rl
 
@@ -251,7 +265,7 @@ def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
     import subprocess
     import time
 
-    runs = _record(project)
+    runs = _runs(project)
     # Forked workers start in milliseconds: the statement takes its time, so that the
     # interrupt finds them running (0.2 s a step, 18 and 24 steps).
     slow = '(__import__("time").sleep(0.2), net[0].weight.grad.norm().item())[1]'
@@ -283,7 +297,7 @@ def test_ctrl_c_stops_workers_and_removes_checkouts(project: Project) -> None:
 
 
 def test_renamed_variable_and_bad_where(project: Project) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     # Today's code calls the model `model`; the recorded versions call it `net`.
     renamed = NEWEST.replace("net", "model")
     project.write("train.py", renamed)
@@ -303,7 +317,7 @@ def test_renamed_variable_and_bad_where(project: Project) -> None:
 
 
 def test_restored_optimizer_does_not_make_the_scheduler_warn(project: Project) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     out = project.cli("replay", "w_norm", "--yes", "--workers", "2", OMP_NUM_THREADS="")
     assert out.returncode == 0, out.stderr
     logs = sorted((project.root / ".retrolog" / "replays").glob("*/*.log"))

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from conftest import Project, read_db
+from conftest import Project, RecordedOnce, read_db
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +43,25 @@ def _with(statement: str, script: str = SCRIPT) -> str:
     return script.replace(anchor, anchor + statement)
 
 
-def _record(project: Project) -> list[str]:
+def _record(project: Project) -> None:
     project.write("train.py", SCRIPT)
     project.run("train.py", "--kwargs", "seed=0")
     project.run("train.py", "--kwargs", "seed=1")
+
+
+@pytest.fixture(scope="module")
+def recorded_once(tmp_path_factory: pytest.TempPathFactory) -> RecordedOnce:
+    return RecordedOnce.record(tmp_path_factory, _record)
+
+
+@pytest.fixture
+def project(recorded_once: RecordedOnce) -> Project:
+    """The project after two runs of SCRIPT (seeds 0 and 1): recorded once for the module,
+    the same for each test."""
+    return recorded_once.fresh()
+
+
+def _runs(project: Project) -> list[str]:
     return [str(r) for (r,) in read_db(project.root, "SELECT run_id FROM runs ORDER BY started_at")]
 
 
@@ -60,7 +75,7 @@ def _w_norms(project: Project) -> dict[tuple[str, object], object]:
 
 
 def test_a_changed_definition_is_replayed_and_a_reformatted_one_is_not(project: Project) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     project.write("train.py", _with(STATEMENT))
     first = project.cli("replay", "w_norm", "--yes")
     assert first.returncode == 0, first.stderr
@@ -103,7 +118,7 @@ def test_a_changed_definition_is_replayed_and_a_reformatted_one_is_not(project: 
 
 
 def test_dataframe_show_and_lineage_name_each_values_definition(project: Project) -> None:
-    runs = _record(project)
+    runs = _runs(project)
     project.write("train.py", _with(STATEMENT))
     assert project.cli("replay", "w_norm", "seed = 0", "--yes").returncode == 0
     # Today's statement changes after run 0 was replayed; run 1 gets the new one.
@@ -143,7 +158,6 @@ def test_dataframe_show_and_lineage_name_each_values_definition(project: Project
 
 
 def test_recorded_values_of_another_definition_are_reported(project: Project) -> None:
-    _record(project)
     # Today's script computes acc differently and adds a statement; the plan says the
     # recorded acc column now mixes definitions.
     today = _with(STATEMENT).replace(
@@ -157,7 +171,6 @@ def test_recorded_values_of_another_definition_are_reported(project: Project) ->
 
 
 def test_a_variable_renamed_since_is_not_another_definition(project: Project) -> None:
-    _record(project)
     renamed = _with(STATEMENT).replace("w = np.zeros", "weights = np.zeros")
     renamed = renamed.replace("w=w", "w=weights").replace("w +=", "weights +=")
     renamed = renamed.replace("w.mean()", "weights.mean()").replace(

@@ -190,7 +190,7 @@ def _s3(url: str) -> Backend:
 BACKENDS = {"local": _local, "fsspec-file": _fsspec_file, "fsspec-memory": _fsspec_memory}
 
 
-@pytest.fixture(params=[*sorted(BACKENDS), "s3"])
+@pytest.fixture(params=[*sorted(BACKENDS), pytest.param("s3", marks=pytest.mark.services)])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     if request.param == "s3":  # the S3-compatible server on loopback (scripts/services.sh)
         made = _s3(request.getfixturevalue("s3_url"))

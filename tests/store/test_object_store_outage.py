@@ -33,7 +33,7 @@ from training_scripts import new_project
 
 from conftest import Project, read_db
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]
 
 # A numpy run whose epochs take a fifth of a second: it writes each value it logs to
 # LOGGED (one JSON line each) and marks each epoch's start in MARKS, for the test's

@@ -32,7 +32,7 @@ from private_postgres import PrivateServer
 
 from conftest import Project
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.services]
 
 TRIALS = int(os.environ.get("RETROLOG_SOAK_TRIALS", "4"))
 CRASHES = 3  # per trial

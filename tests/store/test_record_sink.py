@@ -71,7 +71,7 @@ def _sqlite(tmp_path: Path) -> Backend:
     return Backend("sqlite", lambda: SqliteRecordSink(path), query)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.services)])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     if request.param == "sqlite":
         yield _sqlite(tmp_path)

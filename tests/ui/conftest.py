@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from conftest import RecordedOnce
+
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
 
@@ -111,10 +113,20 @@ train({{"w": 1.0}})
 """
 
 
+@pytest.fixture(scope="module")
+def recorded_once(tmp_path_factory: pytest.TempPathFactory) -> RecordedOnce:
+    return RecordedOnce.record(tmp_path_factory, _record)
+
+
 @pytest.fixture
-def recorded(project: Any) -> Any:
+def recorded(recorded_once: RecordedOnce) -> Any:
     """A project whose script has three runs across two code versions:
-    lr 0.1 and 0.2 in the first, lr 0.3 in the second (a different decay)."""
+    lr 0.1 and 0.2 in the first, lr 0.3 in the second (a different decay). Recorded once
+    for each test module, the same for each test."""
+    return recorded_once.fresh()
+
+
+def _record(project: Any) -> None:
     project.write("train.py", TRAIN.format(decay="0.001"))
     project.git("add", "train.py")
     project.git("commit", "--quiet", "-m", "train")
@@ -126,7 +138,6 @@ def recorded(project: Any) -> Any:
     project.write("train.py", TRAIN.format(decay="0.002"))
     project.git("commit", "--quiet", "-am", "faster decay")
     project.run("train.py", "--lr", "0.3", **adaptive)
-    return project
 
 
 @pytest.fixture
