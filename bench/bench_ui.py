@@ -63,8 +63,8 @@ from typing import Any
 from bench_log import conditions, spread  # the script's directory is on sys.path
 
 import retrolog
-from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 RUNS, EPOCHS = 10_000, 10
 LONG_RUNS, LONG_STEPS, SHORT_STEPS = 50, 10_000, 10  # steps per epoch

@@ -81,7 +81,7 @@ class Project:
     @contextlib.contextmanager
     def reader(self) -> Iterator[sqlite3.Connection]:
         """A read-only connection to the store (a clear StoreError when there is none)."""
-        from retrolog.store.metadata import open_store
+        from retrolog.store.sqlite_metadata import open_store
 
         conn = open_store(self.paths, create=False, write=False)
         try:
@@ -92,7 +92,7 @@ class Project:
     @contextlib.contextmanager
     def _portable(self) -> Iterator[Any]:
         """The store's reader for the queries whose SQL both backends run (SQLite's
-        connection, or PostgreSQL's through store/metastore.py)."""
+        connection, or PostgreSQL's reader: store/metastore.py's ``StoreReader``)."""
         from retrolog.store.cancel import cancellable, cancelled, watched
         from retrolog.store.metastore import open_metadata
 
@@ -213,7 +213,8 @@ class Project:
     def query(self, sql: str) -> pd.DataFrame:
         """Read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
         from retrolog._query.sql import query, query_shared
-        from retrolog.store.metastore import SqliteMetadata, open_metadata
+        from retrolog.store.metastore import open_metadata
+        from retrolog.store.sqlite_metadata import SqliteMetadata
 
         metadata = open_metadata(self.paths, create=False)
         try:
@@ -354,7 +355,7 @@ class Project:
     def endings(self) -> tuple[Any, ...]:
         """A value that changes whenever a run or a replay starts or ends (what the indexer
         waits for before it looks for new series)."""
-        from retrolog.store.metadata import activity_stamp
+        from retrolog.store.metastore import activity_stamp
 
         with self._portable() as conn:
             return activity_stamp(conn)
@@ -390,7 +391,7 @@ class Project:
     def _cache(self) -> SeriesCache:
         """Whole series of ended runs, kept between calls (redrawing and zooming a chart)."""
         from retrolog._query.series import SeriesCache
-        from retrolog.store.metadata import store_writable
+        from retrolog.store.sqlite_metadata import store_writable
 
         with _CACHE_LOCK:
             if self._series_cache is None:
@@ -484,7 +485,7 @@ class Project:
         from retrolog._replay.execute import sweep_stale
         from retrolog.errors import StoreError
         from retrolog.store.backends import object_store_for
-        from retrolog.store.metadata import is_readonly, read_only_error
+        from retrolog.store.sqlite_metadata import is_readonly, read_only_error
 
         policy = keep if isinstance(keep, RetentionPolicy) else RetentionPolicy.parse(keep)
         with self._portable() as conn:
@@ -537,7 +538,7 @@ class Project:
         from retrolog._migrate import migrate_objects, plan_migration
         from retrolog.errors import StoreError
         from retrolog.store.backends import object_store_for, open_object_store
-        from retrolog.store.metadata import is_readonly, read_only_error
+        from retrolog.store.sqlite_metadata import is_readonly, read_only_error
 
         with self._portable() as conn:
             may_write = getattr(conn, "may_write", None)
