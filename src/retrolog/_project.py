@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from retrolog._query.series import Group, Series, SeriesCache
     from retrolog._replay.replayer import ReplayResult
     from retrolog.store.cancel import Cancellation
+    from retrolog.store.metastore import MetadataStore
     from retrolog.store.transfer import TransferReport
 
 
@@ -90,9 +91,10 @@ class Project:
             conn.close()
 
     @contextlib.contextmanager
-    def _portable(self) -> Iterator[Any]:
-        """The store's reader for the queries whose SQL both backends run (SQLite's
-        connection, or PostgreSQL's reader: store/metastore.py's ``StoreReader``)."""
+    def _metadata(self) -> Iterator[MetadataStore]:
+        """The store's metadata (store/metastore.py's seam, in the backend ``database_url``
+        names), opened for reading; its reads stop when the active cancellation is
+        cancelled."""
         from retrolog.store.cancel import cancellable, cancelled, watched
         from retrolog.store.metastore import open_metadata
 
@@ -103,9 +105,16 @@ class Project:
                 if watched() and isinstance(reader, sqlite3.Connection):
                     # interrupt() stops the statement running; this one, those after it.
                     reader.set_progress_handler(cancelled, 10_000)
-                yield reader
+                yield metadata
         finally:
             metadata.close()
+
+    @contextlib.contextmanager
+    def _portable(self) -> Iterator[Any]:
+        """The store's reader for the queries whose SQL both backends run (SQLite's
+        connection, or PostgreSQL's reader: store/metastore.py's ``StoreReader``)."""
+        with self._metadata() as metadata:
+            yield metadata.reader()
 
     @staticmethod
     def cancellation() -> Cancellation:
@@ -126,14 +135,8 @@ class Project:
 
     def scripts(self) -> list[dict[str, Any]]:
         """The scripts that have runs, most recently run first, each with its run count."""
-        with self._portable() as conn:
-            return [
-                {"filename": filename, "runs": count}
-                for filename, count in conn.execute(
-                    "SELECT filename, COUNT(*) FROM runs GROUP BY filename"
-                    " ORDER BY MAX(started_at) DESC"
-                )
-            ]
+        with self._metadata() as metadata:
+            return [script._asdict() for script in metadata.scripts()]
 
     def runs(self, limit: int | None = None) -> pd.DataFrame:
         """One row per run, oldest first (the newest ``limit`` with it): run_id, tstamp,
@@ -355,10 +358,8 @@ class Project:
     def endings(self) -> tuple[Any, ...]:
         """A value that changes whenever a run or a replay starts or ends (what the indexer
         waits for before it looks for new series)."""
-        from retrolog.store.metastore import activity_stamp
-
-        with self._portable() as conn:
-            return activity_stamp(conn)
+        with self._metadata() as metadata:
+            return metadata.activity()
 
     @property
     def indexable(self) -> bool:

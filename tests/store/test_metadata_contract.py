@@ -112,7 +112,23 @@ def test_registered_runs_are_listed_newest_first(store: MetadataStore) -> None:
     listing = store.run_listing()
     assert [r[0] for r in listing] == ["run-1", "run-2", "run-0"]
     assert listing[0][1:6] == ("run-1", "train.py", "running", 30.0, None)
+    assert listing[0].status == "running" and listing[0].args == "{}"
     assert [r[0] for r in store.run_listing(limit=2)] == ["run-1", "run-2"]
+
+
+def test_scripts_are_listed_most_recently_run_first_with_their_runs(
+    store: MetadataStore,
+) -> None:
+    assert store.scripts() == []
+    store.register_run(run_row("run-0", 1.0, filename="a.py"))
+    store.register_run(run_row("run-1", 2.0, filename="b.py"))
+    store.register_run(run_row("run-2", 3.0, filename="a.py"))
+    assert store.scripts() == [("a.py", 2), ("b.py", 1)]
+    assert store.scripts()[0].runs == 2
+    before = store.activity()
+    store.register_run(run_row("run-3", 4.0, filename="b.py"))
+    assert store.activity() != before
+    assert [s.filename for s in store.scripts()] == ["b.py", "a.py"]
 
 
 def test_text_that_is_not_utf8_is_stored_as_the_store_keeps_it(store: MetadataStore) -> None:

@@ -32,7 +32,7 @@ import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from retrolog._config import lookup, mask
 from retrolog.errors import StoreError, UsageError
@@ -111,9 +111,7 @@ class Dialect:
 
 
 SQLITE = Dialect("SQLite", ("value",), "rowid", "0")
-POSTGRESQL = Dialect(
-    "PostgreSQL", ("value_float", "value_int", "value_text"), "run_key", "false"
-)
+POSTGRESQL = Dialect("PostgreSQL", ("value_float", "value_int", "value_text"), "run_key", "false")
 
 
 class Cursor(Protocol):
@@ -187,7 +185,6 @@ def activity_stamp(conn: StoreReader) -> tuple[tuple[object, ...], tuple[object,
     return tuple(runs), tuple(replays)
 
 
-
 class ReadRefused(Exception):
     """A read-only statement a backend did not run to its end.
 
@@ -201,6 +198,26 @@ class ReadRefused(Exception):
         super().__init__(f"{reason}: {complaint}")
         self.reason = reason
         self.complaint = complaint
+
+
+class RunSummary(NamedTuple):
+    """A run as the runs listing shows it (the ``runs`` table's columns)."""
+
+    run_id: str
+    tstamp: str
+    filename: str
+    status: str
+    started_at: float
+    ended_at: float | None
+    args: str  # its run-level values as JSON
+    parsed_args: str | None  # its parsed command-line arguments as JSON
+
+
+class ScriptRuns(NamedTuple):
+    """A script that has runs, and how many."""
+
+    filename: str
+    runs: int
 
 
 class MetadataStore(abc.ABC):
@@ -267,16 +284,26 @@ class MetadataStore(abc.ABC):
         sql = f"SELECT DISTINCT code_manifest FROM runs WHERE code_manifest IN ({marks})"
         return {r[0] for r in self._rows(sql, wanted)}
 
-    def run_listing(self, limit: int | None = None) -> list[tuple[Any, ...]]:
-        """The newest ``limit`` runs (all without it), newest first: (run_id, tstamp,
-        filename, status, started_at, ended_at, args, parsed_args)."""
+    def run_listing(self, limit: int | None = None) -> list[RunSummary]:
+        """The newest ``limit`` runs (all without it), newest first."""
         sql = (
             "SELECT run_id, tstamp, filename, status, started_at, ended_at, args, parsed_args"
             " FROM runs ORDER BY started_at DESC, run_id DESC"
         )
-        if limit is None:
-            return self._rows(sql)
-        return self._rows(sql + " LIMIT ?", (limit,))
+        rows = self._rows(sql) if limit is None else self._rows(sql + " LIMIT ?", (limit,))
+        return [RunSummary(*row) for row in rows]
+
+    def scripts(self) -> list[ScriptRuns]:
+        """The scripts that have runs, the most recently started first."""
+        rows = self._rows(
+            "SELECT filename, COUNT(*) FROM runs GROUP BY filename ORDER BY MAX(started_at) DESC"
+        )
+        return [ScriptRuns(filename, int(count)) for filename, count in rows]
+
+    def activity(self) -> tuple[tuple[object, ...], tuple[object, ...]]:
+        """:func:`activity_stamp` of this store: it changes whenever a run or a replay
+        starts or ends."""
+        return activity_stamp(self.reader())
 
     def mark_dead_runs_crashed(self) -> int:
         """Mark runs of this host whose process died without ending them as crashed.
