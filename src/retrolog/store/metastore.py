@@ -366,9 +366,9 @@ def url_scheme(url: str | None) -> str | None:
     return url.split("://", 1)[0].lower() if "://" in url else None
 
 
-def backend(url: str | None) -> Opener:
-    """What opens the store ``url`` names (None: the embedded store). Raises UsageError
-    for a scheme no backend takes."""
+def backend_module(url: str | None) -> str:
+    """The module of the backend ``url`` names (None: the embedded store), not imported.
+    Raises UsageError for a scheme no backend takes."""
     scheme = url_scheme(url)
     module = None if scheme is None else BACKENDS.get(scheme)
     if module is None:
@@ -378,7 +378,13 @@ def backend(url: str | None) -> Opener:
             "for the embedded SQLite store in the project's .retrolog directory, or give a "
             "PostgreSQL URL such as postgresql://user@host:5432/dbname."
         )
-    opener: Opener = importlib.import_module(module).open_backend
+    return module
+
+
+def backend(url: str | None) -> Opener:
+    """What opens the store ``url`` names (None: the embedded store), its module imported
+    now. Raises UsageError for a scheme no backend takes."""
+    opener: Opener = importlib.import_module(backend_module(url)).open_backend
     return opener
 
 
@@ -388,7 +394,7 @@ def database_url() -> str | None:
     url = (lookup(DATABASE_URL_ENV) or "").strip()
     if not url:
         return None
-    backend(url)
+    backend_module(url)
     return url
 
 
