@@ -705,7 +705,7 @@ def _rows_sql(
         outer.append(" | ".join(bits))
         keys.append(_mask_column(g))
     predicate = "" if where is None else f"WHERE (\n{where}\n)\n"
-    nulls = " NULLS FIRST" if dialect.split else ""  # SQLite's order of NULL
+    nulls = dialect.nulls_first
     # A total order, so that pages neither repeat nor skip a row.
     order = [f"__retrolog_run_order, __retrolog_ctx_id{nulls}"] + [
         f"__retrolog_log{i}{nulls}" for i, c in enumerate(columns) if c.in_loops and c.repeated

@@ -97,6 +97,11 @@ class Dialect:
         """Whether ``run_id`` is in the CTE ``looped``."""
         return f"{run_id} IN (SELECT run_id FROM looped)" if self.split else f"{run_id} IN looped"
 
+    @property
+    def nulls_first(self) -> str:
+        """What an ascending ORDER BY term adds to sort NULLs first, as SQLite does."""
+        return " NULLS FIRST" if self.split else ""
+
     def bigint(self, expr: str) -> str:
         """``expr`` as a 64-bit integer (SQLite's integers are already)."""
         return f"CAST({expr} AS bigint)" if self.split else expr
