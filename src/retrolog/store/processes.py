@@ -31,5 +31,3 @@ def process_alive(pid: int, start_marker: str | None) -> bool:
         if current is not None and current != start_marker:
             return False  # the pid was reused by another process
     return True
-
-

@@ -16,6 +16,7 @@ from retrolog.errors import StoreError
 
 BUSY_TIMEOUT_MS = 60_000
 
+
 def connect(
     database: Path, *, readonly: bool = False, factory: type[sqlite3.Connection] | None = None
 ) -> sqlite3.Connection:
@@ -58,5 +59,3 @@ def rollback(conn: sqlite3.Connection) -> None:
     """
     if conn.in_transaction:
         conn.execute("ROLLBACK")
-
-
