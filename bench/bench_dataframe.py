@@ -5,7 +5,7 @@ Run from the repository root with the project's venv (retrolog installed):
     python -m bench.bench_dataframe              # about a minute on a 2-core machine
     python -m bench.bench_dataframe --reps 9
 
-The store is a real one (``retrolog.store.metadata.connect`` and
+The store is a real one (``retrolog.store.sqlite_connection.connect`` and
 ``retrolog.store.schema.migrate`` on a temporary file), filled the way the
 runtime fills it, with log_ids in execution order:
 
@@ -63,8 +63,8 @@ import pandas as pd
 import retrolog
 from bench.harness import spread
 from retrolog._query import dataframe as wide
-from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 RUNS, EPOCHS, STEPS = 10, 5, 2_000
 STEP_NAMES = ["loss", "grad_norm", "lr_now", "tokens", "m1", "m2", "m3", "m4", "m5", "m6"]
@@ -139,9 +139,9 @@ def build_postgresql(url: str) -> None:
     """The same store in the PostgreSQL database (schema) ``url`` names, by retrolog's
     own migration; rows copied in, then ``VACUUM ANALYZE``, as autovacuum would leave a
     table this size."""
-    from retrolog.store.postgres import connect as pg_connect
-    from retrolog.store.postgres import migrate as pg_migrate
-    from retrolog.store.postgres import placeholders, typed
+    from retrolog.store.postgres_metadata import connect as pg_connect
+    from retrolog.store.postgres_metadata import migrate as pg_migrate
+    from retrolog.store.postgres_metadata import placeholders, typed
 
     conn = pg_connect(url)
     try:
@@ -322,7 +322,7 @@ def compare_postgresql(admin_url: str, sqlite_path: Path, reps: int) -> dict[str
     import psycopg
 
     from bench.harness import drop_schema, fresh_schema
-    from retrolog.store.postgres import PostgresMetadata
+    from retrolog.store.postgres_metadata import PostgresMetadata
 
     url = fresh_schema(admin_url)
     schema = urllib.parse.unquote(url).rsplit("search_path=", 1)[1].split("&")[0]
@@ -400,7 +400,7 @@ def working_copy_seconds(url: str, reps: int) -> dict[str, Any]:
     chosen runs' rows alone."""
     from retrolog._query.runs import matching_runs
     from retrolog._replay.working_copy import _WorkingCopy
-    from retrolog.store.postgres import PostgresMetadata
+    from retrolog.store.postgres_metadata import PostgresMetadata
     from retrolog.store.transfer import copy_into_sqlite
 
     samples: dict[str, list[float]] = {"all": [], "where": []}

@@ -66,7 +66,7 @@ def database_url() -> str:
 
 
 def make_sink(backend: str, target: str) -> Any:
-    from retrolog.store.postgres import PostgresRecordSink
+    from retrolog.store.postgres_metadata import PostgresRecordSink
     from retrolog.store.records import SqliteRecordSink
 
     return SqliteRecordSink(Path(target)) if backend == "sqlite" else PostgresRecordSink(target)
@@ -98,8 +98,8 @@ def one_run(
 def prepare(backend: str, work: Path, server: str, runs: list[str]) -> str:
     """A new store with the runs registered; the sink's target (a path or a URL)."""
     if backend == "sqlite":
-        from retrolog.store.metadata import connect
         from retrolog.store.schema import migrate
+        from retrolog.store.sqlite_connection import connect
 
         path = work / f"{uuid.uuid4().hex[:8]}.db"
         conn = connect(path)
@@ -107,7 +107,7 @@ def prepare(backend: str, work: Path, server: str, runs: list[str]) -> str:
         conn.executemany(RUN_ROW.format(p="?"), [(r,) for r in runs])
         conn.close()
         return str(path)
-    from retrolog.store import postgres
+    from retrolog.store import postgres_metadata as postgres
 
     schema = f"bench_{uuid.uuid4().hex[:12]}"
     admin = postgres.connect(server)
@@ -131,7 +131,7 @@ def count(backend: str, target: str) -> int:
         (n,) = conn.execute("SELECT COUNT(*) FROM logs").fetchone()
         conn.close()
         return int(n)
-    from retrolog.store import postgres
+    from retrolog.store import postgres_metadata as postgres
 
     conn = postgres.connect(target)
     (n,) = conn.execute("SELECT COUNT(*) FROM logs").fetchone()
@@ -144,7 +144,7 @@ def drop(backend: str, target: str, server: str) -> None:
         for suffix in ("", "-wal", "-shm"):
             Path(target + suffix).unlink(missing_ok=True)
         return
-    from retrolog.store import postgres
+    from retrolog.store import postgres_metadata as postgres
 
     schema = urllib.parse.unquote(urllib.parse.urlsplit(target).query).rsplit("=", 1)[1]
     admin = postgres.connect(server)

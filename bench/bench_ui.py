@@ -3,8 +3,8 @@
 Run from the repository root with the project's venv (retrolog[ui] and playwright installed,
 Debian's chromium at /usr/bin/chromium: `bash scripts/setup_browser.sh`):
 
-    python bench/bench_ui.py                  # about 5 minutes on a 2-core machine
-    python bench/bench_ui.py --reps 7
+    python -m bench.bench_ui                  # about 5 minutes on a 2-core machine
+    python -m bench.bench_ui --reps 7
 
 The store is a real one (``connect`` + ``migrate`` on a temporary directory's
 ``.retrolog/retrolog.db``), filled the way the runtime fills it, seeded:
@@ -37,7 +37,7 @@ The store is a real one (``connect`` + ``migrate`` on a temporary directory's
 - the server's resident memory after serving those requests, with the store at
   1,000, 5,000 and 10,000 runs (the same seeded runs, a fresh server each).
 
-Targets (issue 15): table under 1 s, chart under 0.5 s, no browser task longer
+Targets: table under 1 s, chart under 0.5 s, no browser task longer
 than 200 ms, server memory flat in the number of runs. Results:
 bench/results/ui.json.
 """
@@ -62,8 +62,8 @@ from typing import Any
 
 import retrolog
 from bench.harness import conditions, spread
-from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 RUNS, EPOCHS = 10_000, 10
 LONG_RUNS, LONG_STEPS, SHORT_STEPS = 50, 10_000, 10  # steps per epoch

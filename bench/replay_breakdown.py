@@ -93,8 +93,8 @@ def replay_with_timeline(
 ) -> dict[str, Any]:
     """Replay ``name`` in-process; return the plan, each job's span and its worker timeline."""
     from retrolog._replay import execute, replayer
-    from retrolog.store.metadata import open_store
     from retrolog.store.paths import locate
+    from retrolog.store.sqlite_metadata import open_store
 
     spans: dict[str, dict[str, float]] = {}
     planned: dict[str, Any] = {}

@@ -80,3 +80,44 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from retrolog._query.runs import matching_runs\n")
     assert imports(module) == {"_query"}
+
+
+def store_imports(path: Path) -> set[str]:
+    """The modules of retrolog.store that ``path`` imports (inside functions and under
+    TYPE_CHECKING too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "retrolog.store":
+                found.update(alias.name for alias in node.names)
+            elif node.module.startswith("retrolog.store."):
+                found.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("retrolog.store."):
+                    found.add(alias.name.split(".")[2])
+    return found
+
+
+def test_the_store_modules_import_one_way() -> None:
+    # The metadata seam (metastore) names its backends in a registry, imported by name
+    # when one is opened; the backends import the seam, never the other way round.
+    graph = {
+        path.stem: store_imports(path) - {path.stem}
+        for path in sorted((SOURCE / "store").glob("*.py"))
+    }
+    assert {"metastore", "sqlite_metadata", "postgres_metadata"} <= graph.keys()
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, "an import cycle in retrolog.store: " + " -> ".join(
+            (*path[path.index(module) :], module)
+        )
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, (*path, module))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())

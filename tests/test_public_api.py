@@ -70,7 +70,7 @@ def test_every_error_derives_from_the_base_and_is_drawn_in_the_docstring() -> No
 
 
 def test_sqlite_errors_on_open_are_store_errors(tmp_path: Path) -> None:
-    from retrolog.store.metadata import connect
+    from retrolog.store.sqlite_connection import connect
 
     bad = tmp_path / "not-a-db"
     bad.write_bytes(b"this is not sqlite" * 100)

@@ -50,9 +50,10 @@ from retrolog._query.dataframe import logged_names, number_of, shared_store
 from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
-from retrolog.store.metadata import read_snapshot, rollback
+from retrolog.store.metastore import read_snapshot
 from retrolog.store.objects import ObjectStore, StoredFile
 from retrolog.store.paths import storable_text
+from retrolog.store.sqlite_connection import rollback
 from retrolog.versions.portable import code_objects
 
 GRACE_SECONDS = 3600.0

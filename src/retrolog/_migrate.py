@@ -36,9 +36,9 @@ from retrolog._config import BY_KEY, STORE_FILE, mask, read_file
 from retrolog._query.dataframe import shared_store
 from retrolog.errors import StoreError, VersionError
 from retrolog.store.backends import open_object_store
-from retrolog.store.metadata import mark_dead_runs_crashed
 from retrolog.store.objects import ObjectStore, in_order
 from retrolog.store.paths import ProjectPaths
+from retrolog.store.sqlite_metadata import mark_dead_runs_crashed
 from retrolog.store.transfer import TransferReport
 
 OBJECTS_URL = BY_KEY["objects_url"]
@@ -253,7 +253,7 @@ def migrate_database(
     the database with other rows than here, or when a copy does not read back.
     """
     from retrolog.store.metastore import DATABASE_URL_ENV
-    from retrolog.store.postgres import PostgresMetadata, has_store
+    from retrolog.store.postgres_metadata import PostgresMetadata, has_store
     from retrolog.store.transfer import copy_into_postgresql
 
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from retrolog._query.series import Group, Series, SeriesCache
     from retrolog._replay.replayer import ReplayResult
     from retrolog.store.cancel import Cancellation
+    from retrolog.store.metastore import MetadataStore
     from retrolog.store.transfer import TransferReport
 
 
@@ -81,7 +82,7 @@ class Project:
     @contextlib.contextmanager
     def reader(self) -> Iterator[sqlite3.Connection]:
         """A read-only connection to the store (a clear StoreError when there is none)."""
-        from retrolog.store.metadata import open_store
+        from retrolog.store.sqlite_metadata import open_store
 
         conn = open_store(self.paths, create=False, write=False)
         try:
@@ -90,9 +91,10 @@ class Project:
             conn.close()
 
     @contextlib.contextmanager
-    def _portable(self) -> Iterator[Any]:
-        """The store's reader for the queries whose SQL both backends run (SQLite's
-        connection, or PostgreSQL's through store/metastore.py)."""
+    def _metadata(self) -> Iterator[MetadataStore]:
+        """The store's metadata (store/metastore.py's seam, in the backend ``database_url``
+        names), opened for reading; its reads stop when the active cancellation is
+        cancelled."""
         from retrolog.store.cancel import cancellable, cancelled, watched
         from retrolog.store.metastore import open_metadata
 
@@ -103,9 +105,16 @@ class Project:
                 if watched() and isinstance(reader, sqlite3.Connection):
                     # interrupt() stops the statement running; this one, those after it.
                     reader.set_progress_handler(cancelled, 10_000)
-                yield reader
+                yield metadata
         finally:
             metadata.close()
+
+    @contextlib.contextmanager
+    def _portable(self) -> Iterator[Any]:
+        """The store's reader for the queries whose SQL both backends run (SQLite's
+        connection, or PostgreSQL's reader: store/metastore.py's ``StoreReader``)."""
+        with self._metadata() as metadata:
+            yield metadata.reader()
 
     @staticmethod
     def cancellation() -> Cancellation:
@@ -126,14 +135,8 @@ class Project:
 
     def scripts(self) -> list[dict[str, Any]]:
         """The scripts that have runs, most recently run first, each with its run count."""
-        with self._portable() as conn:
-            return [
-                {"filename": filename, "runs": count}
-                for filename, count in conn.execute(
-                    "SELECT filename, COUNT(*) FROM runs GROUP BY filename"
-                    " ORDER BY MAX(started_at) DESC"
-                )
-            ]
+        with self._metadata() as metadata:
+            return [script._asdict() for script in metadata.scripts()]
 
     def runs(self, limit: int | None = None) -> pd.DataFrame:
         """One row per run, oldest first (the newest ``limit`` with it): run_id, tstamp,
@@ -213,7 +216,8 @@ class Project:
     def query(self, sql: str) -> pd.DataFrame:
         """Read-only SQL over the store (tables: runs, loops, logs, checkpoints, profile)."""
         from retrolog._query.sql import query, query_shared
-        from retrolog.store.metastore import SqliteMetadata, open_metadata
+        from retrolog.store.metastore import open_metadata
+        from retrolog.store.sqlite_metadata import SqliteMetadata
 
         metadata = open_metadata(self.paths, create=False)
         try:
@@ -418,10 +422,8 @@ class Project:
     def endings(self) -> tuple[Any, ...]:
         """A value that changes whenever a run or a replay starts or ends (what the indexer
         waits for before it looks for new series)."""
-        from retrolog.store.metadata import activity_stamp
-
-        with self._portable() as conn:
-            return activity_stamp(conn)
+        with self._metadata() as metadata:
+            return metadata.activity()
 
     @property
     def indexable(self) -> bool:
@@ -456,7 +458,7 @@ class Project:
     def _cache(self) -> SeriesCache:
         """Whole series of ended runs, kept between calls (redrawing and zooming a chart)."""
         from retrolog._query.series import SeriesCache
-        from retrolog.store.metadata import store_writable
+        from retrolog.store.sqlite_metadata import store_writable
 
         with _CACHE_LOCK:
             if self._series_cache is None:
@@ -550,7 +552,7 @@ class Project:
         from retrolog._replay.execute import sweep_stale
         from retrolog.errors import StoreError
         from retrolog.store.backends import object_store_for
-        from retrolog.store.metadata import is_readonly, read_only_error
+        from retrolog.store.sqlite_metadata import is_readonly, read_only_error
 
         policy = keep if isinstance(keep, RetentionPolicy) else RetentionPolicy.parse(keep)
         with self._portable() as conn:
@@ -603,7 +605,7 @@ class Project:
         from retrolog._migrate import migrate_objects, plan_migration
         from retrolog.errors import StoreError
         from retrolog.store.backends import object_store_for, open_object_store
-        from retrolog.store.metadata import is_readonly, read_only_error
+        from retrolog.store.sqlite_metadata import is_readonly, read_only_error
 
         with self._portable() as conn:
             may_write = getattr(conn, "may_write", None)

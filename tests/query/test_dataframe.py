@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from retrolog._query import dataframe as dataframe_module
 from retrolog._query.dataframe import dataframe, logged_names, matching_run_ids
 from retrolog.errors import QueryError, UnknownNameError
-from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 
 class Store:

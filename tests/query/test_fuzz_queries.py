@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from retrolog.errors import RetrologError
-from retrolog.store.metadata import open_store
 from retrolog.store.paths import locate
+from retrolog.store.sqlite_metadata import open_store
 
 from conftest import Project
 

@@ -22,8 +22,8 @@ import pytest
 
 from retrolog._query.sql import query
 from retrolog.errors import QueryError
-from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 from conftest import Project
 
@@ -71,7 +71,7 @@ import sys
 from pathlib import Path
 from retrolog._query.sql import query
 from retrolog.errors import QueryError
-from retrolog.store.metadata import connect
+from retrolog.store.sqlite_connection import connect
 from retrolog.store.schema import migrate
 
 conn = connect(Path(sys.argv[1]))

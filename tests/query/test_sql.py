@@ -11,8 +11,8 @@ import pytest
 
 from retrolog._query.sql import DOCUMENTED_TABLES, query
 from retrolog.errors import QueryError
-from retrolog.store.metadata import connect
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 
 @pytest.fixture

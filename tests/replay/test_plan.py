@@ -35,9 +35,9 @@ from retrolog._replay.plan import (
 from retrolog._replay.statements import Position, StatementSite
 from retrolog.checkpoint.capture import CheckpointRecord, SynchronousCheckpointer
 from retrolog.errors import RunNotFoundError, UsageError
-from retrolog.store.metadata import connect
 from retrolog.store.objects import LocalObjectStore
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 from conftest import Project, read_db
 

@@ -192,9 +192,9 @@ def test_the_working_copy_of_a_predicates_replay_holds_the_chosen_runs_alone(
     """What a replay with ``where`` copies out of PostgreSQL before it replays: every
     run's row (reuse and lineage read them), the loops, logs, checkpoints and profile
     of the runs chosen and of no other."""
-    from retrolog.store.metadata import connect
-    from retrolog.store.postgres import PostgresMetadata
+    from retrolog.store.postgres_metadata import PostgresMetadata
     from retrolog.store.schema import migrate
+    from retrolog.store.sqlite_connection import connect
     from retrolog.store.transfer import copy_into_sqlite
 
     runs = sorted(_argv_of(pg_store_url))

@@ -27,9 +27,10 @@ from retrolog._gc import (
 from retrolog._replay.plan import ScanLevel, load_profiles, plan_replay
 from retrolog.checkpoint.capture import load_checkpoint
 from retrolog.errors import UnknownNameError, UsageError
-from retrolog.store.metadata import open_store, process_start_marker
 from retrolog.store.objects import LocalObjectStore
 from retrolog.store.paths import locate
+from retrolog.store.processes import process_start_marker
+from retrolog.store.sqlite_metadata import open_store
 from training_scripts import NUMPY_TRAIN, record_torch_runs
 
 from conftest import Project, pg_role, read_db, read_pg

@@ -19,9 +19,9 @@ import psycopg
 import pytest
 
 from retrolog.errors import StoreError
-from retrolog.store import postgres
-from retrolog.store.metadata import connect
+from retrolog.store import postgres_metadata as postgres
 from retrolog.store.schema import LATEST_VERSION, migrate
+from retrolog.store.sqlite_connection import connect
 
 SPLIT = {"value": {"value_float", "value_int", "value_text"}}
 
@@ -166,8 +166,8 @@ def test_the_embedded_store_is_not_opened_while_postgresql_is_selected(
     file (which holds none of the team's runs) is refused in one paragraph, the password
     masked, and no file is made."""
     from retrolog.errors import StoreError
-    from retrolog.store.metadata import open_store
     from retrolog.store.paths import ProjectPaths
+    from retrolog.store.sqlite_metadata import open_store
 
     monkeypatch.setenv("RETROLOG_DATABASE_URL", "postgresql://team:secret@db.example/runs")
     paths = ProjectPaths(root=tmp_path, store=tmp_path / ".retrolog", in_git=False)

@@ -21,8 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from retrolog.store import postgres
-from retrolog.store.metadata import connect
+from retrolog.store import postgres_metadata as postgres
 from retrolog.store.records import (
     RecordBatch,
     RecordSink,
@@ -31,6 +30,7 @@ from retrolog.store.records import (
     SqliteRecordSink,
 )
 from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 from conftest import read_pg
 
@@ -195,7 +195,7 @@ def test_another_process_holding_sqlite_is_busy_not_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = _sqlite(tmp_path)
-    monkeypatch.setattr("retrolog.store.metadata.BUSY_TIMEOUT_MS", 200)
+    monkeypatch.setattr("retrolog.store.sqlite_connection.BUSY_TIMEOUT_MS", 200)
     holder = sqlite3.connect(tmp_path / "retrolog.db", isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     sink = backend.sink()

@@ -1,8 +1,8 @@
 """The wide view: one row per (run, loop context), one column per requested name.
 
 FlorDB's dataframe, computed by the store's database, SQLite or PostgreSQL (see
-:func:`_ctes`, :func:`_rows_sql`; :class:`_Dialect` holds what their SQL says
-differently):
+:func:`_ctes`, :func:`_rows_sql`; the reader's ``Dialect``, store/metastore.py, holds
+what their SQL says differently):
 
 ==============  ===============================================================
 ``hop``         the runs that logged a requested loop-level name, found by
@@ -52,7 +52,7 @@ import pandas as pd
 
 from retrolog._query.sql import execute_read, execute_read_shared
 from retrolog.errors import QueryError, UnknownNameError
-from retrolog.store.metadata import activity_stamp, read_snapshot
+from retrolog.store.metastore import Dialect, activity_stamp, dialect_of, read_snapshot
 from retrolog.store.paths import storable_text
 
 META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
@@ -85,51 +85,16 @@ _UNDEFINED_COLUMN = re.compile(r'column "((?:[^"]|"")+)" does not exist')
 _DOUBLE_QUOTED = re.compile(r"'(?:[^']|'')*'|--[^\n]*|/\*.*?\*/|\"((?:[^\"]|\"\")*)\"", re.S)
 
 
-@dataclass(frozen=True)
-class _Dialect:
-    """What the view's SQL says differently on SQLite and on PostgreSQL."""
-
-    name: str  # in messages: "SQLite says ..."
-    # The columns a value is kept in: SQLite's untyped ``value``, or PostgreSQL's
-    # value_float, value_int and value_text, exactly one of them set (none for NULL).
-    parts: tuple[str, ...]
-    run_key: str  # the runs table's compact integer key
-    false: str
-
-    @property
-    def split(self) -> bool:
-        return len(self.parts) > 1
-
-    def any_of(self, condition: str) -> str:
-        """An aggregate: whether ``condition`` holds in some row of the group."""
-        return f"bool_or({condition})" if self.split else f"max({condition})"
-
-    def in_looped(self, run_id: str) -> str:
-        return f"{run_id} IN (SELECT run_id FROM looped)" if self.split else f"{run_id} IN looped"
-
-    def bigint(self, expr: str) -> str:
-        return f"CAST({expr} AS bigint)" if self.split else expr
-
-
-_SQLITE = _Dialect("SQLite", ("value",), "rowid", "0")
-_POSTGRES = _Dialect("PostgreSQL", ("value_float", "value_int", "value_text"), "run_key", "false")
-
-
-def _dialect(conn: Any) -> _Dialect:
-    """SQLite's connection, or a PostgreSQL store's reader (which names its value columns)."""
-    return _POSTGRES if getattr(conn, "value_columns", None) else _SQLITE
-
-
 def shared_store(conn: Any) -> bool:
     """Whether ``conn`` is a PostgreSQL store's reader (else a SQLite connection)."""
-    return _dialect(conn).split
+    return dialect_of(conn).split
 
 
 def value_parts(conn: Any, alias: str = "") -> list[str]:
     """The columns a logged value is read from, for :func:`whole_value`: SQLite's
     ``value``, or PostgreSQL's ``value_float``, ``value_int`` and ``value_text``."""
     prefix = f"{alias}." if alias else ""
-    return [prefix + part for part in _dialect(conn).parts]
+    return [prefix + part for part in dialect_of(conn).parts]
 
 
 def whole_value(parts: Sequence[Any]) -> Any:
@@ -141,10 +106,7 @@ def number_of(conn: Any, alias: str = "") -> str:
     """SQL for a logged number (float, int or bool) as one column, for MIN, MAX and
     arithmetic: SQLite's ``value``; PostgreSQL's float or int column (an int as
     double precision there)."""
-    prefix = f"{alias}." if alias else ""
-    if _dialect(conn).split:
-        return f"COALESCE({prefix}value_float, {prefix}value_int)"
-    return f"{prefix}value"
+    return dialect_of(conn).number(alias)
 
 
 @dataclass(frozen=True)
@@ -347,7 +309,7 @@ class _WideQuery:
         requested: list[str],
     ) -> None:
         self.conn = conn
-        self.dialect = _dialect(conn)
+        self.dialect = dialect_of(conn)
         self.columns = columns
         self.dims = dims
         self.where = where
@@ -492,7 +454,7 @@ def _columns(header: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str
 def _ctes(
     columns: Sequence[_Name],
     dims: _Dims,
-    dialect: _Dialect,
+    dialect: Dialect,
     only: Sequence[str] | None = None,
 ) -> str:
     """The common table expressions of the view; ``wide`` is the view itself.
@@ -666,7 +628,7 @@ def _snapshot(conn: Any) -> Iterator[None]:
     0.43 s without.
     """
     with read_snapshot(conn):
-        if _dialect(conn).split:
+        if dialect_of(conn).split:
             conn.execute("SELECT set_config('enable_memoize', 'off', true)")
         yield
 
@@ -711,7 +673,7 @@ def _rows_sql(
     dims: _Dims,
     where: str | None,
     per_cell: Sequence[str],
-    dialect: _Dialect,
+    dialect: Dialect,
     only: Sequence[str] | None = None,
     window: tuple[int, int] | None = None,
 ) -> tuple[str, list[str]]:
@@ -743,7 +705,7 @@ def _rows_sql(
         outer.append(" | ".join(bits))
         keys.append(_mask_column(g))
     predicate = "" if where is None else f"WHERE (\n{where}\n)\n"
-    nulls = " NULLS FIRST" if dialect.split else ""  # SQLite's order of NULL
+    nulls = dialect.nulls_first
     # A total order, so that pages neither repeat nor skip a row.
     order = [f"__retrolog_run_order, __retrolog_ctx_id{nulls}"] + [
         f"__retrolog_log{i}{nulls}" for i, c in enumerate(columns) if c.in_loops and c.repeated
@@ -761,7 +723,7 @@ def _rows_sql(
 
 
 def _runs_sql(
-    columns: Sequence[_Name], dialect: _Dialect, only: Sequence[str] | None = None
+    columns: Sequence[_Name], dialect: Dialect, only: Sequence[str] | None = None
 ) -> tuple[str, list[str]]:
     """The runs of the view with their run columns and their run-only names and types,
     and the key Python gives each column read."""
@@ -876,7 +838,7 @@ def _dimensions(conn: Any) -> _Dims:
 def _quiet_store_key(conn: Any) -> tuple[Any, ...] | None:
     """The database file and its runs' and replays' stamp, when no run is recording and no
     replay running (None otherwise, or for a database with no file, as PostgreSQL's)."""
-    if _dialect(conn).split:
+    if dialect_of(conn).split:
         return None
     path = conn.execute("PRAGMA database_list").fetchone()[2]
     if not path:
@@ -929,7 +891,7 @@ def _describe(
         (name, name, name),
     ).fetchone()
     repeated = check_repeats and in_loops is not None and _repeated(conn, name)
-    types = frozenset(_store_types(conn, name)) if typed and _dialect(conn).split else None
+    types = frozenset(_store_types(conn, name)) if typed and dialect_of(conn).split else None
     return _Name(name, shown, in_loops is not None, at_run is not None, repeated, types)
 
 
@@ -1078,7 +1040,7 @@ def _inexact_column(
     """
     marks = ", ".join(_literal(name) for name in requested)
     found = conn.execute(
-        f"SELECT l.name, u.{_dialect(conn).run_key}, l.ctx_id FROM logs l"
+        f"SELECT l.name, u.{dialect_of(conn).run_key}, l.ctx_id FROM logs l"
         f" JOIN runs u ON u.run_id = l.run_id WHERE l.inexact IS NOT NULL AND l.name IN ({marks})"
     ).fetchall()
     if not found:
@@ -1107,7 +1069,7 @@ def _cell_keys(conn: Any, rows: dict[str, tuple[Any, ...]], name: str) -> list[s
     if not run_keys:
         return []
     marks = ", ".join(str(k) for k in run_keys)
-    run_key = _dialect(conn).run_key
+    run_key = dialect_of(conn).run_key
     run_ids = dict(conn.execute(f"SELECT {run_key}, run_id FROM runs WHERE {run_key} IN ({marks})"))
     recorded = {
         key: recorded_definitions(conn, run_id).get(name) for key, run_id in run_ids.items()

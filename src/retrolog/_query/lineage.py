@@ -27,7 +27,8 @@ from typing import Any
 
 from retrolog._query.runs import resolve_run
 from retrolog.errors import UnknownNameError
-from retrolog.store.metadata import rollback
+from retrolog.store.metastore import dialect_of
+from retrolog.store.sqlite_connection import rollback
 from retrolog.versions.definitions import Definition, Reader, definitions
 from retrolog.versions.notebook import read_script
 
@@ -146,7 +147,7 @@ def recorded_definitions(conn: Any, run_id: str) -> dict[str, str]:
     missing = sorted(names - set(known))
     if missing and commit and not filename.startswith("<"):
         from retrolog.errors import RetrologError
-        from retrolog.store.metadata import store_directory
+        from retrolog.store.sqlite_metadata import store_directory
         from retrolog.versions.portable import readable_version
 
         version = {"run_id": run_id, "git_dir": git_dir, "code_commit": commit,
@@ -279,9 +280,9 @@ def explain(conn: Any, ref: str, name: str, at: Mapping[str, int] | None = None)
             strict=True,
         )
     )
-    # SQLite keeps a value in one column; PostgreSQL's reader names its typed columns, of
-    # which at most one is set (store/postgres.py).
-    value_columns = getattr(conn, "value_columns", ("value",))
+    # SQLite keeps a value in one column; PostgreSQL in typed columns, of which at most
+    # one is set.
+    value_columns = dialect_of(conn).parts
     width = len(value_columns)
     rows = [
         (r[0], r[1], next((v for v in r[2 : 2 + width] if v is not None), None), *r[2 + width :])

@@ -404,7 +404,7 @@ def _version(
 ) -> tuple[str, str, bool, str, str]:
     """(git_dir, revision, dirty, tree, filename) of a run's code version: where it can be
     read (versions/portable.py: its recording clone, this one, or the store's copy)."""
-    from retrolog.store.metadata import store_directory
+    from retrolog.store.sqlite_metadata import store_directory
     from retrolog.versions.portable import readable_version
 
     row = conn.execute(

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from retrolog.store.metadata import rollback
+from retrolog.store.sqlite_connection import rollback
 from retrolog.store.summaries import SQLITE_NUMBER, recompute
 
 

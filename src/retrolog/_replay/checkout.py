@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from retrolog.store.metadata import process_alive
+from retrolog.store.processes import process_alive
 from retrolog.versions.git import materialize
 
 _NEVER_LINKED = {".git", ".retrolog"}

@@ -29,7 +29,7 @@ from retrolog._replay.forkserver import ForkedProcess, Launcher, StartPlan
 from retrolog.runtime.numerics import worker_environment
 from retrolog.runtime.replay_worker import SPEC_ENV, WorkerSpec
 from retrolog.store.fsspec_objects import TIMEOUT_ENV
-from retrolog.store.metadata import process_alive, process_start_marker
+from retrolog.store.processes import process_alive, process_start_marker
 
 _TAIL_LINES = 15
 

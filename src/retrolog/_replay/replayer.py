@@ -60,12 +60,8 @@ from retrolog.runtime import numerics
 from retrolog.runtime.modules import decode as decode_modules
 from retrolog.runtime.replay_worker import WorkerSpec
 from retrolog.store.backends import objects_location
-from retrolog.store.metadata import (
-    is_readonly,
-    read_only_error,
-    store_directory,
-)
 from retrolog.store.paths import ProjectPaths, storable_text
+from retrolog.store.sqlite_metadata import is_readonly, read_only_error, store_directory
 from retrolog.versions.notebook import read_script
 
 

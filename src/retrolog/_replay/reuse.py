@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from retrolog.errors import RetrologError
-from retrolog.store.metadata import rollback
+from retrolog.store.sqlite_connection import rollback
 from retrolog.store.summaries import SQLITE_NUMBER, recompute
 
 # Run columns that decide what a run computes. Host and timing do not; the CPU

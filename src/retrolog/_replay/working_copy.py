@@ -54,9 +54,10 @@ def replay_shared(
 ) -> Any:
     """:func:`retrolog._replay.replayer.replay` for the PostgreSQL store at ``url``."""
     from retrolog._replay.replayer import replay
-    from retrolog.store.metadata import connect, make_store_dir
-    from retrolog.store.postgres import PostgresMetadata
+    from retrolog.store.paths import make_store_dir
+    from retrolog.store.postgres_metadata import PostgresMetadata
     from retrolog.store.schema import migrate
+    from retrolog.store.sqlite_connection import connect
     from retrolog.store.transfer import copy_into_sqlite, copy_state
 
     metadata = PostgresMetadata(url, create=False, origin=paths.database)

@@ -35,9 +35,9 @@ from retrolog.runtime.crash import Crash
 from retrolog.runtime.import_clock import ImportClock
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
-from retrolog.store.metadata import process_start_marker
 from retrolog.store.metastore import MetadataStore, open_metadata
 from retrolog.store.paths import ProjectPaths, storable_text
+from retrolog.store.processes import process_start_marker
 
 NO_OVERRIDE = object()  # arg() had no --kwargs value for this name
 

@@ -1,37 +1,45 @@
-"""Where runs' metadata lives: the ``MetadataStore`` seam and its registry by URL scheme.
+"""The metadata seam: the ``MetadataStore`` interface, its readers, and the registry of
+backends by URL scheme.
 
 docs/metadata-backends.md has the design. The ``database_url`` setting
-(``RETROLOG_DATABASE_URL``, or the project's settings files) chooses the backend:
+(``RETROLOG_DATABASE_URL``, or the project's settings files) chooses the backend,
+looked up in :data:`BACKENDS` by its URL's scheme:
 
-- unset: the embedded SQLite store, ``retrolog.db`` in the project's store directory;
+- unset: the embedded SQLite store, ``retrolog.db`` in the project's store directory
+  (store/sqlite_metadata.py);
 - ``postgresql://...`` (or ``postgres://``): a team's PostgreSQL database
-  (store/postgres.py, psycopg 3 from the ``team`` extra).
+  (store/postgres_metadata.py, psycopg 3 from the ``team`` extra).
 
-The interface holds operations, not SQL. So far it holds what a recording run does
-(register itself, name its code manifest, learn the restore ratio, hand its writer
-thread a record sink, mark this host's dead runs crashed), the runs listing, a
-portable reader for ``show``'s queries, and, on PostgreSQL, ``query``'s read-only
-statement. The operations whose SQL is the same on both backends are written once,
-with ``?`` placeholders that a backend turns into its own; the rest are each
-backend's own. The dataframe, replay and gc still take SQLite connections
-(store/metadata.py): with PostgreSQL selected they stop with an error that says so
-(:func:`require_embedded`).
+A backend's module is imported only when its store is opened, so this module imports
+no backend (and ``import retrolog`` no database driver), and the backends import it,
+never the other way round.
+
+The interface holds operations, not SQL: what a recording run does (register itself,
+name its code manifest, learn the restore ratio, hand its writer thread a record
+sink, mark this host's dead runs crashed), the runs listing, gc's live manifests, and
+:meth:`MetadataStore.reader`, a :class:`StoreReader` for the queries written once in
+standard SQL with ``?`` placeholders (``show``, ``lineage``, the dataframe, gc). Where
+that SQL must differ, it asks the reader's :class:`Dialect` (:func:`dialect_of`) for
+the fragment, never which backend it is. The operations whose SQL is the same on
+both backends are written here once; the rest are each backend's own.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
+import importlib
 import socket
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from retrolog._config import lookup, mask
 from retrolog.errors import StoreError, UsageError
 from retrolog.store.paths import ProjectPaths, storable_text
+from retrolog.store.processes import process_alive
 
-if TYPE_CHECKING:  # records.py imports metadata.py, which imports this module
+if TYPE_CHECKING:
     from retrolog.store.records import RecordSink
 
 DATABASE_URL_ENV = "RETROLOG_DATABASE_URL"
@@ -57,6 +65,131 @@ _CRASHED = (
 )
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """The few fragments of the standard SQL that a backend writes its own way.
+
+    The queries above the seam (the dataframe's SQL builder, gc, ``show``) are written
+    once; where a backend's SQL differs, they take the fragment from here.
+    """
+
+    #: the backend's name in messages ("SQLite says ...")
+    name: str
+    #: the columns a logged value is kept in: SQLite's one untyped ``value``, or
+    #: PostgreSQL's ``value_float``, ``value_int`` and ``value_text``, exactly one of
+    #: them set (none for NULL)
+    parts: tuple[str, ...]
+    #: the runs table's compact integer key
+    run_key: str
+    #: a constant false condition
+    false: str
+
+    @property
+    def split(self) -> bool:
+        """Whether a value is split over typed columns (PostgreSQL)."""
+        return len(self.parts) > 1
+
+    def any_of(self, condition: str) -> str:
+        """An aggregate: whether ``condition`` holds in some row of the group."""
+        return f"bool_or({condition})" if self.split else f"max({condition})"
+
+    def in_looped(self, run_id: str) -> str:
+        """Whether ``run_id`` is in the CTE ``looped``."""
+        return f"{run_id} IN (SELECT run_id FROM looped)" if self.split else f"{run_id} IN looped"
+
+    @property
+    def nulls_first(self) -> str:
+        """What an ascending ORDER BY term adds to sort NULLs first, as SQLite does."""
+        return " NULLS FIRST" if self.split else ""
+
+    def bigint(self, expr: str) -> str:
+        """``expr`` as a 64-bit integer (SQLite's integers are already)."""
+        return f"CAST({expr} AS bigint)" if self.split else expr
+
+    def number(self, alias: str = "") -> str:
+        """A logged number (float, int or bool) as one column, for MIN, MAX and
+        arithmetic: SQLite's ``value``; PostgreSQL's float or int column."""
+        prefix = f"{alias}." if alias else ""
+        if self.split:
+            return f"COALESCE({prefix}value_float, {prefix}value_int)"
+        return f"{prefix}value"
+
+
+SQLITE = Dialect("SQLite", ("value",), "rowid", "0")
+POSTGRESQL = Dialect("PostgreSQL", ("value_float", "value_int", "value_text"), "run_key", "false")
+
+
+class Cursor(Protocol):
+    """What a :class:`StoreReader`'s ``execute`` returns (a DB-API cursor)."""
+
+    @property
+    def description(self) -> Any: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class StoreReader(Protocol):
+    """A store's reader for the queries written once in standard SQL.
+
+    SQLite's is its ``sqlite3.Connection``; PostgreSQL's a wrapper of its connection
+    that takes the same ``?`` placeholders and also has ``dialect`` (:data:`POSTGRESQL`)
+    and ``snapshot()``. Ask :func:`dialect_of` for a reader's dialect.
+    """
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Any: ...
+
+
+def dialect_of(reader: object) -> Dialect:
+    """The SQL dialect of ``reader``: what it names as its ``dialect``, else SQLite's
+    (whose reader is a plain ``sqlite3.Connection``)."""
+    dialect = getattr(reader, "dialect", None)
+    return dialect if isinstance(dialect, Dialect) else SQLITE
+
+
+@contextmanager
+def read_snapshot(conn: Any) -> Iterator[None]:
+    """Run the reads inside the block against one snapshot of the store.
+
+    A training process may add runs, logs and checkpoints meanwhile; in SQLite's WAL
+    mode the read transaction sees none of them and does not block the writer. Inside
+    a transaction already, the block joins it. A PostgreSQL store's reader takes its
+    own snapshot (its ``snapshot()``).
+    """
+    snapshot = getattr(conn, "snapshot", None)
+    if snapshot is not None:
+        with snapshot():
+            yield
+        return
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
+
+
+def activity_stamp(conn: StoreReader) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    """The runs' and the replays' (count, how many running, last start, last end).
+
+    It changes whenever a run or a replay starts or ends, so a reader that keeps
+    something computed from the store (the dataframe's loop names, the dashboard's
+    indexer) compares stamps to know when to compute it again.
+    """
+    stamp = (
+        "SELECT COUNT(*), COUNT(CASE WHEN status = 'running' THEN 1 END), MAX(started_at),"
+        " MAX(ended_at) FROM "
+    )
+    runs = conn.execute(stamp + "runs").fetchone()
+    replays = conn.execute(stamp + "replays").fetchone()
+    return tuple(runs), tuple(replays)
+
+
 class ReadRefused(Exception):
     """A read-only statement a backend did not run to its end.
 
@@ -72,11 +205,33 @@ class ReadRefused(Exception):
         self.complaint = complaint
 
 
+class RunSummary(NamedTuple):
+    """A run as the runs listing shows it (the ``runs`` table's columns)."""
+
+    run_id: str
+    tstamp: str
+    filename: str
+    status: str
+    started_at: float
+    ended_at: float | None
+    args: str  # its run-level values as JSON
+    parsed_args: str | None  # its parsed command-line arguments as JSON
+
+
+class ScriptRuns(NamedTuple):
+    """A script that has runs, and how many."""
+
+    filename: str
+    runs: int
+
+
 class MetadataStore(abc.ABC):
     """One project's metadata: the operations a recording run needs, on any backend."""
 
     #: where the metadata is, for messages: a file's path, or a URL with its password masked
     location: str
+    #: the fragments of its SQL that differ from the other backends'
+    dialect: Dialect
 
     # -- what a backend provides --------------------------------------------------------
 
@@ -94,12 +249,12 @@ class MetadataStore(abc.ABC):
         a connection belongs to the thread that uses it)."""
 
     @abc.abstractmethod
-    def reader(self) -> Any:
-        """A connection-like object for the queries whose SQL both backends run:
-        ``execute(sql, params)`` with ``?`` placeholders returns a cursor (``fetchone``,
-        ``fetchall``, iteration, ``description``); ``origin`` is the project's
+    def reader(self) -> StoreReader:
+        """The reader for the queries whose SQL both backends run (:class:`StoreReader`:
+        ``execute(sql, params)`` with ``?`` placeholders returns a cursor; its
+        :func:`dialect_of` is this store's :attr:`dialect`). ``origin`` is the project's
         ``retrolog.db`` path, whose directory is the store directory
-        (store/metadata.py's ``store_directory``)."""
+        (store/sqlite_metadata.py's ``store_directory``)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -134,24 +289,32 @@ class MetadataStore(abc.ABC):
         sql = f"SELECT DISTINCT code_manifest FROM runs WHERE code_manifest IN ({marks})"
         return {r[0] for r in self._rows(sql, wanted)}
 
-    def run_listing(self, limit: int | None = None) -> list[tuple[Any, ...]]:
-        """The newest ``limit`` runs (all without it), newest first: (run_id, tstamp,
-        filename, status, started_at, ended_at, args, parsed_args)."""
+    def run_listing(self, limit: int | None = None) -> list[RunSummary]:
+        """The newest ``limit`` runs (all without it), newest first."""
         sql = (
             "SELECT run_id, tstamp, filename, status, started_at, ended_at, args, parsed_args"
             " FROM runs ORDER BY started_at DESC, run_id DESC"
         )
-        if limit is None:
-            return self._rows(sql)
-        return self._rows(sql + " LIMIT ?", (limit,))
+        rows = self._rows(sql) if limit is None else self._rows(sql + " LIMIT ?", (limit,))
+        return [RunSummary(*row) for row in rows]
+
+    def scripts(self) -> list[ScriptRuns]:
+        """The scripts that have runs, the most recently started first."""
+        rows = self._rows(
+            "SELECT filename, COUNT(*) FROM runs GROUP BY filename ORDER BY MAX(started_at) DESC"
+        )
+        return [ScriptRuns(filename, int(count)) for filename, count in rows]
+
+    def activity(self) -> tuple[tuple[object, ...], tuple[object, ...]]:
+        """:func:`activity_stamp` of this store: it changes whenever a run or a replay
+        starts or ends."""
+        return activity_stamp(self.reader())
 
     def mark_dead_runs_crashed(self) -> int:
         """Mark runs of this host whose process died without ending them as crashed.
 
         Runs of other hosts are judged by a process on their own host.
         """
-        from retrolog.store.metadata import process_alive
-
         rows = self._rows(
             "SELECT run_id, pid, pid_start FROM runs WHERE status = 'running' AND host = ?",
             (socket.gethostname(),),
@@ -188,65 +351,61 @@ class MetadataStore(abc.ABC):
         return float(restore_seconds) / int(restored) / float(materialize)
 
 
-class SqliteMetadata(MetadataStore):
-    """The embedded store: a SQLite connection from store/metadata.py's ``open_store``."""
+#: What opens a backend's store: (database_url or None, the project's paths, create).
+Opener = Callable[[str | None, ProjectPaths, bool], "MetadataStore"]
 
-    def __init__(self, conn: Any, database: Path | None) -> None:
-        self.conn = conn
-        self.database = database
-        self.location = str(database)
+#: The backends by ``database_url``'s scheme ("" for the embedded store: no URL); each
+#: names the module whose ``open_backend`` (an :data:`Opener`) opens it.
+BACKENDS: dict[str, str] = {
+    "": "retrolog.store.sqlite_metadata",
+    "postgresql": "retrolog.store.postgres_metadata",
+    "postgres": "retrolog.store.postgres_metadata",
+}
 
-    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return self.conn.execute(sql, params).fetchall()
 
-    def _run_many(self, sql: str, params: Sequence[Sequence[Any]]) -> None:
-        if len(params) == 1:  # autocommit: one statement is its own transaction
-            self.conn.execute(sql, params[0])
-            return
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            self.conn.executemany(sql, params)
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        self.conn.execute("COMMIT")
+def url_scheme(url: str | None) -> str | None:
+    """``url``'s scheme, lower case: "" for None (the embedded store), None for a URL
+    without one."""
+    if not url:
+        return ""
+    return url.split("://", 1)[0].lower() if "://" in url else None
 
-    def reader(self) -> Any:
-        return self.conn
 
-    def interrupt(self) -> None:
-        self.conn.interrupt()
+def backend_module(url: str | None) -> str:
+    """The module of the backend ``url`` names (None: the embedded store), not imported.
+    Raises UsageError for a scheme no backend takes."""
+    scheme = url_scheme(url)
+    module = None if scheme is None else BACKENDS.get(scheme)
+    if module is None:
+        raise UsageError(
+            f"database_url ({DATABASE_URL_ENV} or [tool.retrolog] in pyproject.toml) is "
+            f"{mask(url or '')!r}, which names no database retrolog can use. Leave it unset "
+            "for the embedded SQLite store in the project's .retrolog directory, or give a "
+            "PostgreSQL URL such as postgresql://user@host:5432/dbname."
+        )
+    return module
 
-    def record_sink(self) -> Callable[[], RecordSink]:
-        from retrolog.store.records import SqliteRecordSink
 
-        database = self.database
-        if database is None:
-            raise StoreError("This SQLite store was opened for its queries only, not to record.")
-        return lambda: SqliteRecordSink(database)
-
-    def close(self) -> None:
-        self.conn.close()
+def backend(url: str | None) -> Opener:
+    """What opens the store ``url`` names (None: the embedded store), its module imported
+    now. Raises UsageError for a scheme no backend takes."""
+    opener: Opener = importlib.import_module(backend_module(url)).open_backend
+    return opener
 
 
 def database_url() -> str | None:
-    """The ``database_url`` setting, checked; None for the embedded SQLite store."""
+    """The ``database_url`` setting, checked against :data:`BACKENDS`; None for the
+    embedded SQLite store."""
     url = (lookup(DATABASE_URL_ENV) or "").strip()
     if not url:
         return None
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme not in ("postgresql", "postgres"):
-        raise UsageError(
-            f"database_url ({DATABASE_URL_ENV} or [tool.retrolog] in pyproject.toml) is "
-            f"{mask(url)!r}, which names no database retrolog can use. Leave it unset for the "
-            "embedded SQLite store in the project's .retrolog directory, or give a PostgreSQL "
-            "URL such as postgresql://user@host:5432/dbname."
-        )
+    backend_module(url)
     return url
 
 
 def open_metadata(paths: ProjectPaths, *, create: bool = True) -> MetadataStore:
-    """The project's metadata store, migrated and crash-checked.
+    """The project's metadata store, in the backend ``database_url`` names, migrated and
+    crash-checked.
 
     create: make it when missing (recording); without it (the read commands) a missing
         store is a StoreError that says how to make one, and a SQLite store this process
@@ -254,23 +413,7 @@ def open_metadata(paths: ProjectPaths, *, create: bool = True) -> MetadataStore:
     Raises StoreError when it cannot be opened, with what to do.
     """
     url = database_url()
-    if url is None:
-        from retrolog.store.metadata import open_store
-
-        conn = open_store(paths, create=create, write=create)
-        return SqliteMetadata(conn, paths.database if create else None)
-    from retrolog.store.metadata import make_store_dir
-    from retrolog.store.postgres import PostgresMetadata
-
-    metadata = PostgresMetadata(url, create=create, origin=paths.database)
-    # The project's store directory still holds what is local (objects, caches, working
-    # copies, replay logs): kept out of the project's git status like an embedded one.
-    if create:
-        make_store_dir(paths, objects=False)
-    else:
-        with contextlib.suppress(StoreError):  # a reader on a read-only checkout
-            make_store_dir(paths, objects=False)
-    return metadata
+    return backend(url)(url, paths, create)
 
 
 def require_embedded(paths: ProjectPaths) -> None:

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retrolog import _config
-from retrolog.errors import UsageError
+from retrolog.errors import StoreError, UsageError
 
 STORE_ENV = "RETROLOG_STORE"
 STORE_DIRNAME = ".retrolog"
+
+# Written into the store so git never sees it, without touching the user's .gitignore.
+_STORE_GITIGNORE = "# retrolog's store: never part of the project's history\n*\n"
 
 
 @dataclass(frozen=True)
@@ -100,3 +103,24 @@ def _require_text_path(path: Path, what: str) -> None:
             "UTF-8 name (or, for the store, set RETROLOG_STORE to a path that is); nothing "
             "was recorded or read."
         )
+
+
+def make_store_dir(paths: ProjectPaths, *, objects: bool = True) -> None:
+    """The store directory, made with a .gitignore that keeps it out of the project's
+    git status (its database, or with PostgreSQL its objects, caches and working
+    copies); ``objects``: with its objects directory. Raises StoreError when it
+    cannot be made."""
+    try:
+        paths.store.mkdir(parents=True, exist_ok=True)
+        if objects:
+            paths.objects.mkdir(exist_ok=True)
+        if paths.store.name == STORE_DIRNAME or paths.store.parent == paths.root:
+            ignore = paths.store / ".gitignore"
+            if not ignore.exists():
+                ignore.write_text(_STORE_GITIGNORE)
+    except OSError as exc:
+        raise StoreError(
+            f"Cannot create the retrolog store at {paths.store}: {exc}. Make the project "
+            "directory writable, or set RETROLOG_STORE to a writable directory.",
+            path=str(paths.store),
+        ) from exc

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog.errors import disk_full
-from retrolog.store.metadata import connect, rollback
+from retrolog.store.sqlite_connection import connect, rollback
 from retrolog.store.summaries import SQLITE_NUMBER, add_batch
 
 Row = tuple[Any, ...]

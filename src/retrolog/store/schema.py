@@ -244,7 +244,7 @@ MIGRATIONS.append(
     )
 )
 
-# Written by PostgreSQL's record sink (store/postgres.py), which must tell after a lost
+# Written by PostgreSQL's record sink (store/postgres_metadata.py), which must tell after a lost
 # connection whether its last batch was committed. SQLite's answer to a COMMIT is never
 # lost, so its sink leaves the table empty; the two schemas stay the same.
 MIGRATIONS.append(

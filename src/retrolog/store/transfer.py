@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from retrolog.errors import StoreError
-from retrolog.store.postgres import PostgresMetadata, placeholders, typed
+from retrolog.store.postgres_metadata import PostgresMetadata, placeholders, typed
 from retrolog.store.summaries import POSTGRES_NUMBER, recompute
 
 # The tables holding one run's rows, copied with it, and how SQLite orders them

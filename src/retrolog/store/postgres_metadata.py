@@ -1,10 +1,9 @@
-"""PostgreSQL metadata, for a team's shared store: the schema and the record sink.
+"""The PostgreSQL metadata backend, for a team's shared store (docs/metadata-backends.md).
 
-Stage 2 of docs/metadata-backends.md: the schema (the SQLite store's schema version
-9 in PostgreSQL's types), the sink a recording run's writer thread commits its
-batches through, and :class:`PostgresMetadata`, the recording run's other
-operations. ``database_url = "postgresql://..."`` selects it (store/metastore.py);
-queries, replay and gc do not read it yet and say so.
+``database_url = "postgresql://..."`` selects it (store/metastore.py's ``BACKENDS``):
+the schema (the SQLite store's tables in PostgreSQL's types), the sink a recording
+run's writer thread commits its batches through, :class:`PostgresMetadata` (the
+seam's operations) and its reader for the standard SQL above the seam.
 
 psycopg 3 is imported only here, and only when a PostgreSQL store is opened; the
 core does not need it.
@@ -28,7 +27,8 @@ from typing import Any
 
 from retrolog._config import mask
 from retrolog.errors import StoreError
-from retrolog.store.metastore import MetadataStore, ReadRefused
+from retrolog.store.metastore import POSTGRESQL, MetadataStore, ReadRefused, StoreReader
+from retrolog.store.paths import ProjectPaths, make_store_dir
 from retrolog.store.records import (
     RecordBatch,
     RecordSink,
@@ -569,8 +569,8 @@ class _Reader:
     SQLite's ``?`` placeholders, and numeric results (what SUM of integers gives) as
     int or float, as SQLite returns them."""
 
-    # A logged value is in one of these (none for NULL and NaN), by its type.
-    value_columns = ("value_float", "value_int", "value_text")
+    # A logged value is in one of its parts (none for NULL and NaN), by its type.
+    dialect = POSTGRESQL
 
     def __init__(self, conn: Any, origin: Path | None, location: str) -> None:
         conn.adapters.register_loader("numeric", _numbers_loader())
@@ -719,6 +719,8 @@ class PostgresMetadata(MetadataStore):
     current, and dead runs are marked crashed only by a role that may update runs.
     """
 
+    dialect = POSTGRESQL
+
     def __init__(self, url: str, *, create: bool = True, origin: Path | None = None) -> None:
         self._psycopg = _psycopg()
         self._url = url
@@ -809,7 +811,7 @@ class PostgresMetadata(MetadataStore):
         url = self._url
         return lambda: PostgresRecordSink(url)
 
-    def reader(self) -> Any:
+    def reader(self) -> StoreReader:
         return _Reader(self._conn, self.origin, self.location)
 
     def read_statement(
@@ -834,3 +836,18 @@ class PostgresMetadata(MetadataStore):
 
     def close(self) -> None:
         self._conn.close()
+
+
+def open_backend(url: str | None, paths: ProjectPaths, create: bool) -> MetadataStore:
+    """The PostgreSQL store ``url`` names, as the metadata seam opens it
+    (store/metastore.py's ``BACKENDS``)."""
+    assert url is not None
+    metadata = PostgresMetadata(url, create=create, origin=paths.database)
+    # The project's store directory still holds what is local (objects, caches, working
+    # copies, replay logs): kept out of the project's git status like an embedded one.
+    if create:
+        make_store_dir(paths, objects=False)
+    else:
+        with contextlib.suppress(StoreError):  # a reader on a read-only checkout
+            make_store_dir(paths, objects=False)
+    return metadata

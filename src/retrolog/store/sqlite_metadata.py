@@ -1,9 +1,10 @@
-"""The metadata store: one SQLite database in WAL mode.
+"""The embedded metadata backend: one SQLite database in WAL mode, ``retrolog.db`` in
+the project's store directory (the metadata seam's backend for no ``database_url``).
 
-Connections are opened in autocommit mode (``isolation_level=None``) so
-transactions are explicit and short; WAL lets readers run beside a training
-process's writer, and ``busy_timeout`` lets several writers (a grid search)
-take turns instead of failing.
+Its connections (store/sqlite_connection.py) are autocommit with explicit, short
+transactions. The store is opened migrated and crash-checked (:func:`open_store`),
+or read-only where this process cannot write it (:func:`open_readonly`);
+:class:`SqliteMetadata` is its ``MetadataStore``, whose reader is the connection.
 """
 
 from __future__ import annotations
@@ -14,54 +15,16 @@ import sqlite3
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from retrolog.errors import StoreError
-from retrolog.store.metastore import require_embedded
-from retrolog.store.paths import STORE_DIRNAME, ProjectPaths
+from retrolog.store.metastore import SQLITE, MetadataStore, StoreReader, require_embedded
+from retrolog.store.paths import ProjectPaths, make_store_dir
+from retrolog.store.records import RecordSink, SqliteRecordSink
 from retrolog.store.schema import LATEST_VERSION, migrate
-
-BUSY_TIMEOUT_MS = 60_000
-
-# Written into the store so git never sees it, without touching the user's .gitignore.
-_STORE_GITIGNORE = "# retrolog's store: never part of the project's history\n*\n"
-
-
-def connect(
-    database: Path, *, readonly: bool = False, factory: type[sqlite3.Connection] | None = None
-) -> sqlite3.Connection:
-    """Open ``database`` with the pragmas every retrolog connection uses (factory: a
-    subclass of sqlite3.Connection to make it)."""
-    try:
-        conn = sqlite3.connect(
-            database,
-            timeout=BUSY_TIMEOUT_MS / 1000,
-            isolation_level=None,
-            check_same_thread=False,
-            factory=factory or sqlite3.Connection,
-        )
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        if readonly:
-            conn.execute("PRAGMA query_only = ON")
-        else:
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StoreError(
-                    f"The store {database} could not be put in WAL mode (got {mode!r}); "
-                    "it must be on a local file system that supports shared memory.",
-                    path=str(database),
-                )
-            conn.execute("PRAGMA synchronous = NORMAL")
-    except sqlite3.Error as exc:
-        raise StoreError(
-            f"Cannot open the retrolog store {database}: {exc}. Check that the directory is "
-            "writable, or point RETROLOG_STORE at another directory.",
-            path=str(database),
-        ) from exc
-    return conn
+from retrolog.store.sqlite_connection import BUSY_TIMEOUT_MS, connect
 
 
 def open_store(paths: ProjectPaths, *, create: bool, write: bool = True) -> sqlite3.Connection:
@@ -70,8 +33,8 @@ def open_store(paths: ProjectPaths, *, create: bool, write: bool = True) -> sqli
     Without ``create`` a missing store is a StoreError that says how to make one.
     ``write=False`` (the read commands) opens a store this process cannot write (a
     read-only mount, another user's directory) read-only instead of failing: see
-    :func:`open_readonly`. With ``database_url`` naming PostgreSQL, a StoreError
-    says that only recording reads it so far (store/metastore.py).
+    :func:`open_readonly`. With ``database_url`` naming another backend it is a
+    StoreError (store/metastore.py's ``require_embedded``).
     """
     require_embedded(paths)
     if not paths.database.exists():
@@ -263,107 +226,54 @@ def _stale_empty(database: Path) -> bool:
     return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_STORE_GRACE_SECONDS
 
 
-def activity_stamp(conn: Any) -> tuple[tuple[object, ...], tuple[object, ...]]:
-    """The runs' and the replays' (count, how many running, last start, last end).
-
-    It changes whenever a run or a replay starts or ends, so a reader that keeps
-    something computed from the store (the dataframe's loop names, the dashboard's
-    indexer) compares stamps to know when to compute it again.
-    """
-    # Standard SQL: ``conn`` may also be a PostgreSQL store's reader.
-    stamp = (
-        "SELECT COUNT(*), COUNT(CASE WHEN status = 'running' THEN 1 END), MAX(started_at),"
-        " MAX(ended_at) FROM "
-    )
-    runs = conn.execute(stamp + "runs").fetchone()
-    replays = conn.execute(stamp + "replays").fetchone()
-    return tuple(runs), tuple(replays)
-
-
-def rollback(conn: sqlite3.Connection) -> None:
-    """Roll back the open transaction, if SQLite has not already (it has after a full disk).
-
-    A bare ROLLBACK then fails with "cannot rollback - no transaction is active", which
-    would hide the error that caused it.
-    """
-    if conn.in_transaction:
-        conn.execute("ROLLBACK")
-
-
-@contextmanager
-def read_snapshot(conn: Any) -> Iterator[None]:
-    """Run the reads inside the block against one snapshot of the store.
-
-    A training process may add runs, logs and checkpoints meanwhile; in WAL mode the
-    read transaction sees none of them and does not block the writer. Inside a
-    transaction already, the block joins it. ``conn`` may also be a PostgreSQL
-    store's reader (MetadataStore.reader), which takes its own snapshot.
-    """
-    snapshot = getattr(conn, "snapshot", None)
-    if snapshot is not None:
-        with snapshot():
-            yield
-        return
-    if conn.in_transaction:
-        yield
-        return
-    conn.execute("BEGIN")
-    try:
-        yield
-    finally:
-        conn.execute("COMMIT")
-
-
-def make_store_dir(paths: ProjectPaths, *, objects: bool = True) -> None:
-    """The store directory, made with a .gitignore that keeps it out of the project's
-    git status (its database, or with PostgreSQL its objects, caches and working
-    copies); ``objects``: with its objects directory. Raises StoreError when it
-    cannot be made."""
-    try:
-        paths.store.mkdir(parents=True, exist_ok=True)
-        if objects:
-            paths.objects.mkdir(exist_ok=True)
-        if paths.store.name == STORE_DIRNAME or paths.store.parent == paths.root:
-            ignore = paths.store / ".gitignore"
-            if not ignore.exists():
-                ignore.write_text(_STORE_GITIGNORE)
-    except OSError as exc:
-        raise StoreError(
-            f"Cannot create the retrolog store at {paths.store}: {exc}. Make the project "
-            "directory writable, or set RETROLOG_STORE to a writable directory.",
-            path=str(paths.store),
-        ) from exc
-
-
-def process_start_marker(pid: int) -> str | None:
-    """A value that differs between two processes that had the same pid (Linux: start tick)."""
-    try:
-        # The command name (field 2) is any bytes a process chose, not always UTF-8.
-        stat = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces; fields after the closing paren are plain.
-    fields = stat.rsplit(")", 1)[1].split()
-    return fields[19] if len(fields) > 19 else None
-
-
-def process_alive(pid: int, start_marker: str | None) -> bool:
-    """Whether the process that started a run on this host is still running."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    if start_marker is not None:
-        current = process_start_marker(pid)
-        if current is not None and current != start_marker:
-            return False  # the pid was reused by another process
-    return True
-
-
 def mark_dead_runs_crashed(conn: sqlite3.Connection) -> int:
     """Mark runs of this host whose process died without ending them as crashed."""
-    from retrolog.store.metastore import SqliteMetadata
-
     return SqliteMetadata(conn, None).mark_dead_runs_crashed()
+
+
+class SqliteMetadata(MetadataStore):
+    """The embedded store: a SQLite connection from :func:`open_store`."""
+
+    dialect = SQLITE
+
+    def __init__(self, conn: sqlite3.Connection, database: Path | None) -> None:
+        self.conn = conn
+        self.database = database
+        self.location = str(database)
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self.conn.execute(sql, params).fetchall()
+
+    def _run_many(self, sql: str, params: Sequence[Sequence[Any]]) -> None:
+        if len(params) == 1:  # autocommit: one statement is its own transaction
+            self.conn.execute(sql, params[0])
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self.conn.executemany(sql, params)
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def reader(self) -> StoreReader:
+        return self.conn
+
+    def interrupt(self) -> None:
+        self.conn.interrupt()
+
+    def record_sink(self) -> Callable[[], RecordSink]:
+        database = self.database
+        if database is None:
+            raise StoreError("This SQLite store was opened for its queries only, not to record.")
+        return lambda: SqliteRecordSink(database)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_backend(url: str | None, paths: ProjectPaths, create: bool) -> MetadataStore:
+    """The embedded store as the metadata seam opens it (store/metastore.py's
+    ``BACKENDS``): made when missing with ``create``, else opened for reading."""
+    conn = open_store(paths, create=create, write=create)
+    return SqliteMetadata(conn, paths.database if create else None)
