@@ -40,7 +40,8 @@ from retrolog.store.records import RecordBatch
 
 from conftest import DATABASE_HINT, Project, pg_role, service_setting
 
-BACKEND_NAMES = ("sqlite", "postgresql")
+# PostgreSQL needs the test servers: `bash scripts/test.sh --fast` leaves that half out.
+BACKEND_NAMES = ("sqlite", pytest.param("postgresql", marks=pytest.mark.services))
 
 
 @pytest.fixture(params=BACKEND_NAMES)

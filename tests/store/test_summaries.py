@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from retrolog.store import postgres
+from retrolog.store import postgres_metadata as postgres
 from retrolog.store.schema import migrate
 
 from conftest import Project, read_pg
