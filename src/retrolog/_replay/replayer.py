@@ -1225,50 +1225,66 @@ def _collect(
     """One run's outcome from its jobs: the deferred check, its values backfilled, its
     ``replay_runs`` row."""
     run_id = run_jobs_[0].run_id
-    runs, outcomes, names, replay_id = state.runs, state.outcomes, state.names, state.replay_id
-    force, lineage = state.request.force, state.lineage
-    assert state.plan is not None
-    by_run = {rp.run_id: rp for rp in state.plan.runs}
-    outcome = outcomes[run_id]
+    row, outcome, names = state.runs[run_id], state.outcomes[run_id], state.names
     outcome.log_paths = [str(j.log_path) for j in run_jobs_]
-    outcome.stopped = crashed.check(
-        conn, runs[run_id], run_jobs_, _source_if_raised(runs[run_id], run_jobs_)
-    ).stopped
+    outcome.stopped = crashed.check(conn, row, run_jobs_, _source_if_raised(row, run_jobs_)).stopped
     finished = [j for j in run_jobs_ if j.output is not None]
-    failed = [j for j in run_jobs_ if j.error is not None]
-    if not finished and not failed:
+    if not finished and not any(j.error is not None for j in run_jobs_):
         outcome.status = "interrupted"
         return
     outcome.actual_seconds = sum(j.seconds for j in run_jobs_)
     outputs = [j.output or {} for j in finished]
-    rows = [row for out in outputs for row in out.get("values", [])]
+    rows = [r for out in outputs for r in out.get("values", [])]
     outcome.fallbacks = [
         (str(key), str(why)) for out in outputs for key, why in out.get("fallbacks", [])
     ]
-    hindsight = set(names)
-    # Names the code declares volatile (rl.volatile: wall-clock figures) are recomputed
-    # and backfilled like any other, but no replay can reproduce them: not compared.
-    outcome.volatile = sorted({n for out in outputs for n in out.get("volatile", [])})
-    unchecked = hindsight | set(outcome.volatile)
-    check = check_recorded(conn, run_id, [r for r in rows if r[1] not in unchecked])
-    check = _check_arguments(check, runs[run_id], outputs)
-    outcome.mismatches, outcome.compared = check.mismatches, check.compared
-    outcome.environment += _worker_environment(runs[run_id], outputs)
-    if check.mismatches:
-        outcome.inexact = "mismatch"
-        outcome.cause = _likely_cause(check, outcome.environment)
-    elif outcome.environment:
-        outcome.inexact = "environment"
-    if runs[run_id]["status"] == "crashed":
-        rows, outcome.past_the_crash = _within_what_ran(conn, run_id, rows, outputs, hindsight)
+    _check_run(conn, row, outcome, outputs, rows, names)
+    if row["status"] == "crashed":
+        rows, outcome.past_the_crash = _within_what_ran(conn, run_id, rows, outputs, set(names))
+    lineage, replay_id = state.lineage, state.replay_id
     outcome.backfilled = backfill(
         conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
-        rows=rows, names=names, force=force or run_id in lineage.changed,
+        rows=rows, names=names, force=state.request.force or run_id in lineage.changed,
         inexact=outcome.inexact, lineage=lineage.would.get(run_id, {}),
     )  # fmt: skip
     outcome.already = already_stored(
         conn, run_id=run_id, replay_id=replay_id, rows=rows, names=names
     )
+    _settle_status(outcome, run_jobs_)
+    assert state.plan is not None
+    scan = next(rp.scan.name for rp in state.plan.runs if rp.run_id == run_id)
+    _keep_run(conn, replay_id, outcome, scan, code_objects.get(run_id), outputs)
+
+
+def _check_run(
+    conn: sqlite3.Connection,
+    row: dict[str, Any],
+    outcome: RunOutcome,
+    outputs: Sequence[dict[str, Any]],
+    rows: Sequence[Any],
+    names: Sequence[str],
+) -> None:
+    """The deferred check: recorded values and arguments the replay recomputed, and the
+    numerical environment the workers had; how the run's values are marked."""
+    # Names the code declares volatile (rl.volatile: wall-clock figures) are recomputed
+    # and backfilled like any other, but no replay can reproduce them: not compared.
+    outcome.volatile = sorted({n for out in outputs for n in out.get("volatile", [])})
+    unchecked = set(names) | set(outcome.volatile)
+    check = check_recorded(conn, outcome.run_id, [r for r in rows if r[1] not in unchecked])
+    check = _check_arguments(check, row, outputs)
+    outcome.mismatches, outcome.compared = check.mismatches, check.compared
+    outcome.environment += _worker_environment(row, outputs)
+    if check.mismatches:
+        outcome.inexact = "mismatch"
+        outcome.cause = _likely_cause(check, outcome.environment)
+    elif outcome.environment:
+        outcome.inexact = "environment"
+
+
+def _settle_status(outcome: RunOutcome, run_jobs_: Sequence[Job]) -> None:
+    """Replayed, or failed or partial with why."""
+    finished = [j for j in run_jobs_ if j.output is not None]
+    failed = [j for j in run_jobs_ if j.error is not None]
     # A segment with neither output nor error was stopped (Ctrl-C, SIGTERM) before it
     # finished: the run then has only some of its values, as when a worker fails.
     unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
@@ -1289,6 +1305,17 @@ def _collect(
         )
     else:
         outcome.status = "replayed"
+
+
+def _keep_run(
+    conn: sqlite3.Connection,
+    replay_id: str,
+    outcome: RunOutcome,
+    scan: str,
+    code_object: str | None,
+    outputs: Sequence[dict[str, Any]],
+) -> None:
+    """The run's ``replay_runs`` row."""
     # What restoring cost, for recording's restore/materialize ratio (policy's c).
     restored = sum(int(out.get("restored", 0)) for out in outputs)
     restore_seconds = sum(float(out.get("restore_seconds", 0.0)) for out in outputs)
@@ -1299,7 +1326,7 @@ def _collect(
         " restore_seconds, compared, inexact, environment, hosts)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
-            replay_id, run_id, by_run[run_id].scan.name, code_objects.get(run_id),
+            replay_id, outcome.run_id, scan, code_object,
             outcome.status, outcome.estimate_seconds, outcome.actual_seconds,
             outcome.backfilled, json.dumps([m.__dict__ for m in outcome.mismatches]),
             outcome.error, restored, restore_seconds, outcome.compared,
