@@ -9,14 +9,19 @@ whole; seed 2 crashing with an exception at its epoch 2. The contract:
   reader (``Project.dataframe``) while other runs still replay; the crashed run's
   values land up to where it stopped;
 - every job ends with the values its worker computed or an error, and the finished
-  replay has each run's values exactly once.
+  replay has each run's values exactly once;
+- Ctrl-C stops the jobs still running (the command exits 130, the replay is recorded
+  interrupted), the runs that had landed keep their values, and the next replay does
+  only the rest.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,6 +119,18 @@ def _env(executor: str, request: pytest.FixtureRequest) -> dict[str, str]:
     return ray_env(request.getfixturevalue("ray_address"))
 
 
+def _wait_until_held(project: Project, gate: Path, seeds: dict[int, str], replay: Any) -> None:
+    """Until seeds 1 and 2 have landed and seed 0's worker waits at the gate."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and replay.poll() is None:
+        seen = _w_norm_counts(project.root)
+        if seeds[1] in seen and seeds[2] in seen and (gate / "waiting").exists():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not held at the gate: {seen}, exit {replay.poll()}")
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_each_runs_values_land_as_its_replay_ends(
     project: Project, tmp_path: Path, executor: str, request: pytest.FixtureRequest
@@ -126,22 +143,13 @@ def test_each_runs_values_land_as_its_replay_ends(
         **_env(executor, request),
     )  # fmt: skip
     # Seed 0's worker waits at the gate; the values of the other two runs must be
-    # readable while it does.
-    seen: dict[str, int] = {}
+    # readable while it does (seed 0 may start first or after them: the contract keeps
+    # the order given, which the plan makes).
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and replay.poll() is None:
-            seen = _w_norm_counts(project.root)
-            # Seed 0 may start first or after the others (the contract keeps the order
-            # given, which the plan makes): either way it is held at the gate.
-            if seeds[1] in seen and seeds[2] in seen and (gate / "waiting").exists():
-                break
-            time.sleep(0.2)
-        assert (gate / "waiting").exists(), "seed 0's replay worker never reached its gate"
-        assert seeds[0] not in seen
+        _wait_until_held(project, gate, seeds, replay)
         # Run 1 whole (4 epochs); the crashed run up to where it stopped: the epochs it
         # finished, not the one it raised in.
-        assert seen == {seeds[1]: 4, seeds[2]: 2}, (seen, replay.poll())
+        assert _w_norm_counts(project.root) == {seeds[1]: 4, seeds[2]: 2}
     finally:
         (gate / "open").touch()
         _, stderr = replay.communicate(timeout=300)
@@ -150,3 +158,36 @@ def test_each_runs_values_land_as_its_replay_ends(
     assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
     statuses = read_db(project.root, "SELECT executor, status FROM replays")
     assert statuses == [(executor, "finished")]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_ctrl_c_stops_the_running_jobs_and_keeps_the_runs_that_landed(
+    project: Project, tmp_path: Path, executor: str, request: pytest.FixtureRequest
+) -> None:
+    gate = tmp_path / "gate"
+    seeds = _record(project, gate)
+    gate.mkdir()
+    replay = project.start_cli(
+        "replay", "w_norm", "--yes", "--workers", "2", "--executor", executor,
+        **_env(executor, request),
+    )  # fmt: skip
+    try:
+        _wait_until_held(project, gate, seeds, replay)
+        replay.send_signal(signal.SIGINT)
+        _, stderr = replay.communicate(timeout=120)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+    assert replay.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
+    # The runs that had landed keep their values; the stopped one has none.
+    assert _w_norm_counts(project.root) == {seeds[1]: 4, seeds[2]: 2}
+    # Replayed again, only the stopped run is.
+    (gate / "open").touch()
+    again = project.cli("replay", "w_norm", "--yes", "--executor", executor,
+                        **_env(executor, request))  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "Replayed 1 run(s); backfilled 4 value(s)." in again.stderr
+    assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
