@@ -14,7 +14,7 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from retrolog._replay.execute import (
     COORDINATOR_FILE,
@@ -161,3 +161,9 @@ def _keep_warm_seconds(coordinator: Coordinator, launcher: Launcher, jobs: Seque
                 "UPDATE module_sets SET warm_seconds = ? WHERE digest = ?",
                 (server.saved_seconds, digests.pop()),
             )
+
+
+if TYPE_CHECKING:  # mypy holds the class to the seam's protocol
+    from retrolog._replay.executor import ExecutorClass
+
+    _CONFORMS: ExecutorClass = LocalExecutor

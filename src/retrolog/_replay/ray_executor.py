@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from retrolog._config import lookup, mask
 from retrolog.errors import RayUnavailableError, RetrologError
@@ -641,3 +641,9 @@ def _code_row(conn: sqlite3.Connection, run_id: str) -> dict[str, Any]:
     columns = ("run_id", "code_commit", "code_tree", "code_manifest")
     found = conn.execute(f"SELECT {', '.join(columns)} FROM runs WHERE run_id = ?", (run_id,))
     return dict(zip(columns, found.fetchone() or (), strict=False))
+
+
+if TYPE_CHECKING:  # mypy holds the class to the seam's protocol
+    from retrolog._replay.executor import ExecutorClass
+
+    _CONFORMS: ExecutorClass = RayExecutor
