@@ -1,10 +1,10 @@
-"""``retrolog replay``: plan, propagate, confirm, execute, backfill, report.
+"""``retrolog replay`` over one ReplayRequest: select, place, plan, confirm, execute, report.
 
+store ──_select(where)──> the script's runs
 newest script ──locate_statements──> scan level
-store ──candidates(where, lacking values)──> runs ──load_profiles──> plan
-each run's code version ──propagate──> script to run (kept as a git blob)
-plan ──run_jobs──> worker processes ──outputs──> backfill + deferred check
-     └─run_jobs_on_ray──> Ray tasks (--executor ray) ──┘
+each run's code version ──propagate──> script to run, kept as a git blob (_place)
+runs ──load_profiles──> plan (_plan_runs) ──_confirm──> jobs ──Executor.run──> workers
+each run, as its last job ends ──> deferred check + backfill, committed (_Landing)
 """
 
 from __future__ import annotations
