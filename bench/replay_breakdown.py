@@ -93,6 +93,7 @@ def replay_with_timeline(
 ) -> dict[str, Any]:
     """Replay ``name`` in-process; return the plan, each job's span and its worker timeline."""
     from retrolog._replay import execute, replayer
+    from retrolog._replay.request import ReplayRequest
     from retrolog.store.paths import locate
     from retrolog.store.sqlite_metadata import open_store
 
@@ -134,9 +135,8 @@ def replay_with_timeline(
             paths = locate()
             conn = open_store(paths, create=False)
             try:
-                result = replayer.replay(
-                    conn, paths, [name], workers=workers, echo=lambda _: None, progress=False
-                )
+                request = ReplayRequest([name], workers=workers, progress=False)
+                result = replayer.replay(conn, paths, request, echo=lambda _: None)
             finally:
                 conn.close()
     finally:

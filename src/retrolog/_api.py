@@ -360,17 +360,20 @@ def replay(
     """
     import pandas as pd
 
+    from retrolog._project import ReplayRequest
     from retrolog.errors import InexactReplayError, UnknownNameError
 
-    wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    request = ReplayRequest(
+        names, where, script=script, workers=workers, threads=threads, dry_run=dry_run,
+        force=force, reuse=reuse, allow_inexact=allow_inexact, progress=False,
+        executor=executor, ray_address=ray_address,
+    )  # fmt: skip
+    wanted = list(request.names)
     if _kernel is not None:  # a later run's cells script must not replay again
         _kernel.replayed.add(_kernel.current_cell())
     project = current_project()
-    result = project.replay(
-        wanted, where, script=script, workers=workers, threads=threads, dry_run=dry_run,
-        force=force, reuse=reuse, progress=False, executor=executor, ray_address=ray_address,
-    )  # fmt: skip
-    if result.inexact and not allow_inexact:
+    result = project.replay(request=request)
+    if result.inexact and not request.allow_inexact:
         raise InexactReplayError(
             f"Replay of {len(result.inexact)} run(s) was not exact "
             f"({', '.join(result.inexact)}): recorded values came out different, so the "

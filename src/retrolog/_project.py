@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from retrolog._replay.request import ReplayRequest
 from retrolog.store.paths import ProjectPaths, locate
 
 if TYPE_CHECKING:
@@ -474,7 +475,7 @@ class Project:
 
     def replay(
         self,
-        names: str | Sequence[str],
+        names: str | Sequence[str] = (),
         where: str | None = None,
         *,
         script: str | None = None,
@@ -489,36 +490,41 @@ class Project:
         progress: bool = True,
         executor: str | None = None,
         ray_address: str | None = None,
+        request: ReplayRequest | None = None,
     ) -> ReplayResult:
         """Replay past runs to backfill ``names`` (see ``retrolog replay --help``).
 
         confirm: called with the plan's text before anything runs; False stops.
         echo: where the plan and the report go (default: stderr).
         executor, ray_address: where the workers run (docs/replay-on-ray.md).
+        request: the options as one ReplayRequest, instead of as keywords.
         Returns the replay's result: per run its outcome, the runs found inexact.
         """
         from retrolog._replay.replayer import replay
         from retrolog.store.metastore import database_url
 
-        wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        given = ReplayRequest(
+            names, where, script=script, workers=workers, threads=threads, dry_run=dry_run,
+            force=force, verify=verify, reuse=reuse, progress=progress, executor=executor,
+            ray_address=ray_address,
+        )  # fmt: skip
+        if request is None:
+            request = given
+        elif given != ReplayRequest():
+            from retrolog.errors import UsageError
+
+            raise UsageError(
+                "Project.replay takes its options either as keywords or as request=, not "
+                "both; put them all in the ReplayRequest."
+            )
         extra: dict[str, Any] = {} if echo is None else {"echo": echo}
         url = database_url()
         if url is not None:  # through a working copy of the runs (_replay/working_copy.py)
             from retrolog._replay.working_copy import replay_shared
 
-            return replay_shared(
-                self.paths, url, [n for n in wanted if n], where, script=script,
-                workers=workers, threads=threads, dry_run=dry_run, force=force,
-                verify=verify, reuse=reuse, confirm=confirm, progress=progress,
-                executor=executor, ray_address=ray_address, **extra,
-            )  # fmt: skip
+            return replay_shared(self.paths, url, request, confirm=confirm, **extra)
         with self.reader() as conn:
-            return replay(
-                conn, self.paths, [n for n in wanted if n], where, script=script,
-                workers=workers, threads=threads, dry_run=dry_run, force=force,
-                verify=verify, reuse=reuse, confirm=confirm, progress=progress,
-                executor=executor, ray_address=ray_address, **extra,
-            )  # fmt: skip
+            return replay(conn, self.paths, request, confirm=confirm, **extra)
 
     # -- collecting ------------------------------------------------------------------
 

@@ -449,9 +449,16 @@ def replay_command(
             "Name the log statements to replay, e.g. `retrolog replay w_norm`, or check "
             "that past runs replay exactly with `retrolog replay --verify`."
         )
+    from retrolog._project import ReplayRequest
+
+    request = ReplayRequest(
+        names or (), where, script=script, workers=workers, threads=threads, dry_run=dry_run,
+        force=force, verify=verify, reuse=not no_reuse, allow_inexact=allow_inexact,
+        executor=executor, ray_address=ray_address, yes=yes,
+    )  # fmt: skip
 
     def confirm(_: str) -> bool:
-        if yes:
+        if request.yes:
             return True
         if not sys.stdin.isatty():
             raise click.UsageError("Not asking on a non-interactive input: pass --yes to replay.")
@@ -459,19 +466,15 @@ def replay_command(
 
     # The plan shows recorded code (each run's diff, the lines statements go after): a
     # control character planted there must not hide a line from the review.
-    result = _project().replay(
-        names.split(",") if names else [], where, script=script, workers=workers,
-        threads=threads, dry_run=dry_run, force=force, verify=verify, reuse=not no_reuse,
-        confirm=confirm, executor=executor, ray_address=ray_address, echo=_terminal_echo(),
-    )  # fmt: skip
+    result = _project().replay(request=request, confirm=confirm, echo=_terminal_echo())
     # A run skipped because its code cannot be read is a run the user asked for that got
     # nothing: the exit says so (the report names it and why).
     failed = [
         o for o in result.outcomes.values() if o.status in ("failed", "partial", "unreadable")
     ]
     # A verification that compared nothing verified nothing (the report says why).
-    unverified = verify and not dry_run and not result.verified
-    if failed or unverified or (result.inexact and not allow_inexact):
+    unverified = request.verify and not request.dry_run and not result.verified
+    if failed or unverified or (result.inexact and not request.allow_inexact):
         sys.exit(1)
 
 

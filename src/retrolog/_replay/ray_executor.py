@@ -18,7 +18,6 @@ here imports ray at module import: only :func:`connect` does, when Ray is chosen
 from __future__ import annotations
 
 import contextlib
-import enum
 import hashlib
 import os
 import shutil
@@ -32,12 +31,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from retrolog._config import lookup, mask
-from retrolog.errors import RayUnavailableError, RetrologError, UsageError
+from retrolog.errors import RayUnavailableError, RetrologError
 
-EXECUTOR_ENV = "RETROLOG_EXECUTOR"
 ADDRESS_ENV = "RAY_ADDRESS"  # Ray's own variable, honoured as Ray itself does
 _LOG_BYTES = 1 << 20  # of a worker's log a task returns, from its end
 _NOT_INSTALLED = (
@@ -47,45 +45,17 @@ _NOT_INSTALLED = (
 )
 
 
-class Executor(enum.Enum):
-    """Where a replay's workers run."""
-
-    LOCAL = "local"  # worker processes on this machine (the default)
-    RAY = "ray"  # one Ray task per segment on a Ray cluster
-
-
-def choose_executor(executor: str | None, ray_address: str | None) -> tuple[Executor, str | None]:
-    """The executor and, for Ray, the cluster address, from the options and the settings.
-
-    executor: ``"local"`` or ``"ray"``; None: the ``executor`` setting
-        (``RETROLOG_EXECUTOR``), else local.
-    ray_address: the cluster's address; None: the ``ray_address`` setting
-        (``RAY_ADDRESS``). Given with the local executor, it is a usage error.
-    """
-    chosen = executor if executor is not None else (lookup(EXECUTOR_ENV) or "local")
-    try:
-        kind = Executor(chosen.strip().lower())
-    except ValueError:
-        origin = "--executor" if executor is not None else f"the executor setting ({EXECUTOR_ENV})"
-        raise UsageError(
-            f"{origin} is {chosen!r}; it takes 'local' (worker processes on this machine, the "
-            "default) or 'ray' (tasks on a Ray cluster)."
-        ) from None
-    if kind is Executor.LOCAL:
-        if ray_address is not None:
-            raise UsageError(
-                f"--ray-address {ray_address} was given, but this replay runs its workers as "
-                "local processes; add --executor ray to run them on that Ray cluster."
-            )
-        return kind, None
-    address = (ray_address if ray_address is not None else lookup(ADDRESS_ENV) or "").strip()
+def cluster_address(given: str | None) -> str:
+    """The Ray cluster's address: ``given`` (--ray-address), else the ``ray_address``
+    setting (``RAY_ADDRESS``); a RayUnavailableError saying how to give one when none is."""
+    address = (given if given is not None else lookup(ADDRESS_ENV) or "").strip()
     if not address:
         raise RayUnavailableError(
             "--executor ray needs the address of a Ray cluster: pass --ray-address HOST:PORT "
             f"(what `ray start --head` prints), or set {ADDRESS_ENV} or the ray_address setting; "
             "'auto' finds a cluster started on this machine."
         )
-    return kind, address
+    return address
 
 
 def check_installed() -> None:
@@ -581,3 +551,99 @@ def _ray_failure(ray: Any, exc: BaseException) -> str:
         return f"{type(cause).__name__}: {cause}"
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}"
+
+
+class RayExecutor:
+    """A Ray task per segment (``--executor ray``); the coordinator keeps the store.
+
+    It connects at the plan (:meth:`capacity`: the cluster's CPUs size it) and
+    disconnects at :meth:`close` when it connected.
+    """
+
+    name = "ray"
+
+    def __init__(self, coordinator: Any, address: str | None) -> None:
+        assert address is not None
+        self.coordinator = coordinator
+        self.address: str | None = address
+        self.cluster: RayCluster | None = None
+
+    @staticmethod
+    def resolve_address(given: str | None) -> str | None:
+        """The cluster's address (:func:`cluster_address`), once Ray is known installed."""
+        address = cluster_address(given)
+        check_installed()
+        return address
+
+    def _connected(self) -> RayCluster:
+        if self.cluster is None:
+            assert self.address is not None
+            self.cluster = connect(self.address)
+        return self.cluster
+
+    def warm_up(self, env: Mapping[str, str], warm: Sequence[str]) -> None:
+        """Nothing: each Ray worker process keeps its own fork servers (run_segment)."""
+
+    def capacity(self, threads: int) -> Any:
+        from retrolog._replay.executor import Capacity
+
+        cluster = self._connected()
+        return Capacity(
+            workers=cluster.default_workers(threads), cores=max(1, int(cluster.cpus)),
+            notes=(cluster.describe(),),
+        )  # fmt: skip
+
+    def prepare(
+        self,
+        runs: Mapping[str, Mapping[str, Any]],
+        starts: Mapping[str, Any],
+        echo: Callable[[str], None],
+    ) -> dict[str, Any]:
+        """The start plans as they are: the nodes' fork servers start at their first task."""
+        return dict(starts)
+
+    def run(
+        self,
+        jobs: Sequence[Any],
+        *,
+        workers: int,
+        on_done: Callable[[Any], None],
+        echo: Callable[[str], None],
+    ) -> None:
+        from retrolog._replay.execute import terminate_as_interrupt
+
+        cluster = self._connected()
+        conn, paths = self.coordinator.conn, self.coordinator.paths
+        tasks = {j.key: segment_task(j, _code_row(conn, j.run_id), paths.root, paths.store)
+                 for j in jobs}  # fmt: skip
+        rows = {run_id: worker_rows(conn, run_id) for run_id in {j.run_id for j in jobs}}
+        lines: list[str] = []
+        try:
+            with terminate_as_interrupt():
+                lines = run_jobs_on_ray(
+                    jobs, tasks, rows, cluster=cluster, workers=workers, on_done=on_done
+                )
+        except KeyboardInterrupt:
+            echo(f"Interrupted: the replay's Ray tasks still running on {cluster.address} were "
+                 "cancelled.")  # fmt: skip
+            raise
+        finally:
+            for line in lines:
+                echo(line)
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+def _code_row(conn: sqlite3.Connection, run_id: str) -> dict[str, Any]:
+    """What a node reads the run's code from (segment_task's ``row``)."""
+    columns = ("run_id", "code_commit", "code_tree", "code_manifest")
+    found = conn.execute(f"SELECT {', '.join(columns)} FROM runs WHERE run_id = ?", (run_id,))
+    return dict(zip(columns, found.fetchone() or (), strict=False))
+
+
+if TYPE_CHECKING:  # mypy holds the class to the seam's protocol
+    from retrolog._replay.executor import ExecutorClass
+
+    _CONFORMS: ExecutorClass = RayExecutor

@@ -1,19 +1,17 @@
-"""``retrolog replay``: plan, propagate, confirm, execute, backfill, report.
+"""``retrolog replay`` over one ReplayRequest: select, place, plan, confirm, execute, report.
 
+store ──_select(where)──> the script's runs
 newest script ──locate_statements──> scan level
-store ──candidates(where, lacking values)──> runs ──load_profiles──> plan
-each run's code version ──propagate──> script to run (kept as a git blob)
-plan ──run_jobs──> worker processes ──outputs──> backfill + deferred check
-     └─run_jobs_on_ray──> Ray tasks (--executor ray) ──┘
+each run's code version ──propagate──> script to run, kept as a git blob (_place)
+runs ──load_profiles──> plan (_plan_runs) ──_confirm──> jobs ──Executor.run──> workers
+each run, as its last job ends ──> deferred check + backfill, committed (_Landing)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
-import shutil
 import sqlite3
 import sys
 import time
@@ -30,16 +28,12 @@ from retrolog._replay.execute import (
     Job,
     claim,
     cpu_cores,
-    default_workers,
-    die_with,
     log_tail,
-    run_jobs,
-    run_worker_env,
     sweep_stale,
-    terminate_as_interrupt,
-    worker_env,
 )
-from retrolog._replay.forkserver import Launcher, StartPlan, describe, start_plan
+from retrolog._replay.executor import Coordinator, Executor, choose_executor
+from retrolog._replay.forkserver import StartPlan, describe, start_plan
+from retrolog._replay.local_executor import server_env
 from retrolog._replay.plan import (
     ReplayPlan,
     RunPlan,
@@ -52,7 +46,7 @@ from retrolog._replay.plan import (
     scan_level_for,
 )
 from retrolog._replay.propagate import Propagation, Unplaceable, propagate
-from retrolog._replay.ray_executor import Executor, RayCluster, choose_executor
+from retrolog._replay.request import ReplayRequest
 from retrolog._replay.reuse import copy_values, find_sources
 from retrolog._replay.statements import Position, locate_statements, names_read
 from retrolog.errors import RetrologError, StoreUnreachableError, UsageError
@@ -137,71 +131,106 @@ def _stderr(message: str) -> None:
 def replay(
     conn: sqlite3.Connection,
     paths: ProjectPaths,
-    names: Sequence[str],
-    where: str | None = None,
+    request: ReplayRequest,
     *,
-    script: str | None = None,
-    workers: int | None = None,
-    threads: int | None = None,
-    dry_run: bool = False,
-    force: bool = False,
-    verify: bool = False,
-    reuse: bool = True,
     confirm: Callable[[str], bool] | None = None,
     echo: Echo = _stderr,
-    progress: bool = True,
-    executor: str | None = None,
-    ray_address: str | None = None,
     choose: Callable[[str], set[str]] | None = None,
     settle: Callable[[dict[str, RunOutcome]], None] | None = None,
 ) -> ReplayResult:
-    """Replay past runs of a script to backfill the values of ``names``.
+    """Replay past runs of a script to backfill the values of ``request.names``.
 
-    workers: concurrent worker processes (default: as many as fit the cores at the
-        runs' recorded thread counts, or one per GPU).
-    threads: intra-op threads per worker instead of each run's recorded count;
-        faster with more workers, but values may then differ from a fresh run, so
-        they are marked possibly inexact.
-    verify: replay each run's own code (no new statement) at the outer loop and
-        compare what it recomputes with what it recorded; backfills nothing.
-    reuse: copy values instead of replaying a run that computed exactly what another
-        did (same configuration and history: _replay/reuse.py).
+    Phases: select the runs, place today's statements in their versions, plan,
+    confirm, execute (each run's values land as its workers end), report.
+
     confirm: asked with the plan text before executing; returning False stops.
-    executor: "local" (worker processes here) or "ray" (a Ray task per segment:
-        docs/replay-on-ray.md); default the ``executor`` setting, else local.
-    ray_address: the Ray cluster's address (default: RAY_ADDRESS); only with Ray.
+    echo: where the plan and the report go.
     choose: the runs ``where`` matches, when ``conn`` is a working copy of a store that
         judges it in its own dialect (_replay/working_copy.py); default: matched on ``conn``.
     settle: called with the outcomes once the values are in ``conn``, before the report:
         a working copy's are written into its store there, and each outcome's
         ``backfilled`` and ``already`` set to what that store kept.
     """
-    kind, address = choose_executor(executor, ray_address)
-    if kind is Executor.RAY:
-        from retrolog._replay.ray_executor import check_installed
+    make_executor = choose_executor(request.executor, request.ray_address)
+    state = _select(conn, paths, request, choose, echo)
+    executor = make_executor(Coordinator(conn, paths, state.replay_id))
+    try:
+        if not request.dry_run and not state.readonly:
+            _warm_up(conn, paths, executor, state)
+        if not _place(conn, paths, state, echo):
+            return state.result(None, executed=False)
+        _plan_runs(conn, paths, state, executor, echo)
+        stop = _confirm(state, confirm, echo)
+        if stop is not None:
+            return stop
+        if state.plan is not None:
+            _execute(conn, paths, state, executor, echo)
+        _copy_reused(conn, state.ready, state.after, state.outcomes, state.names,
+                     state.replay_id, state.lineage)  # fmt: skip
+        if settle is not None:
+            settle(state.outcomes)
+        _report_actual(state, echo)
+        return state.result(state.plan, executed=True)
+    finally:
+        executor.close()
 
-        check_installed()
-    names = [n.strip() for n in names if n.strip()]
+
+@dataclass
+class _Replay:
+    """One replay as its phases fill it in."""
+
+    request: ReplayRequest
+    replay_id: str
+    filename: str
+    candidates: list[str]
+    readonly: bool
+    outcomes: dict[str, RunOutcome] = field(default_factory=dict)
+    # placing (_place)
+    source: str = ""  # today's script ("" for --verify)
+    level: ScanLevel = ScanLevel.OUTER_LOOP
+    notes: tuple[str, ...] = ()
+    needs_suffix: bool = True
+    lineage: _RunLineage = field(default_factory=lambda: _RunLineage({}, {}, {}, {}))
+    complete: set[str] = field(default_factory=set)
+    todo: list[str] = field(default_factory=list)  # the runs not complete, in their order
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    propagations: dict[str, Propagation] = field(default_factory=dict)
+    old_sources: dict[str, str] = field(default_factory=dict)
+    # reuse and plan (_plan_runs)
+    ready: dict[str, str] = field(default_factory=dict)
+    after: dict[str, str] = field(default_factory=dict)
+    plan: ReplayPlan | None = None
+    starts: dict[str, StartPlan] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.request.names)
+
+    def result(self, plan: ReplayPlan | None, *, executed: bool) -> ReplayResult:
+        verify = self.request.verify
+        return ReplayResult(self.replay_id, self.names, self.filename, plan, self.outcomes,
+                            sorted(self.complete), executed, verify)  # fmt: skip
+
+
+def _select(
+    conn: sqlite3.Connection,
+    paths: ProjectPaths,
+    request: ReplayRequest,
+    choose: Callable[[str], set[str]] | None,
+    echo: Echo,
+) -> _Replay:
+    """The runs to consider: the script's finished or crashed runs ``where`` matches."""
     readonly = is_readonly(conn)
-    if readonly and not dry_run:
-        raise read_only_error(paths, "replay --verify" if verify else "replay")
+    if readonly and not request.dry_run:
+        raise read_only_error(paths, "replay --verify" if request.verify else "replay")
     # What a killed coordinator left behind (a read-only store keeps its marks).
     stale = [] if readonly else sweep_stale(conn, paths.store)
     for replay_id in stale:
         echo(f"replay {replay_id} was stopped without finishing (its coordinator was killed); "
              "marked interrupted, its temporary checkouts removed.")  # fmt: skip
-    if verify and names:
-        raise UsageError(
-            "--verify replays the statements each run recorded; it takes no NAMES, only an "
-            'optional WHERE predicate, e.g. `retrolog replay --verify "lr > 0.5"`.'
-        )
-    if not names and not verify:
-        raise UsageError(
-            "Name at least one log statement to replay, e.g. `retrolog replay w_norm`."
-        )
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads needs a positive number of threads, not {threads}.")
-    filename = _script(conn, paths, script)
+    request.checked()
+    filename = _script(conn, paths, request.script)
+    where = request.where
     candidates = _candidates(conn, filename, where, choose)
     if not candidates:
         raise UsageError(
@@ -210,172 +239,193 @@ def replay(
             + "; `retrolog runs` lists the runs."
         )
     replay_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-    # A fork server's imports are the longest wait before the first worker: the server
-    # the newest matching run will most likely need starts now, while the runs' code is
-    # propagated and the plan made. The plan asks for the servers it needs and gets this
-    # one where the guess was right; a wrong guess is stopped unused.
-    launcher: Launcher | None = None
-    cluster: RayCluster | None = None
-    if not dry_run and not readonly and kind is Executor.LOCAL:
-        launcher = _early_launcher(conn, paths, filename, candidates[-1], replay_id)
+    return _Replay(request, replay_id, filename, candidates, readonly)
+
+
+def _warm_up(
+    conn: sqlite3.Connection, paths: ProjectPaths, executor: Executor, state: _Replay
+) -> None:
+    """Start the fork server the newest matching run will most likely need.
+
+    Its imports are the longest wait before the first worker; they run while the
+    runs' code is propagated and the plan made. The guess takes the script as it is
+    now for the propagated one (they differ by the statements added, which rarely
+    import); the plan asks for the servers it needs and gets this one where the guess
+    was right, a wrong guess is stopped unused. Nothing starts early when there is no
+    fork server for this script, the script is gone, or the run's row cannot be read.
+    """
+    columns = ("modules", "numerics", "filename")
+    found = conn.execute(
+        f"SELECT {', '.join(columns)} FROM runs WHERE run_id = ?", (state.candidates[-1],)
+    )
+    row = dict(zip(columns, found.fetchone() or (), strict=False))
+    if not row:
+        return
     try:
-        outcomes: dict[str, RunOutcome] = {}
-        notes: tuple[str, ...] = ()
-        sites: dict[str, Any] = {}
-        lineage = _RunLineage({}, {}, {}, {})
-        if verify:
-            source = ""
-            level, needs_suffix = ScanLevel.OUTER_LOOP, True
-            complete: set[str] = set()
-            todo = candidates
-        else:
-            source = _read_newest(paths, filename)
-            placed = source
-            if handsfree_runs.any_handsfree(conn, candidates):
-                placed = handsfree_runs.loops_source(source, filename)
-            sites = locate_statements(placed, names, filename)
-            level, notes = scan_level_for(sites)
-            # Without a requested statement after the outer loop, workers stop at its end: the
-            # rest of the script only recomputes recorded values, and may use variables of
-            # skipped blocks.
-            needs_suffix = any(
-                site.position is Position.SUFFIX for group in sites.values() for site in group
+        source = read_script(paths.root / state.filename)
+        start = _start_plan(conn, paths, row, source)
+        env = server_env(row) if start.forked else None
+    except (OSError, ValueError):
+        return  # the plan reports a damaged row; a guess does not
+    if env is not None:
+        executor.warm_up(env, start.warm)
+
+
+def _place(conn: sqlite3.Connection, paths: ProjectPaths, state: _Replay, echo: Echo) -> bool:
+    """Today's statements placed in each run's version; False when no run needs them."""
+    request, names = state.request, state.names
+    versions: dict[str, tuple[str, Propagation, dict[str, str]]] = {}
+    state.todo = state.candidates
+    if not request.verify:
+        state.source = _read_newest(paths, state.filename)
+        placed = state.source
+        if handsfree_runs.any_handsfree(conn, state.candidates):
+            placed = handsfree_runs.loops_source(state.source, state.filename)
+        sites = locate_statements(placed, names, state.filename)
+        state.level, state.notes = scan_level_for(sites)
+        # Without a requested statement after the outer loop, workers stop at its end: the
+        # rest of the script only recomputes recorded values, and may use variables of
+        # skipped blocks.
+        state.needs_suffix = any(
+            site.position is Position.SUFFIX for group in sites.values() for site in group
+        )
+        # Propagate into every candidate's version (once per version): what a replay would
+        # compute now is the evidence for both "missing" and "definition changed since".
+        versions = _propagate_all(
+            conn, state.source, state.filename, names, state.candidates, paths.root
+        )
+        state.lineage = _lineage_of(
+            conn, paths, state.source, state.filename, names, state.candidates, versions
+        )
+        complete = set() if request.force else _complete_runs(conn, state.candidates, names)
+        state.complete = complete - set(state.lineage.changed)
+        state.todo = [r for r in state.candidates if r not in state.complete]
+        if not state.todo:
+            echo(
+                f"Every matching run already has {', '.join(names)} by today's definition; "
+                "nothing to replay (--force recomputes them)."
+                + _inexact_hint(conn, state.candidates, names)
+                + _recorded_hint(state.lineage, names)
             )
-            # Propagate into every candidate's version (once per version): what a replay would
-            # compute now is the evidence for both "missing" and "definition changed since".
-            versions = _propagate_all(conn, source, filename, names, candidates, paths.root)
-            lineage = _lineage_of(conn, paths, source, filename, names, candidates, versions)
-            complete = set() if force else _complete_runs(conn, candidates, names)
-            complete -= set(lineage.changed)
-            todo = [r for r in candidates if r not in complete]
-            if not todo:
-                echo(
-                    f"Every matching run already has {', '.join(names)} by today's definition; "
-                    "nothing to replay (--force recomputes them)."
-                    + _inexact_hint(conn, candidates, names)
-                    + _recorded_hint(lineage, names)
-                )
-                return ReplayResult(
-                    replay_id, names, filename, None, outcomes, sorted(complete), False
-                )
+            return False
+    state.runs = _run_rows(conn, state.todo, paths.root)
+    for run_id in state.todo:
+        if request.verify:
+            _own_version(state, run_id)
+        else:
+            _propagated_version(state, run_id, versions[run_id])
+    return True
 
-        runs = _run_rows(conn, todo, paths.root)
-        propagations: dict[str, Propagation] = {}
-        old_sources: dict[str, str] = {}
-        for run_id in todo:
-            if verify:
-                try:
-                    old = _old_source(runs[run_id], filename)
-                except RetrologError as exc:
-                    error = _version_gone(runs[run_id], filename, exc)
-                    outcomes[run_id] = RunOutcome(run_id, "unreadable", error=error)
-                    continue
-                old_sources[run_id] = old
-                propagations[run_id] = Propagation(old, (), ())
-                continue
-            old, result, _ = versions[run_id]
-            old_sources[run_id] = old
-            if result.problems:
-                # Each reason names the statement and its line in today's script, then what
-                # the old version lacks.
-                reasons = "; ".join(p.reason for p in result.problems)
-                gone = any(p.name == _NO_CODE for p in result.problems)
-                status = "unreadable" if gone else "unplaceable"
-                outcomes[run_id] = RunOutcome(run_id, status, error=reasons)
-            else:
-                propagations[run_id] = result
-        placeable = [r for r in todo if r in propagations]
-        # Runs that computed exactly what another did get that one's values (_replay/reuse.py).
-        ready: dict[str, str] = {}
-        after: dict[str, str] = {}
-        if reuse and not verify and not force:
-            from retrolog.store.backends import object_store_for
 
-            objects = object_store_for(paths.store)
-            ready, after = find_sources(conn, placeable, runs, names, lineage.would, objects.get)
-        for run_id, source_run in {**ready, **after}.items():
-            outcomes[run_id] = RunOutcome(run_id, "reused", reused_from=source_run)
-        to_run = [r for r in placeable if r not in ready and r not in after]
-        if launcher is not None and not to_run:
-            launcher.retain([])  # no worker will run: the early server's imports are moot
+def _own_version(state: _Replay, run_id: str) -> None:
+    """A --verify run: its own code, unchanged."""
+    try:
+        old = _old_source(state.runs[run_id], state.filename)
+    except RetrologError as exc:
+        error = _version_gone(state.runs[run_id], state.filename, exc)
+        state.outcomes[run_id] = RunOutcome(run_id, "unreadable", error=error)
+        return
+    state.old_sources[run_id] = old
+    state.propagations[run_id] = Propagation(old, (), ())
 
-        plan: ReplayPlan | None = None
-        starts: dict[str, StartPlan] = {}
-        if to_run:
-            profiles = load_profiles(conn, to_run)
-            per_byte = _restore_seconds_per_byte(paths, profiles)
-            widest = max((p.threads or 1 for p in profiles), default=1)
-            cores = None
-            if kind is Executor.RAY:
-                from retrolog._replay.ray_executor import connect
 
-                assert address is not None
-                cluster = connect(address)
-                workers = workers or cluster.default_workers(threads or widest)
-                cores = max(1, int(cluster.cpus))
-            else:
-                workers = workers or default_workers(widest)
-            starts = _start_plans(conn, paths, runs, propagations, to_run)
-            if not dry_run and cluster is None:
-                # The fork servers start now: what their imports take is in the estimate, and
-                # the workers need them anyway once the plan is confirmed.
-                launcher = launcher or _launcher(paths, replay_id)
-                starts = _start_servers(launcher, runs, starts, echo)
-            ray_notes = (cluster.describe(),) if cluster is not None else ()
-            plan = _plan(
-                level, profiles, workers, per_byte, (*notes, *ray_notes), needs_suffix,
-                source or "", threads, starts, cores=cores,
-            )  # fmt: skip
-            for run_plan in plan.runs:
-                run_id = run_plan.run_id
-                outcomes[run_id] = RunOutcome(
-                    run_id,
-                    "planned",
-                    scan=run_plan.scan.name,
-                    estimate_seconds=run_plan.estimate_seconds,
-                    diff="" if verify else propagations[run_id].diff(old_sources[run_id], filename),
-                    environment=_environment_differences(runs[run_id], run_plan, threads),
-                )
-        text = _plan_text(plan, outcomes, complete, names, filename, verify, lineage)
-        text = "\n".join([text, *handsfree_runs.plan_lines(runs, outcomes)])
-        echo(text)
-        result_args = (replay_id, names, filename)
-        if dry_run:
-            for outcome in outcomes.values():
-                if outcome.diff:
-                    echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
-            return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
-        if plan is None and not ready and not after:
-            _report_unreadable(outcomes, echo)
-            if verify:
-                echo(_nothing_verified([]))
-            return ReplayResult(*result_args, None, outcomes, sorted(complete), False, verify)
-        if confirm is not None and not confirm(text):
-            echo("Replay cancelled; nothing was run.")
-            return ReplayResult(*result_args, plan, outcomes, sorted(complete), False, verify)
+def _propagated_version(
+    state: _Replay, run_id: str, version: tuple[str, Propagation, dict[str, str]]
+) -> None:
+    """A run's version with today's statements, or why they have no place there."""
+    old, result, _ = version
+    state.old_sources[run_id] = old
+    if result.problems:
+        # Each reason names the statement and its line in today's script, then what the
+        # old version lacks.
+        reasons = "; ".join(p.reason for p in result.problems)
+        gone = any(p.name == _NO_CODE for p in result.problems)
+        status = "unreadable" if gone else "unplaceable"
+        state.outcomes[run_id] = RunOutcome(run_id, status, error=reasons)
+    else:
+        state.propagations[run_id] = result
 
-        if plan is not None:
-            _execute(
-                conn, paths, plan, runs, propagations, outcomes, names,
-                replay_id=replay_id, filename=filename, where=where, force=force,
-                echo=echo, progress=progress, threads=threads, verify=verify, lineage=lineage,
-                starts=starts, launcher=launcher, cluster=cluster,
-            )  # fmt: skip
-        _copy_reused(conn, ready, after, outcomes, names, replay_id, lineage)
-        if settle is not None:
-            settle(outcomes)
-        actual = {r: o.actual_seconds for r, o in outcomes.items() if o.status == "replayed"}
-        if actual and plan is not None:
-            echo(format_estimate_vs_actual(plan, actual))
-        _report(outcomes, echo, verify)
-        return ReplayResult(*result_args, plan, outcomes, sorted(complete), True, verify)
-    finally:
-        if launcher is not None:
-            launcher.close()
-            if not launcher.used:  # cancelled or interrupted before any worker: no trace
-                shutil.rmtree(launcher.logs_dir, ignore_errors=True)
-        if cluster is not None:
-            cluster.close()
+
+def _plan_runs(
+    conn: sqlite3.Connection, paths: ProjectPaths, state: _Replay, executor: Executor, echo: Echo
+) -> None:
+    """Reuse where a run computed what another did; the plan for the others."""
+    request = state.request
+    placeable = [r for r in state.todo if r in state.propagations]
+    # Runs that computed exactly what another did get that one's values (_replay/reuse.py).
+    if request.reuse and not request.verify and not request.force:
+        from retrolog.store.backends import object_store_for
+
+        objects = object_store_for(paths.store)
+        state.ready, state.after = find_sources(
+            conn, placeable, state.runs, state.names, state.lineage.would, objects.get
+        )
+    for run_id, source_run in {**state.ready, **state.after}.items():
+        state.outcomes[run_id] = RunOutcome(run_id, "reused", reused_from=source_run)
+    to_run = [r for r in placeable if r not in state.ready and r not in state.after]
+    if not to_run:
+        if not request.dry_run:
+            executor.prepare({}, {}, echo)  # no worker will run: an early server is moot
+        return
+    profiles = load_profiles(conn, to_run)
+    per_byte = _restore_seconds_per_byte(paths, profiles)
+    widest = max((p.threads or 1 for p in profiles), default=1)
+    capacity = executor.capacity(request.threads or widest)
+    workers = request.workers or capacity.workers
+    state.starts = _start_plans(conn, paths, state.runs, state.propagations, to_run)
+    if not request.dry_run:
+        # The fork servers start now: what their imports take is in the estimate, and the
+        # workers need them anyway once the plan is confirmed.
+        state.starts = executor.prepare(state.runs, state.starts, echo)
+    state.plan = _plan(
+        state.level, profiles, workers, per_byte, (*state.notes, *capacity.notes),
+        state.needs_suffix, state.source, request.threads, state.starts, cores=capacity.cores,
+    )  # fmt: skip
+    for run_plan in state.plan.runs:
+        run_id = run_plan.run_id
+        old = state.old_sources[run_id]
+        state.outcomes[run_id] = RunOutcome(
+            run_id,
+            "planned",
+            scan=run_plan.scan.name,
+            estimate_seconds=run_plan.estimate_seconds,
+            diff="" if request.verify else state.propagations[run_id].diff(old, state.filename),
+            environment=_environment_differences(state.runs[run_id], run_plan, request.threads),
+        )
+
+
+def _confirm(
+    state: _Replay, confirm: Callable[[str], bool] | None, echo: Echo
+) -> ReplayResult | None:
+    """Show the plan; the result to return instead of executing (a dry run, nothing to
+    run, or the user said no), else None."""
+    request = state.request
+    text = _plan_text(state.plan, state.outcomes, state.complete, state.names, state.filename,
+                      request.verify, state.lineage)  # fmt: skip
+    text = "\n".join([text, *handsfree_runs.plan_lines(state.runs, state.outcomes)])
+    echo(text)
+    if request.dry_run:
+        for outcome in state.outcomes.values():
+            if outcome.diff:
+                echo(f"--- {outcome.run_id}: the code that will run ---\n{outcome.diff}")
+        return state.result(state.plan, executed=False)
+    if state.plan is None and not state.ready and not state.after:
+        _report_unreadable(state.outcomes, echo)
+        if request.verify:
+            echo(_nothing_verified([]))
+        return state.result(None, executed=False)
+    if confirm is not None and not confirm(text):
+        echo("Replay cancelled; nothing was run.")
+        return state.result(state.plan, executed=False)
+    return None
+
+
+def _report_actual(state: _Replay, echo: Echo) -> None:
+    """The estimate against what the runs took, then the report."""
+    actual = {r: o.actual_seconds for r, o in state.outcomes.items() if o.status == "replayed"}
+    if actual and state.plan is not None:
+        echo(format_estimate_vs_actual(state.plan, actual))
+    _report(state.outcomes, echo, state.request.verify)
 
 
 def _copy_reused(
@@ -604,79 +654,6 @@ def _plan(
         notes=(*notes, *_thread_notes(profiles, workers, threads, cores), *([start] * bool(start))),
         run_suffix=run_suffix, worker=worker,
     )  # fmt: skip
-
-
-def _launcher(paths: ProjectPaths, replay_id: str) -> Launcher:
-    """The replay's worker launcher, its logs in the replay's directory."""
-    logs_dir = paths.store / "replays" / replay_id
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    return Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
-
-
-def _early_launcher(
-    conn: sqlite3.Connection, paths: ProjectPaths, filename: str, run_id: str, replay_id: str
-) -> Launcher | None:
-    """A launcher whose fork server is already importing what ``run_id`` most likely needs.
-
-    The guess takes the script as it is now for the propagated one (they differ by the
-    statements added, which rarely import); the plan's own start plans decide later
-    which servers are used. None when there is nothing to start early (no fork server
-    for this script, the script gone, a run row that cannot be read).
-    """
-    columns = ("modules", "numerics", "filename")
-    found = conn.execute(f"SELECT {', '.join(columns)} FROM runs WHERE run_id = ?", (run_id,))
-    row = dict(zip(columns, found.fetchone() or (), strict=False))
-    if not row:
-        return None
-    try:
-        source = read_script(paths.root / filename)
-        start = _start_plan(conn, paths, row, source)
-        env = _server_env(row) if start.forked else None
-    except (OSError, ValueError):
-        return None  # the plan reports a damaged row; a guess does not
-    if env is None:
-        return None
-    launcher = _launcher(paths, replay_id)
-    launcher.prepare(env, start.warm)
-    return launcher
-
-
-def _server_env(row: Mapping[str, Any]) -> dict[str, str]:
-    """The environment of a run's fork server: the recorded numerical environment."""
-    return run_worker_env(json.loads(row.get("numerics") or "null"))
-
-
-def _start_servers(
-    launcher: Launcher,
-    runs: Mapping[str, Mapping[str, Any]],
-    starts: Mapping[str, StartPlan],
-    echo: Echo,
-) -> dict[str, StartPlan]:
-    """Start the fork servers the plan needs and wait for their imports; their figures.
-
-    A server that cannot serve (its imports started a thread, it exited) makes its
-    runs' workers new interpreters, with the reason, before the plan is shown. A server
-    started early that no run needs is stopped.
-    """
-    servers = {}
-    for run_id, start in starts.items():
-        if start.forked:
-            servers[run_id] = launcher.prepare(_server_env(runs[run_id]), start.warm)
-    launcher.retain([s for s in servers.values() if s is not None])
-    if not servers:
-        return dict(starts)
-    packages = sorted({p for s in starts.values() for p in s.packages})
-    echo(f"Preparing the replay's workers: importing {', '.join(packages)} once ...")
-    found = dict(starts)
-    for run_id, server in servers.items():
-        if server is None or not server.wait_ready() or server.ready is None:
-            why = (server.unsafe if server is not None else None) or "its fork server exited"
-            found[run_id] = StartPlan(reason=why)
-            continue
-        found[run_id] = replace(
-            starts[run_id], warm_seconds=server.saved_seconds, forked_start=server.forked_start
-        )
-    return found
 
 
 def _preimport_seconds(start: StartPlan, profile: Any) -> float:
@@ -956,134 +933,107 @@ def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> f
 
 
 def _execute(
-    conn: sqlite3.Connection,
-    paths: ProjectPaths,
-    plan: ReplayPlan,
-    runs: dict[str, dict[str, Any]],
-    propagations: dict[str, Propagation],
-    outcomes: dict[str, RunOutcome],
-    names: list[str],
-    *,
-    replay_id: str,
-    filename: str,
-    where: str | None,
-    force: bool,
-    echo: Echo,
-    progress: bool,
-    threads: int | None,
-    verify: bool,
-    lineage: _RunLineage,
-    starts: Mapping[str, StartPlan],
-    launcher: Launcher | None,
-    cluster: RayCluster | None = None,
+    conn: sqlite3.Connection, paths: ProjectPaths, state: _Replay, executor: Executor, echo: Echo
 ) -> None:
+    """Run the plan's jobs on ``executor``; each run's values land as its last job ends."""
+    plan, request = state.plan, state.request
+    assert plan is not None
+    logs_dir, code_objects = _begin(conn, paths, state, executor)
+    jobs = _jobs(
+        conn, plan, state.runs, state.propagations, code_objects, state.names, paths, logs_dir,
+        state.replay_id, request.threads, request.verify,
+    )  # fmt: skip
+    for job in jobs:
+        job.start = state.starts.get(job.run_id)
+    landing = _Landing(conn, state, jobs, code_objects)
+    bar, step = _progress_bar(request.progress, len(jobs), "replay")
+
+    def done(job: Job) -> None:
+        step(job)
+        landing.job_ended(job)
+
+    status = "finished"
+    try:
+        executor.run(jobs, workers=plan.workers, on_done=done, echo=echo)
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        landing.rest()
+        _mark_ended(conn, state.replay_id, status)
+
+
+def _begin(
+    conn: sqlite3.Connection, paths: ProjectPaths, state: _Replay, executor: Executor
+) -> tuple[Path, dict[str, str | None]]:
+    """The replay's row, directory and kept code and definitions; (its logs directory,
+    each run's propagated script as a git object)."""
     from retrolog._query.lineage import keep
 
-    logs_dir = paths.store / "replays" / replay_id
+    logs_dir = paths.store / "replays" / state.replay_id
     logs_dir.mkdir(parents=True, exist_ok=True)
     claim(logs_dir)
-    if launcher is not None:
-        launcher.used = True  # its logs are this replay's from here on
+    verify = state.request.verify
     code_objects = {
-        run_id: None if verify else _store_code(paths.store, runs[run_id], prop.source)
-        for run_id, prop in propagations.items()
+        run_id: None if verify else _store_code(paths.store, state.runs[run_id], prop.source)
+        for run_id, prop in state.propagations.items()
     }
+    assert state.plan is not None
+    address = None if executor.address is None else mask(executor.address)
     conn.execute(
         "INSERT INTO replays(replay_id, started_at, names, where_sql, filename, workers, status,"
         " estimate_seconds, kind, executor, executor_address)"
         " VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)",
-        (replay_id, time.time(), json.dumps(names), where, filename, plan.workers,
-         plan.estimate_seconds, "verify" if verify else "backfill",
-         "local" if cluster is None else "ray",
-         None if cluster is None else mask(cluster.address)),
+        (state.replay_id, time.time(), json.dumps(state.names), state.request.where,
+         state.filename, state.plan.workers, state.plan.estimate_seconds,
+         "verify" if verify else "backfill", executor.name, address),
     )  # fmt: skip
-    keep(conn, lineage.today.values(), replay_id=replay_id)
-    _keep_propagated(conn, propagations, runs, filename, replay_id)
-    by_run = {rp.run_id: rp for rp in plan.runs}
-    jobs = _jobs(
-        conn, plan, runs, propagations, code_objects, names, paths, logs_dir, replay_id,
-        threads, verify,
-    )  # fmt: skip
-    for job in jobs:
-        job.start = starts.get(job.run_id)
-    if cluster is not None:
-        _execute_on_ray(
-            conn, paths, plan, jobs, runs, by_run, outcomes, names, code_objects,
-            replay_id=replay_id, force=force, echo=echo, progress=progress, lineage=lineage,
-            cluster=cluster,
-        )  # fmt: skip
-        return
-    if launcher is None:
-        launcher = Launcher(python=sys.executable, logs_dir=logs_dir, preexec=die_with(os.getpid()))
-    for job in jobs:
-        if job.start is not None and job.start.forked:
-            launcher.prepare(worker_env(job), job.start.warm)
-    bar, done = _progress_bar(progress, len(jobs), "replay")
-    status = "finished"
-    try:
-        with terminate_as_interrupt():
-            run_jobs(
-                jobs, root=paths.root, store=paths.store, workers=plan.workers, on_done=done,
-                launcher=launcher,
-            )  # fmt: skip
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        launcher.close()
-        if bar is not None:
-            bar.close()
-        for line in [*launcher.notes, launcher.summary()]:
-            if line:
-                echo(line)
-        _keep_warm_seconds(conn, launcher, jobs)
-        _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
-        _mark_ended(conn, replay_id, status)
+    keep(conn, state.lineage.today.values(), replay_id=state.replay_id)
+    _keep_propagated(conn, state.propagations, state.runs, state.filename, state.replay_id)
+    return logs_dir, code_objects
 
 
-def _execute_on_ray(
-    conn: sqlite3.Connection,
-    paths: ProjectPaths,
-    plan: ReplayPlan,
-    jobs: list[Job],
-    runs: dict[str, dict[str, Any]],
-    by_run: dict[str, RunPlan],
-    outcomes: dict[str, RunOutcome],
-    names: list[str],
-    code_objects: dict[str, str | None],
-    *,
-    replay_id: str,
-    force: bool,
-    echo: Echo,
-    progress: bool,
-    lineage: _RunLineage,
-    cluster: RayCluster,
-) -> None:
-    """Run the jobs as Ray tasks; collect and backfill as for local workers."""
-    from retrolog._replay.ray_executor import run_jobs_on_ray, segment_task, worker_rows
+class _Landing:
+    """Each run's values into the store as the last of its jobs ends, so that a reader
+    (the dashboard, ``dataframe``) sees them while the other runs still replay; the runs
+    whose jobs were stopped, at the end. A run reusing another's values gets them as
+    that one lands."""
 
-    tasks = {j.key: segment_task(j, runs[j.run_id], paths.root, paths.store) for j in jobs}
-    rows = {run_id: worker_rows(conn, run_id) for run_id in {j.run_id for j in jobs}}
-    bar, done = _progress_bar(progress, len(jobs), "replay on Ray")
-    status = "finished"
-    lines: list[str] = []
-    try:
-        with terminate_as_interrupt():
-            lines = run_jobs_on_ray(
-                jobs, tasks, rows, cluster=cluster, workers=plan.workers, on_done=done
-            )
-    except KeyboardInterrupt:
-        status = "interrupted"
-        echo(f"Interrupted: the replay's Ray tasks still running on {cluster.address} were "
-             "cancelled.")  # fmt: skip
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        for line in lines:
-            echo(line)
-        _collect(conn, jobs, by_run, runs, outcomes, names, replay_id, code_objects, force, lineage)
-        _mark_ended(conn, replay_id, status)
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        state: _Replay,
+        jobs: Sequence[Job],
+        code_objects: dict[str, str | None],
+    ) -> None:
+        self.conn, self.state, self.code_objects = conn, state, code_objects
+        self.per_run: dict[str, list[Job]] = {}
+        for job in jobs:
+            self.per_run.setdefault(job.run_id, []).append(job)
+        self.ended: dict[str, int] = {}
+        self.landed: set[str] = set()
+
+    def job_ended(self, job: Job) -> None:
+        self.ended[job.run_id] = self.ended.get(job.run_id, 0) + 1
+        if self.ended[job.run_id] == len(self.per_run[job.run_id]):
+            self._land(job.run_id)
+
+    def rest(self) -> None:
+        for run_id in self.per_run:
+            if run_id not in self.landed:
+                self._land(run_id)
+
+    def _land(self, run_id: str) -> None:
+        self.landed.add(run_id)  # once, even when writing it fails
+        state = self.state
+        _collect(self.conn, self.per_run[run_id], state, self.code_objects)
+        reusers = {r: s for r, s in state.after.items() if s == run_id}
+        if reusers and state.outcomes[run_id].status == "replayed":
+            _copy_reused(self.conn, {}, reusers, state.outcomes, state.names, state.replay_id,
+                         state.lineage)  # fmt: skip
+            state.after = {r: s for r, s in state.after.items() if r not in reusers}
 
 
 def _progress_bar(progress: bool, total: int, desc: str) -> tuple[Any, Callable[[Job], None]]:
@@ -1106,21 +1056,6 @@ def _mark_ended(conn: sqlite3.Connection, replay_id: str, status: str) -> None:
         "UPDATE replays SET ended_at = ?, status = ? WHERE replay_id = ?",
         (time.time(), status, replay_id),
     )
-
-
-def _keep_warm_seconds(conn: sqlite3.Connection, launcher: Launcher, jobs: Sequence[Job]) -> None:
-    """What each fork server's imports took, for the next plan of runs with those modules."""
-    for server in launcher.servers.values():
-        if server.ready is None:
-            continue
-        digests = {
-            j.start.digest for j in jobs if j.start is not None and j.start.warm == server.warm
-        }
-        if len(digests) == 1 and None not in digests:
-            conn.execute(
-                "UPDATE module_sets SET warm_seconds = ? WHERE digest = ?",
-                (server.saved_seconds, digests.pop()),
-            )
 
 
 def _keep_propagated(
@@ -1279,99 +1214,123 @@ def _store_code(store: Path, row: dict[str, Any], source: str) -> str | None:
 
 def _collect(
     conn: sqlite3.Connection,
-    jobs: Sequence[Job],
-    by_run: dict[str, RunPlan],
-    runs: dict[str, dict[str, Any]],
-    outcomes: dict[str, RunOutcome],
-    names: list[str],
-    replay_id: str,
+    run_jobs_: Sequence[Job],
+    state: _Replay,
     code_objects: dict[str, str | None],
-    force: bool,
-    lineage: _RunLineage,
 ) -> None:
-    per_run: dict[str, list[Job]] = {}
-    for job in jobs:
-        per_run.setdefault(job.run_id, []).append(job)
-    for run_id, run_jobs_ in per_run.items():
-        outcome = outcomes[run_id]
-        outcome.log_paths = [str(j.log_path) for j in run_jobs_]
-        outcome.stopped = crashed.check(
-            conn, runs[run_id], run_jobs_, _source_if_raised(runs[run_id], run_jobs_)
-        ).stopped
-        finished = [j for j in run_jobs_ if j.output is not None]
-        failed = [j for j in run_jobs_ if j.error is not None]
-        if not finished and not failed:
-            outcome.status = "interrupted"
-            continue
-        outcome.actual_seconds = sum(j.seconds for j in run_jobs_)
-        outputs = [j.output or {} for j in finished]
-        rows = [row for out in outputs for row in out.get("values", [])]
-        outcome.fallbacks = [
-            (str(key), str(why)) for out in outputs for key, why in out.get("fallbacks", [])
-        ]
-        hindsight = set(names)
-        # Names the code declares volatile (rl.volatile: wall-clock figures) are recomputed
-        # and backfilled like any other, but no replay can reproduce them: not compared.
-        outcome.volatile = sorted({n for out in outputs for n in out.get("volatile", [])})
-        unchecked = hindsight | set(outcome.volatile)
-        check = check_recorded(conn, run_id, [r for r in rows if r[1] not in unchecked])
-        check = _check_arguments(check, runs[run_id], outputs)
-        outcome.mismatches, outcome.compared = check.mismatches, check.compared
-        outcome.environment += _worker_environment(runs[run_id], outputs)
-        if check.mismatches:
-            outcome.inexact = "mismatch"
-            outcome.cause = _likely_cause(check, outcome.environment)
-        elif outcome.environment:
-            outcome.inexact = "environment"
-        if runs[run_id]["status"] == "crashed":
-            rows, outcome.past_the_crash = _within_what_ran(conn, run_id, rows, outputs, hindsight)
-        outcome.backfilled = backfill(
-            conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
-            rows=rows, names=names, force=force or run_id in lineage.changed,
-            inexact=outcome.inexact, lineage=lineage.would.get(run_id, {}),
-        )  # fmt: skip
-        outcome.already = already_stored(
-            conn, run_id=run_id, replay_id=replay_id, rows=rows, names=names
-        )
-        # A segment with neither output nor error was stopped (Ctrl-C, SIGTERM) before it
-        # finished: the run then has only some of its values, as when a worker fails.
-        unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
-        if failed:
-            outcome.status = "partial" if finished else "failed"
-            # What the script raised, and where, in each segment that says so (in their
-            # order); otherwise the first failure's log tail.
-            diagnosed = sorted((j for j in failed if j.diagnosed), key=_segment)
-            if diagnosed:
-                outcome.error = "\n".join(f"{j.error}; log: {j.log_path}" for j in diagnosed)
-            else:
-                job = failed[0]
-                outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
-        elif unfinished:
-            outcome.status = "partial"
-            outcome.error = (
-                f"stopped before {len(unfinished)} of its {len(run_jobs_)} segments finished"
-            )
+    """One run's outcome from its jobs: the deferred check, its values backfilled, its
+    ``replay_runs`` row."""
+    run_id = run_jobs_[0].run_id
+    row, outcome, names = state.runs[run_id], state.outcomes[run_id], state.names
+    outcome.log_paths = [str(j.log_path) for j in run_jobs_]
+    outcome.stopped = crashed.check(conn, row, run_jobs_, _source_if_raised(row, run_jobs_)).stopped
+    finished = [j for j in run_jobs_ if j.output is not None]
+    if not finished and not any(j.error is not None for j in run_jobs_):
+        outcome.status = "interrupted"
+        return
+    outcome.actual_seconds = sum(j.seconds for j in run_jobs_)
+    outputs = [j.output or {} for j in finished]
+    rows = [r for out in outputs for r in out.get("values", [])]
+    outcome.fallbacks = [
+        (str(key), str(why)) for out in outputs for key, why in out.get("fallbacks", [])
+    ]
+    _check_run(conn, row, outcome, outputs, rows, names)
+    if row["status"] == "crashed":
+        rows, outcome.past_the_crash = _within_what_ran(conn, run_id, rows, outputs, set(names))
+    lineage, replay_id = state.lineage, state.replay_id
+    outcome.backfilled = backfill(
+        conn, run_id=run_id, replay_id=replay_id, code_object=code_objects.get(run_id),
+        rows=rows, names=names, force=state.request.force or run_id in lineage.changed,
+        inexact=outcome.inexact, lineage=lineage.would.get(run_id, {}),
+    )  # fmt: skip
+    outcome.already = already_stored(
+        conn, run_id=run_id, replay_id=replay_id, rows=rows, names=names
+    )
+    _settle_status(outcome, run_jobs_)
+    assert state.plan is not None
+    scan = next(rp.scan.name for rp in state.plan.runs if rp.run_id == run_id)
+    _keep_run(conn, replay_id, outcome, scan, code_objects.get(run_id), outputs)
+
+
+def _check_run(
+    conn: sqlite3.Connection,
+    row: dict[str, Any],
+    outcome: RunOutcome,
+    outputs: Sequence[dict[str, Any]],
+    rows: Sequence[Any],
+    names: Sequence[str],
+) -> None:
+    """The deferred check: recorded values and arguments the replay recomputed, and the
+    numerical environment the workers had; how the run's values are marked."""
+    # Names the code declares volatile (rl.volatile: wall-clock figures) are recomputed
+    # and backfilled like any other, but no replay can reproduce them: not compared.
+    outcome.volatile = sorted({n for out in outputs for n in out.get("volatile", [])})
+    unchecked = set(names) | set(outcome.volatile)
+    check = check_recorded(conn, outcome.run_id, [r for r in rows if r[1] not in unchecked])
+    check = _check_arguments(check, row, outputs)
+    outcome.mismatches, outcome.compared = check.mismatches, check.compared
+    outcome.environment += _worker_environment(row, outputs)
+    if check.mismatches:
+        outcome.inexact = "mismatch"
+        outcome.cause = _likely_cause(check, outcome.environment)
+    elif outcome.environment:
+        outcome.inexact = "environment"
+
+
+def _settle_status(outcome: RunOutcome, run_jobs_: Sequence[Job]) -> None:
+    """Replayed, or failed or partial with why."""
+    finished = [j for j in run_jobs_ if j.output is not None]
+    failed = [j for j in run_jobs_ if j.error is not None]
+    # A segment with neither output nor error was stopped (Ctrl-C, SIGTERM) before it
+    # finished: the run then has only some of its values, as when a worker fails.
+    unfinished = [j for j in run_jobs_ if j.output is None and j.error is None]
+    if failed:
+        outcome.status = "partial" if finished else "failed"
+        # What the script raised, and where, in each segment that says so (in their
+        # order); otherwise the first failure's log tail.
+        diagnosed = sorted((j for j in failed if j.diagnosed), key=_segment)
+        if diagnosed:
+            outcome.error = "\n".join(f"{j.error}; log: {j.log_path}" for j in diagnosed)
         else:
-            outcome.status = "replayed"
-        # What restoring cost, for recording's restore/materialize ratio (policy's c).
-        restored = sum(int(out.get("restored", 0)) for out in outputs)
-        restore_seconds = sum(float(out.get("restore_seconds", 0.0)) for out in outputs)
-        hosts = sorted({str(out["host"]) for out in outputs if out.get("host")})
-        conn.execute(
-            "INSERT OR REPLACE INTO replay_runs(replay_id, run_id, scan, code_object, status,"
-            " estimate_seconds, actual_seconds, backfilled, mismatches, error, restored,"
-            " restore_seconds, compared, inexact, environment, hosts)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                replay_id, run_id, by_run[run_id].scan.name, code_objects.get(run_id),
-                outcome.status, outcome.estimate_seconds, outcome.actual_seconds,
-                outcome.backfilled, json.dumps([m.__dict__ for m in outcome.mismatches]),
-                outcome.error, restored, restore_seconds, outcome.compared,
-                outcome.inexact and (outcome.cause or "possibly inexact: the numerical "
-                                     "environment differed"),
-                json.dumps(outcome.environment), json.dumps(hosts),
-            ),
-        )  # fmt: skip
+            job = failed[0]
+            outcome.error = f"{job.error}; log: {job.log_path}\n{log_tail(job.log_path)}"
+    elif unfinished:
+        outcome.status = "partial"
+        outcome.error = (
+            f"stopped before {len(unfinished)} of its {len(run_jobs_)} segments finished"
+        )
+    else:
+        outcome.status = "replayed"
+
+
+def _keep_run(
+    conn: sqlite3.Connection,
+    replay_id: str,
+    outcome: RunOutcome,
+    scan: str,
+    code_object: str | None,
+    outputs: Sequence[dict[str, Any]],
+) -> None:
+    """The run's ``replay_runs`` row."""
+    # What restoring cost, for recording's restore/materialize ratio (policy's c).
+    restored = sum(int(out.get("restored", 0)) for out in outputs)
+    restore_seconds = sum(float(out.get("restore_seconds", 0.0)) for out in outputs)
+    hosts = sorted({str(out["host"]) for out in outputs if out.get("host")})
+    conn.execute(
+        "INSERT OR REPLACE INTO replay_runs(replay_id, run_id, scan, code_object, status,"
+        " estimate_seconds, actual_seconds, backfilled, mismatches, error, restored,"
+        " restore_seconds, compared, inexact, environment, hosts)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            replay_id, outcome.run_id, scan, code_object,
+            outcome.status, outcome.estimate_seconds, outcome.actual_seconds,
+            outcome.backfilled, json.dumps([m.__dict__ for m in outcome.mismatches]),
+            outcome.error, restored, restore_seconds, outcome.compared,
+            outcome.inexact and (outcome.cause or "possibly inexact: the numerical "
+                                 "environment differed"),
+            json.dumps(outcome.environment), json.dumps(hosts),
+        ),
+    )  # fmt: skip
 
 
 def _segment(job: Job) -> int:

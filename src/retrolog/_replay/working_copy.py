@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 from retrolog.store.paths import ProjectPaths
 
 if TYPE_CHECKING:
+    from retrolog._replay.replayer import ReplayResult
+    from retrolog._replay.request import ReplayRequest
     from retrolog.store.transfer import WrittenBack
 
 
@@ -42,17 +44,10 @@ class _WorkingCopy(sqlite3.Connection):
 
 
 def replay_shared(
-    paths: ProjectPaths,
-    url: str,
-    names: list[str],
-    where: str | None = None,
-    *,
-    script: str | None = None,
-    dry_run: bool = False,
-    force: bool = False,
-    **options: Any,
-) -> Any:
-    """:func:`retrolog._replay.replayer.replay` for the PostgreSQL store at ``url``."""
+    paths: ProjectPaths, url: str, request: ReplayRequest, **options: Any
+) -> ReplayResult:
+    """:func:`retrolog._replay.replayer.replay` for the PostgreSQL store at ``url``
+    (``options``: its ``confirm`` and ``echo``)."""
     from retrolog._replay.replayer import replay
     from retrolog.store.paths import make_store_dir
     from retrolog.store.postgres_metadata import PostgresMetadata
@@ -60,6 +55,7 @@ def replay_shared(
     from retrolog.store.sqlite_connection import connect
     from retrolog.store.transfer import copy_into_sqlite, copy_state
 
+    names, where, force = list(request.names), request.where, request.force
     metadata = PostgresMetadata(url, create=False, origin=paths.database)
     make_store_dir(paths, objects=False)  # with its .gitignore: out of the user's git status
     directory = paths.store / "working"
@@ -73,7 +69,7 @@ def replay_shared(
         # A predicate is judged first, in PostgreSQL: the copy then holds the loops, logs,
         # checkpoints and profile of the runs it chose alone.
         chosen = _matching(metadata, where) if where else None
-        copy_into_sqlite(conn, metadata, _scripts(metadata, paths, script), chosen)
+        copy_into_sqlite(conn, metadata, _scripts(metadata, paths, request.script), chosen)
         before = copy_state(conn, metadata)
         settled = False
 
@@ -90,7 +86,7 @@ def replay_shared(
 
         try:
             return replay(
-                conn, paths, names, where, script=script, dry_run=dry_run, force=force,
+                conn, paths, request,
                 choose=lambda predicate: (
                     set(chosen) if chosen is not None and predicate == where
                     else _matching(metadata, predicate)
@@ -98,7 +94,7 @@ def replay_shared(
                 settle=settle, **options,
             )  # fmt: skip
         finally:
-            if not dry_run and not settled:
+            if not request.dry_run and not settled:
                 _write_back(conn, metadata, before, names, force)
     finally:
         if conn is not None:

@@ -46,7 +46,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from retrolog._project import Project
+from retrolog._project import Project, ReplayRequest
 from retrolog.errors import RetrologError, UnknownNameError
 from retrolog.ui.indexer import Indexer
 
@@ -537,7 +537,6 @@ def _replay_argv(body: dict[str, Any]) -> list[str]:
         names = [n.strip() for n in names.split(",")]
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names) or not names:
         raise ValueError('names must list the log names to replay, e.g. ["w_norm"]')
-    argv = ["replay", ",".join(names)]
     where = body.get("where")
     runs = body.get("runs")
     if runs:
@@ -546,20 +545,14 @@ def _replay_argv(body: dict[str, Any]) -> list[str]:
         quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in runs)
         picked = f"run_id IN ({quoted})"
         where = f"({where}) AND {picked}" if where else picked
-    if where:
-        if not isinstance(where, str):
-            raise ValueError("where must be a predicate, as `retrolog replay` takes")
-        argv.append(where)
-    script = body.get("script")
-    if script:
-        argv += ["--script", str(script)]
-    for flag in ("force", "no_reuse", "allow_inexact"):
-        if body.get(flag):
-            argv.append("--" + flag.replace("_", "-"))
+    if where and not isinstance(where, str):
+        raise ValueError("where must be a predicate, as `retrolog replay` takes")
     workers = body.get("workers")
-    if workers:
-        argv += ["--workers", str(int(workers))]
-    return argv
+    return ReplayRequest(
+        names, where or None, script=str(body["script"]) if body.get("script") else None,
+        workers=int(workers) if workers else None, force=bool(body.get("force")),
+        reuse=not body.get("no_reuse"), allow_inexact=bool(body.get("allow_inexact")),
+    ).argv()  # fmt: skip
 
 
 def _count(text: str | None, name: str, default: int) -> int:

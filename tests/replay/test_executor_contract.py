@@ -1,0 +1,193 @@
+"""The executor contract (_replay/executor.py), held by the local and the Ray executor alike.
+
+Each test runs `retrolog replay` as a user does, once per executor (Ray through the
+shared cluster of scripts/services.sh). A numpy training script is recorded three
+times: seed 0 whole, with a gate that can hold its replay worker at its start; seed 1
+whole; seed 2 crashing with an exception at its epoch 2. The contract:
+
+- every run's values land in the store as that run's workers end, visible to another
+  reader (``Project.dataframe``) while other runs still replay; the crashed run's
+  values land up to where it stopped;
+- every job ends with the values its worker computed or an error, and the finished
+  replay has each run's values exactly once;
+- Ctrl-C stops the jobs still running (the command exits 130, the replay is recorded
+  interrupted), the runs that had landed keep their values, and the next replay does
+  only the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import retrolog
+from retrolog.errors import UnknownNameError
+
+from conftest import Project, ray_env, read_db
+
+SCRIPT = """\
+import argparse
+import os
+import time
+
+import numpy as np
+
+import retrolog as rl
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--crash-at", type=int, default=-1)
+    # A replay worker that finds this directory says it is there and waits for `open`
+    # in it; a recording never finds it.
+    parser.add_argument("--gate", default="")
+    return parser.parse_args()
+
+
+def wait_at_gate(gate):
+    if not gate or not os.path.isdir(gate):
+        return
+    open(os.path.join(gate, "waiting"), "w").close()
+    deadline = time.monotonic() + 180
+    while not os.path.exists(os.path.join(gate, "open")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def main():
+    args = parse_args()
+    np.random.seed(args.seed)
+    w = np.zeros(16)
+    wait_at_gate(args.gate)
+    with rl.checkpointing(w=w):
+        for epoch in rl.loop("epoch", range(args.epochs)):
+            for step in rl.loop("step", range(3)):
+                x = np.random.standard_normal((8, w.shape[0]))
+                w -= 0.05 * x.T @ (x @ w - 1.0) / len(x)
+            rl.log("loss", float(np.mean((x @ w - 1.0) ** 2)))
+            if epoch == args.crash_at:
+                raise RuntimeError("diverged")
+
+
+if __name__ == "__main__":
+    main()
+"""
+NEW = SCRIPT.replace(
+    '            rl.log("loss", float(np.mean((x @ w - 1.0) ** 2)))\n',
+    '            rl.log("loss", float(np.mean((x @ w - 1.0) ** 2)))\n'
+    '            rl.log("w_norm", float(np.linalg.norm(w)))\n',
+)
+EXECUTORS = ["local", pytest.param("ray", marks=pytest.mark.slow)]
+
+
+def _record(project: Project, gate: Path) -> dict[int, str]:
+    """The three runs (seed -> run id), then NEW as today's script."""
+    project.write("train.py", SCRIPT)
+    project.git("add", "train.py")
+    project.git("commit", "--quiet", "-m", "train")
+    project.run("train.py", "--seed", "0", "--gate", str(gate))
+    project.run("train.py", "--seed", "1")
+    crashed = project.run("train.py", "--seed", "2", "--crash-at", "2", check=False)
+    assert crashed.returncode == 1, crashed.stderr
+    project.write("train.py", NEW)
+    seeds = {}
+    for run_id, argv in read_db(project.root, "SELECT run_id, argv FROM runs"):
+        args = json.loads(str(argv))
+        seeds[int(args[args.index("--seed") + 1])] = str(run_id)
+    return seeds
+
+
+def _w_norm_counts(root: Path) -> dict[str, int]:
+    """Each run's w_norm values, as another reader of the store sees them now."""
+    try:
+        frame = retrolog.Project(root).dataframe("w_norm")
+    except UnknownNameError:  # no run has a value yet
+        return {}
+    counts = frame.dropna(subset=["w_norm"]).groupby("run_id").size()
+    return {str(run_id): int(n) for run_id, n in counts.items()}
+
+
+def _env(executor: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    if executor == "local":
+        return {}
+    return ray_env(request.getfixturevalue("ray_address"))
+
+
+def _wait_until_held(project: Project, gate: Path, seeds: dict[int, str], replay: Any) -> None:
+    """Until seeds 1 and 2 have landed and seed 0's worker waits at the gate."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and replay.poll() is None:
+        seen = _w_norm_counts(project.root)
+        if seeds[1] in seen and seeds[2] in seen and (gate / "waiting").exists():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not held at the gate: {seen}, exit {replay.poll()}")
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_each_runs_values_land_as_its_replay_ends(
+    project: Project, tmp_path: Path, executor: str, request: pytest.FixtureRequest
+) -> None:
+    gate = tmp_path / "gate"
+    seeds = _record(project, gate)
+    gate.mkdir()
+    replay = project.start_cli(
+        "replay", "w_norm", "--yes", "--workers", "2", "--executor", executor,
+        **_env(executor, request),
+    )  # fmt: skip
+    # Seed 0's worker waits at the gate; the values of the other two runs must be
+    # readable while it does (seed 0 may start first or after them: the contract keeps
+    # the order given, which the plan makes).
+    try:
+        _wait_until_held(project, gate, seeds, replay)
+        # Run 1 whole (4 epochs); the crashed run up to where it stopped: the epochs it
+        # finished, not the one it raised in.
+        assert _w_norm_counts(project.root) == {seeds[1]: 4, seeds[2]: 2}
+    finally:
+        (gate / "open").touch()
+        _, stderr = replay.communicate(timeout=300)
+    assert replay.returncode == 0, stderr
+    assert "Replayed 3 run(s); backfilled 10 value(s)." in stderr
+    assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
+    statuses = read_db(project.root, "SELECT executor, status FROM replays")
+    assert statuses == [(executor, "finished")]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_ctrl_c_stops_the_running_jobs_and_keeps_the_runs_that_landed(
+    project: Project, tmp_path: Path, executor: str, request: pytest.FixtureRequest
+) -> None:
+    gate = tmp_path / "gate"
+    seeds = _record(project, gate)
+    gate.mkdir()
+    replay = project.start_cli(
+        "replay", "w_norm", "--yes", "--workers", "2", "--executor", executor,
+        **_env(executor, request),
+    )  # fmt: skip
+    try:
+        _wait_until_held(project, gate, seeds, replay)
+        replay.send_signal(signal.SIGINT)
+        _, stderr = replay.communicate(timeout=120)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+    assert replay.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert read_db(project.root, "SELECT status FROM replays") == [("interrupted",)]
+    # The runs that had landed keep their values; the stopped one has none.
+    assert _w_norm_counts(project.root) == {seeds[1]: 4, seeds[2]: 2}
+    # Replayed again, only the stopped run is.
+    (gate / "open").touch()
+    again = project.cli("replay", "w_norm", "--yes", "--executor", executor,
+                        **_env(executor, request))  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "Replayed 1 run(s); backfilled 4 value(s)." in again.stderr
+    assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
