@@ -1,5 +1,5 @@
-"""The dashboard's chart screenshots in docs/img: a grid of charts with its legend, and the
-parallel coordinates with a scatter. Records a small project of 10 runs in a temporary
+"""The dashboard's screenshots in docs/img: the runs table, a grid of charts with its legend, the
+parallel coordinates with a scatter, and two runs compared. Records a small project of 10 runs in a temporary
 directory, serves it with `retrolog ui` and photographs it in Debian's chromium (or
 $RETROLOG_CHROMIUM) with Playwright.
 
@@ -96,8 +96,15 @@ def photograph(url: str) -> None:
         )
         page.locator("#chart-view").screenshot(path=str(OUT / "ui-grid.png"))
         page.locator("#explore-view").screenshot(path=str(OUT / "ui-parallel.png"))
+        page.locator("#runs-view").screenshot(path=str(OUT / "ui.png"))
+        boxes = page.locator("#runs tbody input[type=checkbox]").all()
+        for box in boxes[2:]:
+            box.uncheck()
+        page.click("#compare-selected")
+        page.wait_for_selector("#compare-metrics table")
+        page.locator("#compare-view").screenshot(path=str(OUT / "ui-compare.png"))
         browser.close()
-    print(f"wrote {OUT / 'ui-grid.png'} and {OUT / 'ui-parallel.png'}")
+    print(f"wrote ui.png, ui-grid.png, ui-parallel.png and ui-compare.png in {OUT}")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_runs_table_aggregates_first_mean_and_count(client: TestClient, recorded
 def test_runs_table_default_columns_status_argument_sort_and_ids(client: TestClient) -> None:
     default = client.get("/api/runs", params={"default": "1"}).json()
     assert default["metrics"] == ["acc", "loss", "lr"]
-    assert default["columns"] == ["acc:last", "loss:last", "lr:last"]
+    assert default["columns"] == ["acc:last", "loss:last"]  # lr is an argument: its own column
     assert "ids" not in default
     by_lr = client.get("/api/runs", params={"sort": "args.lr", "desc": "0", "ids": "1"}).json()
     assert [r["args"]["lr"] for r in by_lr["rows"]] == [0.1, 0.2, 0.3]

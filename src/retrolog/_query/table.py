@@ -97,8 +97,8 @@ def runs_table(
     sort: a field of FIELDS, a picked column's key (``acc:last``) or an argument
         (``args.lr``); runs without a value sort last either way.
     status: the statuses of the runs chosen (any when empty).
-    default_columns: without ``columns``, the last value of each metric the runs log (the
-        first DEFAULT_COLUMNS of them by name).
+    default_columns: without ``columns``, the last value of each metric the runs log, their
+        arguments left out (the first DEFAULT_COLUMNS of them by name).
     ids: also every matching run's id, in the table's order (selecting all of them).
     Returns {"total": matching runs, "offset", "fields", "columns": keys, "rows": [...],
     "notes": [why a column is empty, ...], "metrics": names holding numbers[, "ids"]}.
@@ -112,7 +112,13 @@ def runs_table(
         )
     ]
     if default_columns and not columns:
-        columns = [Column(name) for name in metrics[:DEFAULT_COLUMNS]]
+        # Arguments have their own columns: the default ones are what the runs measured.
+        given = {
+            key
+            for parsed, args in conn.execute("SELECT parsed_args, args FROM runs")
+            for key in arguments(parsed, args)
+        }
+        columns = [Column(name) for name in metrics if name not in given][:DEFAULT_COLUMNS]
     keys = [c.key for c in columns]
     argument = sort[len("args.") :] if sort.startswith("args.") else None
     if sort not in FIELDS and sort not in keys and not argument:
