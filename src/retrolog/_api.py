@@ -99,6 +99,7 @@ def arg(name: str, default: T) -> T:
     if type(name) is not str or not name:
         raise _refusal(f"arg() needs a non-empty string name, got {name!r}.")
     if _argv_error is not None:
+        _install_hooks()
         raise _argv_error
     override: Any = NO_OVERRIDE
     if _active is None and _kernel is not None:

@@ -205,6 +205,12 @@ def test_refusals_before_any_run_are_one_paragraph_without_traceback(project: Pr
             assert "Call rl.begin(name, ...)" in " ".join(out.stderr.split())
     out = project.run("early.py", check=False, RETROLOG_DEBUG="1")
     assert "Traceback" in out.stderr
+    # A malformed --kwargs is refused at the first rl.arg, before the run starts.
+    project.write("early.py", 'import retrolog as rl\nrl.arg("lr", 0.1)\n')
+    out = project.run("early.py", "--kwargs", "lr", check=False)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and "early.py, line 2" in out.stderr, out.stderr
+    assert "name=value" in out.stderr
 
 
 def test_loops_left_open_end_with_the_run(project: Project) -> None:
