@@ -141,7 +141,7 @@ FRAMEWORKS = {
         hook="    def on_train_epoch_end(self):\n        pass\n",
         hook_norm="    def on_train_epoch_end(self):\n"
         '        rl.log("w_norm", sum(p.norm().item() for p in self.parameters()))\n',
-        samples=16384,
+        samples=4096,
         gitignore="lightning_logs/\n",
     ),
 }
