@@ -3,10 +3,13 @@
 examples/train_digits.py as it is (``python train.py``), the same again in another
 project (the A/A floor), and with every ``rl.`` call but ``rl.log`` removed
 (``retrolog run train.py``), each in its own git project, in rounds whose order rotates
-so machine load falls on each alike. Whole processes, wall time: the hands-free side pays
-its analysis and rewrite too. Prints each round and the median ratios with their spread.
+so machine load falls on each alike. Whole processes: the hands-free side pays its
+analysis and rewrite too. Each is timed twice: wall time, and CPU time (user + sys of the
+process tree, ``getrusage(RUSAGE_CHILDREN)`` deltas around it), which carries much less
+of other users' load on a shared machine; each has its own A/A floor. Prints each round
+and the median ratios with their spread.
 
-    .venv/bin/python bench/bench_handsfree.py --rounds 6 --json bench/results/handsfree.json
+    .venv/bin/python -m bench.bench_handsfree --rounds 6 --json bench/results/handsfree.json
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import ast
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -57,10 +61,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _timed(cmd: list[str], cwd: Path) -> float:
-    started = time.perf_counter()
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(cmd: list[str], cwd: Path) -> tuple[float, float]:
+    """Wall time and CPU time (user + sys of the process and the children it waited for)."""
+    cpu, started = _children_cpu(), time.perf_counter()
     subprocess.run(cmd, cwd=cwd, check=True, env=_env(), capture_output=True)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, _children_cpu() - cpu
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -97,32 +107,47 @@ def main() -> None:
         }
         names = list(commands)
         times: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
         for i in range(opts.rounds):
             order = names[i % 3 :] + names[: i % 3]
             for name in order:
-                cmd, cwd = commands[name]
-                times[name].append(_timed(cmd, cwd))
+                command, cwd = commands[name]
+                wall, used = _timed(command, cwd)
+                times[name].append(wall)
+                cpu[name].append(used)
             print(
-                f"round {i}: " + ", ".join(f"{name} {times[name][-1]:.2f}s" for name in names),
+                f"round {i}: "
+                + ", ".join(
+                    f"{name} {times[name][-1]:.2f}s ({cpu[name][-1]:.2f}s CPU)" for name in names
+                ),
                 flush=True,
             )
-    ab = [b / a for a, b in zip(times["instrumented"], times["handsfree"], strict=True)]
-    aa = [b / a for a, b in zip(times["instrumented"], times["instrumented_again"], strict=True)]
-    result = {
+    result: dict[str, object] = {
         "rounds": opts.rounds,
         "repeat": opts.repeat,
-        "seconds": {name: _spread(values) for name, values in times.items()},
-        "ratio_handsfree_to_instrumented": _spread(ab),
-        "ratio_aa_floor": _spread(aa),
+        "load_average_after": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    print(
-        "hands-free / instrumented: median {median:.3f} [{min:.3f}..{max:.3f}]".format(
-            **result["ratio_handsfree_to_instrumented"]
+    for kind, measured in (("wall", times), ("cpu", cpu)):
+        a, a2, b = measured["instrumented"], measured["instrumented_again"], measured["handsfree"]
+        figures = {
+            "seconds": {name: _spread(values) for name, values in measured.items()},
+            "ratio_handsfree_to_instrumented": _spread([y / x for x, y in zip(a, b, strict=True)]),
+            "ratio_aa_floor": _spread([y / x for x, y in zip(a, a2, strict=True)]),
+            "extra_seconds": _spread([y - x for x, y in zip(a, b, strict=True)]),
+            "aa_seconds": _spread([y - x for x, y in zip(a, a2, strict=True)]),
+        }
+        result[kind] = figures
+        for label, key in (
+            ("hands-free / instrumented", "ratio_handsfree_to_instrumented"),
+            ("A/A floor", "ratio_aa_floor"),
+        ):
+            print(f"{kind}: {label}: median {{median:.3f}} [{{min:.3f}}..{{max:.3f}}]".format(
+                **figures[key]))  # fmt: skip
+        print(
+            f"{kind}: hands-free - instrumented: median {figures['extra_seconds']['median']:+.2f}s"
+            f"; A/A: median {figures['aa_seconds']['median']:+.2f}s"
         )
-    )
-    print(
-        "A/A floor: median {median:.3f} [{min:.3f}..{max:.3f}]".format(**result["ratio_aa_floor"])
-    )
     if opts.json is not None:
         opts.json.write_text(json.dumps(result, indent=2) + "\n")
 

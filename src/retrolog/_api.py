@@ -97,8 +97,9 @@ def arg(name: str, default: T) -> T:
     cell that only reads arguments starts no run: the next run in the kernel records them.
     """
     if type(name) is not str or not name:
-        raise UsageError(f"arg() needs a non-empty string name, got {name!r}.")
+        raise _refusal(f"arg() needs a non-empty string name, got {name!r}.")
     if _argv_error is not None:
+        _install_hooks()
         raise _argv_error
     override: Any = NO_OVERRIDE
     if _active is None and _kernel is not None:
@@ -148,7 +149,7 @@ def loop(name: str, iterable: Iterable[T]) -> Iterator[T]:
     outermost loop inside ``checkpointing`` is where checkpoints are taken.
     """
     if type(name) is not str or not name:
-        raise UsageError(f"loop() needs a non-empty string name, got {name!r}.")
+        raise _refusal(f"loop() needs a non-empty string name, got {name!r}.")
     return (_active or _begin()).loop(name, iterable)
 
 
@@ -168,7 +169,7 @@ def begin(name: str, value: Any = None) -> None:
     value: kept as the iteration's loop value when plain (int, float, str, bool).
     """
     if type(name) is not str or not name:
-        raise UsageError(f"begin() needs a non-empty string name, got {name!r}.")
+        raise _refusal(f"begin() needs a non-empty string name, got {name!r}.")
     (_active or _begin()).event_loops.begin(name, value)
 
 
@@ -181,7 +182,11 @@ def end(name: str | None = None) -> None:
     """
     run = _active
     if run is None:
-        raise UsageError("rl.end() was called before any rl.begin(); nothing is open.")
+        raise _refusal(
+            "rl.end() was called before any rl.begin(): no run has started and no loop is "
+            "open. Call rl.begin(name, ...) where each iteration starts and rl.end(name) "
+            "where the loop is over."
+        )
     run.event_loops.end(name)
 
 
@@ -207,7 +212,7 @@ def volatile(*names: str) -> None:
     """
     for name in names:
         if type(name) is not str or not name:
-            raise UsageError(f"volatile() needs non-empty string names, got {name!r}.")
+            raise _refusal(f"volatile() needs non-empty string names, got {name!r}.")
     (_active or _begin()).volatile.update(names)
 
 
@@ -463,6 +468,14 @@ def current_project() -> Project:
     if _active is not None and _active.owned_by_this_process():
         _active.writer.flush(timeout=30)
     return Project()
+
+
+def _refusal(message: str) -> UsageError:
+    """A usage error raised by a public call, possibly before any run has started: the
+    hooks that print retrolog's errors as one paragraph are installed first, so a script
+    ended by it shows the message and its own line, not a traceback."""
+    _install_hooks()
+    return UsageError(message)
 
 
 def _install_hooks() -> None:

@@ -193,6 +193,26 @@ def test_end_without_begin_and_misnested_end_say_what_to_do(project: Project) ->
     assert "Traceback" not in said and "no loop 'step' is open" in said
 
 
+def test_refusals_before_any_run_are_one_paragraph_without_traceback(project: Project) -> None:
+    # No recording call comes first: the script has not started a run when it is refused.
+    for call in ("rl.end()", 'rl.begin("")', 'rl.loop("", range(2))', 'rl.volatile("")'):
+        project.write("early.py", f"import retrolog as rl\n{call}\n")
+        out = project.run("early.py", check=False)
+        assert out.returncode == 1, call
+        assert "Traceback" not in out.stderr, (call, out.stderr)
+        assert "UsageError" in out.stderr and "early.py, line 2" in out.stderr, out.stderr
+        if call == "rl.end()":  # the paragraph says what to call instead
+            assert "Call rl.begin(name, ...)" in " ".join(out.stderr.split())
+    out = project.run("early.py", check=False, RETROLOG_DEBUG="1")
+    assert "Traceback" in out.stderr
+    # A malformed --kwargs is refused at the first rl.arg, before the run starts.
+    project.write("early.py", 'import retrolog as rl\nrl.arg("lr", 0.1)\n')
+    out = project.run("early.py", "--kwargs", "lr", check=False)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and "early.py, line 2" in out.stderr, out.stderr
+    assert "name=value" in out.stderr
+
+
 def test_loops_left_open_end_with_the_run(project: Project) -> None:
     project.write(
         "open.py",
