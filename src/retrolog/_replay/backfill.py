@@ -100,12 +100,13 @@ def backfill(
                 for ctx, name, value, kind, checkpoint in latest.values()
             ],
         )
+        inserted = conn.total_changes - before - deleted  # values, not summary rows
         recompute(conn, run_id, names, mark="?", number=SQLITE_NUMBER)
         conn.execute("COMMIT")
     except BaseException:
         rollback(conn)
         raise
-    return conn.total_changes - before - deleted
+    return inserted
 
 
 def already_stored(

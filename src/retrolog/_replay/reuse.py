@@ -239,9 +239,10 @@ def copy_values(
             " AND t.ctx_id IS s.ctx_id)",
             (target, replay_id, source, source, *names, target),
         )
+        inserted = conn.total_changes - before - deleted  # values, not summary rows
         recompute(conn, target, names, mark="?", number=SQLITE_NUMBER)
         conn.execute("COMMIT")
     except BaseException:
         rollback(conn)
         raise
-    return conn.total_changes - before - deleted
+    return inserted
