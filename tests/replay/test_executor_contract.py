@@ -83,7 +83,7 @@ NEW = SCRIPT.replace(
     '            rl.log("loss", float(np.mean((x @ w - 1.0) ** 2)))\n'
     '            rl.log("w_norm", float(np.linalg.norm(w)))\n',
 )
-EXECUTORS = ["local", pytest.param("ray", marks=pytest.mark.slow)]
+EXECUTORS = ["local", pytest.param("ray", marks=[pytest.mark.slow, pytest.mark.services])]
 
 
 def _record(project: Project, gate: Path) -> dict[int, str]:
