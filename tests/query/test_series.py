@@ -228,3 +228,26 @@ def test_a_series_read_is_every_rows_own_answer(tmp_path: Path) -> None:
     for (x, width), expected in expected_bytes.items():
         assert encode_series(series(conn, "loss", runs, x=x, width=width)) == expected
     conn.close()
+
+
+def test_a_series_read_from_postgresql_is_sqlites(tmp_path: Path, pg_store_url: str) -> None:
+    """The same rows copied into PostgreSQL (three value columns there) draw the same
+    charts."""
+    from retrolog.store.postgres_metadata import PostgresMetadata
+    from retrolog.store.transfer import copy_into_postgresql
+
+    runs = _mixed_store(tmp_path)
+    conn = connect(tmp_path / ".retrolog" / "retrolog.db")
+    target = PostgresMetadata(pg_store_url)
+    try:
+        copy_into_postgresql(conn, target, source=str(tmp_path))
+        reader = target.reader()
+        for name in ("loss", "acc"):
+            for x, width in (("step", None), ("step", 5), ("time", 5)):
+                expected = series(conn, name, runs, x=x, width=width)
+                found = series(reader, name, runs, x=x, width=width)
+                assert [s.about() for s in found] == [s.about() for s in expected]
+                assert encode_series(found) == encode_series(expected)
+    finally:
+        target.close()
+        conn.close()

@@ -422,10 +422,11 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     # Each row as few Python objects as it can be: the context, the value and a mark that
     # is NULL for the common row (recorded, numeric) and the row's log_id otherwise, whose
     # origin and type are then read apart. Reading the text of every row's origin and type
-    # (new str objects each) cost more than SQLite's whole read of the row.
+    # (new str objects each) cost more than SQLite's whole read of the row. The mark is
+    # named: PostgreSQL names the CASE after its ELSE, and ORDER BY log_id would sort by it.
     found = conn.execute(
         f"SELECT ctx_id, {', '.join(parts)}, CASE WHEN origin = 'recorded' AND value_type IN"
-        f" {_NUMERIC_SQL} THEN NULL ELSE log_id END FROM logs"
+        f" {_NUMERIC_SQL} THEN NULL ELSE log_id END AS mark FROM logs"
         " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL ORDER BY ctx_id, log_id",
         (name, run_id),
     ).fetchall()
