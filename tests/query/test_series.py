@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
-from retrolog._query.series import Series, bin_keys, downsample, group_series
+from retrolog._query import series as series_module
+from retrolog._query.series import (
+    BACKFILLED,
+    INEXACT,
+    RECORDED,
+    Columns,
+    Series,
+    bin_keys,
+    downsample,
+    encode_series,
+    group_series,
+    read_columns,
+    series,
+)
+from retrolog._replay.backfill import backfill
+from retrolog.store.records import RecordBatch, SqliteRecordSink
+from retrolog.store.schema import migrate
+from retrolog.store.sqlite_connection import connect
 
 
 def columns(x: np.ndarray, width: int) -> np.ndarray:
@@ -73,3 +94,160 @@ def test_a_continuous_argument_is_binned_into_a_handful_of_groups() -> None:
     groups = group_series(found, binned, 10, None, None)
     assert [g.key[0] for g in groups] == sorted(b[0] for b in bins)
     assert sum(len(g.run_ids) for g in groups) == 300
+
+
+def _rows_read_columns(conn: Any, name: str, run_id: str) -> Columns | None:
+    """The series read the straightforward way, every column of every row in Python: what
+    read_columns must return, however it reads."""
+    found = conn.execute(
+        "SELECT ctx_id, origin, inexact, replay_id, value_type, value FROM logs"
+        " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL ORDER BY ctx_id, log_id",
+        (name, run_id),
+    ).fetchall()
+    chosen: dict[int, tuple[Any, ...]] = {}
+    for row in found:  # per context the last recorded row, else the last backfilled one
+        ctx, origin = row[0], row[1]
+        if ctx not in chosen or origin == "recorded" or chosen[ctx][1] != "recorded":
+            chosen[ctx] = row
+    kept = [r for _, r in sorted(chosen.items()) if r[4] in ("float", "int", "bool")]
+    if not kept:
+        return None
+    replay_ids = list(dict.fromkeys(r[3] for r in found if r[1] != "recorded" and r[3]))
+    replay_ids = [r for r in replay_ids if any(k[3] == r for k in kept)]
+    loops = dict(
+        conn.execute(
+            "SELECT name, COUNT(*) FROM loops WHERE run_id = ? AND ctx_id IN (?, ?, ?)"
+            " GROUP BY name",
+            (run_id, kept[0][0], kept[len(kept) // 2][0], kept[-1][0]),
+        ).fetchall()
+    )
+    return Columns(
+        ctx=np.array([r[0] for r in kept], dtype=np.int64),
+        y=np.array([r[5] for r in kept], dtype=np.float64),
+        t=np.full(len(kept), np.nan),
+        origin=np.array(
+            [RECORDED if r[1] == "recorded" else INEXACT if r[2] else BACKFILLED for r in kept],
+            dtype=np.int8,
+        ),
+        replay_index=np.array(
+            [replay_ids.index(r[3]) if r[1] != "recorded" and r[3] else -1 for r in kept],
+            dtype=np.int32,
+        ),
+        replay_ids=replay_ids,
+        loop=max(loops, key=lambda k: loops[k]) if loops else None,
+    )
+
+
+def _mixed_store(root: Path) -> list[str]:
+    """Three runs through the record sink and the replay's backfill: two loops (epoch,
+    step), gaps, NaN and infinities, a context logged twice, text and JSON values under a
+    numeric name, and backfilled values (one replay inexact) beside and instead of
+    recorded ones."""
+    database = root / ".retrolog" / "retrolog.db"
+    database.parent.mkdir(parents=True)
+    conn = connect(database)
+    migrate(conn)
+    sink = SqliteRecordSink(database)
+    runs = [f"20260101-00000{i}-abcdef{i}" for i in range(3)]
+    rng = np.random.default_rng(7)
+    specials = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e308, 5e-324]
+    for r, run_id in enumerate(runs):
+        conn.execute(
+            "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at, ended_at,"
+            " host, pid, python, argv) VALUES (?, 'p', 't', 'train.py', 'finished', 0, 9,"
+            " 'h', 1, '3.11', '[]')",
+            (run_id,),
+        )
+        conn.commit()
+        batch = RecordBatch()
+        ctx, t = 0, 0.0
+        for epoch in range(3):
+            epoch_ctx, ctx = ctx, ctx + 1
+            batch.loop_starts.append((epoch_ctx, None, "epoch", epoch, None, 0, t))
+            for step in range(40):
+                batch.loop_starts.append((ctx, epoch_ctx, "step", step, None, 1, t))
+                t += 0.5
+                batch.loop_ends.append((t, ctx))
+                if r == 2 or (r == 1 and step % 2) or step % 7 == 3:
+                    ctx += 1  # a gap (run 1: every other step is replayed)
+                    continue
+                value = specials[step % 7] if step % 5 == 0 else float(rng.normal())
+                batch.values.append((ctx, "loss", value))
+                if step == 11:
+                    batch.values.append((ctx, "loss", float(step)))  # twice in a context
+                if step == 13:
+                    batch.values.append((ctx, "loss", step))  # an int
+                    batch.logs.append((ctx, "loss", "null", "json"))
+                if step == 17:
+                    batch.values.append((ctx, "loss", "seventeen"))  # text, not drawn
+                ctx += 1
+            batch.loop_ends.append((t, epoch_ctx))
+            batch.values.append((epoch_ctx, "acc", float(epoch) / 3))  # the outer loop
+        sink.write(run_id, batch)
+    sink.close()
+    for replay_id, inexact, run_id in (("r1", None, runs[1]), ("r2", "mismatch", runs[2]),
+                                       ("r3", None, runs[2])):  # fmt: skip
+        steps = conn.execute(
+            "SELECT ctx_id FROM loops WHERE run_id = ? AND name = 'step'", (run_id,)
+        ).fetchall()
+        upto = len(steps) * 2 // 3 if replay_id == "r2" else None
+        rows = [(c, "loss", c * 0.25 if c % 9 else None, "float" if c % 13 else "text", None)
+                for (c,) in steps[:upto]]  # fmt: skip
+        backfill(conn, run_id=run_id, replay_id=replay_id, code_object=None, rows=rows,
+                 names=["loss"], force=False, inexact=inexact)  # fmt: skip
+    conn.close()
+    return runs
+
+
+def test_a_series_read_is_every_rows_own_answer(tmp_path: Path) -> None:
+    """What a chart is drawn from equals the straightforward reading of every row: with
+    NaN and infinities, gaps, two loops, a context logged twice, text among numbers,
+    and backfilled values (inexact too) beside recorded ones."""
+    runs = _mixed_store(tmp_path)
+    conn = connect(tmp_path / ".retrolog" / "retrolog.db", readonly=True)
+    for name in ("loss", "acc"):
+        for run_id in runs:
+            found, expected = (
+                read_columns(conn, name, run_id),
+                _rows_read_columns(conn, name, run_id),
+            )
+            assert (found is None) == (expected is None)
+            if found is None or expected is None:
+                continue
+            assert found.replay_ids == expected.replay_ids and found.loop == expected.loop
+            for array in ("ctx", "y", "origin", "replay_index"):
+                assert getattr(found, array).tobytes() == getattr(expected, array).tobytes()
+    loss = {c.run_id: c for c in series(conn, "loss", runs)}
+    assert set(np.unique(loss[runs[2]].origin).tolist()) == {BACKFILLED, INEXACT}
+    assert np.isinf(loss[runs[0]].y).sum() == 6 and np.isnan(loss[runs[0]].y).any()
+    expected_bytes = {}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(series_module, "read_columns", _rows_read_columns)
+        for x, width in (("step", None), ("step", 5), ("time", 5)):
+            expected_bytes[x, width] = encode_series(series(conn, "loss", runs, x=x, width=width))
+    for (x, width), expected in expected_bytes.items():
+        assert encode_series(series(conn, "loss", runs, x=x, width=width)) == expected
+    conn.close()
+
+
+def test_a_series_read_from_postgresql_is_sqlites(tmp_path: Path, pg_store_url: str) -> None:
+    """The same rows copied into PostgreSQL (three value columns there) draw the same
+    charts."""
+    from retrolog.store.postgres_metadata import PostgresMetadata
+    from retrolog.store.transfer import copy_into_postgresql
+
+    runs = _mixed_store(tmp_path)
+    conn = connect(tmp_path / ".retrolog" / "retrolog.db")
+    target = PostgresMetadata(pg_store_url)
+    try:
+        copy_into_postgresql(conn, target, source=str(tmp_path))
+        reader = target.reader()
+        for name in ("loss", "acc"):
+            for x, width in (("step", None), ("step", 5), ("time", 5)):
+                expected = series(conn, name, runs, x=x, width=width)
+                found = series(reader, name, runs, x=x, width=width)
+                assert [s.about() for s in found] == [s.about() for s in expected]
+                assert encode_series(found) == encode_series(expected)
+    finally:
+        target.close()
+        conn.close()

@@ -36,6 +36,7 @@ values of that name (its loop's iterations, counted across outer iterations, fro
 ``time`` is seconds since the run started, at the end of the value's loop iteration."""
 
 NUMERIC_TYPES = ("float", "int", "bool")
+_NUMERIC_SQL = "('float', 'int', 'bool')"
 
 # Where each point came from (the ``origin`` array).
 RECORDED, BACKFILLED, INEXACT = 0, 1, 2
@@ -418,29 +419,48 @@ def _stamps(
 def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | None:
     """``name``'s whole series in ``run_id``, from the store (None: no numeric value)."""
     parts = value_parts(conn)
+    # Each row as few Python objects as it can be: the context, the value and a mark that
+    # is NULL for the common row (recorded, numeric) and the row's log_id otherwise, whose
+    # origin and type are then read apart. Reading the text of every row's origin and type
+    # (new str objects each) cost more than SQLite's whole read of the row. The mark is
+    # named: PostgreSQL names the CASE after its ELSE, and ORDER BY log_id would sort by it.
     found = conn.execute(
-        f"SELECT ctx_id, origin, inexact, replay_id, value_type, {', '.join(parts)} FROM logs"
+        f"SELECT ctx_id, {', '.join(parts)}, CASE WHEN origin = 'recorded' AND value_type IN"
+        f" {_NUMERIC_SQL} THEN NULL ELSE log_id END AS mark FROM logs"
         " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL ORDER BY ctx_id, log_id",
         (name, run_id),
     ).fetchall()
     if not found:
         return None
     # Column by column: a per-row Python step costs more than SQLite's read of the row.
-    ctx_ids, origins, inexacts, replay_of, types, *value_columns = zip(*found, strict=True)
+    ctx_ids, *value_columns, marks = zip(*found, strict=True)
+    n = len(found)
+    ctx = np.array(ctx_ids, dtype=np.int64)
     if len(value_columns) == 1:
         values = value_columns[0]
     else:  # the value whole again from its parts
         values = tuple(whole_value(v) for v in zip(*value_columns, strict=True))
-    n = len(found)
-    ctx = np.array(ctx_ids, dtype=np.int64)
-    if set(types) <= set(NUMERIC_TYPES):
-        numeric = np.ones(n, dtype=bool)
-    else:
-        numeric = np.array([t in NUMERIC_TYPES for t in types], dtype=bool)
-    if set(origins) == {"recorded"}:
-        recorded = np.ones(n, dtype=bool)
-    else:
-        recorded = np.array([o == "recorded" for o in origins], dtype=bool)
+    numeric = np.ones(n, dtype=bool)
+    recorded = np.ones(n, dtype=bool)
+    inexacts: dict[int, Any] = {}
+    replay_of: dict[int, Any] = {}
+    if marks.count(None) != n:
+        marked = [i for i, mark in enumerate(marks) if mark is not None]
+        rows = {
+            log_id: rest
+            for log_id, *rest in conn.execute(
+                "SELECT log_id, origin, inexact, replay_id, value_type FROM logs"
+                " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL AND NOT"
+                f" (origin = 'recorded' AND value_type IN {_NUMERIC_SQL})",
+                (name, run_id),
+            )
+        }
+        for i in marked:
+            # A row gone since (a run collected meanwhile) is left out like a text value.
+            origin, inexact, replay_id, value_type = rows.get(marks[i], (None, None, None, ""))
+            numeric[i] = value_type in NUMERIC_TYPES
+            recorded[i] = origin == "recorded"
+            inexacts[i], replay_of[i] = inexact, replay_id
     if numeric.all():
         y = np.array(values, dtype=np.float64)  # None (a logged NaN) becomes NaN
     else:
