@@ -5,6 +5,7 @@ Debian's chromium at /usr/bin/chromium: `bash scripts/setup_browser.sh`):
 
     python -m bench.bench_ui                  # about 5 minutes on a 2-core machine
     python -m bench.bench_ui --reps 7
+    python -m bench.bench_ui --sizes 300,1000 --reps 3   # the table and charts at these sizes
 
 The store is a real one (``connect`` + ``migrate`` on a temporary directory's
 ``.retrolog/retrolog.db``), filled the way the runtime fills it, seeded:
