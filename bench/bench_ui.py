@@ -5,6 +5,7 @@ Debian's chromium at /usr/bin/chromium: `bash scripts/setup_browser.sh`):
 
     python -m bench.bench_ui                  # about 5 minutes on a 2-core machine
     python -m bench.bench_ui --reps 7
+    python -m bench.bench_ui --sizes 300,1000 --reps 3   # the table and charts at these sizes
 
 The store is a real one (``connect`` + ``migrate`` on a temporary directory's
 ``.retrolog/retrolog.db``), filled the way the runtime fills it, seeded:
@@ -167,6 +168,10 @@ class Server:
         seconds = time.perf_counter() - began
         return seconds, body if params.get("format") == "binary" else json.loads(body)
 
+    def get_bytes(self, path_and_query: str) -> bytes:
+        with urllib.request.urlopen(f"{self.base}{path_and_query}", timeout=600) as response:
+            return response.read()
+
     def indexed(self) -> float:
         """Seconds until the background indexer has read every long series."""
         began = time.perf_counter()
@@ -304,14 +309,270 @@ def browser_metric_views(page: Any, server: Server, reps: int) -> dict[str, Any]
             "click to sort by an aggregate": spread(sorted_by)}  # fmt: skip
 
 
-def measure_metric_store(sizes: list[int], reps: int, root: Path) -> dict[str, Any]:
+# -- charts over the same stores: what a user waits for, at the API and in Chromium ---------
+#
+# The page draws a chart of the selected runs (the address's ``runs``), one cell of the grid
+# per name (``charts``), each cell's series asked for at the cell's pixel width and
+# CHART_HEIGHT with a points budget of width x height across all its runs. Parallel
+# coordinates and the scatter read one /api/runs page (up to 1,000 runs) with the charted
+# names' aggregates. "Cold": a fresh ``retrolog ui --no-index`` on a store whose
+# .retrolog/cache was removed, so the series are read from the store; "warm": the same
+# request again on that server (its series kept in memory).
+
+CHART_RUNS = 300
+VIEWPORT = {"width": 1280, "height": 900}
+# Six names the runs log: the three step-level metrics and the three arguments (one
+# run-level value per run, which the chart draws as an empty cell against steps).
+GRID = ("loss", "acc", "lr_now", "lr", "seed", "optimizer")
+EXPLORED = ("loss", "acc", "lr_now")  # charted names: parallel coordinates' metric axes
+CHART_TARGETS = {"chart_cold_seconds": 1.5, "grid_seconds": 3.0}
+CELL_DRAWN = (
+    "(names) => { const g = window.__retrolog && window.__retrolog.grid;"
+    " return !!g && names.every((n) => { const c = g.cells.get(n);"
+    " return c && ['drawn', 'empty', 'error'].includes(c.state); }); }"
+)
+CELL_STATES = "(names) => names.map((n) => window.__retrolog.grid.cells.get(n).state)"
+
+
+def server_cpu(server: Server) -> float:
+    """CPU seconds the server process (its threads and waited-for children) has used."""
+    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+class Sampler:
+    """Samples of one measure: wall seconds, the server's CPU seconds, the 1-minute load
+    average when it began, and the bytes of the answers."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.load: list[float] = []
+        self.bytes: list[int] = []
+
+    def time(self, server: Server, action: Any, *args: Any) -> Any:
+        load, cpu, began = os.getloadavg()[0], server_cpu(server), time.perf_counter()
+        result = action(*args)
+        self.wall.append(time.perf_counter() - began)
+        self.cpu.append(server_cpu(server) - cpu)
+        self.load.append(load)
+        return result
+
+    def summary(self) -> dict[str, Any]:
+        found = {"seconds": spread(self.wall), "server_cpu_seconds": spread(self.cpu),
+                 "load_average_1min": spread(self.load)}  # fmt: skip
+        if self.bytes:
+            found["response_bytes"] = spread([float(b) for b in self.bytes])
+        return found
+
+
+def fresh_server(root: Path) -> Server:
+    """A ``--no-index`` server with nothing cached: the series are read from the store."""
+    shutil.rmtree(root / ".retrolog" / "cache", ignore_errors=True)
+    return Server(root)
+
+
+def series_budget(query: str) -> dict[str, Any]:
+    """The points a series request may send (its width x height) and what it asks for."""
+    q = urllib.parse.parse_qs(query)
+    width, height = int(q["width"][0]), int(q["height"][0])
+    return {"name": q["name"][0], "runs": len(q["runs"][0].split(",")), "width": width,
+            "height": height, "budget_points": width * height}  # fmt: skip
+
+
+def binary_points(body: bytes) -> tuple[int, int]:
+    """Points sent and points stored, over every series of a binary /api/series answer."""
+    header = json.loads(body[4 : 4 + int.from_bytes(body[:4], "little")])
+    return sum(s["n"] for s in header), sum(s.get("total", s["n"]) for s in header)
+
+
+def launch(playwright: Any) -> Any:
+    return playwright.chromium.launch(
+        executable_path=CHROMIUM, headless=True, chromium_sandbox=False,
+        args=["--no-sandbox", "--disable-dev-shm-usage"],
+    )  # fmt: skip
+
+
+def browser_charts(
+    browser: Any, root: Path, runs: list[str], size: int, reps: int
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """In Chromium, each with a fresh server: a chart of ``runs`` from the click that adds
+    it to drawn (cold, then warm after a reload), the page opened with the grid of 6, and the
+    page opened with parallel coordinates and the scatter. Returns the figures and the
+    series requests the page made (name -> query), which the API half repeats."""
+    samples = {k: Sampler() for k in (
+        "chart, click to drawn, cold", "chart, click to drawn, warm",
+        "grid of 6, open to every cell drawn, cold",
+        "parallel coordinates and scatter, open to drawn")}  # fmt: skip
+    queries: dict[str, str] = {}
+    base_query = {"runs": ",".join(runs)}
+    explored = min(size, 1000)
+
+    def seen(request: Any) -> None:
+        if "/api/series" in request.url:
+            query = urllib.parse.urlsplit(request.url).query
+            queries[urllib.parse.parse_qs(query)["name"][0]] = query
+
+    for _ in range(reps):
+        server = fresh_server(root)
+        context = browser.new_context(viewport=VIEWPORT)
+        try:
+            page = context.new_page()
+            page.on("request", seen)
+            url = f"{server.base}/?token={server.token}&" + urllib.parse.urlencode(base_query)
+            for label in ("chart, click to drawn, cold", "chart, click to drawn, warm"):
+                page.goto(url)
+                page.wait_for_selector("body[data-ready='1']", timeout=600_000)
+
+                samples[label].time(server, click_chart, page)
+                assert page.evaluate(CELL_STATES, ["loss"]) == ["drawn"], label
+                drawn = page.evaluate("window.__retrolog.grid.cells.get('loss').series.length")
+                assert drawn == len(runs), label
+        finally:
+            context.close()
+            server.stop()
+        server = fresh_server(root)
+        context = browser.new_context(viewport=VIEWPORT)
+        try:
+            page = context.new_page()
+            page.on("request", seen)
+            url = f"{server.base}/?token={server.token}&" + urllib.parse.urlencode(
+                {**base_query, "charts": ",".join(GRID)}
+            )
+
+            samples["grid of 6, open to every cell drawn, cold"].time(server, open_grid, page, url)
+            states = page.evaluate(CELL_STATES, list(GRID))
+            assert states[:3] == ["drawn"] * 3 and "error" not in states, states
+            url = f"{server.base}/?token={server.token}&" + urllib.parse.urlencode(
+                {"charts": ",".join(EXPLORED), "sx": "lr", "sy": "acc"}
+            )
+
+            samples["parallel coordinates and scatter, open to drawn"].time(
+                server, open_explore, page, url, explored
+            )
+        finally:
+            context.close()
+            server.stop()
+    return {label: s.summary() for label, s in samples.items()}, queries
+
+
+def click_chart(page: Any) -> None:
+    """Add a chart of ``loss`` from the page's menu; wait until every line is stroked."""
+    page.select_option("#chart-name", "loss")
+    page.wait_for_function(CELL_DRAWN, arg=["loss"], timeout=600_000)
+
+
+def open_grid(page: Any, url: str) -> None:
+    page.goto(url)
+    page.wait_for_function(CELL_DRAWN, arg=list(GRID), timeout=600_000)
+
+
+def open_explore(page: Any, url: str, runs: int) -> None:
+    """Open the page; wait for parallel coordinates' 5 axes (lr, seed and the charted names'
+    last values) and the scatter's dot per run."""
+    page.goto(url)
+    page.wait_for_function(
+        "(n) => document.getElementById('parallel').dataset.axes === '5'"
+        " && document.getElementById('scatter').dataset.points === String(n)",
+        arg=runs, timeout=600_000,
+    )  # fmt: skip
+
+
+def api_charts(root: Path, queries: dict[str, str], size: int, reps: int) -> dict[str, Any]:
+    """At the API, each cold measure on a fresh server: the page's own series requests (the
+    binary form, at the widths the page asked for), one chart and the grid's 6 at once, and
+    the runs page that parallel coordinates and the scatter read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    samples = {k: Sampler() for k in (
+        "chart of 300 runs, cold", "chart of 300 runs, warm",
+        "grid of 6 at once, cold", "grid of 6 at once, warm",
+        "parallel coordinates' and scatter's runs page")}  # fmt: skip
+    budgets: dict[str, Any] = {}
+    columns = ",".join(f"{m}:last" for m in EXPLORED)
+    for _ in range(reps):
+        server = fresh_server(root)
+        try:
+            for label in ("chart of 300 runs, cold", "chart of 300 runs, warm"):
+                body = samples[label].time(
+                    server, server.get_bytes, "/api/series?" + queries["loss"]
+                )
+                samples[label].bytes.append(len(body))
+            sent, stored = binary_points(body)
+            budgets["loss"] = {**series_budget(queries["loss"]), "points_sent": sent,
+                               "points_stored": stored, "bytes": len(body)}  # fmt: skip
+
+            label = "parallel coordinates' and scatter's runs page"
+            runs_page = "/api/runs?" + urllib.parse.urlencode(
+                {"limit": "1000", "sort": "started_at", "desc": "1", "columns": columns}
+            )
+            body = samples[label].time(server, server.get_bytes, runs_page)
+            samples[label].bytes.append(len(body))
+            assert len(json.loads(body)["rows"]) == min(size, 1000)
+        finally:
+            server.stop()
+        server = fresh_server(root)
+        try:
+            for label in ("grid of 6 at once, cold", "grid of 6 at once, warm"):
+                paths = ["/api/series?" + queries[n] for n in GRID]
+                with ThreadPoolExecutor(len(GRID)) as pool:
+                    bodies = samples[label].time(
+                        server,
+                        lambda: list(pool.map(server.get_bytes, paths)),  # noqa: B023
+                    )
+                samples[label].bytes.append(sum(len(b) for b in bodies))
+            for name, body in zip(GRID, bodies, strict=True):
+                sent, stored = binary_points(body)
+                budgets[f"grid: {name}"] = {
+                    **series_budget(queries[name]),
+                    "points_sent": sent,
+                    "points_stored": stored,
+                    "bytes": len(body),
+                }
+        finally:
+            server.stop()
+    for found in budgets.values():
+        found["within_budget"] = found["points_sent"] <= found["budget_points"]
+    return {"seconds": {label: s.summary() for label, s in samples.items()},
+            "series_budgets": budgets}  # fmt: skip
+
+
+def measure_charts(root: Path, size: int, reps: int) -> dict[str, Any]:
+    from playwright.sync_api import sync_playwright
+
+    server = Server(root)
+    try:
+        rows = server.get("/api/runs", limit=CHART_RUNS, sort="started_at")[1]["rows"]
+    finally:
+        server.stop()
+    runs = [r["run_id"] for r in rows]
+    with sync_playwright() as playwright:
+        browser = launch(playwright)
+        try:
+            chromium, queries = browser_charts(browser, root, runs, size, reps)
+        finally:
+            browser.close()
+    return {"chart_runs": len(runs), "viewport": VIEWPORT, "grid": list(GRID),
+            "chromium": chromium, "api": api_charts(root, queries, size, reps)}  # fmt: skip
+
+
+def measure_metric_store(
+    sizes: list[int], reps: int, root: Path, stores: Path | None = None
+) -> dict[str, Any]:
+    """Per size, the table's figures and the charts'; ``stores``: a directory holding (or
+    to hold, kept) one store per size, ``stores/300`` and so on, built where missing."""
     from playwright.sync_api import sync_playwright
 
     found: dict[str, Any] = {}
     built = 0
     for size in sizes:
         t0 = time.perf_counter()
-        build_metric_store(root, size, built)
+        if stores is not None:
+            root = stores / str(size)
+            if not (root / ".retrolog").exists():
+                build_metric_store(root, size)
+        else:
+            build_metric_store(root, size, built)
         built = size
         took = time.perf_counter() - t0
         print(f"store: {size} runs x {METRIC_STEPS} steps ({took:.0f} s)", file=sys.stderr)
@@ -345,17 +606,18 @@ def measure_metric_store(sizes: list[int], reps: int, root: Path) -> dict[str, A
             "bytes": (root / ".retrolog" / "retrolog.db").stat().st_size,
             "api_seconds": api,
             "chromium_seconds": chromium,
+            "charts": measure_charts(root, size, reps),
         }
     return found
 
 
 def run_metric_stores(args: argparse.Namespace, root: Path) -> int:
-    from bench_log import source_fingerprint
+    from bench.harness import source_fingerprint
 
     started, load_before = time.time(), os.getloadavg()
     source = source_fingerprint()
     sizes = sorted(int(n) for n in args.sizes.split(","))
-    result = measure_metric_store(sizes, args.reps, root)
+    result = measure_metric_store(sizes, args.reps, root, args.stores)
     load_after = os.getloadavg()
     out = json.loads(args.out.read_text()) if args.out.exists() else {}
     out["runs_table_by_runs"] = {
@@ -373,6 +635,7 @@ def run_metric_stores(args: argparse.Namespace, root: Path) -> int:
         "metrics": list(METRICS),
         "columns": FIVE_COLUMNS,
         "target_seconds": TARGETS["table_seconds"],
+        "chart_targets": CHART_TARGETS,
         "by_runs": result,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -381,6 +644,19 @@ def run_metric_stores(args: argparse.Namespace, root: Path) -> int:
         print(f"{size} runs ({figures['values']:,} values):")
         for label, s in {**figures["api_seconds"], **figures["chromium_seconds"]}.items():
             print(f"  {label:45s} {s['median']:.3f} s [{s['min']:.3f}..{s['max']:.3f}]")
+        charts = figures["charts"]
+        for side in ("chromium", "api"):
+            table = charts[side] if side == "chromium" else charts[side]["seconds"]
+            for label, m in table.items():
+                s, c = m["seconds"], m["server_cpu_seconds"]
+                size_note = (f", {m['response_bytes']['median'] / 1e6:.2f} MB"
+                             if "response_bytes" in m else "")  # fmt: skip
+                print(f"  {side}: {label:45s} {s['median']:.3f} s [{s['min']:.3f}.."
+                      f"{s['max']:.3f}], server CPU {c['median']:.3f} s{size_note}")  # fmt: skip
+        for name, b in charts["api"]["series_budgets"].items():
+            print(f"  {name}: {b['points_sent']:,} of {b['points_stored']:,} points, budget "
+                  f"{b['budget_points']:,} ({b['width']}x{b['height']}), "
+                  f"{b['bytes']:,} bytes")  # fmt: skip
     return 0
 
 
@@ -393,6 +669,11 @@ def main(argv: list[str] | None = None) -> int:
         "--sizes",
         help="measure the runs table on stores of these many runs x 5,000 steps x 3 metrics "
         "(e.g. 300,1000) instead of the 10,000-run store",
+    )
+    parser.add_argument(
+        "--stores",
+        type=Path,
+        help="with --sizes: keep (or reuse) one store per size in this directory's 300/, 1000/",
     )
     args = parser.parse_args(argv)
     if args.keep is not None and (args.keep / ".retrolog").exists():
