@@ -7,13 +7,15 @@ replay reads into a working copy, an embedded store file of its own under
 checkpoints and profile of the runs of the script replayed, of those only the
 runs a ``where`` predicate chose when one is given), replays there
 exactly as it would locally (workers read the copy's contexts and frame locals,
-checkpoints come from the object store), and then writes what the replay added
-back into PostgreSQL (store/transfer.py, ``write_back``): the replay and its
-runs, the backfilled values (each run's in one transaction under an advisory lock
-on the run, only where the run has no value at that place, so two replays of one
-run from two machines never both write one), the definitions and module sets it
-kept. It writes back also when the replay stops with an error, as a local
-replay keeps what it finished. The copy is deleted afterwards.
+checkpoints come from the object store), and writes what the replay added back
+into PostgreSQL (store/transfer.py, ``WriteBack``) as each run lands in the copy:
+the run's ``replay_runs`` row and backfilled values (in one transaction under an
+advisory lock on the run, only where the run has no value at that place, so two
+replays of one run from two machines never both write one), with the replay's
+row and the definitions and module sets it kept not written yet. At the end,
+also when the replay stops with an error, as a local replay keeps what it
+finished, it writes the runs left and the replay's row as it ended. The copy is
+deleted afterwards.
 
 Exactness is the local replay's own: the same code runs on the same rows. A
 ``where`` predicate is judged by PostgreSQL, in its dialect, as ``dataframe --where``
