@@ -224,3 +224,34 @@ def test_ctrl_c_stops_the_running_jobs_and_keeps_the_runs_that_landed(
     assert again.returncode == 0, again.stderr
     assert "Replayed 1 run(s); backfilled 4 value(s)." in again.stderr
     assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
+
+
+def test_ctrl_c_keeps_the_runs_that_landed_in_postgresql(
+    project: Project, tmp_path: Path, pg_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = tmp_path / "gate"
+    seeds = _record(project, gate, RETROLOG_DATABASE_URL=pg_store_url)
+    monkeypatch.setenv("RETROLOG_DATABASE_URL", pg_store_url)  # _w_norm_counts' reader
+    gate.mkdir()
+    replay = project.start_cli(
+        "replay", "w_norm", "--yes", "--workers", "2", RETROLOG_DATABASE_URL=pg_store_url
+    )
+    try:
+        _wait_until_held(project, gate, seeds, replay)
+        replay.send_signal(signal.SIGINT)
+        _, stderr = replay.communicate(timeout=120)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+    assert replay.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert read_pg(pg_store_url, "SELECT status FROM replays") == [("interrupted",)]
+    assert _w_norm_counts(project.root) == {seeds[1]: 4, seeds[2]: 2}
+    counts = read_pg(pg_store_url, "SELECT run_id, backfilled FROM replay_runs")
+    assert sorted(counts) == sorted([(seeds[1], 4), (seeds[2], 2)])
+    (gate / "open").touch()
+    again = project.cli("replay", "w_norm", "--yes", RETROLOG_DATABASE_URL=pg_store_url)
+    assert again.returncode == 0, again.stderr
+    assert "Replayed 1 run(s); backfilled 4 value(s)." in again.stderr
+    assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
