@@ -586,10 +586,11 @@ class WriteBack:
             (run_id, *new),
         ).fetchall()
         with pg.transaction():
+            # The run's lock before any row, so two replays never wait on each other.
+            pg.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (run_id,))
             done = self._shared(new)
             _insert(pg, "replay_runs", columns["replay_runs"], own,
                     f" ON CONFLICT ({SHARED['replay_runs']}) DO NOTHING")  # fmt: skip
-            pg.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (run_id,))
             if self.force:
                 pg.execute(
                     "DELETE FROM logs WHERE run_id = %s AND origin = 'backfilled'"
@@ -610,7 +611,7 @@ class WriteBack:
                 "SELECT l.replay_id, count(*) FROM rl_backfill b JOIN logs l ON"
                 " l.name = b.name AND l.run_id = b.run_id"
                 " AND l.ctx_id IS NOT DISTINCT FROM b.ctx_id"
-                " WHERE l.origin = 'backfilled' AND NOT l.replay_id = ANY(%s)"
+                " WHERE l.origin = 'backfilled' AND NOT COALESCE(l.replay_id = ANY(%s), false)"
                 " GROUP BY l.replay_id",
                 (new,),
             ).fetchall()
