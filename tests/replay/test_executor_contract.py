@@ -28,7 +28,7 @@ import pytest
 import retrolog
 from retrolog.errors import UnknownNameError
 
-from conftest import Project, ray_env, read_db
+from conftest import Project, ray_env, read_db, read_pg
 
 SCRIPT = """\
 import argparse
@@ -86,18 +86,21 @@ NEW = SCRIPT.replace(
 EXECUTORS = ["local", pytest.param("ray", marks=[pytest.mark.slow, pytest.mark.services])]
 
 
-def _record(project: Project, gate: Path) -> dict[int, str]:
-    """The three runs (seed -> run id), then NEW as today's script."""
+def _record(project: Project, gate: Path, **env: str) -> dict[int, str]:
+    """The three runs (seed -> run id), then NEW as today's script; ``env``: e.g. the
+    PostgreSQL store's RETROLOG_DATABASE_URL."""
     project.write("train.py", SCRIPT)
     project.git("add", "train.py")
     project.git("commit", "--quiet", "-m", "train")
-    project.run("train.py", "--seed", "0", "--gate", str(gate))
-    project.run("train.py", "--seed", "1")
-    crashed = project.run("train.py", "--seed", "2", "--crash-at", "2", check=False)
+    project.run("train.py", "--seed", "0", "--gate", str(gate), **env)
+    project.run("train.py", "--seed", "1", **env)
+    crashed = project.run("train.py", "--seed", "2", "--crash-at", "2", check=False, **env)
     assert crashed.returncode == 1, crashed.stderr
     project.write("train.py", NEW)
     seeds = {}
-    for run_id, argv in read_db(project.root, "SELECT run_id, argv FROM runs"):
+    url = env.get("RETROLOG_DATABASE_URL")
+    query = "SELECT run_id, argv FROM runs"
+    for run_id, argv in read_pg(url, query) if url else read_db(project.root, query):
         args = json.loads(str(argv))
         seeds[int(args[args.index("--seed") + 1])] = str(run_id)
     return seeds
@@ -160,6 +163,36 @@ def test_each_runs_values_land_as_its_replay_ends(
     assert statuses == [(executor, "finished")]
 
 
+def test_each_runs_values_land_in_postgresql_as_its_replay_ends(
+    project: Project, tmp_path: Path, pg_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The replay runs on a working copy of the PostgreSQL store: each run's values must
+    # reach PostgreSQL as that run lands there, not when the whole replay ends.
+    gate = tmp_path / "gate"
+    seeds = _record(project, gate, RETROLOG_DATABASE_URL=pg_store_url)
+    monkeypatch.setenv("RETROLOG_DATABASE_URL", pg_store_url)  # _w_norm_counts' reader
+    gate.mkdir()
+    replay = project.start_cli(
+        "replay", "w_norm", "--yes", "--workers", "2", RETROLOG_DATABASE_URL=pg_store_url
+    )
+    try:
+        _wait_until_held(project, gate, seeds, replay)
+        assert _w_norm_counts(project.root) == {seeds[1]: 4, seeds[2]: 2}
+        # The replay's row is there first, running; its runs that landed are listed.
+        assert read_pg(pg_store_url, "SELECT status FROM replays") == [("running",)]
+        landed = read_pg(pg_store_url, "SELECT run_id, backfilled FROM replay_runs")
+        assert sorted(landed) == sorted([(seeds[1], 4), (seeds[2], 2)])
+    finally:
+        (gate / "open").touch()
+        _, stderr = replay.communicate(timeout=300)
+    assert replay.returncode == 0, stderr
+    assert "Replayed 3 run(s); backfilled 10 value(s)." in stderr
+    assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
+    assert read_pg(pg_store_url, "SELECT status FROM replays") == [("finished",)]
+    counts = read_pg(pg_store_url, "SELECT run_id, backfilled FROM replay_runs")
+    assert sorted(counts) == sorted([(seeds[0], 4), (seeds[1], 4), (seeds[2], 2)])
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_ctrl_c_stops_the_running_jobs_and_keeps_the_runs_that_landed(
     project: Project, tmp_path: Path, executor: str, request: pytest.FixtureRequest
@@ -188,6 +221,37 @@ def test_ctrl_c_stops_the_running_jobs_and_keeps_the_runs_that_landed(
     (gate / "open").touch()
     again = project.cli("replay", "w_norm", "--yes", "--executor", executor,
                         **_env(executor, request))  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "Replayed 1 run(s); backfilled 4 value(s)." in again.stderr
+    assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}
+
+
+def test_ctrl_c_keeps_the_runs_that_landed_in_postgresql(
+    project: Project, tmp_path: Path, pg_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = tmp_path / "gate"
+    seeds = _record(project, gate, RETROLOG_DATABASE_URL=pg_store_url)
+    monkeypatch.setenv("RETROLOG_DATABASE_URL", pg_store_url)  # _w_norm_counts' reader
+    gate.mkdir()
+    replay = project.start_cli(
+        "replay", "w_norm", "--yes", "--workers", "2", RETROLOG_DATABASE_URL=pg_store_url
+    )
+    try:
+        _wait_until_held(project, gate, seeds, replay)
+        replay.send_signal(signal.SIGINT)
+        _, stderr = replay.communicate(timeout=120)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+    assert replay.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert read_pg(pg_store_url, "SELECT status FROM replays") == [("interrupted",)]
+    assert _w_norm_counts(project.root) == {seeds[1]: 4, seeds[2]: 2}
+    counts = read_pg(pg_store_url, "SELECT run_id, backfilled FROM replay_runs")
+    assert sorted(counts) == sorted([(seeds[1], 4), (seeds[2], 2)])
+    (gate / "open").touch()
+    again = project.cli("replay", "w_norm", "--yes", RETROLOG_DATABASE_URL=pg_store_url)
     assert again.returncode == 0, again.stderr
     assert "Replayed 1 run(s); backfilled 4 value(s)." in again.stderr
     assert _w_norm_counts(project.root) == {seeds[0]: 4, seeds[1]: 4, seeds[2]: 2}

@@ -137,6 +137,7 @@ def replay(
     echo: Echo = _stderr,
     choose: Callable[[str], set[str]] | None = None,
     settle: Callable[[dict[str, RunOutcome]], None] | None = None,
+    land: Callable[[list[str]], None] | None = None,
 ) -> ReplayResult:
     """Replay past runs of a script to backfill the values of ``request.names``.
 
@@ -150,6 +151,9 @@ def replay(
     settle: called with the outcomes once the values are in ``conn``, before the report:
         a working copy's are written into its store there, and each outcome's
         ``backfilled`` and ``already`` set to what that store kept.
+    land: called with the runs whose values just landed in ``conn`` (a run and those
+        reusing its values), while the other runs still replay: a working copy's are
+        written into its store there.
     """
     make_executor = choose_executor(request.executor, request.ray_address)
     state = _select(conn, paths, request, choose, echo)
@@ -164,7 +168,7 @@ def replay(
         if stop is not None:
             return stop
         if state.plan is not None:
-            _execute(conn, paths, state, executor, echo)
+            _execute(conn, paths, state, executor, echo, land)
         _copy_reused(conn, state.ready, state.after, state.outcomes, state.names,
                      state.replay_id, state.lineage)  # fmt: skip
         if settle is not None:
@@ -933,7 +937,12 @@ def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> f
 
 
 def _execute(
-    conn: sqlite3.Connection, paths: ProjectPaths, state: _Replay, executor: Executor, echo: Echo
+    conn: sqlite3.Connection,
+    paths: ProjectPaths,
+    state: _Replay,
+    executor: Executor,
+    echo: Echo,
+    land: Callable[[list[str]], None] | None = None,
 ) -> None:
     """Run the plan's jobs on ``executor``; each run's values land as its last job ends."""
     plan, request = state.plan, state.request
@@ -945,7 +954,7 @@ def _execute(
     )  # fmt: skip
     for job in jobs:
         job.start = state.starts.get(job.run_id)
-    landing = _Landing(conn, state, jobs, code_objects)
+    landing = _Landing(conn, state, jobs, code_objects, land)
     bar, step = _progress_bar(request.progress, len(jobs), "replay")
 
     def done(job: Job) -> None:
@@ -1007,8 +1016,9 @@ class _Landing:
         state: _Replay,
         jobs: Sequence[Job],
         code_objects: dict[str, str | None],
+        land: Callable[[list[str]], None] | None = None,
     ) -> None:
-        self.conn, self.state, self.code_objects = conn, state, code_objects
+        self.conn, self.state, self.code_objects, self.land = conn, state, code_objects, land
         self.per_run: dict[str, list[Job]] = {}
         for job in jobs:
             self.per_run.setdefault(job.run_id, []).append(job)
@@ -1034,6 +1044,8 @@ class _Landing:
             _copy_reused(self.conn, {}, reusers, state.outcomes, state.names, state.replay_id,
                          state.lineage)  # fmt: skip
             state.after = {r: s for r, s in state.after.items() if r not in reusers}
+        if self.land is not None:
+            self.land([run_id, *reusers])
 
 
 def _progress_bar(progress: bool, total: int, desc: str) -> tuple[Any, Callable[[Job], None]]:

@@ -7,13 +7,15 @@ replay reads into a working copy, an embedded store file of its own under
 checkpoints and profile of the runs of the script replayed, of those only the
 runs a ``where`` predicate chose when one is given), replays there
 exactly as it would locally (workers read the copy's contexts and frame locals,
-checkpoints come from the object store), and then writes what the replay added
-back into PostgreSQL (store/transfer.py, ``write_back``): the replay and its
-runs, the backfilled values (each run's in one transaction under an advisory lock
-on the run, only where the run has no value at that place, so two replays of one
-run from two machines never both write one), the definitions and module sets it
-kept. It writes back also when the replay stops with an error, as a local
-replay keeps what it finished. The copy is deleted afterwards.
+checkpoints come from the object store), and writes what the replay added back
+into PostgreSQL (store/transfer.py, ``WriteBack``) as each run lands in the copy:
+the run's ``replay_runs`` row and backfilled values (in one transaction under an
+advisory lock on the run, only where the run has no value at that place, so two
+replays of one run from two machines never both write one), with the replay's
+row and the definitions and module sets it kept not written yet. At the end,
+also when the replay stops with an error, as a local replay keeps what it
+finished, it writes the runs left and the replay's row as it ended. The copy is
+deleted afterwards.
 
 Exactness is the local replay's own: the same code runs on the same rows. A
 ``where`` predicate is judged by PostgreSQL, in its dialect, as ``dataframe --where``
@@ -33,7 +35,7 @@ from retrolog.store.paths import ProjectPaths
 if TYPE_CHECKING:
     from retrolog._replay.replayer import ReplayResult
     from retrolog._replay.request import ReplayRequest
-    from retrolog.store.transfer import WrittenBack
+    from retrolog.store.transfer import WriteBack, WrittenBack
 
 
 class _WorkingCopy(sqlite3.Connection):
@@ -49,11 +51,12 @@ def replay_shared(
     """:func:`retrolog._replay.replayer.replay` for the PostgreSQL store at ``url``
     (``options``: its ``confirm`` and ``echo``)."""
     from retrolog._replay.replayer import replay
+    from retrolog.errors import StoreError
     from retrolog.store.paths import make_store_dir
     from retrolog.store.postgres_metadata import PostgresMetadata
     from retrolog.store.schema import migrate
     from retrolog.store.sqlite_connection import connect
-    from retrolog.store.transfer import copy_into_sqlite, copy_state
+    from retrolog.store.transfer import WriteBack, copy_into_sqlite, copy_state
 
     names, where, force = list(request.names), request.where, request.force
     metadata = PostgresMetadata(url, create=False, origin=paths.database)
@@ -70,15 +73,25 @@ def replay_shared(
         # checkpoints and profile of the runs it chose alone.
         chosen = _matching(metadata, where) if where else None
         copy_into_sqlite(conn, metadata, _scripts(metadata, paths, request.script), chosen)
-        before = copy_state(conn, metadata)
+        writer = WriteBack(conn, metadata, copy_state(conn, metadata), names=names, force=force)
         settled = False
+
+        def land(run_ids: list[str]) -> None:
+            # Each run into PostgreSQL as it lands, for readers there to see it while the
+            # other runs replay. A run that cannot be written now (the server restarting)
+            # is written by the write-back at the end, which says why when it fails.
+            try:
+                metadata.reconnect_if_lost()
+                writer.runs(run_ids)
+            except (StoreError, metadata.errors):
+                pass
 
         def settle(outcomes: dict[str, Any]) -> None:
             # Written back before the report, so that it says what the database kept: a
             # value another replay stored first stays, and this one's is not counted.
             nonlocal settled
             settled = True
-            stored = _write_back(conn, metadata, before, names, force)
+            stored = _write_back(metadata, writer)
             for run_id, written in stored.written.items():
                 if run_id in outcomes:
                     outcomes[run_id].backfilled = written
@@ -91,11 +104,11 @@ def replay_shared(
                     set(chosen) if chosen is not None and predicate == where
                     else _matching(metadata, predicate)
                 ),
-                settle=settle, **options,
+                settle=settle, land=None if request.dry_run else land, **options,
             )  # fmt: skip
         finally:
             if not request.dry_run and not settled:
-                _write_back(conn, metadata, before, names, force)
+                _write_back(metadata, writer)
     finally:
         if conn is not None:
             conn.close()
@@ -112,11 +125,9 @@ def _matching(metadata: Any, where: str) -> set[str]:
     return matching_runs(metadata.reader(), where)
 
 
-def _write_back(
-    conn: sqlite3.Connection, metadata: Any, before: Any, names: list[str], force: bool
-) -> WrittenBack:
+def _write_back(metadata: Any, writer: WriteBack) -> WrittenBack:
+    """What ``writer`` has not written yet, and the replay's row as it ended."""
     from retrolog.errors import StoreError
-    from retrolog.store.transfer import write_back
 
     try:
         # The server may have restarted while the replay ran on the copy: nothing was in
@@ -128,7 +139,7 @@ def _write_back(
             "not stored; run the replay again once the server answers."
         ) from exc
     try:
-        return write_back(conn, metadata, before, names=names, force=force)
+        return writer.finish()
     except metadata.operational_errors as exc:
         raise StoreError(
             f"The replay's values could not all be written into {metadata.location}: the "

@@ -18,6 +18,7 @@ replay) is reported and never overwritten.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import sqlite3
@@ -421,25 +422,125 @@ def write_back(
     names: Sequence[str],
     force: bool,
 ) -> WrittenBack:
-    """What a replay on the working copy ``copy`` wrote, into ``target``: replays the
-    copy did not hold ``before`` and their runs, the values they backfilled, the
-    definitions and module sets they kept, and replays the copy marked interrupted.
-    Returns, per run, the values written and those another replay had stored first;
-    each run's ``replay_runs.backfilled`` says what was written.
+    """Everything a replay on the working copy ``copy`` wrote, into ``target``, at once
+    (:class:`WriteBack` for a replay whose runs land one by one)."""
+    return WriteBack(copy, target, before, names=names, force=force).finish()
 
-    Each run's values go in one transaction under an advisory lock on the run, so two
-    replays of one run, from two machines, never both write a value: as on SQLite, a
-    backfilled value is only inserted where (run, context, name) has none, and
-    ``force`` first removes the run's backfilled values of ``names``.
+
+class WriteBack:
+    """What a replay on the working copy ``copy`` writes, into ``target``, run by run:
+    replays the copy did not hold ``before`` and their runs, the values they backfilled,
+    the definitions and module sets they kept, and replays the copy marked interrupted.
+
+    :meth:`runs` writes runs as they land in the copy, each in one PostgreSQL
+    transaction: the rows the replay shared that are not there yet (its ``replays`` row,
+    marked running, with the first run), the run's ``replay_runs`` row, its values and
+    its summaries. :meth:`finish` writes the runs not written yet, then the replays'
+    rows as the copy ends them. Writing a run again is safe: rows that are there are
+    kept, and a run's count is what this replay holds in ``target``.
+
+    Each run's values go in under an advisory lock on the run, so two replays of one
+    run, from two machines, never both write a value: as on SQLite, a backfilled value
+    is only inserted where (run, context, name) has none, and ``force`` first removes
+    the run's backfilled values of ``names``.
     """
-    pg = target.connection
-    columns = before.columns
-    replays = dict(copy.execute("SELECT replay_id, status FROM replays").fetchall())
-    new = [r for r in replays if r not in before.replays]
-    result = WrittenBack()
-    with pg.transaction():
+
+    def __init__(
+        self,
+        copy: sqlite3.Connection,
+        target: PostgresMetadata,
+        before: CopyState,
+        *,
+        names: Sequence[str],
+        force: bool,
+    ) -> None:
+        self.copy, self.target, self.before = copy, target, before
+        self.names, self.force = list(names), force
+        self.result = WrittenBack()
+        self._sent: dict[str, set[tuple[Any, ...]]] = {t: set() for t in _KEPT}
+        self._replays_sent: set[str] = set()
+
+    def _new(self) -> list[str]:
+        """The replays the copy holds that it did not hold before."""
+        found = [r for (r,) in self.copy.execute("SELECT replay_id FROM replays")]
+        return [r for r in found if r not in self.before.replays]
+
+    def runs(self, run_ids: Iterable[str]) -> None:
+        """``run_ids``' rows, each run in its own transaction; a run the copy holds no
+        ``replay_runs`` row of (yet) is left for later."""
+        new = self._new()
+        if not new:
+            return
+        for run_id in run_ids:
+            if (
+                run_id not in self.result.written
+                and self.copy.execute(
+                    f"SELECT 1 FROM replay_runs WHERE run_id = ? AND replay_id IN ({_marks(new)})",
+                    (run_id, *new),
+                ).fetchone()
+            ):
+                self._run(run_id, new)
+
+    def finish(self) -> WrittenBack:
+        """The runs not written yet, then the replays' rows as the copy ends them."""
+        new = self._new()
+        marks = _marks(new)
+        rest = [
+            r
+            for (r,) in self.copy.execute(
+                f"SELECT DISTINCT run_id FROM replay_runs WHERE replay_id IN ({marks})", new
+            )
+        ]
+        pg = self.target.connection
+        with pg.transaction():
+            done = self._shared(new)
+        for mark in done:
+            mark()
+        self.runs(rest)
+        columns = self.before.columns["replays"]
+        replays = dict(self.copy.execute("SELECT replay_id, status FROM replays").fetchall())
+        with pg.transaction():
+            rows = self.copy.execute(
+                f"SELECT {', '.join(columns)} FROM replays WHERE replay_id IN ({marks})", new
+            ).fetchall()
+            rest_columns = [c for c in columns if c != "replay_id"]
+            pg.cursor().executemany(
+                f"UPDATE replays SET {', '.join(f'{c} = %s' for c in rest_columns)}"
+                " WHERE replay_id = %s",
+                [
+                    (
+                        *(row[columns.index(c)] for c in rest_columns),
+                        row[columns.index("replay_id")],
+                    )
+                    for row in rows
+                ],
+            )
+            ended = dict(self.copy.execute("SELECT replay_id, ended_at FROM replays").fetchall())
+            interrupted = [
+                (ended[r], r)
+                for r, status in replays.items()
+                if status == "interrupted" and self.before.replays.get(r, "interrupted") != status
+            ]
+            pg.cursor().executemany(
+                "UPDATE replays SET status = 'interrupted', ended_at = COALESCE(ended_at, %s)"
+                " WHERE replay_id = %s AND status = 'running'",
+                interrupted,
+            )
+        return self.result
+
+    def _shared(self, new: list[str]) -> list[Callable[[], None]]:
+        """Inside a transaction: the definitions and module sets kept and the replays'
+        rows, not sent yet; what marks them sent once the transaction commits."""
+        pg, columns = self.target.connection, self.before.columns
+        done: list[Callable[[], None]] = []
         for table, keys in _KEPT.items():
-            added = set(_kept_rows(copy, table, columns[table])) - before.rows[table]
+            added = (
+                set(_kept_rows(self.copy, table, columns[table]))
+                - self.before.rows[table]
+                - self._sent[table]
+            )
+            if not added:
+                continue
             _insert(pg, table, columns[table], sorted(added, key=repr),
                     f" ON CONFLICT ({keys}) DO NOTHING")  # fmt: skip
             if table == "module_sets":  # a warm time measured again
@@ -448,37 +549,26 @@ def write_back(
                     "UPDATE module_sets SET warm_seconds = %s WHERE digest = %s",
                     [(row[warm], row[digest]) for row in added if row[warm] is not None],
                 )
-        for table in ("replays", "replay_runs"):
-            rows = copy.execute(
-                f"SELECT {', '.join(columns[table])} FROM {table}"
-                f" WHERE replay_id IN ({_marks(new)})",
-                new,
+            done.append(functools.partial(self._sent[table].update, added))
+        unsent = [r for r in new if r not in self._replays_sent]
+        if unsent:
+            rows = self.copy.execute(
+                f"SELECT {', '.join(columns['replays'])} FROM replays"
+                f" WHERE replay_id IN ({_marks(unsent)})",
+                unsent,
             ).fetchall()
-            _insert(pg, table, columns[table], rows)
-        ended = dict(copy.execute("SELECT replay_id, ended_at FROM replays").fetchall())
-        interrupted = [
-            (ended[r], r)
-            for r, status in replays.items()
-            if status == "interrupted" and before.replays.get(r, "interrupted") != status
-        ]
-        pg.cursor().executemany(
-            "UPDATE replays SET status = 'interrupted', ended_at = COALESCE(ended_at, %s)"
-            " WHERE replay_id = %s AND status = 'running'",
-            interrupted,
-        )
-    if not new:
-        return result
-    marks = ", ".join("?" * len(new))
-    runs = [
-        r
-        for (r,) in copy.execute(
-            f"SELECT DISTINCT run_id FROM replay_runs WHERE replay_id IN ({marks})", new
-        )
-    ]
-    log_columns = columns["logs"]
-    parts = [p for n in log_columns for p in (_PARTS if n == "value" else (n,))]
-    for run_id in runs:
-        if force:  # the copy's backfilled values of names for this run replace the database's
+            _insert(pg, "replays", columns["replays"], rows,
+                    f" ON CONFLICT ({SHARED['replays']}) DO NOTHING")  # fmt: skip
+            done.append(lambda: self._replays_sent.update(unsent))
+        return done
+
+    def _run(self, run_id: str, new: list[str]) -> None:
+        copy, pg, names = self.copy, self.target.connection, self.names
+        columns = self.before.columns
+        log_columns = columns["logs"]
+        parts = [p for n in log_columns for p in (_PARTS if n == "value" else (n,))]
+        marks = _marks(new)
+        if self.force:  # the copy's backfilled values of names for this run replace the database's
             found = copy.execute(
                 f"SELECT {', '.join(log_columns)} FROM logs WHERE run_id = ? AND origin ="
                 f" 'backfilled' AND name IN ({', '.join('?' * len(names))}) ORDER BY log_id",
@@ -490,13 +580,22 @@ def write_back(
                 f" AND replay_id IN ({marks}) ORDER BY log_id",
                 (run_id, *new),
             ).fetchall()
+        own = copy.execute(
+            f"SELECT {', '.join(columns['replay_runs'])} FROM replay_runs"
+            f" WHERE run_id = ? AND replay_id IN ({marks})",
+            (run_id, *new),
+        ).fetchall()
         with pg.transaction():
+            # The run's lock before any row, so two replays never wait on each other.
             pg.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (run_id,))
-            if force:
+            done = self._shared(new)
+            _insert(pg, "replay_runs", columns["replay_runs"], own,
+                    f" ON CONFLICT ({SHARED['replay_runs']}) DO NOTHING")  # fmt: skip
+            if self.force:
                 pg.execute(
                     "DELETE FROM logs WHERE run_id = %s AND origin = 'backfilled'"
                     " AND name = ANY(%s)",
-                    (run_id, list(names)),
+                    (run_id, names),
                 )
             pg.execute(
                 "CREATE TEMPORARY TABLE IF NOT EXISTS rl_backfill ON COMMIT DELETE ROWS AS"
@@ -506,29 +605,37 @@ def write_back(
             with cursor.copy(f"COPY rl_backfill ({', '.join(parts)}, seq) FROM STDIN") as rows:
                 for seq, row in enumerate(found):
                     rows.write_row([*_split(log_columns, row), seq])
+            # Values of another replay kept; this replay's own, stored by a write of this
+            # run whose commit went unanswered, count as written.
             kept = pg.execute(
                 "SELECT l.replay_id, count(*) FROM rl_backfill b JOIN logs l ON"
                 " l.name = b.name AND l.run_id = b.run_id"
                 " AND l.ctx_id IS NOT DISTINCT FROM b.ctx_id"
-                " WHERE l.origin = 'backfilled' GROUP BY l.replay_id"
+                " WHERE l.origin = 'backfilled' AND NOT COALESCE(l.replay_id = ANY(%s), false)"
+                " GROUP BY l.replay_id",
+                (new,),
             ).fetchall()
-            inserted = pg.execute(
+            pg.execute(
                 f"INSERT INTO logs ({', '.join(parts)}) SELECT {', '.join(parts)}"
                 " FROM rl_backfill b WHERE NOT EXISTS (SELECT 1 FROM logs l WHERE"
                 " l.name = b.name AND l.run_id = b.run_id"
                 " AND l.ctx_id IS NOT DISTINCT FROM b.ctx_id) ORDER BY seq"
             )
-            written = max(inserted.rowcount, 0)
-            recompute(pg.cursor(), run_id, names if force else
+            (written,) = pg.execute(
+                "SELECT count(*) FROM logs WHERE run_id = %s AND replay_id = ANY(%s)",
+                (run_id, new),
+            ).fetchone() or (0,)
+            recompute(pg.cursor(), run_id, names if self.force else
                       {row[log_columns.index("name")] for row in found},
                       mark="%s", number=POSTGRES_NUMBER)  # fmt: skip
             pg.execute(
                 "UPDATE replay_runs SET backfilled = %s WHERE run_id = %s AND replay_id = ANY(%s)",
-                (written, run_id, new),
+                (int(written), run_id, new),
             )
-        result.written[run_id] = written
-        result.already[run_id] = {str(other): int(count) for other, count in kept}
-    return result
+        for mark in done:
+            mark()
+        self.result.written[run_id] = int(written)
+        self.result.already[run_id] = {str(other): int(count) for other, count in kept}
 
 
 @dataclass
