@@ -291,13 +291,10 @@ def _costs(
 FORK_SECONDS = 0.02
 # What a forked worker adds to the script's own prefix work: the fork, importing retrolog
 # (its dependencies are loaded) and the replay runtime's set-up. bench/replay_breakdown.py
-# put it at 0.06 s with retrolog compiled from source in every process (2026-11-27, before
-# the benchmarks byte-compiled it as an install does); byte-compiled, the same estimate was
-# 0.005-0.024 s above the measured start-up (median of 6 segments per probe; the runtime's
-# set-up 0.007 s instead of 0.019 s), so 0.04 s. On 11-28, on a machine training at half
-# that day's speed, the same start measured 0.06 s above it: a replay therefore measures
-# it on its fork server (WorkerCosts.forked_start); this figure is for plans without one
-# (a dry run).
+# measures it at 0.005-0.024 s above the measured start-up with retrolog byte-compiled as an
+# install leaves it (0.06 s compiled from source), and about 0.06 s on a machine training at
+# half speed: a replay therefore measures it on its fork server
+# (WorkerCosts.forked_start); this figure is for plans without one (a dry run).
 FORKED_START_SECONDS = 0.04
 
 
