@@ -126,7 +126,15 @@ def _record(tmp: Path, store_env: dict[str, str]) -> tuple[Path, str]:
     return bare, str(run_id)
 
 
-@pytest.mark.parametrize("where", ["clone", "clone-keeping-a", "no-repository", "clone-s3"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "clone",
+        "clone-keeping-a",
+        "no-repository",
+        pytest.param("clone-s3", marks=pytest.mark.services),
+    ],
+)
 def test_replay_from_another_clone_or_no_repository(
     tmp_path: Path, where: str, request: pytest.FixtureRequest
 ) -> None:

@@ -357,7 +357,10 @@ def test_a_real_run_recording_beside_gc_keeps_every_checkpoint(
     assert all_checkpoints_load(project) == 6  # run B's five and run A's end
 
 
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "backend",
+    ["sqlite", pytest.param("postgresql", marks=[pytest.mark.slow, pytest.mark.services])],
+)
 def test_gc_beside_a_run_recording_at_default_settings_loses_nothing_it_chose(
     project: Project, backend: str, request: pytest.FixtureRequest
 ) -> None:

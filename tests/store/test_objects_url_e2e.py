@@ -40,7 +40,7 @@ def files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.services)])
 def test_record_replay_and_gc_with_objects_at_a_url(
     tmp_path: Path, where: str, request: pytest.FixtureRequest
 ) -> None:

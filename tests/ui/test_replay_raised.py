@@ -107,4 +107,4 @@ def test_the_dashboards_replay_of_a_run_that_raised_stops_where_it_did(
             f"run {run_id}: replay failed: its replay raised ValueError('bad batch at epoch "
             "1') at train.py, line 11, in train_epoch, in epoch 1, step 0; during recording "
             "the run raised ValueError('bad batch at epoch 2') at train.py, line 11"
-        ) in output
+        ) in output, output
