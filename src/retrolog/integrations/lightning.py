@@ -277,6 +277,7 @@ class RetrologCallback(Callback):
         self._epochs_open = False
         self._tail = False  # the epoch's validation and its last step's end follow the block
         self._arguments: frozenset[str] = frozenset()
+        self._names: dict[str, str] = {}  # a logged name -> the name it is stored under
 
     # -- the Trainer ------------------------------------------------------------------
 
@@ -292,6 +293,7 @@ class RetrologCallback(Callback):
             callbacks.remove(self)
             callbacks.insert(0, self)
         self._record_arguments(trainer, pl_module)
+        self._names = {}
         version = lightning.__version__
         self._wrapped = False
         if not _tested(version):
@@ -386,8 +388,8 @@ class RetrologCallback(Callback):
                 self._tail = False
 
         def train_step_metrics() -> None:
-            if self._steps_open:
-                for name, value in connector.metrics["log"].items():
+            if self._steps_open and trainer._results is not None:
+                for name, value in _step_values(trainer._results):
                     self._log(name, value)
             step_metrics()
 
@@ -457,12 +459,35 @@ class RetrologCallback(Callback):
             scope.close()
 
     def _log(self, name: str, value: Any) -> None:
-        if name in LOOP_NAMES or name in self._arguments:
-            # Kept, beside the loop column or the argument of the same name.
-            name = f"train/{name}"
-        if _volatile_name(name):
-            rl.volatile(name)
-        rl.log(name, _number(value))
+        stored = self._names.get(name)
+        if stored is None:
+            # Once per name and run: this runs at every step.
+            stored = name
+            if name in LOOP_NAMES or name in self._arguments:
+                # Kept, beside the loop column or the argument of the same name.
+                stored = f"train/{name}"
+            if _volatile_name(stored):
+                rl.volatile(stored)
+            self._names[name] = stored
+        rl.log(stored, value.item() if type(value) is torch.Tensor else _number(value))
+
+
+def _step_values(results: _ResultCollection) -> Iterator[tuple[str, torch.Tensor]]:
+    """The values logged at this step for the loggers: what ``results.metrics(True)["log"]``
+    holds, without the callback and progress-bar dictionaries it builds besides, which
+    cost more than the step's own logging does on a small model."""
+    for result_metric in results.values():
+        meta = result_metric.meta
+        if (
+            not meta.on_step
+            or not meta.logger
+            or result_metric.has_reset
+            or meta.dataloader_idx != results.dataloader_idx
+        ):
+            continue
+        value = result_metric._forward_cache
+        if isinstance(value, torch.Tensor):
+            yield results._forked_name(result_metric, True)[1], value
 
 
 def _number(value: Any) -> Any:
