@@ -97,41 +97,16 @@ class _CarryingWhole(_Placing):
         end of the class), with the one statement using it if today's code uses it and the
         old version has no statement doing so; or the reason it cannot be."""
         method, old_class = hook.method, hook.old_class
-        uses: list[_Outcome] = []
-        if hook.called:
-            what = f"it sits in today's method `{method.name}` of class `{old_class.name}`"
-            # A call the old version has too (a loop over callbacks calling each one's
-            # hook) already runs an override of that name: nothing more to carry.
-            wired = any(
-                _names(partner.ast, method.name, inside=False)
-                for statement in hook.called
-                if (partner := self.align.new.of[id(statement)].partner) is not None
-            )
-            if not wired:
-                used = self._use(what, "method", hook.called, logs)
-                if isinstance(used, str):
-                    return used
-                uses.append(used[0])
+        uses = self._method_use(hook, logs)
+        if isinstance(uses, str):
+            return uses
         if old_class.body[0].lineno == old_class.lineno:
             return (
                 f"it sits in today's method `{method.name}`, which the old version's class "
                 f"`{old_class.name}` (line {old_class.lineno}) lacks, and that class is written "
                 "on one line, so the method cannot be added to it"
             )
-        siblings = hook.new_class.body
-        index = next(i for i, stmt in enumerate(siblings) if stmt is method)
-        spot: _Spot | None = None
-        for position in range(index - 1, -1, -1):
-            if (found := self._in_old_class(siblings[position], old_class)) is not None:
-                spot = _Spot(True, found)
-                break
-        if spot is None:
-            for position in range(index + 1, len(siblings)):
-                if (found := self._in_old_class(siblings[position], old_class)) is not None:
-                    spot = _Spot(False, found)
-                    break
-        if spot is None:
-            spot = _Spot(True, old_class.body[-1])
+        spot = self._method_spot(hook)
         relation = "after" if spot.after else "before"
         anchor = (
             f"in today's method `{method.name}`, carried into class `{old_class.name}` "
@@ -147,19 +122,7 @@ class _CarryingWhole(_Placing):
                 f"{relation} line {_first_line(spot.stmt)} `{self.old.snippet(spot.stmt)}`)"
             )
         body = self._indented(method, text, self.old.indent(old_class.body[0].lineno))
-        first = _first_line(method)
-        if spot.after:
-            line, origin = spot.stmt.end_lineno or spot.stmt.lineno, first - 1
-            inserted = self.newline + body
-        else:
-            line, origin = _first_line(spot.stmt) - 1, first
-            position = next(i for i, stmt in enumerate(old_class.body) if stmt is spot.stmt)
-            previous = old_class.body[position - 1] if position else None
-            floor = (previous.end_lineno or previous.lineno) - 1 if previous else line - 1
-            while line - 1 > floor and self.old.lines[line - 1].strip().startswith("#"):
-                line -= 1  # keep a comment that introduces the following method next to it
-            inserted = body + self.newline
-        edit = _Edit(line, None, inserted, body.strip())
+        edit, origin = self._method_edit(hook, spot, body)
         unit = _Unit(method, logs)
         if uses:
             anchor += f", used by the line inserted {uses[0].anchor}"
@@ -172,6 +135,65 @@ class _CarryingWhole(_Placing):
             method=(old_class.name, method.name),
         )
         return [carried, *uses]
+
+    def _method_use(self, hook: _Hook, logs: list[LogStatement]) -> list[_Outcome] | str:
+        """The statement using a carried method, placed, when today's code uses it and no
+        call the old version has already runs it; or why it cannot be placed."""
+        method, old_class = hook.method, hook.old_class
+        uses: list[_Outcome] = []
+        if hook.called:
+            what = f"it sits in today's method `{method.name}` of class `{old_class.name}`"
+            # A call the old version has too (a loop over callbacks calling each one's
+            # hook) already runs an override of that name: nothing more to carry.
+            wired = any(
+                _names(partner.ast, method.name, inside=False)
+                for statement in hook.called
+                if (partner := self.align.new.of[id(statement)].partner) is not None
+            )
+            if not wired:
+                used = self._use(what, "method", hook.called, logs)
+                if isinstance(used, str):
+                    return used
+                uses.append(used[0])
+        return uses
+
+    def _method_spot(self, hook: _Hook) -> _Spot:
+        """Where a carried method goes in the old class: after the old counterpart of its
+        nearest preceding method, else before that of the following one, else at the end."""
+        method, old_class = hook.method, hook.old_class
+        siblings = hook.new_class.body
+        index = next(i for i, stmt in enumerate(siblings) if stmt is method)
+        spot: _Spot | None = None
+        for position in range(index - 1, -1, -1):
+            if (found := self._in_old_class(siblings[position], old_class)) is not None:
+                spot = _Spot(True, found)
+                break
+        if spot is None:
+            for position in range(index + 1, len(siblings)):
+                if (found := self._in_old_class(siblings[position], old_class)) is not None:
+                    spot = _Spot(False, found)
+                    break
+        if spot is None:
+            spot = _Spot(True, old_class.body[-1])
+        return spot
+
+    def _method_edit(self, hook: _Hook, spot: _Spot, body: str) -> tuple[_Edit, int]:
+        """The edit inserting a carried method's text ``body`` at ``spot``, and the new
+        file's line its text starts at (its statements' lines follow from it)."""
+        first = _first_line(hook.method)
+        old_class = hook.old_class
+        if spot.after:
+            line, origin = spot.stmt.end_lineno or spot.stmt.lineno, first - 1
+            inserted = self.newline + body
+        else:
+            line, origin = _first_line(spot.stmt) - 1, first
+            position = next(i for i, stmt in enumerate(old_class.body) if stmt is spot.stmt)
+            previous = old_class.body[position - 1] if position else None
+            floor = (previous.end_lineno or previous.lineno) - 1 if previous else line - 1
+            while line - 1 > floor and self.old.lines[line - 1].strip().startswith("#"):
+                line -= 1  # keep a comment that introduces the following method next to it
+            inserted = body + self.newline
+        return _Edit(line, None, inserted, body.strip()), origin
 
     def _in_old_class(self, stmt: ast.stmt, old_class: ast.ClassDef) -> ast.stmt | None:
         """The old counterpart of a statement of today's class body, inside ``old_class``."""
