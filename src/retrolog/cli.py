@@ -1043,7 +1043,18 @@ def _format_details(d: dict[str, Any]) -> str:
             "logged     "
             + ", ".join(f"{n['name']} ({n['count']}, {n['level']})" for n in d["names"])
         )
-    for n in d.get("definitions") or []:
+    lines += _definition_lines(d.get("definitions") or [])
+    lines += _backfill_lines(d.get("backfills") or [])
+    lines += _checkpoint_lines(d["checkpoints"])
+    if d["profile"]:
+        lines.append(_profile_line(d["profile"]))
+    return "\n".join(lines)
+
+
+def _definition_lines(definitions: list[dict[str, Any]]) -> list[str]:
+    """A run's `defined` lines: each logged name's definition, as `show` prints it."""
+    lines: list[str] = []
+    for n in definitions:
         if n["lineage"] is None:
             lines.append(f"defined    {n['name']} ({n['origin']}): kept before definitions were")
             continue
@@ -1053,15 +1064,25 @@ def _format_details(d: dict[str, Any]) -> str:
             f"defined    {n['name']} {n['lineage'][:8]} ({n['origin']}): {n['statement']}"
             f"{uses}{coarse}"
         )
-    for b in d.get("backfills") or []:
+    return lines
+
+
+def _backfill_lines(backfills: list[dict[str, Any]]) -> list[str]:
+    """A run's `backfilled` lines: each replay's values, with their exactness."""
+    lines: list[str] = []
+    for b in backfills:
         mark = ""
         if b["inexact"] == "mismatch":
             mark = f", INEXACT: {b['reason'] or 'the deferred check found differences'}"
         elif b["inexact"]:
             mark = f", possibly inexact: {b['reason'] or 'another numerical environment'}"
         lines.append(f"backfilled {b['name']} ({b['count']}, replay {b['replay_id']}{mark})")
-    ck = d["checkpoints"]
-    lines.append(f"checkpoints {ck['count']} ({ck['bytes'] / 1e6:.2f} MB)")
+    return lines
+
+
+def _checkpoint_lines(ck: dict[str, Any]) -> list[str]:
+    """A run's checkpoint lines: how many and their size, and the chosen blocks' fate."""
+    lines = [f"checkpoints {ck['count']} ({ck['bytes'] / 1e6:.2f} MB)"]
     if "chosen" in ck:
         blocks = f"chosen {ck['chosen']}, written {ck['written']}, abandoned {ck['abandoned']}"
         if ck["lost"]:
@@ -1088,18 +1109,20 @@ def _format_details(d: dict[str, Any]) -> str:
                     for a in ck["lost_at"]
                 )
             )
-    prof = d["profile"]
-    if prof:
-        parts = []
-        for phase in ("prefix", "iteration", "suffix"):
-            if phase in prof:
-                p = prof[phase]
-                parts.append(
-                    f"{phase} {p['seconds']:.2f}s"
-                    + (f" over {p['count']}" if phase == "iteration" else "")
-                )
-        lines.append("profile    " + ", ".join(parts))
-    return "\n".join(lines)
+    return lines
+
+
+def _profile_line(prof: dict[str, Any]) -> str:
+    """A run's `profile` line: its prefix, iterations and suffix timings."""
+    parts = []
+    for phase in ("prefix", "iteration", "suffix"):
+        if phase in prof:
+            p = prof[phase]
+            parts.append(
+                f"{phase} {p['seconds']:.2f}s"
+                + (f" over {p['count']}" if phase == "iteration" else "")
+            )
+    return "profile    " + ", ".join(parts)
 
 
 def _format_numerics(n: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """Match the syntax trees of two versions of a file, GumTree-style.
 
 Falleri et al., "Fine-grained and accurate source code differencing" (ASE 2014),
-adapted to Python's :mod:`ast` for propagation (see propagate.py): ``rl.loop``
+adapted to Python's :mod:`ast` for propagation (see propagate/): ``rl.loop``
 loops with the same name first, as anchors; then identical subtrees top-down,
 largest first; then statements and blocks bottom-up by their share of matched
 descendants; then a recovery pass inside matched blocks. Training-script
@@ -13,7 +13,7 @@ statements, and more pairing rules in recovery. The result is a partial
 one-to-one mapping, each :class:`_Node`'s ``partner``, and what propagation reads
 off it: the old names a new name was aligned with, the old statements a new
 statement without counterpart stands for. Where a statement goes is decided in
-propagate.py, not here.
+propagate/spot.py, not here.
 """
 
 from __future__ import annotations

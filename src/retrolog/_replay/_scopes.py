@@ -1,6 +1,6 @@
 """Name scopes of a Python file: which names each scope binds, and which a statement reads.
 
-Propagation (see propagate.py) needs both to carry a log statement into an older
+Propagation (see propagate/) needs both to carry a log statement into an older
 version of a file: the names a statement reads (:func:`_free_names`) are renamed
 to the old file's, then each must be bound at the point where the statement goes
 (:meth:`_Scopes.lookup`), or the statement is refused with that reason. Python's

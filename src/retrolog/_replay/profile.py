@@ -122,78 +122,15 @@ class _LoopRow:
     t_end: float | None
 
 
-def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
-    row = conn.execute(
-        "SELECT filename, status, code_commit, started_at, ended_at, error FROM runs"
-        " WHERE run_id = ?",
-        (run_id,),
-    ).fetchone()
-    if row is None:
-        raise RunNotFoundError(
-            f'No run {run_id!r} in the store; `retrolog query "SELECT run_id FROM runs"` '
-            "lists the runs there are.",
-            run_id=run_id,
-        )
-    filename, status, commit, started_at, ended_at, error = row
-    notes: list[str] = []
-    if status == "crashed":
-        crash = Crash.parse(error)
-        if crash is None:
-            notes.append("the run crashed: its replay is expected to stop where it did")
-        else:
-            at = f" at {crash.file}:{crash.line}" if crash.file is not None else ""
-            notes.append(f"the run raised {crash.type}{at}: its replay is expected to stop there")
+# ctx -> (manifest, bytes, capture + write seconds, training-thread seconds)
+_Checkpoint = tuple[str, int, float, float]
 
-    loops = [
-        _LoopRow(ctx, name, depth, t_start, t_end)
-        for ctx, name, depth, t_start, t_end in conn.execute(
-            "SELECT ctx_id, name, depth, t_start, t_end FROM loops"
-            " WHERE run_id = ? AND depth <= 1 ORDER BY ctx_id",
-            (run_id,),
-        )
-    ]
-    with_children = {
-        parent
-        for (parent,) in conn.execute(
-            "SELECT DISTINCT parent_ctx FROM loops WHERE run_id = ? AND parent_ctx IS NOT NULL",
-            (run_id,),
-        )
-    }
-    # ctx -> (manifest, bytes, capture + write seconds, training-thread seconds)
-    checkpoints: dict[int, tuple[str, int, float, float]] = {}
-    end: tuple[str, int, float, float] | None = None
-    checkpoint_loops: list[str] = []
-    # A background checkpoint (writer CPU measured) cost the training thread its
-    # snapshot only; a synchronous one (no writer, NULL) its capture and its write.
-    has_writer = _has_column(conn, "checkpoints", "writer_cpu_seconds")
-    writer_cpu = "writer_cpu_seconds" if has_writer else "NULL"
-    blocked: dict[int | None, str] = {}  # ctx (None: the end) -> what it cannot restore
-    locals_column = "frame_locals" if _has_column(conn, "checkpoints", "frame_locals") else "NULL"
-    for ctx, loop_name, kind, manifest, nbytes, capture, write, background, blob in conn.execute(
-        "SELECT ctx_id, loop_name, kind, manifest, nbytes, capture_seconds, write_seconds,"
-        f" {writer_cpu} IS NOT NULL, {locals_column} FROM checkpoints WHERE run_id = ?"
-        " ORDER BY checkpoint_id",
-        (run_id,),
-    ):
-        checkpoint_loops.append(loop_name)
-        why = _cannot_restore(blob)
-        if why:
-            blocked[None if kind == "end" else ctx] = why
-            continue
-        on_thread = capture if background else capture + write
-        if kind == "end":
-            end = (manifest, nbytes, capture + write, on_thread)
-        elif ctx is not None:
-            checkpoints[ctx] = (manifest, nbytes, capture + write, on_thread)
-    phases: dict[str, float] = {}
-    iteration_rows: dict[int, tuple[float, float]] = {}
-    for phase, ctx, seconds, block in conn.execute(
-        "SELECT phase, ctx_id, seconds, block_seconds FROM profile WHERE run_id = ?", (run_id,)
-    ):
-        if phase == "iteration" and ctx is not None:
-            iteration_rows[ctx] = (seconds, seconds if block is None else block)
-        elif phase in ("prefix", "suffix", "setup", "threads", "checkpoint_setup", "late_imports"):
-            phases[phase] = seconds
+
+def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
+    filename, status, commit, started_at, ended_at, notes = _run_row(conn, run_id)
+    loops, with_children = _loop_rows(conn, run_id)
+    checkpoints, end, checkpoint_loops, blocked = _checkpoint_rows(conn, run_id)
+    phases, iteration_rows = _profile_rows(conn, run_id)
 
     top = [r for r in loops if r.depth == 0]
     outer = _outer_loop_name(checkpoint_loops, top, iteration_rows)
@@ -202,45 +139,10 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
     outer_rows = [r for r in candidates if r.depth == depth]
     if depth > 0:
         notes.append(f"loop {outer!r} is nested in another loop: the estimate is rough")
-
-    seconds, blocks, nested, missing = [], [], [], 0
-    for r in outer_rows:
-        if r.ctx in iteration_rows:
-            total, block = iteration_rows[r.ctx]
-        elif r.t_end is not None:
-            total = block = r.t_end - r.t_start
-        else:
-            total = block = math.nan
-            missing += 1
-        seconds.append(total)
-        blocks.append(block)
-        nested.append(r.ctx in with_children or block < total)
-    if missing:
-        known = [(s, b) for s, b in zip(seconds, blocks, strict=True) if not math.isnan(s)]
-        mean_s = sum(s for s, _ in known) / len(known) if known else 0.0
-        mean_b = sum(b for _, b in known) / len(known) if known else 0.0
-        seconds = [mean_s if math.isnan(s) else s for s in seconds]
-        blocks = [mean_b if math.isnan(b) else b for b in blocks]
-        notes.append(
-            f"{missing} iteration(s) have no timing (unfinished when the run ended): "
-            "estimated as the mean of the others"
-        )
-
+    seconds, blocks, nested = _iteration_times(outer_rows, iteration_rows, with_children, notes)
     if status == "crashed":
-        # A loop an exception leaves ends there, and checkpoints the state it was left in
-        # as if its block, or the loop, had ended: restoring one would skip the failing
-        # code, where a crashed run's replay is expected to stop. The iterations that never
-        # ended are executed instead, and the end is not restored while one never ended.
-        unfinished = {r.ctx for r in outer_rows if r.t_end is None}
-        left = sum(1 for c in checkpoints if c in unfinished) + int(bool(unfinished and end))
-        checkpoints = {c: v for c, v in checkpoints.items() if c not in unfinished}
-        if unfinished:
-            end = None
-        if left:
-            notes.append(
-                f"{left} checkpoint(s) taken as the run stopped inside its loop are not "
-                "restored: the iteration it stopped in is executed"
-            )
+        checkpoints, end = _without_unfinished(outer_rows, checkpoints, end, notes)
+
     index = {r.ctx: i for i, r in enumerate(outer_rows)}
     unrestorable = {index[c]: why for c, why in blocked.items() if c in index}
     if None in blocked:
@@ -257,34 +159,8 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
         overhead[0] = overhead.get(0, 0.0) + checkpoint_setup
     elif not nested:
         end_overhead += checkpoint_setup
-
-    imports: float | None = None
-    if "prefix" in phases:
-        prefix = phases["prefix"]
-        if top:
-            # Loop times count from the script's first retrolog call: what came before it
-            # is the interpreter, the imports and whatever the script did first.
-            imports = min(max(prefix - top[0].t_start, 0.0), prefix)
-    elif top:
-        prefix = top[0].t_start
-        notes.append(
-            "no prefix timing (the process died): taken from the run's start to its first "
-            "loop, without interpreter start-up"
-        )
-    else:
-        prefix = (ended_at - started_at) if ended_at is not None else 0.0
-        notes.append("no loop was recorded: the whole script is its prefix")
-    suffix = phases.get("suffix", 0.0)
-    if "suffix" not in phases and top:
-        notes.append("no suffix timing (the process died): counted as 0")
-
-    pre = post = 0.0
-    if outer_rows and top:
-        pre = max(outer_rows[0].t_start - top[0].t_start, 0.0)
-        last_end = outer_rows[-1].t_end
-        ends = [r.t_end for r in top if r.t_end is not None]
-        if last_end is not None and ends:
-            post = max(max(ends) - last_end, 0.0)
+    prefix, imports, suffix = _prefix_and_suffix(phases, top, started_at, ended_at, notes)
+    pre, post = _around_outer(outer_rows, top)
 
     return RunProfile(
         run_id=run_id,
@@ -315,6 +191,204 @@ def _load_profile(conn: sqlite3.Connection, run_id: str) -> RunProfile:
         notes=tuple(notes),
         unrestorable=unrestorable,
     )
+
+
+def _run_row(
+    conn: sqlite3.Connection, run_id: str
+) -> tuple[str, str, str | None, float, float | None, list[str]]:
+    """The run's file, status, commit, start and end, and the note a crashed run gets."""
+    row = conn.execute(
+        "SELECT filename, status, code_commit, started_at, ended_at, error FROM runs"
+        " WHERE run_id = ?",
+        (run_id,),
+    ).fetchone()
+    if row is None:
+        raise RunNotFoundError(
+            f'No run {run_id!r} in the store; `retrolog query "SELECT run_id FROM runs"` '
+            "lists the runs there are.",
+            run_id=run_id,
+        )
+    filename, status, commit, started_at, ended_at, error = row
+    notes: list[str] = []
+    if status == "crashed":
+        crash = Crash.parse(error)
+        if crash is None:
+            notes.append("the run crashed: its replay is expected to stop where it did")
+        else:
+            at = f" at {crash.file}:{crash.line}" if crash.file is not None else ""
+            notes.append(f"the run raised {crash.type}{at}: its replay is expected to stop there")
+    return filename, status, commit, started_at, ended_at, notes
+
+
+def _loop_rows(conn: sqlite3.Connection, run_id: str) -> tuple[list[_LoopRow], set[int]]:
+    """The run's top-level loops and those one level down, and the contexts with a loop
+    inside them."""
+    loops = [
+        _LoopRow(ctx, name, depth, t_start, t_end)
+        for ctx, name, depth, t_start, t_end in conn.execute(
+            "SELECT ctx_id, name, depth, t_start, t_end FROM loops"
+            " WHERE run_id = ? AND depth <= 1 ORDER BY ctx_id",
+            (run_id,),
+        )
+    ]
+    with_children = {
+        parent
+        for (parent,) in conn.execute(
+            "SELECT DISTINCT parent_ctx FROM loops WHERE run_id = ? AND parent_ctx IS NOT NULL",
+            (run_id,),
+        )
+    }
+    return loops, with_children
+
+
+def _checkpoint_rows(
+    conn: sqlite3.Connection, run_id: str
+) -> tuple[dict[int, _Checkpoint], _Checkpoint | None, list[str], dict[int | None, str]]:
+    """The run's restorable block checkpoints by context, its end checkpoint, every
+    checkpoint's loop name in order, and what the others cannot restore (None: the end)."""
+    checkpoints: dict[int, _Checkpoint] = {}
+    end: _Checkpoint | None = None
+    checkpoint_loops: list[str] = []
+    # A background checkpoint (writer CPU measured) cost the training thread its
+    # snapshot only; a synchronous one (no writer, NULL) its capture and its write.
+    has_writer = _has_column(conn, "checkpoints", "writer_cpu_seconds")
+    writer_cpu = "writer_cpu_seconds" if has_writer else "NULL"
+    blocked: dict[int | None, str] = {}  # ctx (None: the end) -> what it cannot restore
+    locals_column = "frame_locals" if _has_column(conn, "checkpoints", "frame_locals") else "NULL"
+    for ctx, loop_name, kind, manifest, nbytes, capture, write, background, blob in conn.execute(
+        "SELECT ctx_id, loop_name, kind, manifest, nbytes, capture_seconds, write_seconds,"
+        f" {writer_cpu} IS NOT NULL, {locals_column} FROM checkpoints WHERE run_id = ?"
+        " ORDER BY checkpoint_id",
+        (run_id,),
+    ):
+        checkpoint_loops.append(loop_name)
+        why = _cannot_restore(blob)
+        if why:
+            blocked[None if kind == "end" else ctx] = why
+            continue
+        on_thread = capture if background else capture + write
+        if kind == "end":
+            end = (manifest, nbytes, capture + write, on_thread)
+        elif ctx is not None:
+            checkpoints[ctx] = (manifest, nbytes, capture + write, on_thread)
+    return checkpoints, end, checkpoint_loops, blocked
+
+
+def _profile_rows(
+    conn: sqlite3.Connection, run_id: str
+) -> tuple[dict[str, float], dict[int, tuple[float, float]]]:
+    """The run's phase timings (prefix, suffix, setup, ...) and each iteration's seconds
+    and block seconds by context."""
+    phases: dict[str, float] = {}
+    iteration_rows: dict[int, tuple[float, float]] = {}
+    for phase, ctx, seconds, block in conn.execute(
+        "SELECT phase, ctx_id, seconds, block_seconds FROM profile WHERE run_id = ?", (run_id,)
+    ):
+        if phase == "iteration" and ctx is not None:
+            iteration_rows[ctx] = (seconds, seconds if block is None else block)
+        elif phase in ("prefix", "suffix", "setup", "threads", "checkpoint_setup", "late_imports"):
+            phases[phase] = seconds
+    return phases, iteration_rows
+
+
+def _iteration_times(
+    outer_rows: list[_LoopRow],
+    iteration_rows: dict[int, tuple[float, float]],
+    with_children: set[int],
+    notes: list[str],
+) -> tuple[list[float], list[float], list[bool]]:
+    """Each outer iteration's seconds, block seconds and whether its block is a nested
+    loop; an iteration without timing gets the others' mean, said in ``notes``."""
+    seconds, blocks, nested, missing = [], [], [], 0
+    for r in outer_rows:
+        if r.ctx in iteration_rows:
+            total, block = iteration_rows[r.ctx]
+        elif r.t_end is not None:
+            total = block = r.t_end - r.t_start
+        else:
+            total = block = math.nan
+            missing += 1
+        seconds.append(total)
+        blocks.append(block)
+        nested.append(r.ctx in with_children or block < total)
+    if missing:
+        known = [(s, b) for s, b in zip(seconds, blocks, strict=True) if not math.isnan(s)]
+        mean_s = sum(s for s, _ in known) / len(known) if known else 0.0
+        mean_b = sum(b for _, b in known) / len(known) if known else 0.0
+        seconds = [mean_s if math.isnan(s) else s for s in seconds]
+        blocks = [mean_b if math.isnan(b) else b for b in blocks]
+        notes.append(
+            f"{missing} iteration(s) have no timing (unfinished when the run ended): "
+            "estimated as the mean of the others"
+        )
+    return seconds, blocks, nested
+
+
+def _without_unfinished(
+    outer_rows: list[_LoopRow],
+    checkpoints: dict[int, _Checkpoint],
+    end: _Checkpoint | None,
+    notes: list[str],
+) -> tuple[dict[int, _Checkpoint], _Checkpoint | None]:
+    """A crashed run's checkpoints without those of iterations that never ended."""
+    # A loop an exception leaves ends there, and checkpoints the state it was left in
+    # as if its block, or the loop, had ended: restoring one would skip the failing
+    # code, where a crashed run's replay is expected to stop. The iterations that never
+    # ended are executed instead, and the end is not restored while one never ended.
+    unfinished = {r.ctx for r in outer_rows if r.t_end is None}
+    left = sum(1 for c in checkpoints if c in unfinished) + int(bool(unfinished and end))
+    checkpoints = {c: v for c, v in checkpoints.items() if c not in unfinished}
+    if unfinished:
+        end = None
+    if left:
+        notes.append(
+            f"{left} checkpoint(s) taken as the run stopped inside its loop are not "
+            "restored: the iteration it stopped in is executed"
+        )
+    return checkpoints, end
+
+
+def _prefix_and_suffix(
+    phases: dict[str, float],
+    top: list[_LoopRow],
+    started_at: float,
+    ended_at: float | None,
+    notes: list[str],
+) -> tuple[float, float | None, float]:
+    """The prefix's seconds, the part of it before the first retrolog call (None when not
+    known) and the suffix's seconds; what had to be estimated, said in ``notes``."""
+    imports: float | None = None
+    if "prefix" in phases:
+        prefix = phases["prefix"]
+        if top:
+            # Loop times count from the script's first retrolog call: what came before it
+            # is the interpreter, the imports and whatever the script did first.
+            imports = min(max(prefix - top[0].t_start, 0.0), prefix)
+    elif top:
+        prefix = top[0].t_start
+        notes.append(
+            "no prefix timing (the process died): taken from the run's start to its first "
+            "loop, without interpreter start-up"
+        )
+    else:
+        prefix = (ended_at - started_at) if ended_at is not None else 0.0
+        notes.append("no loop was recorded: the whole script is its prefix")
+    suffix = phases.get("suffix", 0.0)
+    if "suffix" not in phases and top:
+        notes.append("no suffix timing (the process died): counted as 0")
+    return prefix, imports, suffix
+
+
+def _around_outer(outer_rows: list[_LoopRow], top: list[_LoopRow]) -> tuple[float, float]:
+    """The seconds other top-level loops took before the outer loop and after it."""
+    pre = post = 0.0
+    if outer_rows and top:
+        pre = max(outer_rows[0].t_start - top[0].t_start, 0.0)
+        last_end = outer_rows[-1].t_end
+        ends = [r.t_end for r in top if r.t_end is not None]
+        if last_end is not None and ends:
+            post = max(max(ends) - last_end, 0.0)
+    return pre, post
 
 
 def _cannot_restore(blob: bytes | None) -> str | None:

@@ -318,6 +318,16 @@ class _Analyser:
             plain=sorted(_bound(ast.Module(body=node.body, type_ignores=[])) - {name}
                          - {_loop_var(node) or ""}),
         )  # fmt: skip
+        self.note_uncertainties(loop, node, called_fns)
+        self.name_inner_loops(loop, node, called_fns)
+        self.outer_at[id(node)] = loop
+        self.analysis.loops.append(loop)
+
+    def note_uncertainties(
+        self, loop: TrainingLoop, node: ast.For, called_fns: list[ast.FunctionDef]
+    ) -> None:
+        """What the loop's checkpoints may not hold: a generator it iterates or calls, a
+        callee assigning global or nonlocal names."""
         if isinstance(node.iter, ast.Call) and isinstance(node.iter.func, ast.Name):
             gen = self.functions.get(node.iter.func.id)
             if gen is not None and _has_yield(gen):
@@ -340,6 +350,13 @@ class _Analyser:
                     f"it calls the generator {called.name}() (line {called.lineno}), whose state "
                     "a checkpoint cannot hold"
                 )
+
+    def name_inner_loops(
+        self, loop: TrainingLoop, node: ast.For, called_fns: list[ast.FunctionDef]
+    ) -> None:
+        """The loop's nested loops (its own and its callees' outermost ones), each named
+        once for the whole script: "step" first, then by what it iterates."""
+        name = loop.name
         # Nested loops: first "step", then by their iterable, in call order.
         nested: list[tuple[ast.For, str | None]] = [(f, None) for f in _fors(node.body)]
         for called in called_fns:
@@ -369,8 +386,6 @@ class _Analyser:
             inner = InnerLoop(f.lineno, label, owner)
             self.inner_at[id(f)] = inner
             loop.inner.append(inner)
-        self.outer_at[id(node)] = loop
-        self.analysis.loops.append(loop)
 
     def arguments_to(
         self,

@@ -243,16 +243,8 @@ class ReplayRun:
         outer = stack[-1] if stack else None
         scope = self.scope
         role, _ = loop_role(stack, scope)
-        if depth == 0 and self._loop_mark is None:
-            self._loop_mark = (len(self.values), len(self.events))
-        if depth == 0 and self._prefetch is None:
-            self._start_prefetch()
-        if depth == 0 and self._torch_ran is None:
-            self.set_parsed_args(cli_args.click_params())
-            torch = sys.modules.get("torch")
-            self._torch_ran = numerics.torch_state(torch) if torch is not None else {}
-        if depth == 0 and self.spec.prefix_only:
-            self.finish()
+        if depth == 0:
+            self._top_level_loop_starts()
         key = (parent_ctx, name)
         occurrence = self._occurrences.get(key, -1) + 1
         self._occurrences[key] = occurrence
@@ -261,18 +253,8 @@ class ReplayRun:
         # locals the skipped code set there (runtime/frames.py).
         user_frame = None if role is Role.PLAIN or events else frames.script_frame(sys._getframe(1))
 
-        if role is Role.OUTER and self.spec.restore_end and not self._outer_seen and not events:
-            self._outer_seen = True
-            if self._restore_checkpoint(self.spec.end_checkpoint, scope, user_frame, ("end", None)):
-                return
-            # The end checkpoint is unreadable: step through the loop instead.
-        if role is Role.BLOCK and outer is not None and not events:
-            iteration_of_outer = outer.iteration
-            if iteration_of_outer in self._restore:
-                manifest = self.spec.block_checkpoints.get(str(iteration_of_outer))
-                if self._restore_checkpoint(manifest, scope, user_frame, ("block", outer.ctx)):
-                    return
-                # Unreadable: the block executes, from the state the earlier ones left.
+        if not events and self._skipped_by_restore(role, outer, scope, user_frame):
+            return
         if role is Role.OUTER:
             self._outer_seen = True
 
@@ -323,6 +305,44 @@ class ReplayRun:
             stack.pop()
             self.ctx = parent_ctx
             user_frame = None
+
+    def _top_level_loop_starts(self) -> None:
+        """At a top-level loop's start: the prefix's output marked, checkpoints read ahead,
+        the script's parsed flags and torch's state taken (once each); a worker that
+        replays the prefix alone finishes here."""
+        if self._loop_mark is None:
+            self._loop_mark = (len(self.values), len(self.events))
+        if self._prefetch is None:
+            self._start_prefetch()
+        if self._torch_ran is None:
+            self.set_parsed_args(cli_args.click_params())
+            torch = sys.modules.get("torch")
+            self._torch_ran = numerics.torch_state(torch) if torch is not None else {}
+        if self.spec.prefix_only:
+            self.finish()
+
+    def _skipped_by_restore(
+        self,
+        role: Role,
+        outer: _Frame | None,
+        scope: CheckpointScope | None,
+        user_frame: FrameType | None,
+    ) -> bool:
+        """Whether the loop starting is skipped by restoring a checkpoint: the outer loop's
+        end checkpoint, or the block checkpoint of the outer iteration it is the block of."""
+        if role is Role.OUTER and self.spec.restore_end and not self._outer_seen:
+            self._outer_seen = True
+            if self._restore_checkpoint(self.spec.end_checkpoint, scope, user_frame, ("end", None)):
+                return True
+            # The end checkpoint is unreadable: step through the loop instead.
+        if role is Role.BLOCK and outer is not None:
+            iteration_of_outer = outer.iteration
+            if iteration_of_outer in self._restore:
+                manifest = self.spec.block_checkpoints.get(str(iteration_of_outer))
+                if self._restore_checkpoint(manifest, scope, user_frame, ("block", outer.ctx)):
+                    return True
+                # Unreadable: the block executes, from the state the earlier ones left.
+        return False
 
     # -- checkpoints -----------------------------------------------------------------
 

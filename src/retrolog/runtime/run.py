@@ -134,8 +134,6 @@ class Run:
     ) -> None:
         """code_files: files the code version holds instead of the working tree's
         (runtime/notebook.py: a notebook's executed cells at its path)."""
-        from retrolog.versions.git import capture_code_version
-
         self.paths = paths
         self.run_id = new_run_id()
         self.started_at = time.time()
@@ -177,41 +175,7 @@ class Run:
             self.writer = Writer(self.store_location, self.run_id, sink=metadata.record_sink())
             self.values = self.writer.values  # log()'s hot path appends here directly
             self.events = self.writer.events
-            code = capture_code_version(
-                paths,
-                self.run_id,
-                message=f"retrolog run {self.run_id}: {self.filename}",
-                replace=code_files,
-            )
-            tstamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.started_at))
-            metadata.register_run(
-                {
-                    "run_id": self.run_id,
-                    "projid": paths.projid,
-                    "tstamp": tstamp,
-                    "filename": self.filename,
-                    "status": Status.RUNNING.value,
-                    "started_at": self.started_at,
-                    "host": socket.gethostname(),
-                    "pid": self._pid,
-                    "pid_start": process_start_marker(self._pid),
-                    "python": platform.python_version(),
-                    "argv": json.dumps(argv),
-                    "code_ref": code.ref,
-                    "code_commit": code.commit,
-                    "code_tree": code.tree,
-                    "head_commit": code.head_commit,
-                    "git_dir": str(code.git_dir),
-                    "dirty": int(code.dirty),
-                    "skipped_files": json.dumps(list(code.skipped)),
-                    "cwd": _relative_cwd(paths.root),
-                    "numerics": json.dumps(self.numerics),
-                }
-            )
-            self._code_export = _start_code_export(paths, metadata, self.run_id, code, self.events)
-            learned = metadata.learned_restore_ratio(self.filename)
-            if learned is not None:
-                self._restore_ratio = (learned, "learned from replays")
+            self._register(metadata, argv, code_files)
         except Exception as exc:
             if isinstance(exc, StoreError) or not hasattr(exc, "sqlite_errorcode"):
                 raise
@@ -232,6 +196,50 @@ class Run:
         # ... and what the rest of the prefix spends importing packages a replay's fork
         # server will have imported (runtime/import_clock.py).
         self._import_clock.start()
+
+    def _register(
+        self, metadata: MetadataStore, argv: list[str], code_files: Mapping[str, bytes] | None
+    ) -> None:
+        """The code version captured, the run registered with it in the store, its copy
+        into the object store started, and the restore ratio replays of this script
+        learned."""
+        from retrolog.versions.git import capture_code_version
+
+        code = capture_code_version(
+            self.paths,
+            self.run_id,
+            message=f"retrolog run {self.run_id}: {self.filename}",
+            replace=code_files,
+        )
+        tstamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.started_at))
+        metadata.register_run(
+            {
+                "run_id": self.run_id,
+                "projid": self.paths.projid,
+                "tstamp": tstamp,
+                "filename": self.filename,
+                "status": Status.RUNNING.value,
+                "started_at": self.started_at,
+                "host": socket.gethostname(),
+                "pid": self._pid,
+                "pid_start": process_start_marker(self._pid),
+                "python": platform.python_version(),
+                "argv": json.dumps(argv),
+                "code_ref": code.ref,
+                "code_commit": code.commit,
+                "code_tree": code.tree,
+                "head_commit": code.head_commit,
+                "git_dir": str(code.git_dir),
+                "dirty": int(code.dirty),
+                "skipped_files": json.dumps(list(code.skipped)),
+                "cwd": _relative_cwd(self.paths.root),
+                "numerics": json.dumps(self.numerics),
+            }
+        )
+        self._code_export = _start_code_export(self.paths, metadata, self.run_id, code, self.events)
+        learned = metadata.learned_restore_ratio(self.filename)
+        if learned is not None:
+            self._restore_ratio = (learned, "learned from replays")
 
     # -- values ----------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -184,34 +184,79 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
     """The dashboard for ``project``, as an ASGI application; ``indexer``: the background
     indexer reading long series ahead, whose state /api/project reports."""
     jobs: dict[str, ReplayJob] = {}
-    lock = threading.Lock()
+    api = _endpoints(project, settings)
+    routes = [
+        *_page_routes(settings),
+        *_project_routes(project, indexer, api),
+        *_run_routes(project, api),
+        *_value_routes(project, api),
+        *_replay_routes(project, jobs, api),
+        Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
+    ]
+    app = Starlette(routes=routes)
+    app.state.jobs = jobs
+    return app
 
-    def error(message: str, status: int = 400) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
 
+class _Endpoint(Protocol):
+    """Wraps a handler as an API endpoint: the request's checks, its JSON body, the
+    handler's reads cancelled when the client disconnects, its errors as 400s."""
+
+    def __call__(
+        self, handler: Callable[[Request], Any], *, changes: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]: ...
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _endpoints(project: Project, settings: Settings) -> _Endpoint:
     def api(
         handler: Callable[[Request], Any], *, changes: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             refused = _refusal(request, settings, changes=changes)
             if refused is not None:
-                return error(refused, 403)
+                return _error(refused, 403)
             if request.method == "POST":
                 try:
                     request.state.body = await request.json()
                 except ValueError:
-                    return error("The request's body must be a JSON object.")
+                    return _error("The request's body must be a JSON object.")
             try:
                 result = await _unless_gone(request, project, handler)
             except RetrologError as exc:
-                return error(str(exc))
+                return _error(str(exc))
             except ValueError as exc:
-                return error(f"Bad request: {exc}")
+                return _error(f"Bad request: {exc}")
             if isinstance(result, Response):
                 return result
             return JSONResponse(_json_ready(result))
 
         return endpoint
+
+    return api
+
+
+def _page_routes(settings: Settings) -> list[Route]:
+    """The page and its icon (its other files are the /static mount)."""
+
+    async def index(request: Request) -> Response:
+        refused = _host_refusal(request, settings)
+        if refused is not None:
+            return _error(refused, 403)
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+    async def favicon(request: Request) -> Response:
+        # What a browser or tool asks for when a page names no icon: the page's own.
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
+    return [Route("/", index), Route("/favicon.ico", favicon)]
+
+
+def _project_routes(project: Project, indexer: Indexer | None, api: _Endpoint) -> list[Route]:
+    """The project: its store, scripts and logged names."""
 
     def project_info(request: Request) -> dict[str, Any]:
         scripts = project.scripts()
@@ -228,6 +273,17 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         if not filename:
             raise ValueError("script= is required: a script as the runs table names it")
         return {"script": filename, "names": project.script_names(filename)}
+
+    return [
+        Route("/api/project", api(project_info)),
+        Route("/api/names", api(names)),
+        Route("/api/script", api(script)),
+    ]
+
+
+def _run_routes(project: Project, api: _Endpoint) -> list[Route]:
+    """The runs table, one run, its checkpoints (as torch.save files), its code, and runs
+    compared."""
 
     def runs(request: Request) -> Any:
         q = request.query_params
@@ -286,6 +342,20 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         found = project.compare(runs)
         found["metrics"] = _metric_summaries(project, found["runs"])
         return found
+
+    return [
+        Route("/api/runs", api(runs)),
+        Route("/api/runs/{run_id}", api(run)),
+        Route("/api/runs/{run_id}/checkpoints", api(checkpoints)),
+        Route("/api/runs/{run_id}/checkpoints/{at}", api(checkpoint_file)),
+        Route("/api/runs/{run_id}/code", api(code)),
+        Route("/api/compare", api(compare)),
+    ]
+
+
+def _value_routes(project: Project, api: _Endpoint) -> list[Route]:
+    """The logged values: charts (a name's series per run, or grouped by an argument) and
+    the dataframe."""
 
     def groups(request: Request) -> Response:
         q = request.query_params
@@ -348,6 +418,18 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         page = json.loads(frame.to_json(orient="split", index=False, default_handler=str))
         return {**page, "total": total, "offset": offset, "limit": limit}
 
+    return [
+        Route("/api/groups", api(groups)),
+        Route("/api/series", api(series)),
+        Route("/api/dataframe", api(dataframe)),
+    ]
+
+
+def _replay_routes(project: Project, jobs: dict[str, ReplayJob], api: _Endpoint) -> list[Route]:
+    """Replays: the plan (``retrolog replay --dry-run``), one started as a child process,
+    and those of this launch (``jobs``), each one's state, and its cancellation."""
+    lock = threading.Lock()
+
     def plan(request: Request) -> dict[str, Any]:
         argv = [*_replay_argv(_body(request)), "--dry-run"]
         try:
@@ -385,41 +467,13 @@ def create_app(project: Project, settings: Settings, indexer: Indexer | None = N
         job.cancel()
         return job.to_json()
 
-    async def index(request: Request) -> Response:
-        refused = _host_refusal(request, settings)
-        if refused is not None:
-            return error(refused, 403)
-        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
-
-    async def favicon(request: Request) -> Response:
-        # What a browser or tool asks for when a page names no icon: the page's own.
-        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
-
-    routes = [
-        Route("/", index),
-        Route("/favicon.ico", favicon),
-        Route("/api/project", api(project_info)),
-        Route("/api/names", api(names)),
-        Route("/api/script", api(script)),
-        Route("/api/runs", api(runs)),
-        Route("/api/runs/{run_id}", api(run)),
-        Route("/api/runs/{run_id}/checkpoints", api(checkpoints)),
-        Route("/api/runs/{run_id}/checkpoints/{at}", api(checkpoint_file)),
-        Route("/api/runs/{run_id}/code", api(code)),
-        Route("/api/compare", api(compare)),
-        Route("/api/groups", api(groups)),
-        Route("/api/series", api(series)),
-        Route("/api/dataframe", api(dataframe)),
+    return [
         Route("/api/replay/plan", api(plan, changes=True), methods=["POST"]),
         Route("/api/replay", api(start_replay, changes=True), methods=["POST"]),
         Route("/api/replays", api(replays)),
         Route("/api/replay/{job_id}", api(replay_status)),
         Route("/api/replay/{job_id}/cancel", api(cancel_replay, changes=True), methods=["POST"]),
-        Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
-    app = Starlette(routes=routes)
-    app.state.jobs = jobs
-    return app
 
 
 def _metric_summaries(project: Project, runs: Sequence[str]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import shutil
 import stat
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
@@ -152,6 +152,46 @@ def _capture(
             args, cwd=root, env=work.env, subject=root, doing=doing, stdin=stdin, hint=hint
         )
 
+    selection, tree = _stage(git, paths, cap, replace)
+
+    commit_args = ["commit-tree", "--no-gpg-sign"]
+    if work.head_commit is not None:
+        commit_args += ["-p", work.head_commit]
+    commit_args.append(tree)
+    body = _commit_message(run_id, message, cap, selection.skipped)
+    # surrogateescape: a path in the message that is not UTF-8 (a left-out file's, which
+    # Python decoded with lone surrogates) goes in as the bytes it was.
+    commit = _sha(git(*commit_args, stdin=body.encode("utf-8", "surrogateescape")))
+    git(
+        "update-ref",
+        "-m",
+        f"retrolog: run {run_id}",
+        ref,
+        commit,
+        hint="The run id must be usable in a git ref name (no spaces, '..', '~', '^', ':').",
+    )
+    version = CodeVersion(
+        ref=ref,
+        commit=commit,
+        tree=tree,
+        head_commit=work.head_commit,
+        git_dir=work.git_dir,
+        dirty=work.head_tree is None or work.head_tree != tree,
+        skipped=selection.skipped,
+    )
+    return version, selection.nested
+
+
+def _stage(
+    git: Callable[..., bytes],
+    paths: ProjectPaths,
+    cap: int,
+    replace: Mapping[str, bytes] | None,
+) -> tuple[_Selection, str]:
+    """The working tree staged in the temporary index (the store, files over ``cap`` and
+    untracked nested repositories left out; ``replace``'s files instead of the tree's):
+    what was selected, and the tree written."""
+    root = paths.root
     store_rel = _relative_inside(paths.store, root)
     listing = ["ls-files", "-z", "--cached", "--others", "--exclude-standard"]
     if store_rel is not None:
@@ -186,34 +226,7 @@ def _capture(
         blob = _sha(git("hash-object", "-w", "--stdin", stdin=content))
         # No stat data: the next capture sharing this index rehashes the working tree's file.
         git("update-index", "--add", "--cacheinfo", f"100644,{blob},{path}")
-    tree = _sha(git("write-tree"))
-
-    commit_args = ["commit-tree", "--no-gpg-sign"]
-    if work.head_commit is not None:
-        commit_args += ["-p", work.head_commit]
-    commit_args.append(tree)
-    body = _commit_message(run_id, message, cap, selection.skipped)
-    # surrogateescape: a path in the message that is not UTF-8 (a left-out file's, which
-    # Python decoded with lone surrogates) goes in as the bytes it was.
-    commit = _sha(git(*commit_args, stdin=body.encode("utf-8", "surrogateescape")))
-    git(
-        "update-ref",
-        "-m",
-        f"retrolog: run {run_id}",
-        ref,
-        commit,
-        hint="The run id must be usable in a git ref name (no spaces, '..', '~', '^', ':').",
-    )
-    version = CodeVersion(
-        ref=ref,
-        commit=commit,
-        tree=tree,
-        head_commit=work.head_commit,
-        git_dir=work.git_dir,
-        dirty=work.head_tree is None or work.head_tree != tree,
-        skipped=selection.skipped,
-    )
-    return version, selection.nested
+    return selection, _sha(git("write-tree"))
 
 
 def materialize(git_dir: Path, commit: str, dest: Path) -> None:

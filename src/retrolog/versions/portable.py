@@ -40,7 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -584,7 +584,6 @@ def import_manifest(
     present = _present(cache, [b for b, _ in blobs])
     temp_ref = f"refs/retrolog/import/{os.getpid()}-{secrets.token_hex(6)}"
     doing = f"import the code of run {run_id} from the object store"
-    marks: dict[str, int] = {}
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen(
             ["git", *SAFE_CONFIG, "fast-import", "--quiet", "--done"],
@@ -593,32 +592,10 @@ def import_manifest(
         )  # fmt: skip
         assert proc.stdin is not None
         try:
-            try:
-                wanted = [(blob, key) for blob, key in blobs if blob not in present]
-                # Several reads at once where the store is remote (a round trip each).
-                with contextlib.closing(objects.get_all(key for _, key in wanted)) as fetched:
-                    for (blob, _), (_, data) in zip(wanted, fetched, strict=True):
-                        if git_blob_id(data, len(tree)) != blob:
-                            path = next(f.path for f in manifest.files if f.blob == blob)
-                            raise damaged(
-                                f"the bytes of {path} are not its recorded git blob {blob}"
-                            )
-                        marks[blob] = len(marks) + 1
-                        proc.stdin.write(b"blob\nmark :%d\ndata %d\n" % (marks[blob], len(data)))
-                        proc.stdin.write(data)
-                        proc.stdin.write(b"\n")
-                message = f"retrolog: code tree {tree}\n".encode()
-                proc.stdin.write(
-                    b"commit %s\ncommitter retrolog <retrolog@localhost> 0 +0000\ndata %d\n%s"
-                    % (temp_ref.encode(), len(message), message)
+            with contextlib.suppress(BrokenPipeError):
+                _write_import(
+                    proc.stdin, manifest, objects, blobs, present, tree, temp_ref, damaged
                 )
-                for f in manifest.files:
-                    ref = f":{marks[f.blob]}" if f.blob in marks else f.blob
-                    proc.stdin.write(f"M {f.mode} {ref} ".encode() + _quoted(f.path) + b"\n")
-                proc.stdin.write(b"\ndone\n")
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
             code = proc.wait()
         except BaseException:
             proc.kill()
@@ -628,6 +605,50 @@ def import_manifest(
             errors.seek(0)
             said = " ".join(errors.read().decode("utf-8", errors="replace").split())[:500]
             raise damaged(f"git fast-import refused it ({said or 'no message'})")
+    _publish_tree(cache, temp_ref, tree, damaged, doing)
+
+
+def _write_import(
+    stdin: IO[bytes],
+    manifest: CodeManifest,
+    objects: ObjectStore,
+    blobs: list[tuple[str, str]],
+    present: set[str],
+    tree: str,
+    temp_ref: str,
+    damaged: Callable[[str], StoreError],
+) -> None:
+    """The fast-import stream: each blob the cache lacks, read from ``objects`` and checked
+    against its recorded id, then a commit of the manifest's tree on ``temp_ref``."""
+    marks: dict[str, int] = {}
+    wanted = [(blob, key) for blob, key in blobs if blob not in present]
+    # Several reads at once where the store is remote (a round trip each).
+    with contextlib.closing(objects.get_all(key for _, key in wanted)) as fetched:
+        for (blob, _), (_, data) in zip(wanted, fetched, strict=True):
+            if git_blob_id(data, len(tree)) != blob:
+                path = next(f.path for f in manifest.files if f.blob == blob)
+                raise damaged(f"the bytes of {path} are not its recorded git blob {blob}")
+            marks[blob] = len(marks) + 1
+            stdin.write(b"blob\nmark :%d\ndata %d\n" % (marks[blob], len(data)))
+            stdin.write(data)
+            stdin.write(b"\n")
+    message = f"retrolog: code tree {tree}\n".encode()
+    stdin.write(
+        b"commit %s\ncommitter retrolog <retrolog@localhost> 0 +0000\ndata %d\n%s"
+        % (temp_ref.encode(), len(message), message)
+    )
+    for f in manifest.files:
+        ref = f":{marks[f.blob]}" if f.blob in marks else f.blob
+        stdin.write(f"M {f.mode} {ref} ".encode() + _quoted(f.path) + b"\n")
+    stdin.write(b"\ndone\n")
+    stdin.close()
+
+
+def _publish_tree(
+    cache: Path, temp_ref: str, tree: str, damaged: Callable[[str], StoreError], doing: str
+) -> None:
+    """``temp_ref``'s tree, when it is the recorded ``tree``, kept as
+    ``refs/retrolog/trees/<tree>``; ``temp_ref`` deleted either way."""
     made = _git(cache, "rev-parse", "--verify", f"{temp_ref}^{{tree}}")
     try:
         got = made.stdout.decode().strip()
