@@ -36,24 +36,22 @@ Why this is safe beside runs that are recording (docs/store.md):
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 import re
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrolog._query.dataframe import logged_names, number_of, shared_store
+from retrolog._query.dataframe import logged_names, number_of
 from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
-from retrolog.store.metastore import read_snapshot
+from retrolog.store.metastore import database_errors, read_snapshot, write_transaction
 from retrolog.store.objects import ObjectStore, StoredFile
 from retrolog.store.paths import storable_text
-from retrolog.store.sqlite_connection import rollback
 from retrolog.versions.portable import code_objects
 
 GRACE_SECONDS = 3600.0
@@ -285,7 +283,7 @@ def plan_gc(
             kept_rows = [row for row in _all_rows(conn) if row[0] not in dropped]
             code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, grace_seconds)
-    except _errors(conn) as exc:
+    except database_errors(conn) as exc:
         raise StoreError(f"Cannot read the checkpoints from the store: {exc}.") from exc
     report = GcReport(
         policy=policy,
@@ -312,7 +310,7 @@ def collect_garbage(
     ids = [ref.checkpoint_id for ref in plan.dropped]
     deleted = 0
     try:
-        with _writing(conn):
+        with write_transaction(conn):
             for start in range(0, len(ids), _CHUNK):
                 chunk = ids[start : start + _CHUNK]
                 marks = ", ".join("?" * len(chunk))
@@ -327,7 +325,7 @@ def collect_garbage(
             kept_rows = _all_rows(conn)
             code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, plan.grace_seconds)
-    except _errors(conn) as exc:
+    except database_errors(conn) as exc:
         raise StoreError(f"Cannot delete checkpoint rows from the store: {exc}.") from exc
     done = GcReport(
         policy=plan.policy,
@@ -471,28 +469,6 @@ def _require_metric(conn: sqlite3.Connection, name: str) -> None:
 
 
 # -- reading the store -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _writing(conn: Any) -> Iterator[None]:
-    """One write transaction: SQLite's ``BEGIN IMMEDIATE``, or PostgreSQL's."""
-    if shared_store(conn):
-        with conn.transaction():
-            yield
-        return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        rollback(conn)
-        raise
-    conn.execute("COMMIT")
-
-
-def _errors(conn: Any) -> tuple[type[BaseException], ...]:
-    """The errors the store's database reports."""
-    found: tuple[type[BaseException], ...] = (sqlite3.Error,)
-    return (*found, conn.errors) if shared_store(conn) else found
 
 
 def _checkpoints_by_run(

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._config import BY_KEY, STORE_FILE, mask, read_file
-from retrolog._query.dataframe import shared_store
 from retrolog.errors import StoreError, VersionError
 from retrolog.store.backends import open_object_store
+from retrolog.store.metastore import dialect_of
 from retrolog.store.objects import ObjectStore, in_order
 from retrolog.store.paths import ProjectPaths
 from retrolog.store.sqlite_metadata import mark_dead_runs_crashed
@@ -155,7 +155,7 @@ def migrate_objects(
 def _refuse_while_recording(conn: Any, source: str, target: str) -> None:
     """Stop, nothing copied, while a run records into ``source``: what it wrote after
     the copy would be missing from ``target``."""
-    if not shared_store(conn):  # PostgreSQL's store marks them when it is opened
+    if dialect_of(conn).embedded:  # a server's store marks them when it is opened
         mark_dead_runs_crashed(conn)
     running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
     if running:

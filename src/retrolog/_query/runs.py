@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from retrolog._query.sql import execute_read
+from retrolog._query.sql import execute_read, execute_read_any
 from retrolog.errors import RetrologError, RunNotFoundError
-from retrolog.store.metastore import MetadataStore
+from retrolog.store.metastore import MetadataStore, dialect_of
 from retrolog.store.paths import storable_text
 
 if TYPE_CHECKING:
@@ -266,13 +266,15 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
 
     ``where`` is the predicate `retrolog dataframe`, `replay`, `gc` and the UI take.
     """
-    from retrolog._query.dataframe import logged_names, matching_run_ids, shared_store
+    from retrolog._query.dataframe import logged_names, matching_run_ids
 
     logged = set(logged_names(conn))
     # Words inside string literals ('adam') are not names.
     identifiers = list(dict.fromkeys(_IDENTIFIER.findall(_STRING.sub("''", where))))
     referenced = [n for n in identifiers if n in logged]
-    if shared_store(conn):  # PostgreSQL: the view's own predicate, in its dialect
+    # A value split over typed columns has no one column to compare here: the view's
+    # own predicate types it.
+    if dialect_of(conn).split:
         if referenced:
             return matching_run_ids(conn, referenced, where)
         return _matching_by_run_columns(conn, where)
@@ -321,16 +323,13 @@ def _choosing_messages(
 
 
 def _matching_by_run_columns(reader: Any, where: str) -> set[str]:
-    """PostgreSQL: the runs ``where`` chooses when it names only their own columns."""
-    from retrolog._query.sql import execute_read_shared
-
-    malformed, writes = _choosing_messages(where, "PostgreSQL")
-
-    _, rows = execute_read_shared(
-        reader.read,
+    """The runs ``where`` chooses when it names only their own columns."""
+    malformed, writes = _choosing_messages(where, dialect_of(reader).name)
+    _, rows = execute_read_any(
+        reader,
         f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) AS r"
         f" WHERE (\n{where}\n)",
-        subject=where, location=reader.location, malformed=malformed, writes=writes,
+        subject=where, malformed=malformed, writes=writes,
     )  # fmt: skip
     return {r[0] for r in rows}
 
