@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from retrolog.errors import StoreError, UsageError
+from retrolog.store import reads
 from retrolog.store.metastore import (
     BACKENDS,
     POSTGRESQL,
@@ -30,9 +31,12 @@ from retrolog.store.metastore import (
     MetadataStore,
     activity_stamp,
     backend,
+    database_errors,
     dialect_of,
     open_metadata,
     read_snapshot,
+    store_file,
+    write_transaction,
 )
 from retrolog.store.paths import ProjectPaths, storable_text
 from retrolog.store.processes import process_start_marker
@@ -219,6 +223,52 @@ def test_the_reader_takes_question_marks_and_keeps_them_inside_strings(
         "SELECT run_id, 'what?' FROM runs WHERE run_id = ? AND filename LIKE '%.py'", ("run-?",)
     ).fetchall()
     assert [tuple(r) for r in found] == [("run-?", "what?")]
+
+
+def test_the_typed_reads_answer_alike(store: MetadataStore) -> None:
+    store.register_run(run_row("b_1", 20.0, code_commit="c1", code_tree="t1", git_dir="g"))
+    store.register_run(run_row("a%2", 10.0, status="ended"))
+    store.register_run(run_row("b_10", 20.0))
+    reader = store.reader()
+    assert reads.run_exists(reader, "b_1") and not reads.run_exists(reader, "b")
+    # LIKE's wildcards in a prefix are taken literally.
+    assert reads.run_ids_starting(reader, "b_1") == ["b_1", "b_10"]
+    assert reads.run_ids_starting(reader, "a%") == ["a%2"]
+    assert reads.run_ids_starting(reader, "_") == []
+    assert sorted(reads.newest_run_ids(reader, 2)) == ["b_1", "b_10"]
+    assert reads.newest_run_ids(reader, 3)[2] == "a%2"
+    assert reads.run_ids_oldest_first(reader) == ["a%2", "b_1", "b_10"]
+    assert sorted(reads.running_run_ids(reader)) == ["b_1", "b_10"]
+    assert reads.run_arguments(reader, "b_1") == (None, "{}")
+    assert reads.run_arguments(reader, "nope") is None
+    assert reads.all_run_arguments(reader) == [(None, "{}")] * 3
+    version = reads.code_version(reader, "b_1")
+    assert version is not None and version.code_commit == "c1"
+    assert version == ("g", "c1", 0, "t1", "train.py", None)
+    assert reads.code_version(reader, "nope") is None
+    assert reads.checkpoint_positions(reader, "b_1") == []
+    assert reads.checkpoints_written(reader, "b_1") == []
+
+
+def test_a_write_transaction_commits_or_rolls_back_on_either_reader(
+    store: MetadataStore,
+) -> None:
+    store.register_run(run_row("run-0", 1.0))
+    reader = store.reader()
+    with write_transaction(reader):
+        reader.execute("UPDATE runs SET status = 'ended' WHERE run_id = ?", ("run-0",))
+    assert status(store, "run-0") == "ended"
+    with pytest.raises(RuntimeError), write_transaction(reader):
+        reader.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", ("run-0",))
+        raise RuntimeError("stop")
+    assert status(store, "run-0") == "ended"
+    with pytest.raises(database_errors(reader)):
+        reader.execute("SELECT no_such_column FROM runs")
+    # Only the embedded store is a file a cache can be keyed by.
+    found = store_file(reader)
+    assert (found is not None) == store.dialect.embedded
+    if found is not None:
+        assert Path(found).name == "retrolog.db"
 
 
 def test_the_registry_opens_each_backend_by_its_urls_scheme(
