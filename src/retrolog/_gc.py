@@ -49,6 +49,7 @@ from retrolog._query.dataframe import logged_names, number_of
 from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
+from retrolog.store import reads
 from retrolog.store.metastore import database_errors, read_snapshot, write_transaction
 from retrolog.store.objects import ObjectStore, StoredFile
 from retrolog.store.paths import storable_text
@@ -409,7 +410,7 @@ def _metric_values(
     by_ctx = {ref.ctx_id: ref for ref in blocks if ref.ctx_id is not None}
     if not by_ctx:
         return {}
-    parents = dict(conn.execute("SELECT ctx_id, parent_ctx FROM loops WHERE run_id = ?", (run_id,)))
+    parents = {loop.ctx_id: loop.parent_ctx for loop in reads.loop_contexts(conn, run_id)}
     owner: dict[int, int | None] = {}
 
     def owning(ctx: int) -> int | None:
@@ -516,17 +517,14 @@ def _code_manifests(conn: sqlite3.Connection) -> dict[str, list[str]]:
 
 def _protected_runs(conn: sqlite3.Connection, now: float) -> dict[str, str]:
     """Runs whose checkpoint rows must stay, and why."""
-    protected = {
-        run_id: "the run is still recording"
-        for (run_id,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")
-    }
+    protected = {run_id: "the run is still recording" for run_id in reads.running_run_ids(conn)}
     # Replay workers restore the checkpoints their plan named when the replay started.
     # replay_runs is written when a replay ends, so the runs in use are those of its script.
     for replay_id, filename in conn.execute(
         "SELECT replay_id, filename FROM replays WHERE status = 'running' AND started_at > ?",
         (now - REPLAY_STALE_SECONDS,),
     ):
-        for (run_id,) in conn.execute("SELECT run_id FROM runs WHERE filename = ?", (filename,)):
+        for run_id in reads.runs_of_script(conn, filename):
             protected.setdefault(run_id, f"replay {replay_id} of {filename} is in progress")
     return protected
 

@@ -250,6 +250,42 @@ def test_the_typed_reads_answer_alike(store: MetadataStore) -> None:
     assert reads.checkpoints_written(reader, "b_1") == []
 
 
+def test_the_typed_reads_of_a_runs_records_answer_alike(store: MetadataStore) -> None:
+    store.register_run(run_row("run-0", 1.0))
+    store.register_run(run_row("run-1", 2.0, filename="other.py"))
+    batch = RecordBatch(
+        loop_starts=[(0, None, "epoch", 0, None, 0, 1.0), (1, 0, "step", 3, None, 1, 1.5)],
+        logs=[(1, "loss", 0.25, "float"), (0, "acc", 1, "int"), (None, "note", "x", "str")],
+        checkpoints=[
+            (None, "epoch", "end", "m-end", 30, 0.5, 0.25, 4.0, None, None),
+            (0, "epoch", "block", "m-0", 20, 0.5, 0.25, 3.0, None, None),
+        ],
+    )
+    sink = store.record_sink()()
+    try:
+        sink.write("run-0", batch)
+    finally:
+        sink.close()
+    reader = store.reader()
+    assert reads.loop_contexts(reader, "run-0") == [(0, None, "epoch", 0), (1, 0, "step", 3)]
+    assert reads.loop_contexts(reader, "run-1") == []
+    assert reads.run_has_name(reader, "run-0", "loss")
+    assert not reads.run_has_name(reader, "run-1", "loss")
+    assert reads.run_names(reader, "run-0") == ["acc", "loss", "note"]
+    assert reads.recorded_names(reader, "run-0") == {"acc", "loss", "note"}
+    assert reads.run_definitions(reader, "run-0") == {}
+    assert reads.runs_of_script(reader, "other.py") == ["run-1"]
+    assert reads.summarised_number_names(reader) == ["acc", "loss"]
+    # Context order, the end checkpoint last; and the order they were written.
+    assert reads.checkpoint_positions(reader, "run-0") == [
+        (0, "block", 0, "epoch", "m-0"), (None, "end", None, "epoch", "m-end"),
+    ]  # fmt: skip
+    written = reads.checkpoints_written(reader, "run-0")
+    assert [(c.kind, c.loop, c.iteration, c.nbytes) for c in written] == [
+        ("end", "epoch", None, 30), ("block", "epoch", 0, 20),
+    ]  # fmt: skip
+
+
 def test_a_write_transaction_commits_or_rolls_back_on_either_reader(
     store: MetadataStore,
 ) -> None:

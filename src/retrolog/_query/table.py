@@ -106,12 +106,7 @@ def runs_table(
     """
     if offset < 0 or (limit is not None and limit < 1):
         raise UsageError("A page starts at offset 0 or later and holds at least one run.")
-    metrics = [
-        name
-        for (name,) in conn.execute(
-            "SELECT DISTINCT name FROM run_summaries WHERE n_numbers > 0 ORDER BY name"
-        )
-    ]
+    metrics = reads.summarised_number_names(conn)
     if default_columns and not columns:
         # Arguments have their own columns: the default ones are what the runs measured.
         given = {key for run in reads.all_run_arguments(conn) for key in arguments(*run)}

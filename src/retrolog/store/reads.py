@@ -21,7 +21,7 @@ class CheckpointPosition(NamedTuple):
     ctx_id: int | None  # its loop context; None for the end checkpoint
     kind: str  # "block" or "end"
     iteration: int | None  # its loop's iteration there
-    loop_name: str | None
+    loop_name: str  # the loop it belongs to (the end checkpoint: the outermost)
     manifest: str  # the object key of its manifest
 
 
@@ -29,7 +29,7 @@ class CheckpointWritten(NamedTuple):
     """A checkpoint as the run wrote it, with what it cost."""
 
     kind: str
-    loop: str | None
+    loop: str
     iteration: int | None
     nbytes: int | None
     capture_seconds: float | None
@@ -133,3 +133,65 @@ def checkpoints_written(reader: StoreReader, run_id: str) -> list[CheckpointWrit
         (run_id,),
     )
     return [CheckpointWritten(*row) for row in rows]
+
+
+class LoopContext(NamedTuple):
+    """One iteration of a loop in a run: its context and its parent's."""
+
+    ctx_id: int
+    parent_ctx: int | None
+    name: str
+    iteration: int
+
+
+def loop_contexts(reader: StoreReader, run_id: str) -> list[LoopContext]:
+    """``run_id``'s loop iterations in context order (a parent before its children)."""
+    rows = reader.execute(
+        "SELECT ctx_id, parent_ctx, name, iteration FROM loops WHERE run_id = ? ORDER BY ctx_id",
+        (run_id,),
+    )
+    return [LoopContext(*row) for row in rows]
+
+
+def run_has_name(reader: StoreReader, run_id: str, name: str) -> bool:
+    """Whether ``run_id`` has a value of ``name``, recorded or backfilled."""
+    found = reader.execute(
+        "SELECT 1 FROM logs WHERE run_id = ? AND name = ? LIMIT 1", (run_id, name)
+    ).fetchone()
+    return found is not None
+
+
+def run_names(reader: StoreReader, run_id: str) -> list[str]:
+    """The names ``run_id`` has values of, sorted."""
+    rows = reader.execute(
+        "SELECT DISTINCT name FROM logs WHERE run_id = ? ORDER BY name", (run_id,)
+    )
+    return [name for (name,) in rows]
+
+
+def recorded_names(reader: StoreReader, run_id: str) -> set[str]:
+    """The names ``run_id`` recorded itself (not backfilled by a replay)."""
+    rows = reader.execute(
+        "SELECT DISTINCT name FROM logs WHERE run_id = ? AND origin = 'recorded'", (run_id,)
+    )
+    return {name for (name,) in rows}
+
+
+def run_definitions(reader: StoreReader, run_id: str) -> dict[str, str]:
+    """The definition key kept for each of ``run_id``'s recorded names, by name."""
+    rows = reader.execute("SELECT name, lineage FROM run_definitions WHERE run_id = ?", (run_id,))
+    return {name: key for name, key in rows}
+
+
+def runs_of_script(reader: StoreReader, filename: str) -> list[str]:
+    """The ids of the runs of ``filename``."""
+    rows = reader.execute("SELECT run_id FROM runs WHERE filename = ?", (filename,))
+    return [run_id for (run_id,) in rows]
+
+
+def summarised_number_names(reader: StoreReader) -> list[str]:
+    """The names some run logged a number of (``run_summaries``), sorted."""
+    rows = reader.execute(
+        "SELECT DISTINCT name FROM run_summaries WHERE n_numbers > 0 ORDER BY name"
+    )
+    return [name for (name,) in rows]
