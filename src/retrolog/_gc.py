@@ -454,7 +454,7 @@ def _metric_values(
 
 
 def _require_metric(conn: sqlite3.Connection, name: str) -> None:
-    if conn.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone():
+    if reads.name_logged(conn, name):
         return
     import difflib
 
@@ -537,9 +537,7 @@ def _cutoff(conn: sqlite3.Connection, now: float, grace_seconds: float) -> tuple
         if grace_seconds
         else "no grace period"
     )
-    oldest = conn.execute(
-        "SELECT run_id, started_at FROM runs WHERE status = 'running' ORDER BY started_at LIMIT 1"
-    ).fetchone()
+    oldest = reads.oldest_running_run(conn)
     if oldest is not None and oldest[1] - _CLOCK_SLACK < cutoff:
         cutoff = oldest[1] - _CLOCK_SLACK
         reason = f"objects written since running run {oldest[0]} started are kept"

@@ -38,7 +38,7 @@ from retrolog.store.backends import open_object_store
 from retrolog.store.metastore import dialect_of
 from retrolog.store.objects import ObjectStore, in_order
 from retrolog.store.paths import ProjectPaths
-from retrolog.store.reads import run_ids_oldest_first, running_run_ids
+from retrolog.store.reads import run_ids_oldest_first, running_run_ids, runs_without_code_copy
 from retrolog.store.sqlite_metadata import mark_dead_runs_crashed
 from retrolog.store.transfer import TransferReport
 
@@ -86,13 +86,7 @@ def plan_migration(
         )
     _refuse_while_recording(conn, source.location, target.location)
     plan = MigrationPlan(source=source.location, target=target.location)
-    plan.code_to_backfill = [
-        r
-        for (r,) in conn.execute(
-            "SELECT run_id FROM runs WHERE code_manifest IS NULL AND code_commit IS NOT NULL "
-            "ORDER BY started_at"
-        )
-    ]
+    plan.code_to_backfill = runs_without_code_copy(conn)
     files = source.scan()[0]
     plan.objects = len(files)
     plan.nbytes = sum(f.size for f in files)

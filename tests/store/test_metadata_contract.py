@@ -248,6 +248,10 @@ def test_the_typed_reads_answer_alike(store: MetadataStore) -> None:
     assert reads.code_version(reader, "nope") is None
     assert reads.checkpoint_positions(reader, "b_1") == []
     assert reads.checkpoints_written(reader, "b_1") == []
+    assert reads.oldest_running_run(reader) in (("b_1", 20.0), ("b_10", 20.0))
+    assert reads.runs_without_code_copy(reader) == ["b_1"]
+    store.set_code_manifest("b_1", "manifest")
+    assert reads.runs_without_code_copy(reader) == []
 
 
 def test_the_typed_reads_of_a_runs_records_answer_alike(store: MetadataStore) -> None:
@@ -270,6 +274,7 @@ def test_the_typed_reads_of_a_runs_records_answer_alike(store: MetadataStore) ->
     assert reads.loop_contexts(reader, "run-0") == [(0, None, "epoch", 0), (1, 0, "step", 3)]
     assert reads.loop_contexts(reader, "run-1") == []
     assert reads.run_has_name(reader, "run-0", "loss")
+    assert reads.name_logged(reader, "note") and not reads.name_logged(reader, "nope")
     assert not reads.run_has_name(reader, "run-1", "loss")
     assert reads.run_names(reader, "run-0") == ["acc", "loss", "note"]
     assert reads.recorded_names(reader, "run-0") == {"acc", "loss", "note"}

@@ -58,6 +58,7 @@ from retrolog.store.metastore import (
     store_file,
 )
 from retrolog.store.paths import storable_text
+from retrolog.store.reads import name_logged
 
 META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 """The run columns every wide view starts with."""
@@ -380,7 +381,7 @@ class _WideQuery:
                     self.where is None
                     or missing is None
                     or any(c.name == missing for c in self.columns)
-                    or not _is_logged(self.conn, missing)
+                    or not name_logged(self.conn, missing)
                 ):
                     raise
                 hidden = _describe(self.conn, missing, shown=False, check_repeats=True, typed=True)
@@ -911,7 +912,7 @@ def _quoted_names(conn: Any, where: str, columns: Sequence[_Name], dims: _Dims) 
     for name in _quoted_identifiers(where):
         if name.casefold() in taken:
             continue
-        if not _is_logged(conn, name):
+        if not name_logged(conn, name):
             visible = [*META_COLUMNS, *dims.names, *(c.name for c in columns)]
             raise QueryError(
                 f'The where-predicate {where!r} uses "{name}", which is neither one of the '
@@ -1129,13 +1130,9 @@ def _type_key(name: str) -> str:
     return f"__retrolog_type_of_{name}"
 
 
-def _is_logged(conn: Any, name: str) -> bool:
-    return conn.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone() is not None
-
-
 def _require_logged(conn: Any, name: str) -> None:
     """Raise UnknownNameError, with the closest logged names, unless ``name`` was logged."""
-    if _is_logged(conn, name):
+    if name_logged(conn, name):
         return
     known = logged_names(conn)
     if not known:

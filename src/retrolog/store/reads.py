@@ -195,3 +195,27 @@ def summarised_number_names(reader: StoreReader) -> list[str]:
         "SELECT DISTINCT name FROM run_summaries WHERE n_numbers > 0 ORDER BY name"
     )
     return [name for (name,) in rows]
+
+
+def name_logged(reader: StoreReader, name: str) -> bool:
+    """Whether some run has a value of ``name``."""
+    found = reader.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone()
+    return found is not None
+
+
+def oldest_running_run(reader: StoreReader) -> tuple[str, float] | None:
+    """The running run that started first, and when; None when none is running."""
+    row = reader.execute(
+        "SELECT run_id, started_at FROM runs WHERE status = 'running' ORDER BY started_at LIMIT 1"
+    ).fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+def runs_without_code_copy(reader: StoreReader) -> list[str]:
+    """The runs with a code version but no copy of it in the object store (no code
+    manifest), oldest first."""
+    rows = reader.execute(
+        "SELECT run_id FROM runs WHERE code_manifest IS NULL AND code_commit IS NOT NULL "
+        "ORDER BY started_at"
+    )
+    return [run_id for (run_id,) in rows]
