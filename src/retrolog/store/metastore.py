@@ -242,7 +242,7 @@ class StoreReader(Protocol):
     and ``snapshot()``. Ask :func:`dialect_of` for a reader's dialect.
     """
 
-    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Any: ...
+    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Cursor: ...
 
 
 def dialect_of(reader: object) -> Dialect:
