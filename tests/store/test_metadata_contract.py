@@ -303,8 +303,11 @@ def test_a_write_transaction_commits_or_rolls_back_on_either_reader(
         reader.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", ("run-0",))
         raise RuntimeError("stop")
     assert status(store, "run-0") == "ended"
-    with pytest.raises(database_errors(reader)):
+    with pytest.raises(database_errors(reader)) as missing:
         reader.execute("SELECT no_such_column FROM runs")
+    # The dialect reads the column's name out of the database's own complaint.
+    assert store.dialect.missing_column(missing.value) == "no_such_column"
+    assert store.dialect.missing_column(ValueError("no such column: x")) is None
     # Only the embedded store is a file a cache can be keyed by.
     found = store_file(reader)
     assert (found is not None) == store.dialect.embedded
