@@ -36,24 +36,23 @@ Why this is safe beside runs that are recording (docs/store.md):
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 import re
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrolog._query.dataframe import logged_names, number_of, shared_store
+from retrolog._query.dataframe import logged_names, number_of
 from retrolog._query.runs import matching_runs, resolve_run
 from retrolog.checkpoint.codec import manifest_blobs
 from retrolog.errors import RetrologError, StoreError, UnknownNameError, UsageError
-from retrolog.store.metastore import read_snapshot
+from retrolog.store import reads
+from retrolog.store.metastore import database_errors, read_snapshot, write_transaction
 from retrolog.store.objects import ObjectStore, StoredFile
 from retrolog.store.paths import storable_text
-from retrolog.store.sqlite_connection import rollback
 from retrolog.versions.portable import code_objects
 
 GRACE_SECONDS = 3600.0
@@ -285,7 +284,7 @@ def plan_gc(
             kept_rows = [row for row in _all_rows(conn) if row[0] not in dropped]
             code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, grace_seconds)
-    except _errors(conn) as exc:
+    except database_errors(conn) as exc:
         raise StoreError(f"Cannot read the checkpoints from the store: {exc}.") from exc
     report = GcReport(
         policy=policy,
@@ -312,7 +311,7 @@ def collect_garbage(
     ids = [ref.checkpoint_id for ref in plan.dropped]
     deleted = 0
     try:
-        with _writing(conn):
+        with write_transaction(conn):
             for start in range(0, len(ids), _CHUNK):
                 chunk = ids[start : start + _CHUNK]
                 marks = ", ".join("?" * len(chunk))
@@ -327,7 +326,7 @@ def collect_garbage(
             kept_rows = _all_rows(conn)
             code = _code_manifests(conn)
             cutoff, reason = _cutoff(conn, now, plan.grace_seconds)
-    except _errors(conn) as exc:
+    except database_errors(conn) as exc:
         raise StoreError(f"Cannot delete checkpoint rows from the store: {exc}.") from exc
     done = GcReport(
         policy=plan.policy,
@@ -411,7 +410,7 @@ def _metric_values(
     by_ctx = {ref.ctx_id: ref for ref in blocks if ref.ctx_id is not None}
     if not by_ctx:
         return {}
-    parents = dict(conn.execute("SELECT ctx_id, parent_ctx FROM loops WHERE run_id = ?", (run_id,)))
+    parents = {loop.ctx_id: loop.parent_ctx for loop in reads.loop_contexts(conn, run_id)}
     owner: dict[int, int | None] = {}
 
     def owning(ctx: int) -> int | None:
@@ -455,7 +454,7 @@ def _metric_values(
 
 
 def _require_metric(conn: sqlite3.Connection, name: str) -> None:
-    if conn.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone():
+    if reads.name_logged(conn, name):
         return
     import difflib
 
@@ -471,28 +470,6 @@ def _require_metric(conn: sqlite3.Connection, name: str) -> None:
 
 
 # -- reading the store -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _writing(conn: Any) -> Iterator[None]:
-    """One write transaction: SQLite's ``BEGIN IMMEDIATE``, or PostgreSQL's."""
-    if shared_store(conn):
-        with conn.transaction():
-            yield
-        return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        rollback(conn)
-        raise
-    conn.execute("COMMIT")
-
-
-def _errors(conn: Any) -> tuple[type[BaseException], ...]:
-    """The errors the store's database reports."""
-    found: tuple[type[BaseException], ...] = (sqlite3.Error,)
-    return (*found, conn.errors) if shared_store(conn) else found
 
 
 def _checkpoints_by_run(
@@ -540,17 +517,14 @@ def _code_manifests(conn: sqlite3.Connection) -> dict[str, list[str]]:
 
 def _protected_runs(conn: sqlite3.Connection, now: float) -> dict[str, str]:
     """Runs whose checkpoint rows must stay, and why."""
-    protected = {
-        run_id: "the run is still recording"
-        for (run_id,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")
-    }
+    protected = {run_id: "the run is still recording" for run_id in reads.running_run_ids(conn)}
     # Replay workers restore the checkpoints their plan named when the replay started.
     # replay_runs is written when a replay ends, so the runs in use are those of its script.
     for replay_id, filename in conn.execute(
         "SELECT replay_id, filename FROM replays WHERE status = 'running' AND started_at > ?",
         (now - REPLAY_STALE_SECONDS,),
     ):
-        for (run_id,) in conn.execute("SELECT run_id FROM runs WHERE filename = ?", (filename,)):
+        for run_id in reads.runs_of_script(conn, filename):
             protected.setdefault(run_id, f"replay {replay_id} of {filename} is in progress")
     return protected
 
@@ -563,9 +537,7 @@ def _cutoff(conn: sqlite3.Connection, now: float, grace_seconds: float) -> tuple
         if grace_seconds
         else "no grace period"
     )
-    oldest = conn.execute(
-        "SELECT run_id, started_at FROM runs WHERE status = 'running' ORDER BY started_at LIMIT 1"
-    ).fetchone()
+    oldest = reads.oldest_running_run(conn)
     if oldest is not None and oldest[1] - _CLOCK_SLACK < cutoff:
         cutoff = oldest[1] - _CLOCK_SLACK
         reason = f"objects written since running run {oldest[0]} started are kept"

@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from retrolog._config import BY_KEY, STORE_FILE, mask, read_file
-from retrolog._query.dataframe import shared_store
 from retrolog.errors import StoreError, VersionError
 from retrolog.store.backends import open_object_store
+from retrolog.store.metastore import dialect_of
 from retrolog.store.objects import ObjectStore, in_order
 from retrolog.store.paths import ProjectPaths
+from retrolog.store.reads import run_ids_oldest_first, running_run_ids, runs_without_code_copy
 from retrolog.store.sqlite_metadata import mark_dead_runs_crashed
 from retrolog.store.transfer import TransferReport
 
@@ -85,13 +86,7 @@ def plan_migration(
         )
     _refuse_while_recording(conn, source.location, target.location)
     plan = MigrationPlan(source=source.location, target=target.location)
-    plan.code_to_backfill = [
-        r
-        for (r,) in conn.execute(
-            "SELECT run_id FROM runs WHERE code_manifest IS NULL AND code_commit IS NOT NULL "
-            "ORDER BY started_at"
-        )
-    ]
+    plan.code_to_backfill = runs_without_code_copy(conn)
     files = source.scan()[0]
     plan.objects = len(files)
     plan.nbytes = sum(f.size for f in files)
@@ -155,9 +150,9 @@ def migrate_objects(
 def _refuse_while_recording(conn: Any, source: str, target: str) -> None:
     """Stop, nothing copied, while a run records into ``source``: what it wrote after
     the copy would be missing from ``target``."""
-    if not shared_store(conn):  # PostgreSQL's store marks them when it is opened
+    if dialect_of(conn).embedded:  # a server's store marks them when it is opened
         mark_dead_runs_crashed(conn)
-    running = [r for (r,) in conn.execute("SELECT run_id FROM runs WHERE status = 'running'")]
+    running = running_run_ids(conn)
     if running:
         raise StoreError(
             f"Run(s) {', '.join(running)} are still recording into {source}; what they "
@@ -302,8 +297,7 @@ def _all_runs(conn: sqlite3.Connection) -> list[Any]:
     for table in PER_RUN:
         for run_id, count in conn.execute(f"SELECT run_id, count(*) FROM {table} GROUP BY run_id"):
             rows[run_id] = rows.get(run_id, 0) + count
-    order = conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")
-    return [RunTransfer(r, "copied", rows.get(r, 0)) for (r,) in order]
+    return [RunTransfer(r, "copied", rows.get(r, 0)) for r in run_ids_oldest_first(conn)]
 
 
 def _refuse_differing(report: Any) -> None:

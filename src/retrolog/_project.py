@@ -169,11 +169,11 @@ class Project:
     def matching(self, where: str) -> list[str]:
         """The ids of the runs ``where`` (a dataframe predicate) chooses, oldest first."""
         from retrolog._query.runs import matching_runs
+        from retrolog.store.reads import run_ids_oldest_first
 
         with self._portable() as conn:
             chosen = matching_runs(conn, where)
-            order = conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")
-            return [r for (r,) in order if r in chosen]
+            return [r for r in run_ids_oldest_first(conn) if r in chosen]
 
     def dataframe(
         self,
@@ -248,9 +248,10 @@ class Project:
         chooses from."""
         from retrolog._query.runs import checkpoint_positions
         from retrolog.errors import StoreError
+        from retrolog.store.metastore import database_errors
 
         with self._portable() as conn:  # the embedded store, or PostgreSQL's reader
-            errors = (sqlite3.Error, getattr(conn, "errors", sqlite3.Error))
+            errors = database_errors(conn)
             try:
                 return checkpoint_positions(conn, run)
             except errors as exc:

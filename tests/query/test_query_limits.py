@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from retrolog.errors import QueryError
 from retrolog.store.schema import migrate
 from retrolog.store.sqlite_connection import connect
 
-from conftest import Project
+from conftest import Project, pg_role
 
 FOREVER = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"
 HUGE_STRING = (
@@ -68,6 +69,7 @@ def test_a_query_past_its_time_budget_stops(
 # interpreter, as a `retrolog query` command does.
 MEMORY_PROBE = """
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from retrolog._query.sql import query
 from retrolog.errors import QueryError
@@ -114,28 +116,67 @@ def test_a_bad_budget_setting_is_a_clear_error(
         query(conn, "SELECT 1")
 
 
-def _recorded(project: Project) -> None:
+def _recorded(project: Project, **env: str) -> None:
     project.write(
         "train.py",
         "import retrolog as rl\nfor e in rl.loop('epoch', range(2)):\n    rl.log('acc', e / 2)\n",
     )
-    project.run("train.py")
+    project.run("train.py", **env)
 
 
-def test_the_cli_stops_an_endless_query_and_an_endless_predicate(project: Project) -> None:
-    _recorded(project)
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.services)])
+def reader_env(request: pytest.FixtureRequest, project: Project) -> Iterator[dict[str, str]]:
+    """A project with a run, in the backend under test; yields the environment its readers
+    use: none for the embedded store, else ``database_url`` as a PostgreSQL role with
+    SELECT on retrolog's tables only (as docs/store.md tells a team to set up; a
+    superuser's SQL is refused)."""
+    if request.param == "sqlite":
+        _recorded(project)
+        yield {}
+        return
+    owner = request.getfixturevalue("pg_store_url")
+    _recorded(project, RETROLOG_DATABASE_URL=owner)
+    with pg_role(request.getfixturevalue("database_url"), owner, "SELECT") as reader:
+        yield {"RETROLOG_DATABASE_URL": reader}
+
+
+# Per backend: SQL that sleeps on the server, a predicate choosing runs that never ends
+# (PostgreSQL would compare run_id with the constant 'x' before running the subquery), and
+# SQL whose rows outgrow 50 MB.
+SLEEPS = {"sqlite": FOREVER, "postgresql": "SELECT pg_sleep(30)"}
+CHOOSES = {
+    "sqlite": f"run_id IN (SELECT 'x' FROM ({FOREVER}))",
+    "postgresql": f"length(run_id) > ({FOREVER})",
+}
+GROWS = {
+    "sqlite": HUGE_STRING,
+    "postgresql": "SELECT repeat('x', 1000) FROM generate_series(1, 2000000)",
+}
+
+
+def test_the_cli_stops_an_endless_query_and_an_endless_predicate(
+    project: Project, reader_env: dict[str, str]
+) -> None:
+    backend = "postgresql" if reader_env else "sqlite"
     before = sorted(p.name for p in (project.root / ".retrolog").iterdir())
     for args in (
         ("query", FOREVER),
+        ("query", SLEEPS[backend]),
         ("dataframe", "acc", "--where", f"acc < ({FOREVER})"),
-        ("replay", "acc", f"run_id IN (SELECT 'x' FROM ({FOREVER}))", "--dry-run"),
+        ("replay", "acc", CHOOSES[backend], "--dry-run"),
     ):
         began = time.monotonic()
-        out = project.cli(*args, RETROLOG_QUERY_TIMEOUT="1")
+        out = project.cli(*args, RETROLOG_QUERY_TIMEOUT="1", **reader_env)
         assert out.returncode == 1, (args, out.stderr)
         assert "time budget of 1 s" in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert time.monotonic() - began < 20
-    assert sorted(p.name for p in (project.root / ".retrolog").iterdir()) == before
+    out = project.cli("query", GROWS[backend], RETROLOG_QUERY_MEMORY_MB="50", **reader_env)
+    assert out.returncode != 0 and "memory budget of 50 MB" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    after = project.root / ".retrolog"
+    # A replay on PostgreSQL makes the working copies' directory; each copy is deleted.
+    assert not any((after / "working").glob("*"))
+    assert sorted(p.name for p in after.iterdir() if p.name != "working") == before
 
 
 def test_ctrl_c_stops_a_running_query(project: Project) -> None:

@@ -1,6 +1,7 @@
 """``retrolog query`` on a PostgreSQL store: what only PostgreSQL can be asked (a write
-inside a WITH, several statements, the server's files and sequences), its budgets, and
-its roles. What every backend answers alike is in tests/store/test_metadata_contract.py.
+inside a WITH, several statements, the server's files and sequences), and its roles.
+What every backend answers alike is in tests/store/test_metadata_contract.py, and the
+budgets every backend keeps in tests/query/test_query_limits.py.
 
 The runs are recorded by real scripts into a schema of the test server; the queries
 run as a role with SELECT on retrolog's tables only, as docs/store.md tells a team
@@ -9,7 +10,6 @@ to set up, and as the server's superuser, which query refuses.
 
 from __future__ import annotations
 
-import time
 import urllib.parse
 from collections.abc import Iterator
 
@@ -71,22 +71,6 @@ def test_query_on_postgresql_refuses_what_is_not_one_read(
     assert said in " ".join(err.split()), err  # the message is wrapped to the terminal
     assert read_pg(pg_store_url, "SELECT COUNT(*) FROM logs") == before
     assert read_pg(pg_store_url, "SELECT to_regclass('mine') IS NULL") == [(True,)]
-
-
-def test_query_on_postgresql_keeps_its_time_and_memory_budgets(
-    recorded: Project, reader_url: str
-) -> None:
-    started = time.monotonic()
-    code, _, err = _query(recorded, reader_url, "SELECT pg_sleep(30)", RETROLOG_QUERY_TIMEOUT="1")
-    assert code != 0 and "time budget of 1 s" in err, err
-    assert time.monotonic() - started < 20
-    code, _, err = _query(
-        recorded,
-        reader_url,
-        "SELECT repeat('x', 1000) FROM generate_series(1, 2000000)",
-        RETROLOG_QUERY_MEMORY_MB="50",
-    )
-    assert code != 0 and "memory budget of 50 MB" in err, err
 
 
 def test_query_refuses_a_role_that_can_read_the_servers_files(

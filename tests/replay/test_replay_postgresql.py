@@ -1,8 +1,9 @@
 """``retrolog replay`` when the runs are in PostgreSQL, chosen by configuration alone.
 
 The replayed values must be exactly what a fresh run of today's script logs; a second
-replay adds nothing; ``--force`` recomputes in place; two replays of the same runs at
-once store each value once; a role that may only read is told why nothing was stored.
+replay adds nothing; ``--force`` recomputes in place; a role that may only read is told
+why nothing was stored. Two replays of the same runs at once are in
+tests/replay/test_replay_concurrent.py, on both backends.
 The team path end to end (PostgreSQL + S3 + Ray, a torch script at default settings)
 is the last test.
 """
@@ -12,8 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -226,77 +225,6 @@ def test_the_working_copy_of_a_predicates_replay_holds_the_chosen_runs_alone(
         narrow.close()
         whole.close()
         source.close()
-
-
-# A replay held at its confirmation until the test lets it go: both have planned, so both
-# replay every run, before either stores a value.
-GATED_REPLAY = """\
-import sys
-import time
-from pathlib import Path
-
-import retrolog
-
-ready, go = Path(sys.argv[1]), Path(sys.argv[2])
-
-
-def confirm(plan):
-    ready.touch()
-    while not go.exists():
-        time.sleep(0.05)
-    return True
-
-
-print(retrolog.Project().replay("w_norm", confirm=confirm).replay_id)
-"""
-
-
-def test_two_replays_of_the_same_runs_at_once_store_each_value_once(
-    recorded: Project, pg_store_url: str, tmp_path: Path
-) -> None:
-    """As from two machines: each coordinator replays on its own working copy; their
-    values meet in the database under a lock per run, and each one's report says how
-    many it stored and which replay stored the rest."""
-    env = recorded.env(RETROLOG_DATABASE_URL=pg_store_url)
-    (tmp_path / "gated.py").write_text(GATED_REPLAY)
-    go = tmp_path / "go"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(tmp_path / "gated.py"), str(tmp_path / f"ready{i}"), str(go)],
-            cwd=recorded.root,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all(
-        (tmp_path / f"ready{i}").exists() for i in range(2)
-    ):
-        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-        time.sleep(0.05)
-    go.touch()
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
-    rows = read_pg(
-        pg_store_url,
-        "SELECT run_id, ctx_id, count(*) FROM logs WHERE name = 'w_norm' GROUP BY run_id, ctx_id",
-    )
-    assert len(rows) == 12 and all(count == 1 for _, _, count in rows), rows
-    ids = [out.strip().splitlines()[-1] for out, _ in outputs]
-    stored = dict(
-        read_pg(pg_store_url, "SELECT replay_id, sum(backfilled) FROM replay_runs GROUP BY 1")
-    )
-    assert sum(int(str(n)) for n in stored.values()) == 12, stored
-    for (_, err), mine, other in ((outputs[0], *ids), (outputs[1], *reversed(ids))):
-        said = " ".join(err.split())
-        added = int(str(stored[mine]))
-        assert f"Replayed 3 run(s); backfilled {added} value(s)" in said, said
-        if added < 12:
-            assert f", {12 - added} already backfilled by replay {other} (kept)." in said, said
 
 
 def test_a_role_that_may_only_read_is_told_why_nothing_was_stored(

@@ -27,13 +27,14 @@ from retrolog._gc import (
 from retrolog._replay.plan import ScanLevel, load_profiles, plan_replay
 from retrolog.checkpoint.capture import load_checkpoint
 from retrolog.errors import UnknownNameError, UsageError
+from retrolog.store.metastore import POSTGRESQL, SQLITE
 from retrolog.store.objects import LocalObjectStore
 from retrolog.store.paths import locate
 from retrolog.store.processes import process_start_marker
 from retrolog.store.sqlite_metadata import open_store
-from training_scripts import NUMPY_TRAIN, record_torch_runs
+from training_scripts import NUMPY_TRAIN, new_project, record_torch_runs
 
-from conftest import Project, pg_role, read_db, read_pg
+from conftest import Project, pg_role, read_db, read_pg, values_by_run
 
 
 @pytest.fixture(scope="module")
@@ -675,3 +676,140 @@ def test_report_as_data_and_text(project: Project, conn: sqlite3.Connection) -> 
     text = format_report(plan)
     assert f"{run_id}  finished  3, end  0-2" in text
     assert "would delete 3 checkpoint(s)" in text
+
+
+# A script whose runs differ by their arguments, every block checkpointed, for the test
+# below; its replay adds STATEMENT at # HINDSIGHT.
+SEEDED = """\
+import argparse
+
+import numpy as np
+
+import retrolog as rl
+
+
+def train(args):
+    w = np.zeros(4096)
+    with rl.checkpointing(w=w):
+        for epoch in rl.loop("epoch", range(4)):
+            rng = np.random.default_rng(args.seed * 100 + epoch)
+            for step in rl.loop("step", range(10)):
+                w += rng.random(4096) * args.lr
+            rl.log("acc", float(w[:8].sum()))
+            # HINDSIGHT
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    train(parser.parse_args())
+"""
+STATEMENT = 'rl.log("w_norm", float(np.linalg.norm(w)))'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.services)]
+)
+def test_gc_thins_finished_runs_beside_a_recording_run_and_replay_stays_exact(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Retention thins the finished runs' checkpoint rows and deletes the objects nothing
+    references while another run records: that run keeps every row and object and
+    finishes; a replay afterwards is still exact (a dropped checkpoint's block is
+    executed). On the embedded store, and with ``database_url`` in pyproject.toml naming
+    PostgreSQL, where a role that may only read plans and is refused the deletion."""
+    url = request.getfixturevalue("pg_store_url") if backend == "postgresql" else None
+    number = (SQLITE if url is None else POSTGRESQL).number()
+    project = new_project(tmp_path / "proj")
+
+    def rows(sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        if url is None:
+            return read_db(project.root, sql, params)
+        return read_pg(url, sql.replace("?", "%s"), params)
+
+    def by_run() -> dict[str, list[tuple[str, object]]]:
+        found: dict[str, list[tuple[str, object]]] = {}
+        for run_id, kind, iteration in rows(
+            "SELECT c.run_id, c.kind, l.iteration FROM checkpoints c LEFT JOIN loops l"
+            " ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id ORDER BY c.checkpoint_id"
+        ):
+            found.setdefault(str(run_id), []).append((str(kind), iteration))
+        return found
+
+    def objects() -> set[str]:
+        """The keys of the objects in the project's store (objects/<2 hex>/<the rest>)."""
+        found = (project.root / ".retrolog" / "objects").rglob("*")
+        return {p.parent.name + p.name for p in found if p.is_file()}
+
+    if url is not None:
+        project.write("pyproject.toml", f'[tool.retrolog]\ndatabase_url = "{url}"\n')
+    project.write("train.py", SEEDED)
+    project.write("paused.py", NUMPY_TRAIN)
+    project.git("add", "-A")
+    project.git("commit", "-qm", "scripts")
+    for lr, seed in (("0.1", "1"), ("0.2", "2")):
+        project.run("train.py", "--lr", lr, "--seed", seed)
+    finished = by_run()
+    assert len(finished) == 2 and all(len(r) == 5 for r in finished.values())  # 4 blocks + end
+
+    if url is not None:
+        with pg_role(request.getfixturevalue("database_url"), url, "SELECT") as reader:
+            planned = project.cli(
+                "gc", "--keep", "last:1", "--grace", "0", "--dry-run", "--json",
+                RETROLOG_DATABASE_URL=reader,
+            )  # fmt: skip
+            assert planned.returncode == 0, planned.stderr
+            refused = project.cli(
+                "gc", "--keep", "last:1", "--grace", "0", "--yes", RETROLOG_DATABASE_URL=reader
+            )
+            assert refused.returncode != 0 and "may not DELETE" in refused.stderr, refused.stderr
+        assert len(json.loads(planned.stdout)["runs"]) == 2
+
+    # Objects written since the oldest running run started (less 2 s for clocks) are
+    # kept: let the finished runs' objects be older than that.
+    time.sleep(3)
+    with project.recording_paused("paused.py") as proc:
+        ((running,),) = rows("SELECT run_id FROM runs WHERE status = 'running'")
+        running = str(running)
+        deadline = time.monotonic() + 30
+        while len(by_run().get(running, [])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # its epochs' checkpoints, written by its writer thread
+        before = by_run()[running]
+        assert before == [("block", 0), ("block", 1)]
+        objects_before = objects()
+        done = project.cli("gc", "--keep", "last:1", "--grace", "0", "--yes", "--json")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["done"] and report["checkpoints"] == 6, report
+        after = by_run()
+        assert after[running] == before  # the recording run keeps every row
+        for run_id in finished:
+            assert after[run_id] == [("block", 3), ("end", None)], after[run_id]
+        deleted = objects_before - objects()
+        assert deleted and report["objects"] == len(deleted)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    # The run that was recording finished, and all its checkpoints are there to restore.
+    assert [kind for kind, _ in by_run()[running]].count("block") == 4
+    manifests = rows("SELECT manifest FROM checkpoints")
+    assert {str(m) for (m,) in manifests} <= objects()  # every kept row's object
+
+    # A replay after gc: the dropped checkpoints' blocks are executed, values still exact.
+    project.write("train.py", SEEDED.replace("# HINDSIGHT", STATEMENT))
+    out = project.cli("replay", "w_norm", "--yes", "--script", "train.py")
+    assert out.returncode == 0, out.stderr
+    argv = {str(r): tuple(json.loads(str(a))[1:]) for r, a in rows("SELECT run_id, argv FROM runs")}
+    for run_id in finished:
+        fresh = new_project(tmp_path / f"fresh-{run_id}")
+        fresh.write("train.py", SEEDED.replace("# HINDSIGHT", STATEMENT))
+        fresh.run("train.py", *argv[run_id])
+        (expected,) = values_by_run(fresh.root, "w_norm").values()
+        replayed = [
+            float(str(v))
+            for (v,) in rows(
+                f"SELECT {number} FROM logs WHERE name = 'w_norm' AND run_id = ? ORDER BY ctx_id",
+                (run_id,),
+            )
+        ]
+        assert replayed == expected and len(expected) == 4, run_id

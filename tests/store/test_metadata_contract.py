@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from retrolog.errors import StoreError, UsageError
+from retrolog.store import reads
 from retrolog.store.metastore import (
     BACKENDS,
     POSTGRESQL,
@@ -30,9 +31,12 @@ from retrolog.store.metastore import (
     MetadataStore,
     activity_stamp,
     backend,
+    database_errors,
     dialect_of,
     open_metadata,
     read_snapshot,
+    store_file,
+    write_transaction,
 )
 from retrolog.store.paths import ProjectPaths, storable_text
 from retrolog.store.processes import process_start_marker
@@ -219,6 +223,96 @@ def test_the_reader_takes_question_marks_and_keeps_them_inside_strings(
         "SELECT run_id, 'what?' FROM runs WHERE run_id = ? AND filename LIKE '%.py'", ("run-?",)
     ).fetchall()
     assert [tuple(r) for r in found] == [("run-?", "what?")]
+
+
+def test_the_typed_reads_answer_alike(store: MetadataStore) -> None:
+    store.register_run(run_row("b_1", 20.0, code_commit="c1", code_tree="t1", git_dir="g"))
+    store.register_run(run_row("a%2", 10.0, status="ended"))
+    store.register_run(run_row("b_10", 20.0))
+    reader = store.reader()
+    assert reads.run_exists(reader, "b_1") and not reads.run_exists(reader, "b")
+    # LIKE's wildcards in a prefix are taken literally.
+    assert reads.run_ids_starting(reader, "b_1") == ["b_1", "b_10"]
+    assert reads.run_ids_starting(reader, "a%") == ["a%2"]
+    assert reads.run_ids_starting(reader, "_") == []
+    assert sorted(reads.newest_run_ids(reader, 2)) == ["b_1", "b_10"]
+    assert reads.newest_run_ids(reader, 3)[2] == "a%2"
+    assert reads.run_ids_oldest_first(reader) == ["a%2", "b_1", "b_10"]
+    assert sorted(reads.running_run_ids(reader)) == ["b_1", "b_10"]
+    assert reads.run_arguments(reader, "b_1") == (None, "{}")
+    assert reads.run_arguments(reader, "nope") is None
+    assert reads.all_run_arguments(reader) == [(None, "{}")] * 3
+    version = reads.code_version(reader, "b_1")
+    assert version is not None and version.code_commit == "c1"
+    assert version == ("g", "c1", 0, "t1", "train.py", None)
+    assert reads.code_version(reader, "nope") is None
+    assert reads.checkpoint_positions(reader, "b_1") == []
+    assert reads.checkpoints_written(reader, "b_1") == []
+    assert reads.oldest_running_run(reader) in (("b_1", 20.0), ("b_10", 20.0))
+    assert reads.runs_without_code_copy(reader) == ["b_1"]
+    store.set_code_manifest("b_1", "manifest")
+    assert reads.runs_without_code_copy(reader) == []
+
+
+def test_the_typed_reads_of_a_runs_records_answer_alike(store: MetadataStore) -> None:
+    store.register_run(run_row("run-0", 1.0))
+    store.register_run(run_row("run-1", 2.0, filename="other.py"))
+    batch = RecordBatch(
+        loop_starts=[(0, None, "epoch", 0, None, 0, 1.0), (1, 0, "step", 3, None, 1, 1.5)],
+        logs=[(1, "loss", 0.25, "float"), (0, "acc", 1, "int"), (None, "note", "x", "str")],
+        checkpoints=[
+            (None, "epoch", "end", "m-end", 30, 0.5, 0.25, 4.0, None, None),
+            (0, "epoch", "block", "m-0", 20, 0.5, 0.25, 3.0, None, None),
+        ],
+    )
+    sink = store.record_sink()()
+    try:
+        sink.write("run-0", batch)
+    finally:
+        sink.close()
+    reader = store.reader()
+    assert reads.loop_contexts(reader, "run-0") == [(0, None, "epoch", 0), (1, 0, "step", 3)]
+    assert reads.loop_contexts(reader, "run-1") == []
+    assert reads.run_has_name(reader, "run-0", "loss")
+    assert reads.name_logged(reader, "note") and not reads.name_logged(reader, "nope")
+    assert not reads.run_has_name(reader, "run-1", "loss")
+    assert reads.run_names(reader, "run-0") == ["acc", "loss", "note"]
+    assert reads.recorded_names(reader, "run-0") == {"acc", "loss", "note"}
+    assert reads.run_definitions(reader, "run-0") == {}
+    assert reads.runs_of_script(reader, "other.py") == ["run-1"]
+    assert reads.summarised_number_names(reader) == ["acc", "loss"]
+    # Context order, the end checkpoint last; and the order they were written.
+    assert reads.checkpoint_positions(reader, "run-0") == [
+        (0, "block", 0, "epoch", "m-0"), (None, "end", None, "epoch", "m-end"),
+    ]  # fmt: skip
+    written = reads.checkpoints_written(reader, "run-0")
+    assert [(c.kind, c.loop, c.iteration, c.nbytes) for c in written] == [
+        ("end", "epoch", None, 30), ("block", "epoch", 0, 20),
+    ]  # fmt: skip
+
+
+def test_a_write_transaction_commits_or_rolls_back_on_either_reader(
+    store: MetadataStore,
+) -> None:
+    store.register_run(run_row("run-0", 1.0))
+    reader = store.reader()
+    with write_transaction(reader):
+        reader.execute("UPDATE runs SET status = 'ended' WHERE run_id = ?", ("run-0",))
+    assert status(store, "run-0") == "ended"
+    with pytest.raises(RuntimeError), write_transaction(reader):
+        reader.execute("UPDATE runs SET status = 'crashed' WHERE run_id = ?", ("run-0",))
+        raise RuntimeError("stop")
+    assert status(store, "run-0") == "ended"
+    with pytest.raises(database_errors(reader)) as missing:
+        reader.execute("SELECT no_such_column FROM runs")
+    # The dialect reads the column's name out of the database's own complaint.
+    assert store.dialect.missing_column(missing.value) == "no_such_column"
+    assert store.dialect.missing_column(ValueError("no such column: x")) is None
+    # Only the embedded store is a file a cache can be keyed by.
+    found = store_file(reader)
+    assert (found is not None) == store.dialect.embedded
+    if found is not None:
+        assert Path(found).name == "retrolog.db"
 
 
 def test_the_registry_opens_each_backend_by_its_urls_scheme(

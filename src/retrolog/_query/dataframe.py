@@ -36,12 +36,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
 import re
-import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,10 +48,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from retrolog._query.sql import execute_read, execute_read_shared
+from retrolog._query.sql import execute_read_any
 from retrolog.errors import QueryError, UnknownNameError
-from retrolog.store.metastore import Dialect, activity_stamp, dialect_of, read_snapshot
+from retrolog.store.metastore import (
+    Dialect,
+    activity_stamp,
+    dialect_of,
+    read_snapshot,
+    store_file,
+)
 from retrolog.store.paths import storable_text
+from retrolog.store.reads import name_logged
 
 META_COLUMNS: tuple[str, ...] = ("projid", "run_id", "tstamp", "filename")
 """The run columns every wide view starts with."""
@@ -77,17 +82,8 @@ _ROW_KEY = "__retrolog_row"
 _CTX_BITS = 32
 # A type mask packs 8 names, 8 bits each (7 used), into one SQLite integer.
 _NAMES_PER_MASK = 8
-# Recorded values outrank backfilled ones: this rank is added above any log_id.
-_RECORDED_FIRST = 1 << 62
-_NO_SUCH_COLUMN = re.compile(r"no such column: (.+)$")
-_UNDEFINED_COLUMN = re.compile(r'column "((?:[^"]|"")+)" does not exist')
 # A double-quoted identifier, skipping single-quoted strings and comments.
 _DOUBLE_QUOTED = re.compile(r"'(?:[^']|'')*'|--[^\n]*|/\*.*?\*/|\"((?:[^\"]|\"\")*)\"", re.S)
-
-
-def shared_store(conn: Any) -> bool:
-    """Whether ``conn`` is a PostgreSQL store's reader (else a SQLite connection)."""
-    return dialect_of(conn).split
 
 
 def value_parts(conn: Any, alias: str = "") -> list[str]:
@@ -119,7 +115,7 @@ class _Name:
     at_run: bool  # logged outside every loop somewhere
     repeated: bool = False  # logged more than once in some (run, context)
     # The value types it has in the store, known where a predicate can name it on
-    # PostgreSQL: its column there takes one SQL type (see _typed_value).
+    # PostgreSQL: its column there takes one SQL type (Dialect.predicate_value).
     types: frozenset[str] | None = None
 
 
@@ -380,12 +376,12 @@ class _WideQuery:
             try:
                 return keys, self._read(text)[1]
             except QueryError as exc:
-                missing = _missing_column(exc)
+                missing = self.dialect.missing_column(exc.__cause__)
                 if (
                     self.where is None
                     or missing is None
                     or any(c.name == missing for c in self.columns)
-                    or not _is_logged(self.conn, missing)
+                    or not name_logged(self.conn, missing)
                 ):
                     raise
                 hidden = _describe(self.conn, missing, shown=False, check_repeats=True, typed=True)
@@ -405,16 +401,10 @@ class _WideQuery:
 
         def usage() -> str:
             visible = _listing([*META_COLUMNS, *self.dims.names, *self.requested])
-            folded = (
-                " PostgreSQL reads an unquoted name in lower case: double-quote a name "
-                'with capitals ("Loss" > 0.5).'
-                if self.dialect.split
-                else ""
-            )
             return (
                 f"It must be one SQL expression over the columns {visible}, or over any logged "
                 f'name ({_listing(logged_names(self.conn))}), e.g. "lr > 0.005 AND epoch = 4".'
-                + folded
+                + self.dialect.identifier_hint
             )
 
         def malformed(complaint: str) -> str:
@@ -432,17 +422,10 @@ class _WideQuery:
                 f"({said} {complaint!r}). " + usage()
             )
 
-        if self.dialect.split:
-            # Without a predicate the SQL is ours alone: any role may run it.
-            return execute_read_shared(
-                functools.partial(self.conn.read, trusted=where is None),
-                sql,
-                subject=where,
-                location=self.conn.location,
-                malformed=malformed,
-                writes=writes,
-            )
-        return execute_read(self.conn, sql, subject=where, malformed=malformed, writes=writes)
+        # Without a predicate the SQL is ours alone: any role may run it.
+        return execute_read_any(
+            self.conn, sql, subject=where, trusted=where is None, malformed=malformed, writes=writes
+        )
 
 
 def _columns(header: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
@@ -495,19 +478,7 @@ def _ctes(
         + f",\n    max(CASE WHEN name = {_literal(c.name)} THEN value_type END) AS t{i}"
         for i, c in at_run
     )
-    if dialect.split:
-        # The record that counts of each (run, name): the newest recorded, else the newest.
-        latest = (
-            f"SELECT DISTINCT ON (run_id, name) run_id, name, {', '.join(parts)}, value_type\n"
-            f"        FROM logs WHERE name IN ({run_in}) AND ctx_id IS NULL\n"
-            "        ORDER BY run_id, name, (origin = 'recorded') DESC, log_id DESC"
-        )
-    else:  # SQLite takes the other columns from the row of the bare max()
-        latest = (
-            "SELECT run_id, name, value, value_type,"
-            f" max((origin = 'recorded') * {_RECORDED_FIRST} + log_id)\n"
-            f"        FROM logs WHERE name IN ({run_in}) AND ctx_id IS NULL GROUP BY name, run_id"
-        )
+    latest = dialect.latest_at_run(run_in)
     run_values = (
         "run_values AS (\n"
         f"  SELECT run_id, {dialect.any_of(run_shown)} AS shown{run_pivot}\n"
@@ -569,10 +540,9 @@ def _ctes(
             values = [f"h.v{i}_{k}" for k in range(len(parts))]
             vtype = f"h.t{i}"
         select += [f"{value} AS {_value_column(i, k)}" for k, value in enumerate(values)]
-        if not dialect.split:
-            select.append(f"{values[0]} AS {_ident(c.name)}")
-        elif c.types is not None:
-            select.append(f"{_typed_value(values, c.types)} AS {_ident(c.name)}")
+        named = dialect.predicate_value(values, c.types)
+        if named is not None:
+            select.append(f"{named} AS {_ident(c.name)}")
         if c.shown and c.in_loops:
             select.append(f"{vtype} AS {_type_column(i)}")
         if c.in_loops and c.repeated:  # its rows of one context, in the order logged
@@ -600,36 +570,13 @@ def _only(runs: Sequence[str] | None) -> str:
     return f" AND u.run_id IN ({', '.join(_literal(r) for r in runs) or 'NULL'})"
 
 
-def _typed_value(parts: Sequence[str], types: frozenset[str]) -> str:
-    """PostgreSQL: a name's value (its ``parts``: float, int, text) as one column of the
-    SQL type its ``types`` call for, so a predicate compares it as on SQLite: floats
-    (ints among them cast) as double precision, ints as bigint, bools as boolean,
-    strings and JSON as text, and a mix of numbers and text as text."""
-    real, whole, text = parts
-    present = types - {"none"}
-    if present == {"bool"}:
-        return f"({whole} <> 0)"
-    if present and present <= {"int", "bool"}:
-        return whole
-    if present and present <= {"float", "int", "bool"}:
-        return f"COALESCE({real}, CAST({whole} AS double precision))"
-    if present <= {"str", "text", "json"}:
-        return text
-    return f"COALESCE({text}, CAST({real} AS text), CAST({whole} AS text))"
-
-
 @contextlib.contextmanager
 def _snapshot(conn: Any) -> Iterator[None]:
-    """The view's statements read one snapshot of the store.
-
-    On PostgreSQL they are also planned without Memoize: it caches the lookups of a
-    name's value per (run, context), which never repeat, and over a million records
-    (bench/bench_dataframe.py --postgresql, medians of 7) the view took 0.80 s with it,
-    0.43 s without.
-    """
+    """The view's statements read one snapshot of the store, planned with the settings
+    of the reader's dialect (``Dialect.view_settings``)."""
     with read_snapshot(conn):
-        if dialect_of(conn).split:
-            conn.execute("SELECT set_config('enable_memoize', 'off', true)")
+        for setting in dialect_of(conn).view_settings:
+            conn.execute(setting)
         yield
 
 
@@ -838,10 +785,8 @@ def _dimensions(conn: Any) -> _Dims:
 def _quiet_store_key(conn: Any) -> tuple[Any, ...] | None:
     """The database file and its runs' and replays' stamp, when no run is recording and no
     replay running (None otherwise, or for a database with no file, as PostgreSQL's)."""
-    if dialect_of(conn).split:
-        return None
-    path = conn.execute("PRAGMA database_list").fetchone()[2]
-    if not path:
+    path = store_file(conn)
+    if path is None:
         return None
     try:
         st = os.stat(path)
@@ -891,7 +836,8 @@ def _describe(
         (name, name, name),
     ).fetchone()
     repeated = check_repeats and in_loops is not None and _repeated(conn, name)
-    types = frozenset(_store_types(conn, name)) if typed and dialect_of(conn).split else None
+    typed = typed and dialect_of(conn).typed_predicates
+    types = frozenset(_store_types(conn, name)) if typed else None
     return _Name(name, shown, in_loops is not None, at_run is not None, repeated, types)
 
 
@@ -966,7 +912,7 @@ def _quoted_names(conn: Any, where: str, columns: Sequence[_Name], dims: _Dims) 
     for name in _quoted_identifiers(where):
         if name.casefold() in taken:
             continue
-        if not _is_logged(conn, name):
+        if not name_logged(conn, name):
             visible = [*META_COLUMNS, *dims.names, *(c.name for c in columns)]
             raise QueryError(
                 f'The where-predicate {where!r} uses "{name}", which is neither one of the '
@@ -1184,13 +1130,9 @@ def _type_key(name: str) -> str:
     return f"__retrolog_type_of_{name}"
 
 
-def _is_logged(conn: Any, name: str) -> bool:
-    return conn.execute("SELECT 1 FROM logs WHERE name = ? LIMIT 1", (name,)).fetchone() is not None
-
-
 def _require_logged(conn: Any, name: str) -> None:
     """Raise UnknownNameError, with the closest logged names, unless ``name`` was logged."""
-    if _is_logged(conn, name):
+    if name_logged(conn, name):
         return
     known = logged_names(conn)
     if not known:
@@ -1205,18 +1147,6 @@ def _require_logged(conn: Any, name: str) -> None:
         f"No run logged {name!r}; the names logged in this store are: {_listing(known)}.{hint}",
         name=name,
     )
-
-
-def _missing_column(exc: QueryError) -> str | None:
-    """The column the database said does not exist, if that was the complaint."""
-    cause = exc.__cause__
-    if isinstance(cause, sqlite3.OperationalError):
-        match = _NO_SUCH_COLUMN.search(str(cause))
-    elif getattr(cause, "sqlstate", None) == "42703":  # PostgreSQL's undefined_column
-        match = _UNDEFINED_COLUMN.search(str(cause))
-    else:
-        return None
-    return match.group(1) if match else None
 
 
 def _quoted_identifiers(where: str) -> list[str]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from retrolog._query.runs import resolve_run
 from retrolog.errors import UnknownNameError
+from retrolog.store import reads
 from retrolog.store.metastore import dialect_of
 from retrolog.store.sqlite_connection import rollback
 from retrolog.versions.definitions import Definition, Reader, definitions
@@ -126,34 +127,24 @@ def recorded_definitions(conn: Any, run_id: str) -> dict[str, str]:
 
     Names whose definition cannot be computed (the code version is gone) are left out.
     """
-    row = conn.execute(
-        "SELECT filename, git_dir, code_commit, args, parsed_args, code_tree, code_manifest"
-        " FROM runs WHERE run_id = ?",
-        (run_id,),
-    ).fetchone()
-    if row is None:
+    version = reads.code_version(conn, run_id)
+    given = reads.run_arguments(conn, run_id)
+    if version is None or given is None:
         return {}
-    filename, git_dir, commit, args, parsed, tree, manifest = row
-    arguments = set(json.loads(args or "{}")) | set(json.loads(parsed or "{}"))
-    names = {
-        r[0]
-        for r in conn.execute(
-            "SELECT DISTINCT name FROM logs WHERE run_id = ? AND origin = 'recorded'", (run_id,)
-        )
-    } - arguments
-    known = dict(
-        conn.execute("SELECT name, lineage FROM run_definitions WHERE run_id = ?", (run_id,))
-    )
+    git_dir, commit, _, tree, filename, manifest = version
+    arguments = set(json.loads(given.args or "{}")) | set(json.loads(given.parsed_args or "{}"))
+    names = reads.recorded_names(conn, run_id) - arguments
+    known = reads.run_definitions(conn, run_id)
     missing = sorted(names - set(known))
     if missing and commit and not filename.startswith("<"):
         from retrolog.errors import RetrologError
         from retrolog.store.sqlite_metadata import store_directory
         from retrolog.versions.portable import readable_version
 
-        version = {"run_id": run_id, "git_dir": git_dir, "code_commit": commit,
-                   "code_tree": tree, "code_manifest": manifest}  # fmt: skip
+        recorded = {"run_id": run_id, "git_dir": git_dir, "code_commit": commit,
+                    "code_tree": tree, "code_manifest": manifest}  # fmt: skip
         try:
-            where = readable_version(version, store_dir=store_directory(conn))
+            where = readable_version(recorded, store_dir=store_directory(conn))
         except RetrologError:  # the code version is nowhere: no definitions
             return {name: key for name, key in known.items() if name in names}
         found = _from_version(where.git_dir, where.rev, filename, missing)
@@ -254,15 +245,8 @@ def explain(conn: Any, ref: str, name: str, at: Mapping[str, int] | None = None)
     value, its context, origin, definition, replay, code object, checkpoint and mark.
     """
     run_id = resolve_run(conn, ref)
-    if not conn.execute(
-        "SELECT 1 FROM logs WHERE run_id = ? AND name = ? LIMIT 1", (run_id, name)
-    ).fetchone():
-        logged = [
-            r[0]
-            for r in conn.execute(
-                "SELECT DISTINCT name FROM logs WHERE run_id = ? ORDER BY name", (run_id,)
-            )
-        ]
+    if not reads.run_has_name(conn, run_id, name):
+        logged = reads.run_names(conn, run_id)
         raise UnknownNameError(
             f"Run {run_id} has no value of {name!r}; it has: {', '.join(logged) or 'none'}. "
             f"`retrolog replay {name}` backfills it if today's script logs it.",
@@ -378,12 +362,8 @@ def _replay_dict(conn: Any, replay_id: str, run_id: str) -> dict[str, Any]:
 
 def _contexts(conn: Any, run_id: str) -> dict[int, dict[str, int]]:
     """Each context's loop iterations, outermost first: {ctx: {"epoch": 3, "step": 7}}."""
-    rows = conn.execute(
-        "SELECT ctx_id, parent_ctx, name, iteration FROM loops WHERE run_id = ? ORDER BY ctx_id",
-        (run_id,),
-    ).fetchall()
     result: dict[int, dict[str, int]] = {}
-    for ctx, parent, loop, iteration in rows:
+    for ctx, parent, loop, iteration in reads.loop_contexts(conn, run_id):
         result[ctx] = {**(result.get(parent, {}) if parent is not None else {}), loop: iteration}
     return result
 

@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from retrolog._query.sql import execute_read
+from retrolog._query.sql import execute_read, execute_read_any
 from retrolog.errors import RetrologError, RunNotFoundError
-from retrolog.store.metastore import MetadataStore
+from retrolog.store import reads
+from retrolog.store.metastore import MetadataStore, dialect_of
 from retrolog.store.paths import storable_text
 
 if TYPE_CHECKING:
@@ -47,22 +48,13 @@ def resolve_run(conn: Any, ref: str) -> str:
     """The run id ``ref`` names: an exact id or a unique prefix of one."""
     # As the store keeps text (a byte UTF-8 cannot hold, from the command line, escaped).
     ref = storable_text(ref.strip())
-    if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (ref,)).fetchone():
+    if reads.run_exists(conn, ref):
         return ref
-    pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-    matches = [
-        r[0]
-        for r in conn.execute(
-            "SELECT run_id FROM runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY started_at",
-            (pattern,),
-        )
-    ]
+    matches = reads.run_ids_starting(conn, ref)
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        newest = [
-            r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 3")
-        ]
+        newest = reads.newest_run_ids(conn, 3)
         hint = f" The newest runs are: {', '.join(newest)}." if newest else " There are no runs."
         raise RunNotFoundError(
             f"No run has the id {ref!r}.{hint} `retrolog runs` lists them all; a unique "
@@ -266,13 +258,15 @@ def matching_runs(conn: sqlite3.Connection, where: str) -> set[str]:
 
     ``where`` is the predicate `retrolog dataframe`, `replay`, `gc` and the UI take.
     """
-    from retrolog._query.dataframe import logged_names, matching_run_ids, shared_store
+    from retrolog._query.dataframe import logged_names, matching_run_ids
 
     logged = set(logged_names(conn))
     # Words inside string literals ('adam') are not names.
     identifiers = list(dict.fromkeys(_IDENTIFIER.findall(_STRING.sub("''", where))))
     referenced = [n for n in identifiers if n in logged]
-    if shared_store(conn):  # PostgreSQL: the view's own predicate, in its dialect
+    # A value split over typed columns has no one column to compare here: the view's
+    # own predicate types it.
+    if dialect_of(conn).split:
         if referenced:
             return matching_run_ids(conn, referenced, where)
         return _matching_by_run_columns(conn, where)
@@ -321,16 +315,13 @@ def _choosing_messages(
 
 
 def _matching_by_run_columns(reader: Any, where: str) -> set[str]:
-    """PostgreSQL: the runs ``where`` chooses when it names only their own columns."""
-    from retrolog._query.sql import execute_read_shared
-
-    malformed, writes = _choosing_messages(where, "PostgreSQL")
-
-    _, rows = execute_read_shared(
-        reader.read,
+    """The runs ``where`` chooses when it names only their own columns."""
+    malformed, writes = _choosing_messages(where, dialect_of(reader).name)
+    _, rows = execute_read_any(
+        reader,
         f"SELECT run_id FROM (SELECT projid, run_id, tstamp, filename FROM runs) AS r"
         f" WHERE (\n{where}\n)",
-        subject=where, location=reader.location, malformed=malformed, writes=writes,
+        subject=where, malformed=malformed, writes=writes,
     )  # fmt: skip
     return {r[0] for r in rows}
 
@@ -371,15 +362,7 @@ def checkpoint_list(conn: Any, ref: str) -> list[dict[str, Any]]:
     """A run's checkpoints in the order written: kind (block or end), the loop and its
     iteration, stored bytes, capture and write seconds."""
     run_id = resolve_run(conn, ref)
-    rows = conn.execute(
-        "SELECT c.kind, c.loop_name, lp.iteration, c.nbytes, c.capture_seconds,"
-        " c.write_seconds, c.created_at FROM checkpoints c"
-        " LEFT JOIN loops lp ON lp.run_id = c.run_id AND lp.ctx_id = c.ctx_id"
-        " WHERE c.run_id = ? ORDER BY c.checkpoint_id",
-        (run_id,),
-    ).fetchall()
-    keys = ("kind", "loop", "iteration", "nbytes", "capture_seconds", "write_seconds", "created_at")
-    return [dict(zip(keys, row, strict=True)) for row in rows]
+    return [row._asdict() for row in reads.checkpoints_written(conn, run_id)]
 
 
 def checkpoint_positions(conn: Any, ref: str) -> tuple[str, list[tuple[Any, ...]]]:
@@ -387,32 +370,19 @@ def checkpoint_positions(conn: Any, ref: str) -> tuple[str, list[tuple[Any, ...]
     name, manifest key), in context order, the end checkpoint last: what a restore chooses
     from."""
     run_id = resolve_run(conn, ref)
-    rows = [
-        tuple(row)
-        for row in conn.execute(
-            "SELECT c.ctx_id, c.kind, l.iteration, c.loop_name, c.manifest FROM checkpoints c"
-            " LEFT JOIN loops l ON l.run_id = c.run_id AND l.ctx_id = c.ctx_id"
-            " WHERE c.run_id = ? ORDER BY c.ctx_id IS NULL, c.ctx_id, c.checkpoint_id",
-            (run_id,),
-        )
-    ]
-    return run_id, rows
+    return run_id, [tuple(row) for row in reads.checkpoint_positions(conn, run_id)]
 
 
 def _version(
     conn: Any, run_id: str, *, from_store: bool = False
-) -> tuple[str, str, bool, str, str]:
+) -> tuple[str, str, bool, str | None, str]:
     """(git_dir, revision, dirty, tree, filename) of a run's code version: where it can be
     read (versions/portable.py: its recording clone, this one, or the store's copy)."""
     from retrolog.store.sqlite_metadata import store_directory
     from retrolog.versions.portable import readable_version
 
-    row = conn.execute(
-        "SELECT git_dir, code_commit, dirty, code_tree, filename, code_manifest FROM runs"
-        " WHERE run_id = ?",
-        (run_id,),
-    ).fetchone()
-    if row is None or not row[1]:
+    row = reads.code_version(conn, run_id)
+    if row is None or not row.code_commit:
         raise RunNotFoundError(
             f"Run {run_id} has no code version (it was recorded before code versions were "
             "kept, or its capture failed).",
@@ -439,7 +409,8 @@ def run_code(conn: Any, ref: str, path: str | None = None) -> dict[str, Any]:
     files = list_files(Path(git_dir), rev)
     shown = path or filename
     text = read_file(Path(git_dir), rev, shown).decode(errors="replace")
-    (commit,) = conn.execute("SELECT code_commit FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    version = reads.code_version(conn, run_id)
+    commit = None if version is None else version.code_commit
     return {"run_id": run_id, "commit": commit, "tree": tree, "dirty": dirty, "files": files,
             "path": shown, "text": text}  # fmt: skip
 
@@ -456,14 +427,12 @@ def compare_runs(conn: Any, refs: list[str]) -> dict[str, Any]:
     if len(chosen) < 2:
         raise UsageError("Compare needs at least two different runs.")
     # Oldest first, so that each diff reads forward in time.
-    order = conn.execute("SELECT run_id FROM runs ORDER BY started_at, run_id")
-    run_ids = [r for (r,) in order if r in chosen]
+    run_ids = [r for r in reads.run_ids_oldest_first(conn) if r in chosen]
     args = {}
     for run_id in run_ids:
-        parsed, given = conn.execute(
-            "SELECT parsed_args, args FROM runs WHERE run_id = ?", (run_id,)
-        ).fetchone()
-        args[run_id] = arguments(parsed, given)
+        given = reads.run_arguments(conn, run_id)
+        assert given is not None  # resolved above, and runs are never deleted
+        args[run_id] = arguments(given.parsed_args, given.args)
     names = list(dict.fromkeys(k for a in args.values() for k in a))
 
     def distinct(name: str) -> int:

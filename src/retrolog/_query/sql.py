@@ -16,6 +16,7 @@ progress handler is what hears it).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from retrolog._config import lookup
 from retrolog.errors import QueryError
 from retrolog.store.cancel import cancelled, check_cancelled, watched
+from retrolog.store.metastore import dialect_of
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -487,6 +489,33 @@ def execute_read_shared(
         else:
             message = malformed(said)
         raise QueryError(message, sql=subject) from refused.__cause__
+
+
+def execute_read_any(
+    reader: Any,
+    sql: str,
+    *,
+    subject: str | None,
+    trusted: bool = False,
+    malformed: Callable[[str], str],
+    writes: Callable[[str, str], str],
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """One read-only statement on either backend's reader, under the budgets: SQLite's
+    authorizer here (:func:`execute_read`), or the server's read-only transaction
+    (:func:`execute_read_shared`) where the reader's dialect keeps the sandbox there.
+
+    trusted: ``sql`` holds no user SQL, so any database role may run it.
+    """
+    if dialect_of(reader).server_sandbox:
+        return execute_read_shared(
+            functools.partial(reader.read, trusted=trusted),
+            sql,
+            subject=subject,
+            location=reader.location,
+            malformed=malformed,
+            writes=writes,
+        )
+    return execute_read(reader, sql, subject=subject, malformed=malformed, writes=writes)
 
 
 def frame_from_rows(columns: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> pd.DataFrame:

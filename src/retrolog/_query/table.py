@@ -28,6 +28,7 @@ from retrolog._query.dataframe import (
 )
 from retrolog._query.runs import arguments, matching_runs
 from retrolog.errors import UsageError
+from retrolog.store import reads
 
 AGGREGATES: tuple[str, ...] = ("last", "first", "min", "max", "mean", "count")
 
@@ -105,19 +106,10 @@ def runs_table(
     """
     if offset < 0 or (limit is not None and limit < 1):
         raise UsageError("A page starts at offset 0 or later and holds at least one run.")
-    metrics = [
-        name
-        for (name,) in conn.execute(
-            "SELECT DISTINCT name FROM run_summaries WHERE n_numbers > 0 ORDER BY name"
-        )
-    ]
+    metrics = reads.summarised_number_names(conn)
     if default_columns and not columns:
         # Arguments have their own columns: the default ones are what the runs measured.
-        given = {
-            key
-            for parsed, args in conn.execute("SELECT parsed_args, args FROM runs")
-            for key in arguments(parsed, args)
-        }
+        given = {key for run in reads.all_run_arguments(conn) for key in arguments(*run)}
         columns = [Column(name) for name in metrics if name not in given][:DEFAULT_COLUMNS]
     keys = [c.key for c in columns]
     argument = sort[len("args.") :] if sort.startswith("args.") else None
@@ -333,7 +325,6 @@ def argument_values(conn: sqlite3.Connection, run_ids: Sequence[str], name: str)
     """Each run's value of argument ``name`` (parsed or rl.arg), None where it has none."""
     found: dict[str, Any] = {}
     for run_id in run_ids:
-        row = conn.execute("SELECT parsed_args, args FROM runs WHERE run_id = ?", (run_id,))
-        parsed, given = row.fetchone() or (None, None)
-        found[run_id] = arguments(parsed, given).get(name)
+        given = reads.run_arguments(conn, run_id) or reads.RunArguments(None, None)
+        found[run_id] = arguments(*given).get(name)
     return found
