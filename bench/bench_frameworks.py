@@ -141,16 +141,22 @@ FRAMEWORKS = {
         hook="    def on_train_epoch_end(self):\n        pass\n",
         hook_norm="    def on_train_epoch_end(self):\n"
         '        rl.log("w_norm", sum(p.norm().item() for p in self.parameters()))\n',
-        samples=4096,
+        samples=16384,
         gitignore="lightning_logs/\n",
     ),
 }
+
+
+# --torch-threads N: both sides run with N intra-op threads (OMP_NUM_THREADS), which
+# tells a cost of retrolog's own from torch's threads contending with its background ones.
+EXTRA_ENV: dict[str, str] = {}
 
 
 def env() -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith("RETROLOG_")}
     out.update(GIT_ENV, RETROLOG_PROGRESS="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     out["PYTHONPATH"] = str(ROOT / "src")
+    out.update(EXTRA_ENV)
     return out
 
 
@@ -303,10 +309,11 @@ def write(
     config: list[str],
     last: bool,
 ) -> None:
-    name = output.stem.removeprefix("frameworks_")
+    name = output.stem.removeprefix("frameworks_").split("_threads")[0]
     context = {
         "workload": f"examples/{framework.example} {' '.join(config)}",
         "reps": len(recorded or replayed),
+        "torch_threads": int(EXTRA_ENV.get("OMP_NUM_THREADS", "0")) or "default",
         "retrolog_source": SOURCE,
         "python": platform.python_version(),
         "cores": os.cpu_count(),
@@ -359,7 +366,8 @@ def bench(name: str, opts: argparse.Namespace) -> None:
     samples = opts.samples or framework.samples
     config = ["--epochs", str(opts.epochs), "--samples", str(samples)]
     parts = ["record", "replay"] if opts.part == "both" else [opts.part]
-    output = Path(opts.output_dir) / f"frameworks_{name}.json"
+    threads = f"_threads{opts.torch_threads}" if opts.torch_threads else ""
+    output = Path(opts.output_dir) / f"frameworks_{name}{threads}.json"
     result: dict[str, Any] = json.loads(output.read_text()) if output.exists() else {}
     print(f"{name}: examples/{framework.example} {' '.join(config)}", flush=True)
     recorded: list[dict] = []
@@ -393,7 +401,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--samples", type=int, default=0, help="default: the framework's")
     parser.add_argument("--output-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument(
+        "--torch-threads", type=int, default=0, help="default: torch's own (the cores)"
+    )
     opts = parser.parse_args()
+    if opts.torch_threads:
+        EXTRA_ENV["OMP_NUM_THREADS"] = str(opts.torch_threads)
     SOURCE.update(source_fingerprint())
     for name in ["hf", "lightning"] if opts.framework == "both" else [opts.framework]:
         bench(name, opts)
