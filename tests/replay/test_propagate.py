@@ -465,9 +465,10 @@ def test_old_version_that_does_not_parse_is_reported() -> None:
 def test_three_hundred_line_script_propagates_fast() -> None:
     new, old = _large_pair()
     assert 280 <= len(new.splitlines()) <= 340
-    start = time.perf_counter()
+    # CPU time, not wall time: on a busy machine this process waits for a core meanwhile.
+    start = time.process_time()
     result = propagate(new, old, ["w_norm", "grad_norm"])
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert result.problems == ()
     assert len(inserted_lines(old, result)) == 2
     assert elapsed < 1.0, f"propagation took {elapsed:.3f} s"

@@ -22,12 +22,29 @@ from conftest import Project, read_db
 pytestmark = pytest.mark.slow
 
 SCRIPT = """\
+import contextlib
 import os
 import signal
+import sqlite3
 import time
 
 import numpy as np
 import retrolog as rl
+
+
+def wait_until_stored(steps):
+    # The writer commits every 0.2 s, in order: once the newest step's start is stored,
+    # so is everything before it, and the kill loses none of it.
+    database = os.path.join(os.environ.get("RETROLOG_STORE", ".retrolog"), "retrolog.db")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.closing(sqlite3.connect(database)) as conn:
+            (stored,) = conn.execute("SELECT COUNT(*) FROM loops WHERE depth = 1").fetchone()
+        if stored == steps:
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the writer stored {stored} steps' starts, not {steps}")
+
 
 np.random.seed(0)
 state = {"w": np.zeros(2)}
@@ -35,7 +52,7 @@ with rl.checkpointing(state=state):
     for epoch in rl.loop("epoch", range(4)):
         for step in rl.loop("step", range(3)):
             if os.environ.get("KILL_AT") == f"{epoch}.{step}":
-                time.sleep(0.6)  # past the writer's flush interval: what it did is stored
+                wait_until_stored(3 * epoch + step + 1)
                 os.kill(os.getpid(), signal.SIGKILL)
             state["w"] += np.random.standard_normal(2)
             rl.log("w0", float(state["w"][0]))

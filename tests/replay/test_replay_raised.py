@@ -246,12 +246,18 @@ def _replay_fails(project: Project, **env: str) -> str:
 def test_a_replay_that_raises_elsewhere_is_a_failure_that_says_where(project: Project) -> None:
     run_id = _record_numpy(project, FAIL_AT="2.1")
     err = _replay_fails(project, FAIL_AT="1.2")  # the same exception, an epoch early
-    assert (
-        f"run {run_id}: replay failed: its replay raised ValueError('bad batch at epoch 1') "
-        "at train.py, line 13, in train_epoch, in epoch 1, step 2; during recording the run "
-        "raised ValueError('bad batch at epoch 2') at train.py, line 13, in train_epoch, "
-        "in epoch 2, step 1; log: "
-    ) in err, err
+    # A plan split by the recorded timings can start a segment at epoch 1: that worker
+    # restored epoch 0 first, so its account of the restore leads and the comparison with
+    # the recording follows in brackets.
+    assert re.search(
+        rf"run {run_id}: replay (failed|partial): (the script raised ValueError: bad batch at "
+        r"epoch 1 at train\.py, line 13 .*, after the worker had restored the checkpoints of "
+        r"'epoch' iteration 0 .* \(Compared with the recording: )?its replay raised "
+        r"ValueError\('bad batch at epoch 1'\) at train\.py, line 13, in train_epoch, in epoch "
+        r"1, step 2; during recording the run raised ValueError\('bad batch at epoch 2'\) at "
+        r"train\.py, line 13, in train_epoch, in epoch 2, step 1(\.\))?; log: ",
+        err,
+    ), err
 
 
 def test_a_replay_that_raises_another_exception_is_a_failure_that_says_what(

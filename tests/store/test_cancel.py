@@ -46,11 +46,9 @@ def test_cancel_stops_a_read_in_another_thread_and_every_later_one(
         time.sleep(0.01)  # until the worker's connection is open
     time.sleep(0.5)
     assert worker.is_alive()  # the endless predicate runs
-    start = time.monotonic()
     cancellation.cancel()
-    worker.join(timeout=10)
-    # A second to stop in, and one for a busy machine.
-    assert not worker.is_alive() and time.monotonic() - start < 2.0
+    worker.join(timeout=30)  # a busy machine may take seconds; the predicate never ends
+    assert not worker.is_alive()
     assert len(raised) == 1 and isinstance(raised[0], ReadCancelled)
     # Stopped while it ran: SQLite reports the interrupted statement.
     assert "interrupted" in repr(raised[0].__cause__) or "interrupted" in repr(
