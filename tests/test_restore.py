@@ -13,15 +13,16 @@ from torch import nn
 import retrolog as rl
 from retrolog._restore import RestoredCheckpoint
 from retrolog.errors import CheckpointTargetError, RunNotFoundError, StoreError, UsageError
-from training_scripts import NUMPY_TRAIN, digest, record_torch_runs
+from training_scripts import NUMPY_TRAIN, digest, shared_torch_runs
 
 from conftest import Project, read_db
 
 
 @pytest.fixture(scope="module")
-def torch_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two recorded torch runs, recorded once and copied by each test."""
-    return record_torch_runs(tmp_path_factory.mktemp("template") / "proj").root
+def torch_template() -> Path:
+    """Two recorded torch runs (every block checkpointed), recorded once for the session
+    and copied by each test."""
+    return shared_torch_runs()
 
 
 @pytest.fixture

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import inspect
+import os
+import shutil
 from pathlib import Path
 
-from conftest import Project
+from conftest import MACHINE_LOCK_DIR, Project
 
 # A numpy run: fast to record. Two runs with one seed hold identical states (dedup).
 NUMPY_TRAIN = """\
@@ -151,6 +154,27 @@ def new_project(root: Path) -> Project:
     project.git("add", "-A")
     project.git("commit", "--quiet", "-m", "initial")
     return project
+
+
+def shared_torch_runs() -> Path:
+    """The project directory of :func:`record_torch_runs`, recorded once per pytest session
+    and shared by its workers: test_gc, test_restore and test_export each copy it for
+    every test and never write it, so one recording serves all three files.
+
+    It lives in the machine lock's directory (tests/conftest.py), which the controlling
+    pytest process makes before its workers start and removes at the end; a file lock
+    lets the first worker record while the others wait for it."""
+    base = Path(os.environ[MACHINE_LOCK_DIR])
+    root = base / "torch-runs" / "proj"
+    with (base / "torch-runs.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = base / "torch-runs" / "recorded"
+        if not done.exists():
+            if root.exists():  # a worker that failed half-way through recording
+                shutil.rmtree(root)
+            record_torch_runs(root)
+            done.touch()
+    return root
 
 
 def record_torch_runs(root: Path) -> Project:

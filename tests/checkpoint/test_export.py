@@ -15,15 +15,16 @@ import torch
 from torch import nn
 
 import retrolog
-from training_scripts import digest, record_torch_runs
+from training_scripts import digest, shared_torch_runs
 
 from conftest import Project, read_db
 
 
 @pytest.fixture(scope="module")
-def torch_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two recorded torch runs (every block checkpointed), recorded once for the module."""
-    return record_torch_runs(tmp_path_factory.mktemp("template") / "proj").root
+def torch_template() -> Path:
+    """Two recorded torch runs (every block checkpointed), recorded once for the session
+    and copied by each test."""
+    return shared_torch_runs()
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ For each of ``examples/mnist_cnn.py``, ``examples/word_lm.py``,
 ``examples/dcgan.py`` and ``examples/actor_critic.py``: an older version (a real
 kind of change: another optimizer, another default, a flag that did not exist)
 is committed and run, then the example as it is now is committed and run with a
-flag changed (both runs on half the default training data, through the script's
+flag changed (both runs on a quarter of the default training data, through the script's
 own flag, to keep the suite short); today's edit adds one statement in the outer
 (epoch) loop and one in the inner (step) loop. Everything runs with default
 settings: torch's own thread count, the adaptive checkpoint policy, the default
@@ -142,8 +142,8 @@ CASES = {
     "mnist_cnn": Case(
         script="mnist_cnn.py",
         older=_mnist_older,
-        old_args=("--train-size", "512"),
-        new_args=("--train-size", "512", "--lr", "0.5"),
+        old_args=("--train-size", "256"),
+        new_args=("--train-size", "256", "--lr", "0.5"),
         outer=(
             "w_norm",
             '            rl.log("accuracy", accuracy)\n',
@@ -160,8 +160,8 @@ CASES = {
     "word_lm": Case(
         script="word_lm.py",
         older=_word_lm_older,
-        old_args=("--tokens", "12000"),
-        new_args=("--tokens", "12000", "--lr", "10"),
+        old_args=("--tokens", "6000"),
+        new_args=("--tokens", "6000", "--lr", "10"),
         outer=(
             "emb_norm",
             '        rl.log("val_loss", val_loss)\n',
@@ -177,8 +177,8 @@ CASES = {
     "dcgan": Case(
         script="dcgan.py",
         older=_dcgan_older,
-        old_args=("--images", "512"),
-        new_args=("--images", "512", "--lr", "0.0005"),
+        old_args=("--images", "256"),
+        new_args=("--images", "256", "--lr", "0.0005"),
         outer=(
             "g_norm",
             '            rl.log("fake_mean", fake.mean().item())\n',

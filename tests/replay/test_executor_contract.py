@@ -18,6 +18,7 @@ whole; seed 2 crashing with an exception at its epoch 2. The contract:
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ import pytest
 import retrolog
 from retrolog.errors import UnknownNameError
 
-from conftest import Project, ray_env, read_db, read_pg
+from conftest import Project, RecordedOnce, ray_env, read_db, read_pg
 
 SCRIPT = """\
 import argparse
@@ -97,13 +98,38 @@ def _record(project: Project, gate: Path, **env: str) -> dict[int, str]:
     crashed = project.run("train.py", "--seed", "2", "--crash-at", "2", check=False, **env)
     assert crashed.returncode == 1, crashed.stderr
     project.write("train.py", NEW)
+    return _seeds(project, env.get("RETROLOG_DATABASE_URL"))
+
+
+def _seeds(project: Project, url: str | None = None) -> dict[int, str]:
+    """Each recorded run's seed -> its run id."""
     seeds = {}
-    url = env.get("RETROLOG_DATABASE_URL")
     query = "SELECT run_id, argv FROM runs"
     for run_id, argv in read_pg(url, query) if url else read_db(project.root, query):
         args = json.loads(str(argv))
         seeds[int(args[args.index("--seed") + 1])] = str(run_id)
     return seeds
+
+
+@pytest.fixture(scope="module")
+def recorded_once(tmp_path_factory: pytest.TempPathFactory) -> RecordedOnce:
+    """The three runs on the embedded store, recorded once for the tests of both executors
+    (each starts from the recording: ``recorded``); seed 0's gate is beside the project."""
+    return RecordedOnce.record(tmp_path_factory, lambda project: _record(project, _gate(project)))
+
+
+def _gate(project: Project) -> Path:
+    return project.root.parent / "gate"
+
+
+@pytest.fixture
+def recorded(recorded_once: RecordedOnce) -> tuple[Project, Path, dict[int, str]]:
+    """The project just after recording, its closed gate and its runs by seed."""
+    project = recorded_once.fresh()
+    gate = _gate(project)
+    shutil.rmtree(gate, ignore_errors=True)
+    gate.mkdir()
+    return project, gate, _seeds(project)
 
 
 def _w_norm_counts(root: Path) -> dict[str, int]:
@@ -136,11 +162,9 @@ def _wait_until_held(project: Project, gate: Path, seeds: dict[int, str], replay
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_each_runs_values_land_as_its_replay_ends(
-    project: Project, tmp_path: Path, executor: str, request: pytest.FixtureRequest
+    recorded: tuple[Project, Path, dict[int, str]], executor: str, request: pytest.FixtureRequest
 ) -> None:
-    gate = tmp_path / "gate"
-    seeds = _record(project, gate)
-    gate.mkdir()
+    project, gate, seeds = recorded
     replay = project.start_cli(
         "replay", "w_norm", "--yes", "--workers", "2", "--executor", executor,
         **_env(executor, request),
@@ -195,11 +219,9 @@ def test_each_runs_values_land_in_postgresql_as_its_replay_ends(
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_ctrl_c_stops_the_running_jobs_and_keeps_the_runs_that_landed(
-    project: Project, tmp_path: Path, executor: str, request: pytest.FixtureRequest
+    recorded: tuple[Project, Path, dict[int, str]], executor: str, request: pytest.FixtureRequest
 ) -> None:
-    gate = tmp_path / "gate"
-    seeds = _record(project, gate)
-    gate.mkdir()
+    project, gate, seeds = recorded
     replay = project.start_cli(
         "replay", "w_norm", "--yes", "--workers", "2", "--executor", executor,
         **_env(executor, request),

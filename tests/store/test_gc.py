@@ -32,15 +32,16 @@ from retrolog.store.objects import LocalObjectStore
 from retrolog.store.paths import locate
 from retrolog.store.processes import process_start_marker
 from retrolog.store.sqlite_metadata import open_store
-from training_scripts import NUMPY_TRAIN, new_project, record_torch_runs
+from training_scripts import NUMPY_TRAIN, new_project, shared_torch_runs
 
 from conftest import Project, pg_role, read_db, read_pg, values_by_run
 
 
 @pytest.fixture(scope="module")
-def torch_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two recorded torch runs, recorded once and copied by each test."""
-    return record_torch_runs(tmp_path_factory.mktemp("template") / "proj").root
+def torch_template() -> Path:
+    """Two recorded torch runs (every block checkpointed), recorded once for the session
+    and copied by each test."""
+    return shared_torch_runs()
 
 
 @pytest.fixture
