@@ -879,7 +879,8 @@ def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project)
     # Three runs that differ in an argument that does not change the work, and one whose
     # argument triples every iteration's and its start-up (loading its data, after the
     # imports): the plan takes the median per iteration and of the start-up over the
-    # three and says so.
+    # three and says so. The sleeps are long enough that a busy machine's scheduling
+    # delays (tens of milliseconds) keep the three within the 1.25x the rule allows.
     project.write(
         "train.py",
         """
@@ -888,14 +889,14 @@ def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project)
 
         work = rl.arg("work", 1)
         seed = rl.arg("seed", 0)
-        time.sleep(0.25 * work)
+        time.sleep(0.5 * work)
         state = {"w": [0.0] * 100}
         with rl.checkpointing(state=state):
             for epoch in rl.loop("epoch", range(3)):
                 for step in rl.loop("step", range(4)):
-                    time.sleep(0.02 * work)
+                    time.sleep(0.05 * work)
                     state["w"][0] += 1
-                time.sleep(0.02 * work)
+                time.sleep(0.05 * work)
                 rl.log("acc", state["w"][0])
         """,
     )
@@ -925,4 +926,4 @@ def test_the_plan_pools_the_iteration_times_of_runs_that_agree(project: Project)
         out.stderr,
     )
     assert startup is not None, out.stderr
-    assert 0.25 <= float(startup.group(1)) < 0.25 * 1.25, out.stderr
+    assert 0.5 <= float(startup.group(1)) < 0.5 * 1.25, out.stderr
