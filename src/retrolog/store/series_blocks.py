@@ -1,0 +1,226 @@
+"""A columnar copy of each run's recorded series: ``series_blocks``.
+
+A chart reads a run's whole series of one name; as rows, that is one Python tuple per
+value (about 1.3 µs each in Python's sqlite3), which puts a cold chart of 300 runs x
+5,000 steps above a second of CPU. The store therefore also keeps each (run, name)'s
+recorded values in loop contexts as blocks of raw arrays, read with
+``numpy.frombuffer``: a block is the run's recorded rows of the name with ``log_id``
+in (the previous block's ``last_log_id``, its own ``last_log_id``], in ``log_id``
+order, every one of them (text and JSON values too, marked as not numbers).
+
+The rows stay the source of truth. Only recorded rows go into blocks, and a recorded
+row is never changed or deleted (replays delete and add backfilled rows only), so a
+block never goes stale; a reader takes the blocks, then the rows after the last
+block's ``last_log_id`` (a live run's tail) and the backfilled rows before it (through
+the partial index ``logs_not_recorded``), and applies the dataframe's rule for the
+record that counts (``_query/series.py``, ``read_columns``). A (run, name) without
+blocks is read from its rows alone: blocks are an optional copy, so a store copied
+without them (or a run written by an older retrolog) reads the same, only slower.
+
+Writers: the record sinks (store/records.py, store/postgres_metadata.py) add full
+blocks of :data:`BLOCK` values as a name's rows accumulate and the last, partial one
+in the batch that ends the run (:class:`BlockTracker`); migration 12 fills them for
+the runs a store holds. A block is built from the rows as stored (read back in the
+writer's transaction), so what a block holds is what the rows hold.
+
+The SQL is standard, run on SQLite or PostgreSQL through a DB-API cursor with the
+backend's placeholder (``mark``) and value columns (``parts``: SQLite's ``value``,
+PostgreSQL's ``value_float``, ``value_int``, ``value_text``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+BLOCK = 4096
+"""Values per full block: big enough that a block's row and its read cost little per
+value, small enough that a live run's unblocked tail stays short."""
+
+NUMERIC_TYPES = ("float", "int", "bool")
+
+CREATE_TABLE = """
+CREATE TABLE series_blocks (
+    run_id       {text} NOT NULL,
+    name         {text} NOT NULL,
+    block        {integer} NOT NULL,
+    last_log_id  {integer} NOT NULL,
+    n            {integer} NOT NULL,
+    ctx          {blob} NOT NULL,
+    y            {blob} NOT NULL,
+    is_number    {blob} NOT NULL,
+    PRIMARY KEY (run_id, name, block)
+);
+CREATE INDEX logs_not_recorded ON logs(name, run_id, ctx_id) WHERE origin <> 'recorded'
+"""
+# ctx: int64 little-endian, the rows' contexts; y: float64 little-endian, NaN for a
+# logged NaN and for a value that is not a number; is_number: empty when every row's
+# value is a number, else one byte per row (1: a number).
+
+
+def create_table(*, postgres: bool) -> str:
+    """Migration 12's statements for the table and the index, in the backend's types."""
+    if postgres:
+        return CREATE_TABLE.format(text="text", integer="bigint", blob="bytea")
+    return CREATE_TABLE.format(text="TEXT", integer="INTEGER", blob="BLOB")
+
+
+def _marked(sql: str, mark: str) -> str:
+    return sql if mark == "?" else sql.replace("?", mark)
+
+
+def _whole(row: Sequence[Any]) -> Any:
+    return next((part for part in row if part is not None), None)
+
+
+def extend(
+    cursor: Any, run_id: str, name: str, *, mark: str, parts: Sequence[str], final: bool
+) -> int:
+    """Add blocks of ``run_id``'s recorded rows of ``name`` that no block holds yet, in
+    the caller's transaction: full blocks of :data:`BLOCK` rows, and with ``final`` (the
+    run has ended) the rest too. Returns how many rows went into blocks."""
+    last, block = cursor.execute(
+        _marked(
+            "SELECT MAX(last_log_id), MAX(block) FROM series_blocks"
+            " WHERE run_id = ? AND name = ?",
+            mark,
+        ),
+        (run_id, name),
+    ).fetchone()
+    rows = cursor.execute(
+        _marked(
+            f"SELECT log_id, ctx_id, value_type, {', '.join(parts)} FROM logs"
+            " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL AND origin = 'recorded'"
+            " AND log_id > ? ORDER BY log_id",
+            mark,
+        ),
+        (name, run_id, -1 if last is None else last),
+    ).fetchall()
+    usable = len(rows) if final else len(rows) - len(rows) % BLOCK
+    if usable == 0:
+        return len(rows)
+    log_ids, contexts, kinds, *values = zip(*rows[:usable], strict=True)
+    whole = values[0] if len(values) == 1 else tuple(_whole(v) for v in zip(*values))
+    number = np.fromiter((k in NUMERIC_TYPES for k in kinds), dtype=bool, count=usable)
+    if number.all():
+        y = np.array(whole, dtype=np.float64)  # None (a logged NaN) becomes NaN
+    else:
+        y = np.array([v if ok else None for v, ok in zip(whole, number, strict=True)],
+                     dtype=np.float64)  # fmt: skip
+    ctx = np.array(contexts, dtype="<i8")
+    y = y.astype("<f8", copy=False)
+    found = []
+    next_block = 0 if block is None else block + 1
+    for start in range(0, usable, BLOCK):
+        stop = min(start + BLOCK, usable)
+        flags = number[start:stop]
+        found.append(
+            (run_id, name, next_block, int(log_ids[stop - 1]), stop - start,
+             ctx[start:stop].tobytes(), y[start:stop].tobytes(),
+             b"" if flags.all() else flags.astype(np.uint8).tobytes())
+        )  # fmt: skip
+        next_block += 1
+    cursor.executemany(
+        _marked(
+            "INSERT INTO series_blocks(run_id, name, block, last_log_id, n, ctx, y, is_number)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            mark,
+        ),
+        found,
+    )
+    return len(rows) - usable
+
+
+def fill(cursor: Any, *, mark: str, parts: Sequence[str]) -> None:
+    """Blocks of every (run, name) a store holds values of in loop contexts (migration
+    12): a run that has ended gets all of its rows in blocks, a running one its full
+    blocks (its writer adds the rest)."""
+    pairs = cursor.execute(
+        "SELECT s.run_id, s.name, r.status FROM run_summaries s"
+        " JOIN runs r ON r.run_id = s.run_id WHERE s.last_ctx IS NOT NULL"
+        " ORDER BY s.run_id, s.name"
+    ).fetchall()
+    for run_id, name, status in pairs:
+        extend(cursor, run_id, name, mark=mark, parts=parts, final=status != "running")
+
+
+def read(conn: Any, run_id: str, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """``run_id``'s blocks of ``name``, joined: (the last block's ``last_log_id``, contexts,
+    values, whether each is a number); -1 and empty arrays when it has none. ``conn``:
+    a SQLite connection or a MetadataStore's reader (``?`` placeholders)."""
+    found = conn.execute(
+        "SELECT last_log_id, n, ctx, y, is_number FROM series_blocks"
+        " WHERE run_id = ? AND name = ? ORDER BY block",
+        (run_id, name),
+    ).fetchall()
+    if not found:
+        return -1, np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(0, bool)
+    total = sum(int(row[1]) for row in found)
+    ctx = np.empty(total, dtype=np.int64)
+    y = np.empty(total, dtype=np.float64)
+    number = np.ones(total, dtype=bool)
+    at = 0
+    for _, n, ctx_bytes, y_bytes, flags in found:
+        n = int(n)
+        # frombuffer checks each blob's length against n: a damaged row raises, it is
+        # never read past.
+        ctx[at : at + n] = np.frombuffer(ctx_bytes, dtype="<i8", count=n)
+        y[at : at + n] = np.frombuffer(y_bytes, dtype="<f8", count=n)
+        if len(flags):
+            number[at : at + n] = np.frombuffer(flags, dtype=np.uint8, count=n) != 0
+        at += n
+    return int(found[-1][0]), ctx, y, number
+
+
+class BlockTracker:
+    """A record sink's count of each run's rows per name since its last blocks, which
+    says when to add blocks. :func:`extend` reads the rows themselves and sets the count
+    to what it left, so a count that is off (a batch rolled back and written again, a
+    restarted writer) only moves when blocks are added, never what they hold."""
+
+    def __init__(self, mark: str, parts: Sequence[str]) -> None:
+        self.mark = mark
+        self.parts = tuple(parts)
+        self._pending: dict[tuple[str, str], int] = {}
+
+    def after_batch(
+        self,
+        cursor: Any,
+        run_id: str,
+        values: Iterable[Sequence[Any]],
+        logs: Iterable[Sequence[Any]],
+        run_updates: Iterable[dict[str, Any]],
+    ) -> None:
+        """In the batch's transaction, after its rows: full blocks for each name whose
+        rows reached :data:`BLOCK`; with the update that ends the run, every name's
+        remaining rows."""
+        pending = self._pending
+        for rows in (values, logs):
+            for row in rows:
+                if row[0] is not None:
+                    key = (run_id, row[1])
+                    pending[key] = pending.get(key, 0) + 1
+        if any("ended_at" in update for update in run_updates):
+            names = [
+                name
+                for (name,) in cursor.execute(
+                    _marked(
+                        "SELECT name FROM run_summaries WHERE run_id = ?"
+                        " AND last_ctx IS NOT NULL ORDER BY name",
+                        self.mark,
+                    ),
+                    (run_id,),
+                ).fetchall()
+            ]
+            for name in names:
+                extend(cursor, run_id, name, mark=self.mark, parts=self.parts, final=True)
+                pending.pop((run_id, name), None)
+            for key in [k for k in pending if k[0] == run_id]:
+                del pending[key]
+            return
+        for key in [k for k, count in pending.items() if k[0] == run_id and count >= BLOCK]:
+            pending[key] = extend(
+                cursor, run_id, key[1], mark=self.mark, parts=self.parts, final=False
+            )
