@@ -484,9 +484,7 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
             )
         for i in marked:
             # A row gone since (a run collected meanwhile) is left out like a text value.
-            origin, inexact_mark, replay_id, value_type = rows.get(
-                marks[i], (None, None, None, "")
-            )
+            origin, inexact_mark, replay_id, value_type = rows.get(marks[i], (None, None, None, ""))
             numeric[i] = value_type in NUMERIC_TYPES
             recorded[i] = origin == "recorded"
             inexact[i], replay_of[i] = inexact_mark is not None, replay_id

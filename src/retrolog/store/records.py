@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from retrolog.errors import disk_full
-from retrolog.store.sqlite_connection import connect, rollback
 from retrolog.store.series_blocks import BlockTracker
+from retrolog.store.sqlite_connection import connect, rollback
 from retrolog.store.summaries import SQLITE_NUMBER, add_batch
 
 Row = tuple[Any, ...]

@@ -30,6 +30,7 @@ PostgreSQL's ``value_float``, ``value_int``, ``value_text``).
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -83,8 +84,7 @@ def extend(
     run has ended) the rest too. Returns how many rows went into blocks."""
     last, block = cursor.execute(
         _marked(
-            "SELECT MAX(last_log_id), MAX(block) FROM series_blocks"
-            " WHERE run_id = ? AND name = ?",
+            "SELECT MAX(last_log_id), MAX(block) FROM series_blocks WHERE run_id = ? AND name = ?",
             mark,
         ),
         (run_id, name),
@@ -102,7 +102,7 @@ def extend(
     if usable == 0:
         return len(rows)
     log_ids, contexts, kinds, *values = zip(*rows[:usable], strict=True)
-    whole = values[0] if len(values) == 1 else tuple(_whole(v) for v in zip(*values))
+    whole = values[0] if len(values) == 1 else tuple(_whole(v) for v in zip(*values, strict=True))
     number = np.fromiter((k in NUMERIC_TYPES for k in kinds), dtype=bool, count=usable)
     if number.all():
         y = np.array(whole, dtype=np.float64)  # None (a logged NaN) becomes NaN
@@ -146,17 +146,38 @@ def fill(cursor: Any, *, mark: str, parts: Sequence[str]) -> None:
         extend(cursor, run_id, name, mark=mark, parts=parts, final=status != "running")
 
 
+def fill_run(cursor: Any, run_id: str, *, mark: str, parts: Sequence[str], final: bool) -> None:
+    """:func:`extend` for every name ``run_id`` has values of in loop contexts (its
+    summaries list them), in the caller's transaction."""
+    names = cursor.execute(
+        _marked(
+            "SELECT name FROM run_summaries WHERE run_id = ? AND last_ctx IS NOT NULL"
+            " ORDER BY name",
+            mark,
+        ),
+        (run_id,),
+    ).fetchall()
+    for (name,) in names:
+        extend(cursor, run_id, name, mark=mark, parts=parts, final=final)
+
+
 def read(conn: Any, run_id: str, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """``run_id``'s blocks of ``name``, joined: (the last block's ``last_log_id``, contexts,
     values, whether each is a number); -1 and empty arrays when it has none. ``conn``:
     a SQLite connection or a MetadataStore's reader (``?`` placeholders)."""
-    found = conn.execute(
-        "SELECT last_log_id, n, ctx, y, is_number FROM series_blocks"
-        " WHERE run_id = ? AND name = ? ORDER BY block",
-        (run_id, name),
-    ).fetchall()
+    none = -1, np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(0, bool)
+    try:
+        found = conn.execute(
+            "SELECT last_log_id, n, ctx, y, is_number FROM series_blocks"
+            " WHERE run_id = ? AND name = ? ORDER BY block",
+            (run_id, name),
+        ).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return none  # a store opened read-only before its migration 12: rows alone
+        raise
     if not found:
-        return -1, np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(0, bool)
+        return none
     total = sum(int(row[1]) for row in found)
     ctx = np.empty(total, dtype=np.int64)
     y = np.empty(total, dtype=np.float64)
@@ -203,20 +224,7 @@ class BlockTracker:
                     key = (run_id, row[1])
                     pending[key] = pending.get(key, 0) + 1
         if any("ended_at" in update for update in run_updates):
-            names = [
-                name
-                for (name,) in cursor.execute(
-                    _marked(
-                        "SELECT name FROM run_summaries WHERE run_id = ?"
-                        " AND last_ctx IS NOT NULL ORDER BY name",
-                        self.mark,
-                    ),
-                    (run_id,),
-                ).fetchall()
-            ]
-            for name in names:
-                extend(cursor, run_id, name, mark=self.mark, parts=self.parts, final=True)
-                pending.pop((run_id, name), None)
+            fill_run(cursor, run_id, mark=self.mark, parts=self.parts, final=True)
             for key in [k for k in pending if k[0] == run_id]:
                 del pending[key]
             return
