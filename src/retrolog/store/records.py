@@ -223,6 +223,7 @@ class SqliteRecordSink(RecordSink):
             conn.execute("COMMIT")
         except BaseException:
             rollback(conn)
+            self._blocks.forget(run_id)
             raise
 
     def close(self) -> None:

@@ -196,15 +196,24 @@ def read(conn: Any, run_id: str, name: str) -> tuple[int, np.ndarray, np.ndarray
 
 
 class BlockTracker:
-    """A record sink's count of each run's rows per name since its last blocks, which
-    says when to add blocks. :func:`extend` reads the rows themselves and sets the count
-    to what it left, so a count that is off (a batch rolled back and written again, a
-    restarted writer) only moves when blocks are added, never what they hold."""
+    """A record sink's rows of each (run, name) that no block holds yet, kept in memory
+    as the sink writes them, so that a block is made from the values the sink has
+    rather than read back (a Python object per value again).
+
+    A (run, name) the tracker has not seen, or one whose batch was not written (the
+    sink calls :meth:`forget`), is read back from the store once (:func:`extend`), so a
+    restarted writer or a batch written twice never puts a row in a block twice or
+    leaves one out. A block written from memory ends at the greatest ``log_id`` of the
+    store at its batch's end: every row of the batch is at or below it, and every later
+    row of the run above it.
+    """
 
     def __init__(self, mark: str, parts: Sequence[str]) -> None:
         self.mark = mark
         self.parts = tuple(parts)
-        self._pending: dict[tuple[str, str], int] = {}
+        # (run, name) -> the values of its rows after its last block, in log_id order:
+        # float, int or None (a number; None a NaN), or str (not a number)
+        self._pending: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}
 
     def after_batch(
         self,
@@ -214,21 +223,122 @@ class BlockTracker:
         logs: Iterable[Sequence[Any]],
         run_updates: Iterable[dict[str, Any]],
     ) -> None:
-        """In the batch's transaction, after its rows: full blocks for each name whose
-        rows reached :data:`BLOCK`; with the update that ends the run, every name's
-        remaining rows."""
+        """In the batch's transaction, after its rows: a block of each name with at least
+        :data:`BLOCK` rows pending; with the update that ends the run, of every name's
+        pending rows."""
         pending = self._pending
-        for rows in (values, logs):
-            for row in rows:
-                if row[0] is not None:
-                    key = (run_id, row[1])
-                    pending[key] = pending.get(key, 0) + 1
-        if any("ended_at" in update for update in run_updates):
-            fill_run(cursor, run_id, mark=self.mark, parts=self.parts, final=True)
-            for key in [k for k in pending if k[0] == run_id]:
-                del pending[key]
+        unseen: set[str] = set()
+        for ctx, name, value in values:
+            if ctx is None:
+                continue
+            found = pending.get((run_id, name))
+            if found is None:
+                unseen.add(name)
+            else:
+                found[0].append(ctx)
+                found[1].append(value)
+        for ctx, name, value, kind in logs:
+            if ctx is None:
+                continue
+            found = pending.get((run_id, name))
+            if found is None:
+                unseen.add(name)
+            else:
+                found[0].append(ctx)
+                found[1].append(value if kind in NUMERIC_TYPES else "")
+        ended = any("ended_at" in update for update in run_updates)
+        for name in sorted(unseen):
+            # Read back once: what the store holds after the name's last block (this
+            # batch's rows included).
+            pending[(run_id, name)] = _after_blocks(cursor, run_id, name, self.mark, self.parts)
+        if ended:
+            names = {
+                row[0]
+                for row in cursor.execute(
+                    _marked(
+                        "SELECT name FROM run_summaries WHERE run_id = ? AND last_ctx IS NOT NULL",
+                        self.mark,
+                    ),
+                    (run_id,),
+                ).fetchall()
+            }
+            for name in sorted(names - {k[1] for k in pending if k[0] == run_id}):
+                extend(cursor, run_id, name, mark=self.mark, parts=self.parts, final=True)
+        full = [
+            k for k, rows in pending.items() if k[0] == run_id and (ended or len(rows[0]) >= BLOCK)
+        ]
+        if not full:
             return
-        for key in [k for k, count in pending.items() if k[0] == run_id and count >= BLOCK]:
-            pending[key] = extend(
-                cursor, run_id, key[1], mark=self.mark, parts=self.parts, final=False
-            )
+        (last,) = cursor.execute("SELECT MAX(log_id) FROM logs").fetchone()
+        for key in sorted(full):
+            contexts, found_values = pending[key]
+            if contexts:
+                _write(cursor, run_id, key[1], int(last), contexts, found_values, self.mark)
+            if ended:
+                del pending[key]
+            else:
+                pending[key] = ([], [])
+
+    def forget(self, run_id: str) -> None:
+        """Drop what is pending of ``run_id``: its batch was not written (or may not
+        have been); the next batch reads the store again."""
+        for key in [k for k in self._pending if k[0] == run_id]:
+            del self._pending[key]
+
+
+def _after_blocks(
+    cursor: Any, run_id: str, name: str, mark: str, parts: Sequence[str]
+) -> tuple[list[Any], list[Any]]:
+    """The contexts and values of ``run_id``'s recorded rows of ``name`` after its last
+    block, in log_id order, as :class:`BlockTracker` keeps them."""
+    (last,) = cursor.execute(
+        _marked("SELECT MAX(last_log_id) FROM series_blocks WHERE run_id = ? AND name = ?", mark),
+        (run_id, name),
+    ).fetchone()
+    rows = cursor.execute(
+        _marked(
+            f"SELECT ctx_id, value_type, {', '.join(parts)} FROM logs"
+            " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL AND origin = 'recorded'"
+            " AND log_id > ? ORDER BY log_id",
+            mark,
+        ),
+        (name, run_id, -1 if last is None else last),
+    ).fetchall()
+    contexts = [row[0] for row in rows]
+    found = [_whole(row[2:]) if row[1] in NUMERIC_TYPES else "" for row in rows]
+    return contexts, found
+
+
+def _write(
+    cursor: Any,
+    run_id: str,
+    name: str,
+    last: int,
+    contexts: list[Any],
+    values: list[Any],
+    mark: str,
+) -> None:
+    """One block of ``values`` (numbers, None for a NaN, str for a value that is not a
+    number) at ``contexts``, after the (run, name)'s other blocks."""
+    n = len(values)
+    text = [type(v) is str for v in values]
+    if any(text):
+        number = ~np.array(text, dtype=bool)
+        y = np.array([None if t else v for v, t in zip(values, text, strict=True)], dtype="<f8")
+        flags = number.astype(np.uint8).tobytes()
+    else:
+        y = np.array(values, dtype="<f8")  # None (a logged NaN) becomes NaN
+        flags = b""
+    (block,) = cursor.execute(
+        _marked("SELECT MAX(block) FROM series_blocks WHERE run_id = ? AND name = ?", mark),
+        (run_id, name),
+    ).fetchone()
+    cursor.execute(
+        _marked(
+            "INSERT INTO series_blocks(run_id, name, block, last_log_id, n, ctx, y, is_number)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            mark,
+        ),
+        (run_id, name, 0 if block is None else block + 1, last, n,
+         np.array(contexts, dtype="<i8").tobytes(), y.tobytes(), flags),
+    )  # fmt: skip
