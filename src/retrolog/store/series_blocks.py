@@ -31,6 +31,7 @@ PostgreSQL's ``value_float``, ``value_int``, ``value_text``).
 from __future__ import annotations
 
 import sqlite3
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -56,9 +57,25 @@ CREATE TABLE series_blocks (
 );
 CREATE INDEX logs_not_recorded ON logs(name, run_id, ctx_id) WHERE origin <> 'recorded'
 """
-# ctx: int64 little-endian, the rows' contexts; y: float64 little-endian, NaN for a
+# ctx: the rows' contexts, packed (pack_contexts); y: float64 little-endian, NaN for a
 # logged NaN and for a value that is not a number; is_number: empty when every row's
 # value is a number, else one byte per row (1: a number).
+
+
+def pack_contexts(ctx: np.ndarray) -> bytes:
+    """A block's contexts as stored: the differences from one to the next (1 for a loop's
+    consecutive iterations) as int64, zlib-compressed: a tenth of a byte per value
+    instead of eight."""
+    return zlib.compress(np.diff(ctx, prepend=0).astype("<i8").tobytes(), 1)
+
+
+def unpack_contexts(data: bytes, n: int) -> np.ndarray:
+    """What :func:`pack_contexts` made of ``n`` contexts. Inflating stops at their
+    length (a damaged or hostile blob cannot make it allocate more), and a blob of
+    another length raises ValueError."""
+    inflater = zlib.decompressobj()
+    raw = inflater.decompress(bytes(data), 8 * n)
+    return np.cumsum(np.frombuffer(raw, dtype="<i8", count=n))
 
 
 def create_table(*, postgres: bool) -> str:
@@ -118,7 +135,7 @@ def extend(
         flags = number[start:stop]
         found.append(
             (run_id, name, next_block, int(log_ids[stop - 1]), stop - start,
-             ctx[start:stop].tobytes(), y[start:stop].tobytes(),
+             pack_contexts(ctx[start:stop]), y[start:stop].tobytes(),
              b"" if flags.all() else flags.astype(np.uint8).tobytes())
         )  # fmt: skip
         next_block += 1
@@ -187,7 +204,7 @@ def read(conn: Any, run_id: str, name: str) -> tuple[int, np.ndarray, np.ndarray
         n = int(n)
         # frombuffer checks each blob's length against n: a damaged row raises, it is
         # never read past.
-        ctx[at : at + n] = np.frombuffer(ctx_bytes, dtype="<i8", count=n)
+        ctx[at : at + n] = unpack_contexts(ctx_bytes, n)
         y[at : at + n] = np.frombuffer(y_bytes, dtype="<f8", count=n)
         if len(flags):
             number[at : at + n] = np.frombuffer(flags, dtype=np.uint8, count=n) != 0
@@ -201,19 +218,19 @@ class BlockTracker:
     rather than read back (a Python object per value again).
 
     A (run, name) the tracker has not seen, or one whose batch was not written (the
-    sink calls :meth:`forget`), is read back from the store once (:func:`extend`), so a
-    restarted writer or a batch written twice never puts a row in a block twice or
-    leaves one out. A block written from memory ends at the greatest ``log_id`` of the
-    store at its batch's end: every row of the batch is at or below it, and every later
-    row of the run above it.
+    sink calls :meth:`forget`), is read back from the store once (:func:`extend`'s
+    query), so a restarted writer or a batch written twice never puts a row in a block
+    twice or leaves one out. A block written from memory ends at the greatest
+    ``log_id`` of the store at its batch's end: every row of the batch is at or below
+    it, and every later row of the run above it.
     """
 
     def __init__(self, mark: str, parts: Sequence[str]) -> None:
         self.mark = mark
         self.parts = tuple(parts)
-        # (run, name) -> the values of its rows after its last block, in log_id order:
-        # float, int or None (a number; None a NaN), or str (not a number)
-        self._pending: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}
+        # run -> name -> the contexts and values of its rows after its last block, in
+        # log_id order: float, int or None (a number; None a NaN), or str (not a number)
+        self._pending: dict[str, dict[str, tuple[list[Any], list[Any]]]] = {}
 
     def after_batch(
         self,
@@ -226,12 +243,12 @@ class BlockTracker:
         """In the batch's transaction, after its rows: a block of each name with at least
         :data:`BLOCK` rows pending; with the update that ends the run, of every name's
         pending rows."""
-        pending = self._pending
+        pending = self._pending.setdefault(run_id, {})
         unseen: set[str] = set()
         for ctx, name, value in values:
             if ctx is None:
                 continue
-            found = pending.get((run_id, name))
+            found = pending.get(name)
             if found is None:
                 unseen.add(name)
             else:
@@ -240,50 +257,42 @@ class BlockTracker:
         for ctx, name, value, kind in logs:
             if ctx is None:
                 continue
-            found = pending.get((run_id, name))
+            found = pending.get(name)
             if found is None:
                 unseen.add(name)
             else:
                 found[0].append(ctx)
                 found[1].append(value if kind in NUMERIC_TYPES else "")
-        ended = any("ended_at" in update for update in run_updates)
         for name in sorted(unseen):
             # Read back once: what the store holds after the name's last block (this
             # batch's rows included).
-            pending[(run_id, name)] = _after_blocks(cursor, run_id, name, self.mark, self.parts)
+            pending[name] = _after_blocks(cursor, run_id, name, self.mark, self.parts)
+        ended = any("ended_at" in update for update in run_updates)
         if ended:
-            names = {
-                row[0]
-                for row in cursor.execute(
-                    _marked(
-                        "SELECT name FROM run_summaries WHERE run_id = ? AND last_ctx IS NOT NULL",
-                        self.mark,
-                    ),
-                    (run_id,),
-                ).fetchall()
-            }
-            for name in sorted(names - {k[1] for k in pending if k[0] == run_id}):
+            names = cursor.execute(
+                _marked(
+                    "SELECT name FROM run_summaries WHERE run_id = ? AND last_ctx IS NOT NULL",
+                    self.mark,
+                ),
+                (run_id,),
+            ).fetchall()
+            for name in sorted({row[0] for row in names} - set(pending)):
                 extend(cursor, run_id, name, mark=self.mark, parts=self.parts, final=True)
-        full = [
-            k for k, rows in pending.items() if k[0] == run_id and (ended or len(rows[0]) >= BLOCK)
-        ]
-        if not full:
-            return
-        (last,) = cursor.execute("SELECT MAX(log_id) FROM logs").fetchone()
-        for key in sorted(full):
-            contexts, found_values = pending[key]
-            if contexts:
-                _write(cursor, run_id, key[1], int(last), contexts, found_values, self.mark)
-            if ended:
-                del pending[key]
-            else:
-                pending[key] = ([], [])
+        full = [name for name, rows in pending.items() if ended or len(rows[0]) >= BLOCK]
+        if full:
+            (last,) = cursor.execute("SELECT MAX(log_id) FROM logs").fetchone()
+            for name in sorted(full):
+                contexts, found_values = pending[name]
+                if contexts:
+                    _write(cursor, run_id, name, int(last), contexts, found_values, self.mark)
+                pending[name] = ([], [])
+        if ended:
+            del self._pending[run_id]
 
     def forget(self, run_id: str) -> None:
         """Drop what is pending of ``run_id``: its batch was not written (or may not
         have been); the next batch reads the store again."""
-        for key in [k for k in self._pending if k[0] == run_id]:
-            del self._pending[key]
+        self._pending.pop(run_id, None)
 
 
 def _after_blocks(
@@ -340,5 +349,5 @@ def _write(
             mark,
         ),
         (run_id, name, 0 if block is None else block + 1, last, n,
-         np.array(contexts, dtype="<i8").tobytes(), y.tobytes(), flags),
+         pack_contexts(np.array(contexts, dtype=np.int64)), y.tobytes(), flags),
     )  # fmt: skip
