@@ -37,6 +37,11 @@ values of that name (its loop's iterations, counted across outer iterations, fro
 ``time`` is seconds since the run started, at the end of the value's loop iteration."""
 
 NUMERIC_TYPES = ("float", "int", "bool")
+
+# A series read with at least this many rows from ``logs`` (not from its series blocks)
+# is kept in the disk cache: reading that many rows again (about 1.3 µs each) costs
+# more than writing and mapping a file.
+DISK_ROWS = 2000
 _NUMERIC_SQL = "('float', 'int', 'bool')"
 
 # Where each point came from (the ``origin`` array).
@@ -122,6 +127,9 @@ class Columns:
     replay_ids: list[str]
     loop: str | None
     timed: bool = False
+    # rows read from ``logs`` one Python tuple each (not from series blocks): what the
+    # disk cache saves a later reading of (not kept in its files)
+    rows_read: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -250,10 +258,13 @@ class SeriesCache:
             return False
         return meta is not None
 
-    def put(self, key: tuple[str, str], stamp: str, columns: Columns) -> None:
+    def put(
+        self, key: tuple[str, str], stamp: str, columns: Columns, *, to_disk: bool = True
+    ) -> None:
+        """Keep ``columns`` in memory and, with ``to_disk``, in the cache's directory."""
         self._remember(key, stamp, columns)
         path = self._path(key)
-        if path is not None:
+        if path is not None and to_disk:
             with contextlib.suppress(OSError):  # a cache: a full disk only makes it slower
                 columns.save(path, key, stamp)
 
@@ -315,7 +326,10 @@ def series(
             columns.t, columns.timed = _times(conn, run_id, columns.ctx), True
             fresh = True
         if fresh and cache is not None and usable:
-            cache.put((run_id, name), stamp, columns)
+            # A file costs about as much to write as a series of blocks costs to read:
+            # only a series read from its rows, or with its times, is worth one.
+            to_disk = columns.timed or columns.rows_read >= DISK_ROWS
+            cache.put((run_id, name), stamp, columns, to_disk=to_disk)
         if x == "step":
             keep = slice(None)
             xs = np.arange(len(columns.ctx), dtype=np.float64)
@@ -540,6 +554,7 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
         ).fetchall()
     )
     return Columns(
+        rows_read=len(found),
         ctx=ctx, y=y, t=np.full(len(ctx), np.nan), origin=origin, replay_index=replay_index,
         replay_ids=replay_ids, loop=max(loops, key=lambda k: loops[k]) if loops else None,
     )  # fmt: skip
