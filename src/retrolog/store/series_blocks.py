@@ -71,8 +71,8 @@ def pack_contexts(ctx: np.ndarray) -> bytes:
 
 def unpack_contexts(data: bytes, n: int) -> np.ndarray:
     """What :func:`pack_contexts` made of ``n`` contexts. Inflating stops at their
-    length (a damaged or hostile blob cannot make it allocate more), and a blob of
-    another length raises ValueError."""
+    length (a damaged or hostile blob cannot make it allocate more); a blob of another
+    length raises ValueError, one that does not inflate zlib.error."""
     inflater = zlib.decompressobj()
     raw = inflater.decompress(bytes(data), 8 * n)
     return np.cumsum(np.frombuffer(raw, dtype="<i8", count=n))
@@ -195,20 +195,27 @@ def read(conn: Any, run_id: str, name: str) -> tuple[int, np.ndarray, np.ndarray
         raise
     if not found:
         return none
+    # Sizes from the blobs themselves: a damaged or hostile n allocates nothing.
+    if any(int(n) < 0 or len(y) != 8 * int(n) or len(flags) not in (0, int(n))
+           for _, n, _, y, flags in found):  # fmt: skip
+        return none
     total = sum(int(row[1]) for row in found)
     ctx = np.empty(total, dtype=np.int64)
     y = np.empty(total, dtype=np.float64)
     number = np.ones(total, dtype=bool)
     at = 0
-    for _, n, ctx_bytes, y_bytes, flags in found:
-        n = int(n)
-        # frombuffer checks each blob's length against n: a damaged row raises, it is
-        # never read past.
-        ctx[at : at + n] = unpack_contexts(ctx_bytes, n)
-        y[at : at + n] = np.frombuffer(y_bytes, dtype="<f8", count=n)
-        if len(flags):
-            number[at : at + n] = np.frombuffer(flags, dtype=np.uint8, count=n) != 0
-        at += n
+    try:
+        for _, n, ctx_bytes, y_bytes, flags in found:
+            n = int(n)
+            # Each blob is checked against n (frombuffer's count, inflating up to n
+            # values): a damaged one is never read past.
+            ctx[at : at + n] = unpack_contexts(ctx_bytes, n)
+            y[at : at + n] = np.frombuffer(y_bytes, dtype="<f8", count=n)
+            if len(flags):
+                number[at : at + n] = np.frombuffer(flags, dtype=np.uint8, count=n) != 0
+            at += n
+    except (ValueError, zlib.error):
+        return none  # a damaged block: the rows alone, which hold the same values
     return int(found[-1][0]), ctx, y, number
 
 
