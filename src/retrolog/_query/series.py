@@ -178,7 +178,9 @@ class Columns:
                 offset += arrays[name].nbytes
             if offset != len(data):
                 return None  # cut short or padded: not what save wrote
-            found = cls(**arrays, replay_ids=[str(r) for r in meta["replay_ids"]],
+            found = cls(ctx=arrays["ctx"], y=arrays["y"], t=arrays["t"],
+                        origin=arrays["origin"], replay_index=arrays["replay_index"],
+                        replay_ids=[str(r) for r in meta["replay_ids"]],
                         loop=meta["loop"], timed=bool(meta["timed"]))  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError):
             return None
