@@ -388,3 +388,63 @@ def test_a_series_read_from_postgresql_blocks_is_sqlites_rows(
     finally:
         target.close()
         conn.close()
+
+
+def test_postgresqls_record_sink_writes_blocks_that_read_as_its_rows(
+    pg_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's record sink keeps the blocks as it writes (an ended run: all of its
+    rows; a live one: full blocks and a tail), and a series read from them is the one
+    its rows alone give."""
+    from retrolog.store import series_blocks
+    from retrolog.store.postgres_metadata import PostgresMetadata, PostgresRecordSink
+
+    monkeypatch.setattr(series_blocks, "BLOCK", 25)
+    target = PostgresMetadata(pg_store_url)
+    runs = ["20260101-000000-pg00000", "20260101-000001-pg00001"]
+    try:
+        with target.connection.transaction():
+            for run_id in runs:
+                target.connection.execute(
+                    "INSERT INTO runs (run_id, projid, tstamp, filename, status, started_at,"
+                    " host, pid, python, argv) VALUES (%s, 'p', 't', 'train.py', 'running', 0,"
+                    " 'h', 1, '3.11', '[]')",
+                    (run_id,),
+                )
+        sink = PostgresRecordSink(pg_store_url)
+        specials = [math.nan, math.inf, -math.inf, -0.0, 7, "text"]
+        for r, run_id in enumerate(runs):
+            for start in range(0, 95, 15):  # the last batch: 5 contexts
+                batch = RecordBatch()
+                for ctx in range(start, min(95, start + 15)):
+                    batch.loop_starts.append((ctx, None, "step", ctx, None, 0, float(ctx)))
+                    batch.values.append((ctx, "loss", specials[ctx % 6] if ctx % 4 else ctx / 3))
+                    if ctx % 10 == 0:
+                        batch.values.append((ctx, "loss", -1.0))  # twice in a context
+                    if ctx % 11 == 0:
+                        batch.logs.append((ctx, "loss", '{"a": 1}', "json"))
+                if r == 0 and start == 90:
+                    batch.run_updates.append({"status": "finished", "ended_at": 9.0})
+                sink.write(run_id, batch)
+        sink.close()
+        reader = target.reader()
+        blocked = dict(
+            reader.execute("SELECT run_id, SUM(n) FROM series_blocks GROUP BY run_id").fetchall()
+        )
+        stored = dict(
+            reader.execute(
+                "SELECT run_id, COUNT(*) FROM logs WHERE name = 'loss' GROUP BY run_id"
+            ).fetchall()
+        )
+        assert blocked[runs[0]] == stored[runs[0]]  # every recorded row
+        assert 0 < blocked[runs[1]] < stored[runs[1]]  # full blocks, then a live tail
+        found = {r: read_columns(reader, "loss", r) for r in runs}
+        empty = (-1, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool))
+        monkeypatch.setattr(series_blocks, "read", lambda *args: empty)
+        for run_id in runs:
+            expected, got = read_columns(reader, "loss", run_id), found[run_id]
+            assert expected is not None and got is not None
+            for array in ("ctx", "y", "origin", "replay_index"):
+                assert getattr(got, array).tobytes() == getattr(expected, array).tobytes()
+    finally:
+        target.close()
