@@ -14,14 +14,15 @@ block never goes stale; a reader takes the blocks, then the rows after the last
 block's ``last_log_id`` (a live run's tail) and the backfilled rows before it (through
 the partial index ``logs_not_recorded``), and applies the dataframe's rule for the
 record that counts (``_query/series.py``, ``read_columns``). A (run, name) without
-blocks is read from its rows alone: blocks are an optional copy, so a store copied
-without them (or a run written by an older retrolog) reads the same, only slower.
+blocks is read from its rows alone: blocks are an optional copy, so a store without
+them (opened read-only before migration 12, a replay's working copy) reads the same,
+only slower.
 
-Writers: the record sinks (store/records.py, store/postgres_metadata.py) add full
-blocks of :data:`BLOCK` values as a name's rows accumulate and the last, partial one
-in the batch that ends the run (:class:`BlockTracker`); migration 12 fills them for
-the runs a store holds. A block is built from the rows as stored (read back in the
-writer's transaction), so what a block holds is what the rows hold.
+Writers: the record sinks (store/records.py, store/postgres_metadata.py) add a block
+once a name has :data:`BLOCK` rows no block holds, and the rest in the batch that ends
+the run, from the values they wrote (:class:`BlockTracker`); migration 12
+(:func:`fill`) and a run copied into PostgreSQL (:func:`fill_run`) build them from the
+rows as stored (:func:`extend`). Each in the transaction of the rows it copies.
 
 The SQL is standard, run on SQLite or PostgreSQL through a DB-API cursor with the
 backend's placeholder (``mark``) and value columns (``parts``: SQLite's ``value``,
