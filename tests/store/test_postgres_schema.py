@@ -127,11 +127,14 @@ def test_a_database_of_an_earlier_version_gets_the_migrations_it_lacks(schema_ur
     postgres.migrate(conn)
     conn.execute("DROP TABLE run_summaries")
     conn.execute("DROP TABLE record_batches")
+    conn.execute("DROP TABLE series_blocks")
+    conn.execute("DROP INDEX logs_not_recorded")
     conn.execute("DELETE FROM migrations WHERE version >= 10")
-    assert postgres.migrate(conn) == 11
+    assert postgres.migrate(conn) == 12
     assert conn.execute("SELECT COUNT(*) FROM record_batches").fetchone() == (0,)
     assert conn.execute("SELECT COUNT(*) FROM run_summaries").fetchone() == (0,)
-    assert conn.execute("SELECT MAX(version) FROM migrations").fetchone() == (11,)
+    assert conn.execute("SELECT COUNT(*) FROM series_blocks").fetchone() == (0,)
+    assert conn.execute("SELECT MAX(version) FROM migrations").fetchone() == (12,)
     conn.close()
 
 

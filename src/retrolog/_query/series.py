@@ -29,6 +29,7 @@ import numpy as np
 
 from retrolog._query.dataframe import logged_names, value_parts, whole_value
 from retrolog.errors import UnknownNameError, UsageError
+from retrolog.store import series_blocks
 
 X_AXES: tuple[str, ...] = ("step", "time")
 """What a series can be drawn against: ``step`` is the value's position among the run's
@@ -36,6 +37,11 @@ values of that name (its loop's iterations, counted across outer iterations, fro
 ``time`` is seconds since the run started, at the end of the value's loop iteration."""
 
 NUMERIC_TYPES = ("float", "int", "bool")
+
+# A series read with at least this many rows from ``logs`` (not from its series blocks)
+# is kept in the disk cache: reading that many rows again (about 1.3 µs each) costs
+# more than writing and mapping a file.
+DISK_ROWS = 2000
 _NUMERIC_SQL = "('float', 'int', 'bool')"
 
 # Where each point came from (the ``origin`` array).
@@ -121,6 +127,9 @@ class Columns:
     replay_ids: list[str]
     loop: str | None
     timed: bool = False
+    # rows read from ``logs`` one Python tuple each (not from series blocks): what the
+    # disk cache saves a later reading of (not kept in its files)
+    rows_read: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +178,9 @@ class Columns:
                 offset += arrays[name].nbytes
             if offset != len(data):
                 return None  # cut short or padded: not what save wrote
-            found = cls(**arrays, replay_ids=[str(r) for r in meta["replay_ids"]],
+            found = cls(ctx=arrays["ctx"], y=arrays["y"], t=arrays["t"],
+                        origin=arrays["origin"], replay_index=arrays["replay_index"],
+                        replay_ids=[str(r) for r in meta["replay_ids"]],
                         loop=meta["loop"], timed=bool(meta["timed"]))  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -249,10 +260,13 @@ class SeriesCache:
             return False
         return meta is not None
 
-    def put(self, key: tuple[str, str], stamp: str, columns: Columns) -> None:
+    def put(
+        self, key: tuple[str, str], stamp: str, columns: Columns, *, to_disk: bool = True
+    ) -> None:
+        """Keep ``columns`` in memory and, with ``to_disk``, in the cache's directory."""
         self._remember(key, stamp, columns)
         path = self._path(key)
-        if path is not None:
+        if path is not None and to_disk:
             with contextlib.suppress(OSError):  # a cache: a full disk only makes it slower
                 columns.save(path, key, stamp)
 
@@ -314,7 +328,10 @@ def series(
             columns.t, columns.timed = _times(conn, run_id, columns.ctx), True
             fresh = True
         if fresh and cache is not None and usable:
-            cache.put((run_id, name), stamp, columns)
+            # A file costs about as much to write as a series of blocks costs to read:
+            # only a series read from its rows, or with its times, is worth one.
+            to_disk = columns.timed or columns.rows_read >= DISK_ROWS
+            cache.put((run_id, name), stamp, columns, to_disk=to_disk)
         if x == "step":
             keep = slice(None)
             xs = np.arange(len(columns.ctx), dtype=np.float64)
@@ -417,23 +434,46 @@ def _stamps(
 
 
 def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | None:
-    """``name``'s whole series in ``run_id``, from the store (None: no numeric value)."""
+    """``name``'s whole series in ``run_id``, from the store (None: no numeric value): its
+    recorded values from the run's series blocks (store/series_blocks.py), the rest from
+    its rows."""
     parts = value_parts(conn)
+    last, block_ctx, block_y, block_number = series_blocks.read(conn, run_id, name)
     # Each row as few Python objects as it can be: the context, the value and a mark that
     # is NULL for the common row (recorded, numeric) and the row's log_id otherwise, whose
     # origin and type are then read apart. Reading the text of every row's origin and type
     # (new str objects each) cost more than SQLite's whole read of the row. The mark is
     # named: PostgreSQL names the CASE after its ELSE, and ORDER BY log_id would sort by it.
-    found = conn.execute(
+    select = (
         f"SELECT ctx_id, {', '.join(parts)}, CASE WHEN origin = 'recorded' AND value_type IN"
         f" {_NUMERIC_SQL} THEN NULL ELSE log_id END AS mark FROM logs"
-        " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL ORDER BY ctx_id, log_id",
-        (name, run_id),
-    ).fetchall()
-    if not found:
+        " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL"
+    )
+    if last < 0:
+        found = conn.execute(select + " ORDER BY ctx_id, log_id", (name, run_id)).fetchall()
+    else:
+        # The blocks hold every recorded row up to ``last``: what is left are the rows
+        # that are not recorded (backfilled) up to there, found through their partial
+        # index, then every row after it (a live run's tail). In this order, the rows of
+        # one context and origin follow each other in log_id order, as the rule for the
+        # record that counts needs.
+        found = conn.execute(
+            # (``+log_id``: a range of the rowid would lead SQLite to the run's index, a
+            # lookup of every row of the run.)
+            select + " AND origin <> 'recorded' AND +log_id <= ? ORDER BY ctx_id, log_id",
+            (name, run_id, last),
+        ).fetchall()
+        found += conn.execute(
+            select + " AND log_id > ? ORDER BY ctx_id, log_id", (name, run_id, last)
+        ).fetchall()
+    blocked = len(block_ctx)
+    if not found and not blocked:
         return None
-    # Column by column: a per-row Python step costs more than SQLite's read of the row.
-    ctx_ids, *value_columns, marks = zip(*found, strict=True)
+    if found:
+        # Column by column: a per-row Python step costs more than SQLite's read of the row.
+        ctx_ids, *value_columns, marks = zip(*found, strict=True)
+    else:
+        ctx_ids, value_columns, marks = (), [()], ()
     n = len(found)
     ctx = np.array(ctx_ids, dtype=np.int64)
     if len(value_columns) == 1:
@@ -442,49 +482,65 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
         values = tuple(whole_value(v) for v in zip(*value_columns, strict=True))
     numeric = np.ones(n, dtype=bool)
     recorded = np.ones(n, dtype=bool)
-    inexacts: dict[int, Any] = {}
-    replay_of: dict[int, Any] = {}
+    inexact = np.zeros(n, dtype=bool)
+    replay_of = np.full(n, None, dtype=object)
     if marks.count(None) != n:
         marked = [i for i, mark in enumerate(marks) if mark is not None]
-        rows = {
-            log_id: rest
-            for log_id, *rest in conn.execute(
-                "SELECT log_id, origin, inexact, replay_id, value_type FROM logs"
-                " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL AND NOT"
-                f" (origin = 'recorded' AND value_type IN {_NUMERIC_SQL})",
-                (name, run_id),
+        rows: dict[Any, Any] = {}
+        wanted = sorted({marks[i] for i in marked})
+        for at in range(0, len(wanted), 500):
+            chunk = wanted[at : at + 500]
+            rows.update(
+                (log_id, rest)
+                for log_id, *rest in conn.execute(
+                    "SELECT log_id, origin, inexact, replay_id, value_type FROM logs"
+                    f" WHERE log_id IN ({', '.join('?' for _ in chunk)})",
+                    chunk,
+                )
             )
-        }
         for i in marked:
             # A row gone since (a run collected meanwhile) is left out like a text value.
-            origin, inexact, replay_id, value_type = rows.get(marks[i], (None, None, None, ""))
+            origin, inexact_mark, replay_id, value_type = rows.get(marks[i], (None, None, None, ""))
             numeric[i] = value_type in NUMERIC_TYPES
             recorded[i] = origin == "recorded"
-            inexacts[i], replay_of[i] = inexact, replay_id
+            inexact[i], replay_of[i] = inexact_mark is not None, replay_id
     if numeric.all():
         y = np.array(values, dtype=np.float64)  # None (a logged NaN) becomes NaN
     else:
         y = np.array([v if ok else None for v, ok in zip(values, numeric, strict=True)],
                      dtype=np.float64)  # fmt: skip
+    if blocked:
+        # The blocks' rows first (recorded, in log_id order), then a stable sort by
+        # context and origin: the order of the rows alone, up to the order of recorded
+        # and backfilled rows within a context, which the rule below does not use.
+        ctx = np.r_[block_ctx, ctx]
+        y = np.r_[block_y, y]
+        numeric = np.r_[block_number, numeric]
+        recorded = np.r_[np.ones(blocked, dtype=bool), recorded]
+        inexact = np.r_[np.zeros(blocked, dtype=bool), inexact]
+        replay_of = np.r_[np.full(blocked, None, dtype=object), replay_of]
+        order = np.lexsort((recorded, ctx))
+        ctx, y, numeric = ctx[order], y[order], numeric[order]
+        recorded, inexact, replay_of = recorded[order], inexact[order], replay_of[order]
+        n = len(ctx)
     origin = np.where(recorded, RECORDED, BACKFILLED).astype(np.int8)
     replay_ids: list[str] = []
     replay_index = np.full(n, -1, dtype=np.int32)
     if not recorded.all():
         known: dict[str, int] = {}
         for i in np.flatnonzero(~recorded).tolist():
-            inexact, replay_id = inexacts[i], replay_of[i]
-            if inexact is not None:
+            if inexact[i]:
                 origin[i] = INEXACT
-            if replay_id is not None:
-                replay_index[i] = known.setdefault(replay_id, len(known))
+            if replay_of[i] is not None:
+                replay_index[i] = known.setdefault(replay_of[i], len(known))
         replay_ids = list(known)
     # Several records of one context: keep the one that counts. Rows come in log_id
-    # order within a context (the index's), so a stable sort by (context, recorded)
-    # puts it last.
+    # order within a context and origin, so a stable sort by (context, recorded) puts
+    # it last.
     if n > 1 and bool(np.any(ctx[1:] == ctx[:-1])):
         order = np.lexsort((recorded, ctx))
-        last = np.r_[ctx[order][1:] != ctx[order][:-1], True]
-        keep = np.sort(order[last])
+        last_of = np.r_[ctx[order][1:] != ctx[order][:-1], True]
+        keep = np.sort(order[last_of])
         ctx, y, origin = ctx[keep], y[keep], origin[keep]
         replay_index, numeric = replay_index[keep], numeric[keep]
     if not numeric.all():  # a context whose value is text, JSON or None: not drawn
@@ -500,6 +556,7 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
         ).fetchall()
     )
     return Columns(
+        rows_read=len(found),
         ctx=ctx, y=y, t=np.full(len(ctx), np.nan), origin=origin, replay_index=replay_index,
         replay_ids=replay_ids, loop=max(loops, key=lambda k: loops[k]) if loops else None,
     )  # fmt: skip

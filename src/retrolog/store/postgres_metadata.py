@@ -38,11 +38,14 @@ from retrolog.store.records import (
     SinkUnstorable,
     write_run_rows,
 )
+from retrolog.store.series_blocks import BlockTracker, create_table, fill
 from retrolog.store.summaries import POSTGRES_NUMBER, add_batch, migration
+
+POSTGRES_PARTS = ("value_float", "value_int", "value_text")
 
 # The version SQLite's store/schema.py reaches with the same tables; a later migration
 # is added to both, with the same number (MIGRATIONS, below the schema).
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 # One advisory lock key for migrations: two processes opening a new database at once
 # must not both create it (SQLite's BEGIN IMMEDIATE does this there).
@@ -226,7 +229,14 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     (9, "the schema of SQLite's version 9, in PostgreSQL's types", SCHEMA),
     (10, "the last batch each run's writer committed, written with the batch", RECORD_BATCHES),
     (11, "per-run summaries of each logged name, for the runs table", migration(postgres=True)),
+    (12, "columnar blocks of each run's recorded series, for charts", create_table(postgres=True)),
 ]
+
+# Steps of a migration that SQL alone cannot do, run after its statements (the same
+# transaction).
+FILLS: dict[int, Callable[[Any], None]] = {
+    12: lambda conn: fill(conn.cursor(), mark="%s", parts=POSTGRES_PARTS),
+}
 
 
 def _psycopg() -> Any:
@@ -288,6 +298,8 @@ def migrate(conn: Any) -> int:
             for statement in script.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            if version in FILLS:
+                FILLS[version](conn)
             conn.execute(
                 "INSERT INTO migrations(version, name, applied_at) VALUES (%s, %s, %s)",
                 (version, name, time.strftime("%Y-%m-%dT%H:%M:%S")),
@@ -360,6 +372,7 @@ class PostgresRecordSink(RecordSink):
         self._attempt: tuple[int, tuple[int, ...]] | None = None
         self._unsure: list[tuple[int, tuple[int, ...]]] = []
         self._staged: Any = None  # the connection whose staging tables exist
+        self._blocks = BlockTracker("%s", POSTGRES_PARTS)
 
     def write(self, run_id: str, batch: RecordBatch) -> None:
         errors = self._psycopg.errors
@@ -448,6 +461,14 @@ class PostgresRecordSink(RecordSink):
     def _write(self, run_id: str, whole: RecordBatch) -> None:
         """Write the writer's batch ``whole``, or what of it is not stored yet, in one
         transaction."""
+        try:
+            self._transaction(run_id, whole)
+        except BaseException:
+            # Written or not (a lost answer), the next batch reads the store again.
+            self._blocks.forget(run_id)
+            raise
+
+    def _transaction(self, run_id: str, whole: RecordBatch) -> None:
         conn = self._conn
         with conn.transaction():
             cur = conn.cursor()
@@ -510,6 +531,7 @@ class PostgresRecordSink(RecordSink):
                     copy.write_row((run_id, ctx, name, *typed(value), kind))
             add_batch(cur, run_id, batch.values, batch.logs, mark="%s", number=POSTGRES_NUMBER)
         write_run_rows(cur, run_id, batch, "%s")
+        self._blocks.after_batch(cur, run_id, batch.values, batch.logs, batch.run_updates)
         for digest, blob in batch.module_sets:
             cur.execute(
                 "INSERT INTO module_sets(digest, names) VALUES (%s, %s)"

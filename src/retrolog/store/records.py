@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from retrolog.errors import disk_full
+from retrolog.store.series_blocks import BlockTracker
 from retrolog.store.sqlite_connection import connect, rollback
 from retrolog.store.summaries import SQLITE_NUMBER, add_batch
 
@@ -166,6 +167,7 @@ class SqliteRecordSink(RecordSink):
         self.database = database
         self._conn = connect(database)
         self._statements: dict[str, tuple[str, str, str, str]] = {}
+        self._blocks = BlockTracker("?", ["value"])
 
     def _for(self, run_id: str) -> tuple[str, str, str, str]:
         found = self._statements.get(run_id)
@@ -212,6 +214,7 @@ class SqliteRecordSink(RecordSink):
                 )
             add_batch(conn, run_id, batch.values, batch.logs, mark="?", number=SQLITE_NUMBER)
             write_run_rows(conn, run_id, batch, "?")
+            self._blocks.after_batch(conn, run_id, batch.values, batch.logs, batch.run_updates)
             for digest, blob in batch.module_sets:
                 conn.execute(
                     "INSERT OR IGNORE INTO module_sets(digest, names) VALUES (?, ?)", (digest, blob)
@@ -220,6 +223,7 @@ class SqliteRecordSink(RecordSink):
             conn.execute("COMMIT")
         except BaseException:
             rollback(conn)
+            self._blocks.forget(run_id)
             raise
 
     def close(self) -> None:

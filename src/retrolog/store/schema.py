@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 
 from retrolog.errors import StoreError
+from retrolog.store.series_blocks import create_table, fill
 from retrolog.store.summaries import migration
 
 # (version, name, statements). Columns named ``value`` are declared without a
@@ -266,6 +268,17 @@ MIGRATIONS.append(
     (11, "per-run summaries of each logged name, for the runs table", migration(postgres=False))
 )
 
+# Kept by the record sinks (store/series_blocks.py); filled here for the values a store
+# holds, by FILLS.
+MIGRATIONS.append(
+    (12, "columnar blocks of each run's recorded series, for charts", create_table(postgres=False))
+)
+
+# Steps of a migration that SQL alone cannot do, run after its statements in its transaction.
+FILLS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    12: lambda conn: fill(conn, mark="?", parts=["value"]),
+}
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
@@ -293,6 +306,8 @@ def migrate(conn: sqlite3.Connection) -> int:
                 continue
             for statement in _split(script):
                 conn.execute(statement)
+            if version in FILLS:
+                FILLS[version](conn)
             conn.execute(
                 "INSERT INTO migrations(version, name, applied_at) VALUES (?, ?, ?)",
                 (version, name, time.strftime("%Y-%m-%dT%H:%M:%S")),

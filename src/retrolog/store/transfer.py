@@ -28,6 +28,7 @@ from typing import Any
 
 from retrolog.errors import StoreError
 from retrolog.store.postgres_metadata import PostgresMetadata, placeholders, typed
+from retrolog.store.series_blocks import fill_run
 from retrolog.store.summaries import POSTGRES_NUMBER, recompute
 
 # The tables holding one run's rows, copied with it, and how SQLite orders them
@@ -176,6 +177,7 @@ def _copy_run(
     (row,) = conn.execute(
         f"SELECT {', '.join(names)} FROM runs WHERE run_id = ?", (run_id,)
     ).fetchall()
+    ended = dict(zip(names, row, strict=True)).get("status") != "running"
     with pg.transaction():
         pg.execute(
             placeholders(f"INSERT INTO runs ({', '.join(names)}) VALUES ({_marks(names)})"), row
@@ -189,6 +191,7 @@ def _copy_run(
                 for values in found:
                     copy.write_row(_split(names, values))
         recompute(cursor, run_id, None, mark="%s", number=POSTGRES_NUMBER)
+        fill_run(cursor, run_id, mark="%s", parts=_PARTS, final=ended)
 
 
 def _split(names: Sequence[str], values: Sequence[Any]) -> list[Any]:
