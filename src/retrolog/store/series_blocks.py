@@ -34,9 +34,13 @@ from __future__ import annotations
 import sqlite3
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+# numpy is imported by the functions that handle arrays: the record sinks and the
+# replay's coordinator import this module, and neither should pay for numpy unless used.
+if TYPE_CHECKING:
+    import numpy as np
+
 
 BLOCK = 4096
 """Values per full block: big enough that a block's row and its read cost little per
@@ -67,6 +71,8 @@ def pack_contexts(ctx: np.ndarray) -> bytes:
     """A block's contexts as stored: the differences from one to the next (1 for a loop's
     consecutive iterations) as int64, zlib-compressed: a tenth of a byte per value
     instead of eight."""
+    import numpy as np
+
     return zlib.compress(np.diff(ctx, prepend=0).astype("<i8").tobytes(), 1)
 
 
@@ -74,6 +80,8 @@ def unpack_contexts(data: bytes, n: int) -> np.ndarray:
     """What :func:`pack_contexts` made of ``n`` contexts. Inflating stops at their
     length (a damaged or hostile blob cannot make it allocate more); a blob of another
     length raises ValueError, one that does not inflate zlib.error."""
+    import numpy as np
+
     inflater = zlib.decompressobj()
     raw = inflater.decompress(bytes(data), 8 * n)
     return np.cumsum(np.frombuffer(raw, dtype="<i8", count=n))
@@ -100,6 +108,8 @@ def extend(
     """Add blocks of ``run_id``'s recorded rows of ``name`` that no block holds yet, in
     the caller's transaction: full blocks of :data:`BLOCK` rows, and with ``final`` (the
     run has ended) the rest too. Returns how many rows went into blocks."""
+    import numpy as np
+
     last, block = cursor.execute(
         _marked(
             "SELECT MAX(last_log_id), MAX(block) FROM series_blocks WHERE run_id = ? AND name = ?",
@@ -183,6 +193,8 @@ def read(conn: Any, run_id: str, name: str) -> tuple[int, np.ndarray, np.ndarray
     """``run_id``'s blocks of ``name``, joined: (the last block's ``last_log_id``, contexts,
     values, whether each is a number); -1 and empty arrays when it has none. ``conn``:
     a SQLite connection or a MetadataStore's reader (``?`` placeholders)."""
+    import numpy as np
+
     none = -1, np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(0, bool)
     try:
         found = conn.execute(
@@ -337,6 +349,8 @@ def _write(
 ) -> None:
     """One block of ``values`` (numbers, None for a NaN, str for a value that is not a
     number) at ``contexts``, after the (run, name)'s other blocks."""
+    import numpy as np
+
     n = len(values)
     text = [type(v) is str for v in values]
     if any(text):
