@@ -5,13 +5,14 @@ and a page on another site refused."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from cpu_watch import cpu_seconds, goes_quiet, runs_a_query
 
 from conftest import read_db, read_pg, values_by_run
 
@@ -334,35 +335,6 @@ def test_large_values_fit_their_axis(page: Any, dashboard_of_large_values: Any) 
 ENDLESS = (
     "lr > (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c)"
 )
-
-
-def cpu_seconds(pid: int) -> float:
-    """The CPU time ``pid`` (all its threads) used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[-1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def runs_a_query(pid: int, since: float, seconds: float = 30.0) -> bool:
-    """Whether ``pid`` has used 0.2 s of CPU since it had used ``since``, within ``seconds``
-    (a busy machine gives it a fraction of a core)."""
-    deadline = time.monotonic() + seconds
-    while cpu_seconds(pid) - since <= 0.2:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def goes_quiet(pid: int, seconds: float = 30.0) -> bool:
-    """Whether ``pid`` uses under 0.2 s of CPU in some 2 s, within ``seconds``: well within
-    an endless predicate's 120 s budget, however busy the machine."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        before = cpu_seconds(pid)
-        time.sleep(2.0)
-        if cpu_seconds(pid) - before < 0.2:
-            return True
-    return False
 
 
 def test_a_new_filter_stops_the_query_of_the_one_it_replaces(page: Any, dashboard: Any) -> None:
