@@ -31,6 +31,7 @@ PostgreSQL's ``value_float``, ``value_int``, ``value_text``).
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import zlib
 from collections.abc import Iterable, Sequence
@@ -265,7 +266,11 @@ class BlockTracker:
         pending rows."""
         pending = self._pending.setdefault(run_id, {})
         unseen: set[str] = set()
-        for ctx, name, value in values:
+        # The fast path's numbers as they are; the slow path's values, a non-number as "".
+        rows = itertools.chain(
+            values, ((c, n, v if k in NUMERIC_TYPES else "") for c, n, v, k in logs)
+        )
+        for ctx, name, value in rows:
             if ctx is None:
                 continue
             found = pending.get(name)
@@ -274,15 +279,6 @@ class BlockTracker:
             else:
                 found[0].append(ctx)
                 found[1].append(value)
-        for ctx, name, value, kind in logs:
-            if ctx is None:
-                continue
-            found = pending.get(name)
-            if found is None:
-                unseen.add(name)
-            else:
-                found[0].append(ctx)
-                found[1].append(value if kind in NUMERIC_TYPES else "")
         for name in sorted(unseen):
             # Read back once: what the store holds after the name's last block (this
             # batch's rows included).
