@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cpu_watch import cpu_seconds, goes_quiet, runs_a_query
 from starlette.testclient import TestClient
 
+from cpu_watch import cpu_seconds, goes_quiet, runs_a_query
 from retrolog import Project
 from retrolog._query.series import Series, encode_series
 from retrolog._query.table import AGGREGATES
