@@ -353,8 +353,15 @@ def test_the_plan_says_why_a_script_is_not_forked(tmp_path: Path) -> None:
     assert forked.packages == ("torch", "numpy")  # never the project's own models.py
     assert plan("import torch\n", None).warm == ("torch",)  # recorded before modules were kept
     for source, reason in [
-        ("import os\nos.environ['OMP_NUM_THREADS'] = '1'\nimport torch\n", "os.environ (line 2)"),
-        ("import os\nos.environ.setdefault('X', '1')\nimport torch\n", "os.environ (line 2)"),
+        # Written after an installed package is imported, or not as a literal, or
+        # anywhere but the script's top: the modules may read them in any state.
+        ("import torch\nimport os\nos.environ['X'] = '1'\n", "os.environ (line 3)"),
+        ("import os\nos.environ['X'] = str(1)\nimport torch\n", "os.environ (line 2)"),
+        ("import os\nif True:\n    os.environ['X'] = '1'\nimport torch\n", "(line 3)"),
+        ("import os\nx = 1\nos.environ['X'] = '1'\nimport torch\n", "os.environ (line 3)"),
+        ("import os\ndel os.environ['X']\nimport torch\n", "os.environ (line 2)"),
+        ("import os\nos.environ.pop('X')\nimport torch\n", "os.environ (line 2)"),
+        ("import os\nos.putenv('X', '1')\nimport torch\n", "the environment (line 2)"),
         ("import sys\nsys.path.insert(0, '../lib')\nimport torch\n", "sys.path (line 2)"),
         ("import json\nimport models\n", "imports no installed package"),
         ("def f(:\n", "does not parse"),
@@ -362,9 +369,63 @@ def test_the_plan_says_why_a_script_is_not_forked(tmp_path: Path) -> None:
         result = plan(source)
         assert not result.forked and reason in result.reason, (source, result)
     assert "none of the script's packages" in plan("import torch\n", ["numpy"]).reason
+    # Literal writes at the top, before any installed import: the server makes them too.
+    early = plan(
+        '"""A script."""\nfrom __future__ import annotations\nimport os\n'
+        "os.environ['OMP_NUM_THREADS'] = '1'\n"
+        "os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')\n"
+        "os.environ.update({'A': 'a'}, )\nos.environ.update(B='b')\n"
+        "os.environ.pop('C', None)\nimport torch\n"
+    )
+    assert early.forked and early.warm == ("torch", "torch._dynamo")
+    assert early.environ == (
+        ("set", "OMP_NUM_THREADS", "1"),
+        ("setdefault", "TOKENIZERS_PARALLELISM", "false"),
+        ("set", "A", "a"),
+        ("set", "B", "b"),
+        ("pop", "C", ""),
+    )
+    worker = {"TOKENIZERS_PARALLELISM": "true", "C": "c", "D": "d"}
+    assert early.server_environment(worker) == {
+        "TOKENIZERS_PARALLELISM": "true", "D": "d", "OMP_NUM_THREADS": "1", "A": "a", "B": "b",
+    }  # fmt: skip
     text = describe([forked, plan("import json\n")])
     assert "workers of 1 of 2 run(s) start from a fork server that imports numpy, torch" in text
     assert "1 run(s) start as new interpreters (the script imports no installed" in text
+
+
+def test_a_server_imports_after_the_scripts_early_environment_writes(tmp_path: Path) -> None:
+    # transformers' scripts set TOKENIZERS_PARALLELISM, HF_HUB_OFFLINE... before importing
+    # it, and a library may read them when imported: the server imports it as the script
+    # would have, after the same writes.
+    library = tmp_path / "site"
+    library.mkdir()
+    (library / "envlib.py").write_text("import os\nSEEN = os.environ.get('ENVLIB_MODE')\n")
+    source = (
+        "import json\nimport os\n\nos.environ.setdefault('ENVLIB_MODE', 'offline')\n\n"
+        "import envlib\n\nprint(json.dumps(envlib.SEEN))\n"
+    )
+    script = _script(tmp_path, source)
+    start = start_plan(source, ["envlib"], root=tmp_path, script_dir=script.parent)
+    assert start.forked and start.environ == (("setdefault", "ENVLIB_MODE", "offline"),)
+    env = _env(PYTHONPATH=str(library))
+    env.pop("ENVLIB_MODE", None)
+    launcher = Launcher(python=sys.executable, logs_dir=tmp_path)
+    log = tmp_path / "w.log"
+    log.write_bytes(b"")
+    try:
+        process = launcher.launch(
+            argv=[str(script)], cwd=script.parent, env=env, log_path=log,
+            server_env=start.server_environment(env), warm=start.warm,
+        )  # fmt: skip
+        assert process is not None, launcher.notes
+        assert process.wait(timeout=120) == 0, log.read_text()
+    finally:
+        launcher.close()
+    assert launcher.forked == 1
+    assert json.loads(log.read_text()) == "offline"  # as a new interpreter: _fresh below
+    code, out = _fresh(script, PYTHONPATH=str(library))
+    assert code == 0 and json.loads(out) == "offline", out
 
 
 def test_forkserver_off_by_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -244,8 +244,8 @@ def _start(
     job.spec.checkout = str(job.checkout)
     job.spec.project = str(root)
     job.spec.save(spec_path)
-    server_env = worker_env(job)
-    env = {**server_env, SPEC_ENV: str(spec_path)}
+    base = worker_env(job)
+    env = {**base, SPEC_ENV: str(spec_path)}
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
     cwd = job.checkout / job.cwd
@@ -259,8 +259,8 @@ def _start(
         # The fork server's own imports (once, before its first worker) are not the job's:
         # the plan counts them apart.
         forked = launcher.launch(
-            argv=argv, cwd=cwd, env=env, log_path=job.log_path, server_env=server_env,
-            warm=job.start.warm,
+            argv=argv, cwd=cwd, env=env, log_path=job.log_path,
+            server_env=job.start.server_environment(base), warm=job.start.warm,
         )  # fmt: skip
         if forked is not None:
             job.started = time.perf_counter()

@@ -14,7 +14,10 @@ as new interpreters and the plan says why (:func:`start_plan`):
 - not Linux (forking a process that loaded system frameworks is unsafe on
   macOS), or ``RETROLOG_FORKSERVER=0``;
 - the script writes environment variables or ``sys.path`` (a module it imports
-  afterwards may read them when imported, or be found elsewhere);
+  afterwards may read them when imported, or be found elsewhere), except for
+  literal environment writes at its top before anything but standard-library
+  imports (``os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")``): the
+  server makes those same writes before its imports (:attr:`StartPlan.environ`);
 - the script imports no installed package, or the run recorded none by its
   first loop;
 - at run time: the imports started Python threads, native threads other than
@@ -38,7 +41,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,10 +89,33 @@ class StartPlan:
     # What this replay's server measured a forked child to take from the fork to having
     # imported WORKER_MODULES; None: not measured (a dry run, an older server).
     forked_start: float | None = None
+    # The script's environment writes made before its first import of an installed
+    # package, in order: (operation, name, value), see :func:`with_writes`.
+    environ: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def forked(self) -> bool:
         return bool(self.warm)
+
+    def server_environment(self, env: Mapping[str, str]) -> dict[str, str]:
+        """A fork server's environment for this plan: the worker's ``env`` with the
+        script's early writes made, as they were when the script imported its packages."""
+        return with_writes(env, self.environ)
+
+
+def with_writes(env: Mapping[str, str], writes: Sequence[Sequence[str]]) -> dict[str, str]:
+    """``env`` after ``writes``: ("set", name, value) is ``os.environ[name] = value``,
+    ("setdefault", ...) ``os.environ.setdefault(name, value)``, ("pop", name, "")
+    ``os.environ.pop(name, None)``."""
+    out = dict(env)
+    for operation, name, value in writes:
+        if operation == "set":
+            out[name] = value
+        elif operation == "setdefault":
+            out.setdefault(name, value)
+        elif operation == "pop":
+            out.pop(name, None)
+    return out
 
 
 def start_plan(
@@ -110,7 +136,8 @@ def start_plan(
         tree = ast.parse(source)
     except SyntaxError:
         return StartPlan(reason="the script does not parse")
-    writes = _environment_writes(tree)
+    prelude, made = _environment_prelude(tree)
+    writes = _environment_writes(tree, made)
     if writes:
         return StartPlan(
             reason=f"the script changes {writes}, which the modules it imports may read"
@@ -131,7 +158,9 @@ def start_plan(
     if not warm:
         return StartPlan(reason="the run had imported none of the script's packages by its loop")
     covered = {n.partition(".")[0] for n in warm}
-    return StartPlan(warm=tuple(warm), packages=tuple(p for p in packages if p in covered))
+    return StartPlan(
+        warm=tuple(warm), packages=tuple(p for p in packages if p in covered), environ=prelude
+    )
 
 
 def script_packages(tree: ast.AST) -> list[str]:
@@ -154,10 +183,87 @@ _ENV_METHODS = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__"
 _PATH_METHODS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__"}
 
 
-def _environment_writes(tree: ast.AST) -> str:
-    """'os.environ (line 3)' when the script writes the environment or sys.path, else ''."""
+def _environment_prelude(tree: ast.Module) -> tuple[tuple[tuple[str, str, str], ...], set[int]]:
+    """The environment writes at the top of the script, before any statement but a
+    docstring and standard-library imports, whose names and values are string literals:
+    a fork server makes the same writes before importing what the script imports after
+    them. The writes, in order, and the ids of their nodes."""
+    writes: list[tuple[str, str, str]] = []
+    made: set[int] = set()
+    for stmt in tree.body:
+        if _docstring_or_stdlib_import(stmt):
+            continue
+        found = _literal_write(stmt)
+        if found is None:
+            break
+        node, new = found
+        writes.extend(new)
+        made.add(id(node))
+    return tuple(writes), made
+
+
+def _docstring_or_stdlib_import(stmt: ast.stmt) -> bool:
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+        return isinstance(stmt.value.value, str)
+    if isinstance(stmt, ast.Import):
+        return all(alias.name.partition(".")[0] in STDLIB for alias in stmt.names)
+    if isinstance(stmt, ast.ImportFrom):
+        return not stmt.level and (stmt.module or "").partition(".")[0] in STDLIB
+    return False
+
+
+def _literal_write(stmt: ast.stmt) -> tuple[ast.AST, list[tuple[str, str, str]]] | None:
+    """``os.environ["N"] = "V"``, ``os.environ.setdefault("N", "V")``,
+    ``os.environ.update({"N": "V"})`` / ``update(N="V")``, ``os.environ.pop("N", ...)``:
+    the node a walk finds it by and its writes; None for any other statement."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target = stmt.targets[0]
+        if (
+            isinstance(target, ast.Subscript)
+            and _which(target.value) == "os.environ"
+            and _text(target.slice) is not None
+            and _text(stmt.value) is not None
+        ):
+            return stmt, [("set", _text(target.slice) or "", _text(stmt.value) or "")]
+        return None
+    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return None
+    call = stmt.value
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and _which(func.value) == "os.environ"):
+        return None
+    args = [_text(a) for a in call.args]
+    if func.attr == "setdefault" and len(args) == 2 and None not in args and not call.keywords:
+        return call, [("setdefault", args[0] or "", args[1] or "")]
+    if func.attr == "pop" and len(call.args) == 2 and args[0] is not None and not call.keywords:
+        if isinstance(call.args[1], ast.Constant):
+            return call, [("pop", args[0], "")]
+        return None
+    if func.attr == "update":
+        pairs: list[tuple[str | None, str | None]] = []
+        if len(call.args) == 1 and isinstance(call.args[0], ast.Dict) and not call.keywords:
+            pairs = [
+                (_text(k) if k is not None else None, _text(v))
+                for k, v in zip(call.args[0].keys, call.args[0].values, strict=True)
+            ]
+        elif not call.args:
+            pairs = [(k.arg, _text(k.value)) for k in call.keywords]
+        if pairs and all(k is not None and v is not None for k, v in pairs):
+            return call, [("set", k or "", v or "") for k, v in pairs]
+    return None
+
+
+def _text(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def _environment_writes(tree: ast.AST, made: Collection[int] = frozenset()) -> str:
+    """'os.environ (line 3)' when the script writes the environment or sys.path, else ''.
+    The nodes in ``made`` are writes a fork server makes as well (:func:`_environment_prelude`)."""
     for node in ast.walk(tree):
-        if not isinstance(node, ast.stmt | ast.expr):
+        if not isinstance(node, ast.stmt | ast.expr) or id(node) in made:
             continue
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign | ast.Delete):

@@ -87,7 +87,8 @@ class LocalExecutor:
         servers = {}
         for run_id, start in starts.items():
             if start.forked:
-                servers[run_id] = launcher.prepare(server_env(runs[run_id]), start.warm)
+                env = start.server_environment(server_env(runs[run_id]))
+                servers[run_id] = launcher.prepare(env, start.warm)
         launcher.retain([s for s in servers.values() if s is not None])
         if not servers:
             return dict(starts)
@@ -116,7 +117,7 @@ class LocalExecutor:
         launcher.used = True  # its logs are this replay's from here on
         for job in jobs:
             if job.start is not None and job.start.forked:
-                launcher.prepare(worker_env(job), job.start.warm)
+                launcher.prepare(job.start.server_environment(worker_env(job)), job.start.warm)
         paths = self.coordinator.paths
         try:
             with terminate_as_interrupt():

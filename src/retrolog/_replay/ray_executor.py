@@ -201,6 +201,9 @@ class SegmentTask:
     # Modules a fork server of the Ray worker process imports once, its workers forked from
     # it (_replay/forkserver.py); empty: the worker is a new interpreter.
     warm: list[str] = field(default_factory=list)
+    # The script's early environment writes, made in that fork server before its imports
+    # (forkserver.StartPlan.environ).
+    environ: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
@@ -321,18 +324,20 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
             spec.project = str(root) if root is not None else None
             spec_path = base / "spec.json"
             spec.save(spec_path)
-            server_env = run_worker_env(task.numerics)
-            env = {**server_env, SPEC_ENV: str(spec_path)}
+            run_env = run_worker_env(task.numerics)
+            env = {**run_env, SPEC_ENV: str(spec_path)}
             cwd = checkout / task.cwd
             if not cwd.is_dir():
                 cwd = checkout
             argv = [str(checkout / task.filename), *task.argv[1:]]
             process: Any = None
             if task.warm:
+                from retrolog._replay.forkserver import with_writes
+
                 log_path.write_bytes(b"")
                 process = _launcher_here().launch(
-                    argv=argv, cwd=cwd, env=env, log_path=log_path, server_env=server_env,
-                    warm=task.warm,
+                    argv=argv, cwd=cwd, env=env, log_path=log_path,
+                    server_env=with_writes(run_env, task.environ), warm=task.warm,
                 )  # fmt: skip
                 result["forked"] = process is not None
             if process is None:
@@ -424,6 +429,7 @@ def segment_task(job: Any, row: Mapping[str, Any], root: Path, store: Path) -> S
         git_dir=str(job.git_dir), commit=job.commit, project=str(root), store=str(store),
         log_path=str(job.log_path),
         warm=list(job.start.warm) if job.start is not None and job.start.forked else [],
+        environ=[list(w) for w in job.start.environ] if job.start is not None else [],
     )  # fmt: skip
 
 

@@ -268,7 +268,7 @@ def _warm_up(
     try:
         source = read_script(paths.root / state.filename)
         start = _start_plan(conn, paths, row, source)
-        env = server_env(row) if start.forked else None
+        env = start.server_environment(server_env(row)) if start.forked else None
     except (OSError, ValueError):
         return  # the plan reports a damaged row; a guess does not
     if env is not None:
