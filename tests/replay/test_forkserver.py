@@ -359,6 +359,11 @@ def test_the_plan_says_why_a_script_is_not_forked(tmp_path: Path) -> None:
         ("import os\nos.environ['X'] = str(1)\nimport torch\n", "os.environ (line 2)"),
         ("import os\nif True:\n    os.environ['X'] = '1'\nimport torch\n", "(line 3)"),
         ("import os\nx = 1\nos.environ['X'] = '1'\nimport torch\n", "os.environ (line 3)"),
+        (
+            "import os\nfrom retrolog.integrations import transformers\n"
+            "os.environ['X'] = '1'\nimport torch\n",
+            "os.environ (line 3)",
+        ),
         ("import os\ndel os.environ['X']\nimport torch\n", "os.environ (line 2)"),
         ("import os\nos.environ.pop('X')\nimport torch\n", "os.environ (line 2)"),
         ("import os\nos.putenv('X', '1')\nimport torch\n", "the environment (line 2)"),
@@ -371,7 +376,7 @@ def test_the_plan_says_why_a_script_is_not_forked(tmp_path: Path) -> None:
     assert "none of the script's packages" in plan("import torch\n", ["numpy"]).reason
     # Literal writes at the top, before any installed import: the server makes them too.
     early = plan(
-        '"""A script."""\nfrom __future__ import annotations\nimport os\n'
+        '"""A script."""\nfrom __future__ import annotations\nimport os\nimport retrolog as rl\n'
         "os.environ['OMP_NUM_THREADS'] = '1'\n"
         "os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')\n"
         "os.environ.update({'A': 'a'}, )\nos.environ.update(B='b')\n"

@@ -185,9 +185,9 @@ _PATH_METHODS = {"insert", "append", "extend", "remove", "pop", "clear", "__seti
 
 def _environment_prelude(tree: ast.Module) -> tuple[tuple[tuple[str, str, str], ...], set[int]]:
     """The environment writes at the top of the script, before any statement but a
-    docstring and standard-library imports, whose names and values are string literals:
-    a fork server makes the same writes before importing what the script imports after
-    them. The writes, in order, and the ids of their nodes."""
+    docstring and imports of the standard library (or ``import retrolog``), whose names
+    and values are string literals: a fork server makes the same writes before importing
+    what the script imports after them. The writes, in order, and the ids of their nodes."""
     writes: list[tuple[str, str, str]] = []
     made: set[int] = set()
     for stmt in tree.body:
@@ -203,12 +203,18 @@ def _environment_prelude(tree: ast.Module) -> tuple[tuple[tuple[str, str, str], 
 
 
 def _docstring_or_stdlib_import(stmt: ast.stmt) -> bool:
+    """A docstring, or an import of the standard library or of retrolog's package alone
+    (which imports no framework; a server never imports it, each worker does)."""
     if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
         return isinstance(stmt.value.value, str)
     if isinstance(stmt, ast.Import):
-        return all(alias.name.partition(".")[0] in STDLIB for alias in stmt.names)
+        return all(
+            alias.name.partition(".")[0] in STDLIB or alias.name == "retrolog"
+            for alias in stmt.names
+        )
     if isinstance(stmt, ast.ImportFrom):
-        return not stmt.level and (stmt.module or "").partition(".")[0] in STDLIB
+        module = stmt.module or ""
+        return not stmt.level and (module.partition(".")[0] in STDLIB or module == "retrolog")
     return False
 
 
