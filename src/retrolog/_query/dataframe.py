@@ -218,22 +218,7 @@ def _frame(
 ) -> tuple[pd.DataFrame, int | None]:
     """``dataframe``, or with ``window`` (offset, limit) one page of it and the number of
     rows of the whole view."""
-    if definitions not in DEFINITION_OPTIONS:
-        raise QueryError(
-            f"definitions must be one of {', '.join(DEFINITION_OPTIONS)}, not {definitions!r}."
-        )
-    if definitions == "current" and today is None:
-        raise QueryError('definitions="current" needs today\'s script to compare with.')
-    # A lone string is one name, not a sequence of one-letter names.
-    requested = [names] if isinstance(names, str) else list(dict.fromkeys(names))
-    requested = [storable_text(n) if isinstance(n, str) else n for n in requested]
-    if where is not None and not where.strip():
-        where = None
-    if not requested:
-        raise QueryError(
-            "dataframe() needs at least one log name, e.g. dataframe(['loss', 'acc']); "
-            f"the names logged in this store are: {_listing(logged_names(conn))}."
-        )
+    requested, where = _request(conn, names, where, definitions, today)
     # A training process may add runs and logs meanwhile: every statement reads one snapshot.
     with _snapshot(conn):
         # A name logged twice in one context shows as two rows for that context. Without
@@ -255,16 +240,7 @@ def _frame(
             rows = query.rows()
         runs = query.runs()
         take = _run_positions(rows, runs)
-        types = _types_in(rows, runs, take, query.columns)
-        mixed = [c.name for c in query.per_row if _dtype_for(types[c.name]) is None]
-        if mixed:
-            # Types that share a Python class (bool and int; json and str) need each
-            # cell's type to be decoded: ask again for those.
-            query.per_cell = mixed
-            rows = query.rows()
-        for name, kinds in types.items():
-            if not kinds:  # no value in any row: take the types the store has
-                types[name] = _store_types(conn, name)
+        rows, types = _column_types(conn, query, rows, runs, take)
         inexact = _inexact_column(conn, rows, requested)
         keys = (
             {name: _cell_keys(conn, rows, name) for name in requested}
@@ -272,6 +248,71 @@ def _frame(
             else {}
         )
     frame = _typed_frame(rows, runs, take, query, types)
+    _show_definitions(frame, keys, definitions, today, requested)
+    if inexact is not None:
+        taken = {c.casefold() for c in frame.columns}
+        frame[INEXACT_COLUMN if INEXACT_COLUMN not in taken else "__" + INEXACT_COLUMN] = inexact
+    return frame, total
+
+
+def _request(
+    conn: Any,
+    names: Sequence[str],
+    where: str | None,
+    definitions: str,
+    today: Callable[[str, Sequence[str]], dict[str, str]] | None,
+) -> tuple[list[str], str | None]:
+    """The names requested (repeats dropped) and the predicate (None when blank), checked."""
+    if definitions not in DEFINITION_OPTIONS:
+        raise QueryError(
+            f"definitions must be one of {', '.join(DEFINITION_OPTIONS)}, not {definitions!r}."
+        )
+    if definitions == "current" and today is None:
+        raise QueryError('definitions="current" needs today\'s script to compare with.')
+    # A lone string is one name, not a sequence of one-letter names.
+    requested = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+    requested = [storable_text(n) if isinstance(n, str) else n for n in requested]
+    if where is not None and not where.strip():
+        where = None
+    if not requested:
+        raise QueryError(
+            "dataframe() needs at least one log name, e.g. dataframe(['loss', 'acc']); "
+            f"the names logged in this store are: {_listing(logged_names(conn))}."
+        )
+    return requested, where
+
+
+def _column_types(
+    conn: Any,
+    query: _WideQuery,
+    rows: dict[str, tuple[Any, ...]],
+    runs: dict[str, tuple[Any, ...]],
+    take: np.ndarray,
+) -> tuple[dict[str, tuple[Any, ...]], dict[str, set[str]]]:
+    """The value types of each name's column, and the rows again with each cell's type
+    where a column's types share a Python class."""
+    types = _types_in(rows, runs, take, query.columns)
+    mixed = [c.name for c in query.per_row if _dtype_for(types[c.name]) is None]
+    if mixed:
+        # Types that share a Python class (bool and int; json and str) need each
+        # cell's type to be decoded: ask again for those.
+        query.per_cell = mixed
+        rows = query.rows()
+    for name, kinds in types.items():
+        if not kinds:  # no value in any row: take the types the store has
+            types[name] = _store_types(conn, name)
+    return rows, types
+
+
+def _show_definitions(
+    frame: pd.DataFrame,
+    keys: dict[str, list[str | None]],
+    definitions: str,
+    today: Callable[[str, Sequence[str]], dict[str, str]] | None,
+    requested: Sequence[str],
+) -> None:
+    """``definitions="column"``: a column of each value's definition key; "current": the
+    values of other definitions than today's emptied."""
     if definitions == "column":
         for name, column in keys.items():
             frame[f"{name}:definition"] = pd.Series(column, dtype=object)
@@ -287,10 +328,6 @@ def _frame(
             )
             if stale.any():
                 frame.loc[stale, name] = None
-    if inexact is not None:
-        taken = {c.casefold() for c in frame.columns}
-        frame[INEXACT_COLUMN if INEXACT_COLUMN not in taken else "__" + INEXACT_COLUMN] = inexact
-    return frame, total
 
 
 class _WideQuery:
