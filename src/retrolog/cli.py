@@ -12,11 +12,15 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from retrolog.errors import RetrologError
+
+if TYPE_CHECKING:
+    from retrolog._project import ReplayRequest
+    from retrolog._replay.replayer import ReplayResult
 
 DEBUG_ENV = "RETROLOG_DEBUG"
 
@@ -359,59 +363,74 @@ def query_command(sql: str, as_json: bool, as_csv: bool) -> None:
     _emit(_project().query(sql), as_json, as_csv)
 
 
+# The replay command's options, in the order --help lists them: each is a field of the
+# ReplayRequest the command builds.
+_REPLAY_OPTIONS = [
+    click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation."),
+    click.option(
+        "--dry-run", is_flag=True, help="Print the plan and each run's code diff; run nothing."
+    ),
+    click.option(
+        "--workers",
+        type=click.IntRange(min=1),
+        help="Worker processes (default: as many as the cores hold at the runs' recorded thread "
+        "counts, or one per GPU). More than that oversubscribes the cores: slower, still exact. "
+        "With --executor ray: Ray tasks in flight (default: what the cluster's CPUs hold).",
+    ),
+    click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        help="Intra-op threads per worker instead of each run's recorded count. Faster with more "
+        "workers, but values may differ from a fresh run: they are marked possibly inexact.",
+    ),
+    click.option(
+        "--script", help="The script whose runs to replay (needed when several have runs)."
+    ),
+    click.option("--force", is_flag=True, help="Recompute values that were already backfilled."),
+    click.option(
+        "--verify",
+        is_flag=True,
+        help="Replay each run's own code at the outer loop and compare what it recomputes with "
+        "what it recorded; backfills nothing. Takes only an optional WHERE.",
+    ),
+    click.option(
+        "--no-reuse",
+        is_flag=True,
+        help="Replay every run, even one that computed exactly what another did (same "
+        "configuration and history), whose values would otherwise be copied.",
+    ),
+    click.option(
+        "--allow-inexact",
+        is_flag=True,
+        help="Exit 0 even when the deferred check finds recorded values that replay recomputed "
+        "differently (their backfilled values are stored marked inexact either way).",
+    ),
+    click.option(
+        "--executor",
+        type=click.Choice(["local", "ray"]),
+        help="Where the workers run: 'local' processes on this machine (the default), or 'ray': "
+        "each segment a task on a Ray cluster, with its CPUs (and GPU); needs the ray extra. "
+        "Default: the executor setting (RETROLOG_EXECUTOR).",
+    ),
+    click.option(
+        "--ray-address",
+        metavar="ADDR",
+        help="The Ray cluster for --executor ray: HOST:PORT of its head (what `ray start --head` "
+        "prints), or 'auto'. Default: RAY_ADDRESS or the ray_address setting.",
+    ),
+]
+
+
+def _replay_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_REPLAY_OPTIONS):  # click lists the last one applied first
+        func = option(func)
+    return func
+
+
 @cli.command("replay")
 @click.argument("names", required=False)
 @click.argument("where", required=False)
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option(
-    "--dry-run", is_flag=True, help="Print the plan and each run's code diff; run nothing."
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    help="Worker processes (default: as many as the cores hold at the runs' recorded thread "
-    "counts, or one per GPU). More than that oversubscribes the cores: slower, still exact. "
-    "With --executor ray: Ray tasks in flight (default: what the cluster's CPUs hold).",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    help="Intra-op threads per worker instead of each run's recorded count. Faster with more "
-    "workers, but values may differ from a fresh run: they are marked possibly inexact.",
-)
-@click.option("--script", help="The script whose runs to replay (needed when several have runs).")
-@click.option("--force", is_flag=True, help="Recompute values that were already backfilled.")
-@click.option(
-    "--verify",
-    is_flag=True,
-    help="Replay each run's own code at the outer loop and compare what it recomputes with "
-    "what it recorded; backfills nothing. Takes only an optional WHERE.",
-)
-@click.option(
-    "--no-reuse",
-    is_flag=True,
-    help="Replay every run, even one that computed exactly what another did (same "
-    "configuration and history), whose values would otherwise be copied.",
-)
-@click.option(
-    "--allow-inexact",
-    is_flag=True,
-    help="Exit 0 even when the deferred check finds recorded values that replay recomputed "
-    "differently (their backfilled values are stored marked inexact either way).",
-)
-@click.option(
-    "--executor",
-    type=click.Choice(["local", "ray"]),
-    help="Where the workers run: 'local' processes on this machine (the default), or 'ray': "
-    "each segment a task on a Ray cluster, with its CPUs (and GPU); needs the ray extra. "
-    "Default: the executor setting (RETROLOG_EXECUTOR).",
-)
-@click.option(
-    "--ray-address",
-    metavar="ADDR",
-    help="The Ray cluster for --executor ray: HOST:PORT of its head (what `ray start --head` "
-    "prints), or 'auto'. Default: RAY_ADDRESS or the ray_address setting.",
-)
+@_replay_options
 @_handle_errors
 def replay_command(
     names: str | None, where: str | None, yes: bool, dry_run: bool, workers: int | None,
@@ -437,18 +456,7 @@ def replay_command(
       retrolog replay --verify "lr > 0.005"
       retrolog replay w_norm --yes --executor ray --ray-address 10.0.0.5:6379
     """
-    if verify:
-        if names is not None and where is not None:
-            raise click.UsageError(
-                "--verify takes only an optional WHERE predicate, not NAMES: it replays the "
-                'statements each run recorded, e.g. `retrolog replay --verify "lr > 0.5"`.'
-            )
-        where, names = names, None
-    elif not names:
-        raise click.UsageError(
-            "Name the log statements to replay, e.g. `retrolog replay w_norm`, or check "
-            "that past runs replay exactly with `retrolog replay --verify`."
-        )
+    names, where = _replay_targets(names, where, verify)
     from retrolog._project import ReplayRequest
 
     request = ReplayRequest(
@@ -456,17 +464,51 @@ def replay_command(
         force=force, verify=verify, reuse=not no_reuse, allow_inexact=allow_inexact,
         executor=executor, ray_address=ray_address, yes=yes,
     )  # fmt: skip
+    # The plan shows recorded code (each run's diff, the lines statements go after): a
+    # control character planted there must not hide a line from the review.
+    result = _project().replay(
+        request=request, confirm=_replay_confirmation(request.yes), echo=_terminal_echo()
+    )
+    if _replay_failed(request, result):
+        sys.exit(1)
+
+
+def _replay_targets(
+    names: str | None, where: str | None, verify: bool
+) -> tuple[str | None, str | None]:
+    """The replay's NAMES and WHERE: --verify takes the first argument as WHERE."""
+    if verify:
+        if names is not None and where is not None:
+            raise click.UsageError(
+                "--verify takes only an optional WHERE predicate, not NAMES: it replays the "
+                'statements each run recorded, e.g. `retrolog replay --verify "lr > 0.5"`.'
+            )
+        return None, names
+    if not names:
+        raise click.UsageError(
+            "Name the log statements to replay, e.g. `retrolog replay w_norm`, or check "
+            "that past runs replay exactly with `retrolog replay --verify`."
+        )
+    return names, where
+
+
+def _replay_confirmation(yes: bool) -> Callable[[str], bool]:
+    """The answer to the replay's question before it runs: --yes, else the user's on a
+    terminal."""
 
     def confirm(_: str) -> bool:
-        if request.yes:
+        if yes:
             return True
         if not sys.stdin.isatty():
             raise click.UsageError("Not asking on a non-interactive input: pass --yes to replay.")
         return click.confirm("Replay these runs?", default=True, err=True)
 
-    # The plan shows recorded code (each run's diff, the lines statements go after): a
-    # control character planted there must not hide a line from the review.
-    result = _project().replay(request=request, confirm=confirm, echo=_terminal_echo())
+    return confirm
+
+
+def _replay_failed(request: ReplayRequest, result: ReplayResult) -> bool:
+    """Whether the replay exits 1: a run got nothing or part of its values, a verification
+    compared nothing, or values came out inexact without --allow-inexact."""
     # A run skipped because its code cannot be read is a run the user asked for that got
     # nothing: the exit says so (the report names it and why).
     failed = [
@@ -474,8 +516,7 @@ def replay_command(
     ]
     # A verification that compared nothing verified nothing (the report says why).
     unverified = request.verify and not request.dry_run and not result.verified
-    if failed or unverified or (result.inexact and not request.allow_inexact):
-        sys.exit(1)
+    return bool(failed or unverified or (result.inexact and not request.allow_inexact))
 
 
 @cli.command(

@@ -218,22 +218,7 @@ def _frame(
 ) -> tuple[pd.DataFrame, int | None]:
     """``dataframe``, or with ``window`` (offset, limit) one page of it and the number of
     rows of the whole view."""
-    if definitions not in DEFINITION_OPTIONS:
-        raise QueryError(
-            f"definitions must be one of {', '.join(DEFINITION_OPTIONS)}, not {definitions!r}."
-        )
-    if definitions == "current" and today is None:
-        raise QueryError('definitions="current" needs today\'s script to compare with.')
-    # A lone string is one name, not a sequence of one-letter names.
-    requested = [names] if isinstance(names, str) else list(dict.fromkeys(names))
-    requested = [storable_text(n) if isinstance(n, str) else n for n in requested]
-    if where is not None and not where.strip():
-        where = None
-    if not requested:
-        raise QueryError(
-            "dataframe() needs at least one log name, e.g. dataframe(['loss', 'acc']); "
-            f"the names logged in this store are: {_listing(logged_names(conn))}."
-        )
+    requested, where = _request(conn, names, where, definitions, today)
     # A training process may add runs and logs meanwhile: every statement reads one snapshot.
     with _snapshot(conn):
         # A name logged twice in one context shows as two rows for that context. Without
@@ -255,16 +240,7 @@ def _frame(
             rows = query.rows()
         runs = query.runs()
         take = _run_positions(rows, runs)
-        types = _types_in(rows, runs, take, query.columns)
-        mixed = [c.name for c in query.per_row if _dtype_for(types[c.name]) is None]
-        if mixed:
-            # Types that share a Python class (bool and int; json and str) need each
-            # cell's type to be decoded: ask again for those.
-            query.per_cell = mixed
-            rows = query.rows()
-        for name, kinds in types.items():
-            if not kinds:  # no value in any row: take the types the store has
-                types[name] = _store_types(conn, name)
+        rows, types = _column_types(conn, query, rows, runs, take)
         inexact = _inexact_column(conn, rows, requested)
         keys = (
             {name: _cell_keys(conn, rows, name) for name in requested}
@@ -272,6 +248,71 @@ def _frame(
             else {}
         )
     frame = _typed_frame(rows, runs, take, query, types)
+    _show_definitions(frame, keys, definitions, today, requested)
+    if inexact is not None:
+        taken = {c.casefold() for c in frame.columns}
+        frame[INEXACT_COLUMN if INEXACT_COLUMN not in taken else "__" + INEXACT_COLUMN] = inexact
+    return frame, total
+
+
+def _request(
+    conn: Any,
+    names: Sequence[str],
+    where: str | None,
+    definitions: str,
+    today: Callable[[str, Sequence[str]], dict[str, str]] | None,
+) -> tuple[list[str], str | None]:
+    """The names requested (repeats dropped) and the predicate (None when blank), checked."""
+    if definitions not in DEFINITION_OPTIONS:
+        raise QueryError(
+            f"definitions must be one of {', '.join(DEFINITION_OPTIONS)}, not {definitions!r}."
+        )
+    if definitions == "current" and today is None:
+        raise QueryError('definitions="current" needs today\'s script to compare with.')
+    # A lone string is one name, not a sequence of one-letter names.
+    requested = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+    requested = [storable_text(n) if isinstance(n, str) else n for n in requested]
+    if where is not None and not where.strip():
+        where = None
+    if not requested:
+        raise QueryError(
+            "dataframe() needs at least one log name, e.g. dataframe(['loss', 'acc']); "
+            f"the names logged in this store are: {_listing(logged_names(conn))}."
+        )
+    return requested, where
+
+
+def _column_types(
+    conn: Any,
+    query: _WideQuery,
+    rows: dict[str, tuple[Any, ...]],
+    runs: dict[str, tuple[Any, ...]],
+    take: np.ndarray,
+) -> tuple[dict[str, tuple[Any, ...]], dict[str, set[str]]]:
+    """The value types of each name's column, and the rows again with each cell's type
+    where a column's types share a Python class."""
+    types = _types_in(rows, runs, take, query.columns)
+    mixed = [c.name for c in query.per_row if _dtype_for(types[c.name]) is None]
+    if mixed:
+        # Types that share a Python class (bool and int; json and str) need each
+        # cell's type to be decoded: ask again for those.
+        query.per_cell = mixed
+        rows = query.rows()
+    for name, kinds in types.items():
+        if not kinds:  # no value in any row: take the types the store has
+            types[name] = _store_types(conn, name)
+    return rows, types
+
+
+def _show_definitions(
+    frame: pd.DataFrame,
+    keys: dict[str, list[str | None]],
+    definitions: str,
+    today: Callable[[str, Sequence[str]], dict[str, str]] | None,
+    requested: Sequence[str],
+) -> None:
+    """``definitions="column"``: a column of each value's definition key; "current": the
+    values of other definitions than today's emptied."""
     if definitions == "column":
         for name, column in keys.items():
             frame[f"{name}:definition"] = pd.Series(column, dtype=object)
@@ -287,10 +328,6 @@ def _frame(
             )
             if stale.any():
                 frame.loc[stale, name] = None
-    if inexact is not None:
-        taken = {c.casefold() for c in frame.columns}
-        frame[INEXACT_COLUMN if INEXACT_COLUMN not in taken else "__" + INEXACT_COLUMN] = inexact
-    return frame, total
 
 
 class _WideQuery:
@@ -449,23 +486,35 @@ def _ctes(
     """
     at_run = [(i, c) for i, c in enumerate(columns) if c.at_run]
     shown_in_loops = [(i, c) for i, c in enumerate(columns) if c.in_loops and c.shown]
-    parts = dialect.parts
+    hop = _hop_cte(shown_in_loops, dialect)
+    looped = "looped AS (SELECT DISTINCT run_id FROM hop WHERE run_id IS NOT NULL)"
+    run_values = _run_values_cte(at_run, dialect)
+    chosen = _chosen_cte(at_run, dialect, only)
+    wide = _wide_cte(columns, dims, dialect, shown_in_loops)
+    return "WITH RECURSIVE\n" + ",\n".join([hop, looped, run_values, chosen, wide])
 
+
+def _hop_cte(shown_in_loops: Sequence[tuple[int, _Name]], dialect: Dialect) -> str:
+    """``hop``: for each shown loop-level name, the runs that logged it in a loop."""
     # A run's run-level records (ctx_id NULL) come first in the index and are skipped.
     seeds = "\n  UNION ALL ".join(
         f"SELECT {_literal(c.name)}, (SELECT min(run_id) FROM logs"
         f" WHERE name = {_literal(c.name)} AND ctx_id IS NOT NULL)"
         for _, c in shown_in_loops
     )
-    hop = (
+    return (
         "hop(name, run_id) AS (\n  "
         + (seeds or f"SELECT CAST(NULL AS text), CAST(NULL AS text) WHERE {dialect.false}")
         + "\n  UNION ALL\n  SELECT name, (SELECT min(run_id) FROM logs"
         " WHERE name = hop.name AND run_id > hop.run_id AND ctx_id IS NOT NULL)"
         "\n  FROM hop WHERE run_id IS NOT NULL\n)"
     )
-    looped = "looped AS (SELECT DISTINCT run_id FROM hop WHERE run_id IS NOT NULL)"
 
+
+def _run_values_cte(at_run: Sequence[tuple[int, _Name]], dialect: Dialect) -> str:
+    """``run_values``: each run's newest run-level values of the names, one row per run,
+    and whether it has a shown one."""
+    parts = dialect.parts
     run_in = ", ".join(_literal(c.name) for _, c in at_run) or "NULL"
     run_shown = (
         " OR ".join(f"name = {_literal(c.name)}" for _, c in at_run if c.shown) or dialect.false
@@ -479,17 +528,22 @@ def _ctes(
         for i, c in at_run
     )
     latest = dialect.latest_at_run(run_in)
-    run_values = (
+    return (
         "run_values AS (\n"
         f"  SELECT run_id, {dialect.any_of(run_shown)} AS shown{run_pivot}\n"
         f"  FROM ({latest}) AS latest\n"
         "  GROUP BY run_id\n)"
     )
 
+
+def _chosen_cte(
+    at_run: Sequence[tuple[int, _Name]], dialect: Dialect, only: Sequence[str] | None
+) -> str:
+    """``chosen``: the runs that get rows, in start order, with their run-level values."""
     run_columns = "".join(
-        "".join(f", r.v{i}_{k}" for k in range(len(parts))) + f", r.t{i}" for i, _ in at_run
+        "".join(f", r.v{i}_{k}" for k in range(len(dialect.parts))) + f", r.t{i}" for i, _ in at_run
     )
-    chosen = (
+    return (
         "chosen AS MATERIALIZED (\n"
         f"  SELECT u.{dialect.run_key} AS run_key, u.run_id, u.projid, u.tstamp, u.filename,\n"
         "    row_number() OVER (ORDER BY u.started_at, u.run_id) AS run_order,\n"
@@ -498,6 +552,16 @@ def _ctes(
         f"  WHERE ({dialect.in_looped('u.run_id')} OR r.shown){_only(only)}\n)"
     )
 
+
+def _wide_cte(
+    columns: Sequence[_Name],
+    dims: _Dims,
+    dialect: Dialect,
+    shown_in_loops: Sequence[tuple[int, _Name]],
+) -> str:
+    """``wide``: the chosen runs' loop contexts joined to their ancestors (the dimension
+    columns) and to each name's value there; the contexts where no shown name has a
+    value are left out."""
     levels = [(f"a{j}.name", f"a{j}.iteration") for j in range(dims.depth + 1)]
     select = [
         f"(h.run_key << {_CTX_BITS}) + COALESCE(a0.ctx_id + 1, 0) AS {_ROW_KEY}",
@@ -509,16 +573,7 @@ def _ctes(
     for dim in dims.names:
         cases = " ".join(f"WHEN {n} = {_literal(dim)} THEN {it}" for n, it in levels)
         select.append(f"CASE {cases} END AS {_ident(dim)}")
-    joins = ["LEFT JOIN loops a0 ON h.looped AND a0.run_id = h.run_id"]
-    if dims.sparse:
-        # Only the contexts where a shown loop-level name has a value make rows
-        # (``has_value`` below): join just those, so a name logged per epoch does not walk
-        # every step of every run.
-        valued = ", ".join(_literal(c.name) for _, c in shown_in_loops)
-        joins[0] += (
-            f" AND a0.ctx_id IN (SELECT ctx_id FROM logs WHERE name IN ({valued})"
-            " AND run_id = h.run_id AND ctx_id IS NOT NULL)"
-        )
+    joins = [_contexts_join(dims, shown_in_loops)]
     for i, c in enumerate(columns):
         if c.in_loops:
             joins.append(
@@ -526,41 +581,63 @@ def _ctes(
                 f" AND v{i}.run_id = a0.run_id AND v{i}.ctx_id = a0.ctx_id"
                 + (_not_superseded(f"v{i}") if c.repeated else "")
             )
-        # A name logged both in and outside loops in one run: the loop value wins in its row.
-        if c.in_loops and c.at_run:
-            values = [
-                f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.{part} ELSE h.v{i}_{k} END"
-                for k, part in enumerate(parts)
-            ]
-            vtype = f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.value_type ELSE h.t{i} END"
-        elif c.in_loops:
-            values = [f"v{i}.{part}" for part in parts]
-            vtype = f"v{i}.value_type"
-        else:
-            values = [f"h.v{i}_{k}" for k in range(len(parts))]
-            vtype = f"h.t{i}"
-        select += [f"{value} AS {_value_column(i, k)}" for k, value in enumerate(values)]
-        named = dialect.predicate_value(values, c.types)
-        if named is not None:
-            select.append(f"{named} AS {_ident(c.name)}")
-        if c.shown and c.in_loops:
-            select.append(f"{vtype} AS {_type_column(i)}")
-        if c.in_loops and c.repeated:  # its rows of one context, in the order logged
-            select.append(f"v{i}.log_id AS __retrolog_log{i}")
+        select += _value_columns(i, c, dialect)
     joins += [
         f"LEFT JOIN loops a{j} ON a{j}.run_id = a0.run_id AND a{j}.ctx_id = a{j - 1}.parent_ctx"
         for j in range(1, dims.depth + 1)
     ]
     select += ["h.run_order AS __retrolog_run_order", "a0.ctx_id AS __retrolog_ctx_id"]
     has_value = "".join(f" OR v{i}.log_id IS NOT NULL" for i, _ in shown_in_loops)
-    wide = (
+    return (
         "wide AS (\n  SELECT\n    "
         + ",\n    ".join(select)
         + "\n  FROM chosen h\n  "
         + "\n  ".join(joins)
         + f"\n  WHERE NOT h.looped{has_value}\n)"
     )
-    return "WITH RECURSIVE\n" + ",\n".join([hop, looped, run_values, chosen, wide])
+
+
+def _contexts_join(dims: _Dims, shown_in_loops: Sequence[tuple[int, _Name]]) -> str:
+    """The join of a chosen run (``h``) to its loop contexts (``a0``)."""
+    join = "LEFT JOIN loops a0 ON h.looped AND a0.run_id = h.run_id"
+    if dims.sparse:
+        # Only the contexts where a shown loop-level name has a value make rows
+        # (``has_value`` in ``wide``): join just those, so a name logged per epoch does not
+        # walk every step of every run.
+        valued = ", ".join(_literal(c.name) for _, c in shown_in_loops)
+        join += (
+            f" AND a0.ctx_id IN (SELECT ctx_id FROM logs WHERE name IN ({valued})"
+            " AND run_id = h.run_id AND ctx_id IS NOT NULL)"
+        )
+    return join
+
+
+def _value_columns(i: int, c: _Name, dialect: Dialect) -> list[str]:
+    """The columns of ``wide`` for name ``c``, the ``i``-th: its value's parts, the name
+    itself for the predicate, its value's type and its log id (as they apply to it)."""
+    parts = dialect.parts
+    # A name logged both in and outside loops in one run: the loop value wins in its row.
+    if c.in_loops and c.at_run:
+        values = [
+            f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.{part} ELSE h.v{i}_{k} END"
+            for k, part in enumerate(parts)
+        ]
+        vtype = f"CASE WHEN v{i}.log_id IS NOT NULL THEN v{i}.value_type ELSE h.t{i} END"
+    elif c.in_loops:
+        values = [f"v{i}.{part}" for part in parts]
+        vtype = f"v{i}.value_type"
+    else:
+        values = [f"h.v{i}_{k}" for k in range(len(parts))]
+        vtype = f"h.t{i}"
+    select = [f"{value} AS {_value_column(i, k)}" for k, value in enumerate(values)]
+    named = dialect.predicate_value(values, c.types)
+    if named is not None:
+        select.append(f"{named} AS {_ident(c.name)}")
+    if c.shown and c.in_loops:
+        select.append(f"{vtype} AS {_type_column(i)}")
+    if c.in_loops and c.repeated:  # its rows of one context, in the order logged
+        select.append(f"v{i}.log_id AS __retrolog_log{i}")
+    return select
 
 
 def _only(runs: Sequence[str] | None) -> str:

@@ -253,7 +253,32 @@ def explain(conn: Any, ref: str, name: str, at: Mapping[str, int] | None = None)
             name=name,
         )
     recorded = recorded_definitions(conn, run_id)
-    run = dict(
+    run = _explained_run(conn, run_id)
+    values = _explained_values(conn, run_id, name, recorded.get(name), at)
+    if at and not values:
+        shown = ", ".join(f"{k}={v}" for k, v in at.items())
+        raise UnknownNameError(
+            f"Run {run_id} has no value of {name!r} at {shown}; `retrolog dataframe {name} "
+            f"--where \"run_id = '{run_id}'\"` lists where it has one.",
+            name=name,
+        )
+    keys = {v["lineage"] for v in values if v["lineage"]}
+    replays = {v["replay_id"] for v in values if v["replay_id"]}
+    return {
+        "run_id": run_id,
+        "name": name,
+        **run,
+        "numerics": json.loads(run["numerics"] or "null"),
+        "packages": json.loads(run["packages"] or "null"),
+        "definitions": {key: _definition_dict(stored(conn, key)) for key in sorted(keys)},
+        "replays": {replay: _replay_dict(conn, replay, run_id) for replay in sorted(replays)},
+        "values": values,
+    }
+
+
+def _explained_run(conn: Any, run_id: str) -> dict[str, Any]:
+    """The run's script, code version, numerical environment and packages, as stored."""
+    return dict(
         zip(
             ("filename", "code_commit", "code_ref", "numerics", "packages", "dirty"),
             conn.execute(
@@ -264,6 +289,13 @@ def explain(conn: Any, ref: str, name: str, at: Mapping[str, int] | None = None)
             strict=True,
         )
     )
+
+
+def _explained_values(
+    conn: Any, run_id: str, name: str, recorded: str | None, at: Mapping[str, int] | None
+) -> list[dict[str, Any]]:
+    """Each value of ``name`` in the run (those at ``at``), in log order: its context,
+    origin, definition (``recorded``: the run's own), replay, code object and checkpoint."""
     # SQLite keeps a value in one column; PostgreSQL in typed columns, of which at most
     # one is set.
     value_columns = dialect_of(conn).parts
@@ -284,7 +316,7 @@ def explain(conn: Any, ref: str, name: str, at: Mapping[str, int] | None = None)
         where = contexts.get(ctx, {}) if ctx is not None else {}
         if at and any(where.get(loop) != iteration for loop, iteration in at.items()):
             continue
-        key = key if origin == "backfilled" else recorded.get(name)
+        key = key if origin == "backfilled" else recorded
         values.append(
             {
                 "log_id": log_id,
@@ -300,25 +332,7 @@ def explain(conn: Any, ref: str, name: str, at: Mapping[str, int] | None = None)
                 "inexact": inexact,
             }
         )
-    if at and not values:
-        shown = ", ".join(f"{k}={v}" for k, v in at.items())
-        raise UnknownNameError(
-            f"Run {run_id} has no value of {name!r} at {shown}; `retrolog dataframe {name} "
-            f"--where \"run_id = '{run_id}'\"` lists where it has one.",
-            name=name,
-        )
-    keys = {v["lineage"] for v in values if v["lineage"]}
-    replays = {v["replay_id"] for v in values if v["replay_id"]}
-    return {
-        "run_id": run_id,
-        "name": name,
-        **run,
-        "numerics": json.loads(run["numerics"] or "null"),
-        "packages": json.loads(run["packages"] or "null"),
-        "definitions": {key: _definition_dict(stored(conn, key)) for key in sorted(keys)},
-        "replays": {replay: _replay_dict(conn, replay, run_id) for replay in sorted(replays)},
-        "values": values,
-    }
+    return values
 
 
 def _definition_dict(found: StoredDefinition | None) -> dict[str, Any] | None:

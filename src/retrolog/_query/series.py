@@ -437,38 +437,90 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     """``name``'s whole series in ``run_id``, from the store (None: no numeric value): its
     recorded values from the run's series blocks (store/series_blocks.py), the rest from
     its rows."""
-    parts = value_parts(conn)
     last, block_ctx, block_y, block_number = series_blocks.read(conn, run_id, name)
+    found = _series_rows(conn, name, run_id, last)
+    blocked = len(block_ctx)
+    if not found and not blocked:
+        return None
+    ctx, y, numeric, recorded, inexact, replay_of = _row_columns(conn, found)
+    if blocked:
+        # The blocks' rows first (recorded, in log_id order), then a stable sort by
+        # context and origin: the order of the rows alone, up to the order of recorded
+        # and backfilled rows within a context, which the rule below does not use.
+        ctx = np.r_[block_ctx, ctx]
+        y = np.r_[block_y, y]
+        numeric = np.r_[block_number, numeric]
+        recorded = np.r_[np.ones(blocked, dtype=bool), recorded]
+        inexact = np.r_[np.zeros(blocked, dtype=bool), inexact]
+        replay_of = np.r_[np.full(blocked, None, dtype=object), replay_of]
+        order = np.lexsort((recorded, ctx))
+        ctx, y, numeric = ctx[order], y[order], numeric[order]
+        recorded, inexact, replay_of = recorded[order], inexact[order], replay_of[order]
+    origin, replay_index, replay_ids = _origins(recorded, inexact, replay_of)
+    # Several records of one context: keep the one that counts. Rows come in log_id
+    # order within a context and origin, so a stable sort by (context, recorded) puts
+    # it last.
+    n = len(ctx)
+    if n > 1 and bool(np.any(ctx[1:] == ctx[:-1])):
+        order = np.lexsort((recorded, ctx))
+        last_of = np.r_[ctx[order][1:] != ctx[order][:-1], True]
+        keep = np.sort(order[last_of])
+        ctx, y, origin = ctx[keep], y[keep], origin[keep]
+        replay_index, numeric = replay_index[keep], numeric[keep]
+    if not numeric.all():  # a context whose value is text, JSON or None: not drawn
+        if not numeric.any():
+            return None
+        ctx, y, origin = ctx[numeric], y[numeric], origin[numeric]
+        replay_index = replay_index[numeric]
+    return Columns(
+        rows_read=len(found),
+        ctx=ctx, y=y, t=np.full(len(ctx), np.nan), origin=origin, replay_index=replay_index,
+        replay_ids=replay_ids, loop=_loop_name(conn, run_id, ctx),
+    )  # fmt: skip
+
+
+def _series_rows(
+    conn: sqlite3.Connection, name: str, run_id: str, last: int
+) -> list[tuple[Any, ...]]:
+    """The rows of ``name`` in ``run_id`` that the series blocks up to log_id ``last`` do
+    not hold (``last`` < 0: every row), as (ctx_id, value parts..., mark)."""
     # Each row as few Python objects as it can be: the context, the value and a mark that
     # is NULL for the common row (recorded, numeric) and the row's log_id otherwise, whose
     # origin and type are then read apart. Reading the text of every row's origin and type
     # (new str objects each) cost more than SQLite's whole read of the row. The mark is
     # named: PostgreSQL names the CASE after its ELSE, and ORDER BY log_id would sort by it.
     select = (
-        f"SELECT ctx_id, {', '.join(parts)}, CASE WHEN origin = 'recorded' AND value_type IN"
-        f" {_NUMERIC_SQL} THEN NULL ELSE log_id END AS mark FROM logs"
+        f"SELECT ctx_id, {', '.join(value_parts(conn))}, CASE WHEN origin = 'recorded' AND"
+        f" value_type IN {_NUMERIC_SQL} THEN NULL ELSE log_id END AS mark FROM logs"
         " WHERE name = ? AND run_id = ? AND ctx_id IS NOT NULL"
     )
     if last < 0:
-        found = conn.execute(select + " ORDER BY ctx_id, log_id", (name, run_id)).fetchall()
-    else:
-        # The blocks hold every recorded row up to ``last``: what is left are the rows
-        # that are not recorded (backfilled) up to there, found through their partial
-        # index, then every row after it (a live run's tail). In this order, the rows of
-        # one context and origin follow each other in log_id order, as the rule for the
-        # record that counts needs.
-        found = conn.execute(
-            # (``+log_id``: a range of the rowid would lead SQLite to the run's index, a
-            # lookup of every row of the run.)
-            select + " AND origin <> 'recorded' AND +log_id <= ? ORDER BY ctx_id, log_id",
-            (name, run_id, last),
+        found: list[tuple[Any, ...]] = conn.execute(
+            select + " ORDER BY ctx_id, log_id", (name, run_id)
         ).fetchall()
-        found += conn.execute(
-            select + " AND log_id > ? ORDER BY ctx_id, log_id", (name, run_id, last)
-        ).fetchall()
-    blocked = len(block_ctx)
-    if not found and not blocked:
-        return None
+        return found
+    # The blocks hold every recorded row up to ``last``: what is left are the rows
+    # that are not recorded (backfilled) up to there, found through their partial
+    # index, then every row after it (a live run's tail). In this order, the rows of
+    # one context and origin follow each other in log_id order, as the rule for the
+    # record that counts needs.
+    found = conn.execute(
+        # (``+log_id``: a range of the rowid would lead SQLite to the run's index, a
+        # lookup of every row of the run.)
+        select + " AND origin <> 'recorded' AND +log_id <= ? ORDER BY ctx_id, log_id",
+        (name, run_id, last),
+    ).fetchall()
+    found += conn.execute(
+        select + " AND log_id > ? ORDER BY ctx_id, log_id", (name, run_id, last)
+    ).fetchall()
+    return found
+
+
+def _row_columns(
+    conn: sqlite3.Connection, found: Sequence[tuple[Any, ...]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows as arrays: context, value (NaN where not a number), whether numeric,
+    whether recorded, whether inexact, and the replay that backfilled it."""
     if found:
         # Column by column: a per-row Python step costs more than SQLite's read of the row.
         ctx_ids, *value_columns, marks = zip(*found, strict=True)
@@ -486,18 +538,7 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     replay_of = np.full(n, None, dtype=object)
     if marks.count(None) != n:
         marked = [i for i, mark in enumerate(marks) if mark is not None]
-        rows: dict[Any, Any] = {}
-        wanted = sorted({marks[i] for i in marked})
-        for at in range(0, len(wanted), 500):
-            chunk = wanted[at : at + 500]
-            rows.update(
-                (log_id, rest)
-                for log_id, *rest in conn.execute(
-                    "SELECT log_id, origin, inexact, replay_id, value_type FROM logs"
-                    f" WHERE log_id IN ({', '.join('?' for _ in chunk)})",
-                    chunk,
-                )
-            )
+        rows = _marked_rows(conn, sorted({marks[i] for i in marked}))
         for i in marked:
             # A row gone since (a run collected meanwhile) is left out like a text value.
             origin, inexact_mark, replay_id, value_type = rows.get(marks[i], (None, None, None, ""))
@@ -509,23 +550,33 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
     else:
         y = np.array([v if ok else None for v, ok in zip(values, numeric, strict=True)],
                      dtype=np.float64)  # fmt: skip
-    if blocked:
-        # The blocks' rows first (recorded, in log_id order), then a stable sort by
-        # context and origin: the order of the rows alone, up to the order of recorded
-        # and backfilled rows within a context, which the rule below does not use.
-        ctx = np.r_[block_ctx, ctx]
-        y = np.r_[block_y, y]
-        numeric = np.r_[block_number, numeric]
-        recorded = np.r_[np.ones(blocked, dtype=bool), recorded]
-        inexact = np.r_[np.zeros(blocked, dtype=bool), inexact]
-        replay_of = np.r_[np.full(blocked, None, dtype=object), replay_of]
-        order = np.lexsort((recorded, ctx))
-        ctx, y, numeric = ctx[order], y[order], numeric[order]
-        recorded, inexact, replay_of = recorded[order], inexact[order], replay_of[order]
-        n = len(ctx)
+    return ctx, y, numeric, recorded, inexact, replay_of
+
+
+def _marked_rows(conn: sqlite3.Connection, wanted: Sequence[Any]) -> dict[Any, Any]:
+    """Origin, inexact mark, replay and value type of the rows with these log ids."""
+    rows: dict[Any, Any] = {}
+    for at in range(0, len(wanted), 500):
+        chunk = wanted[at : at + 500]
+        rows.update(
+            (log_id, rest)
+            for log_id, *rest in conn.execute(
+                "SELECT log_id, origin, inexact, replay_id, value_type FROM logs"
+                f" WHERE log_id IN ({', '.join('?' for _ in chunk)})",
+                chunk,
+            )
+        )
+    return rows
+
+
+def _origins(
+    recorded: np.ndarray, inexact: np.ndarray, replay_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Each row's origin code, the index of its replay in the list of replays, and that
+    list (in the order the rows name them)."""
     origin = np.where(recorded, RECORDED, BACKFILLED).astype(np.int8)
     replay_ids: list[str] = []
-    replay_index = np.full(n, -1, dtype=np.int32)
+    replay_index = np.full(len(recorded), -1, dtype=np.int32)
     if not recorded.all():
         known: dict[str, int] = {}
         for i in np.flatnonzero(~recorded).tolist():
@@ -534,20 +585,11 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
             if replay_of[i] is not None:
                 replay_index[i] = known.setdefault(replay_of[i], len(known))
         replay_ids = list(known)
-    # Several records of one context: keep the one that counts. Rows come in log_id
-    # order within a context and origin, so a stable sort by (context, recorded) puts
-    # it last.
-    if n > 1 and bool(np.any(ctx[1:] == ctx[:-1])):
-        order = np.lexsort((recorded, ctx))
-        last_of = np.r_[ctx[order][1:] != ctx[order][:-1], True]
-        keep = np.sort(order[last_of])
-        ctx, y, origin = ctx[keep], y[keep], origin[keep]
-        replay_index, numeric = replay_index[keep], numeric[keep]
-    if not numeric.all():  # a context whose value is text, JSON or None: not drawn
-        if not numeric.any():
-            return None
-        ctx, y, origin = ctx[numeric], y[numeric], origin[numeric]
-        replay_index = replay_index[numeric]
+    return origin, replay_index, replay_ids
+
+
+def _loop_name(conn: sqlite3.Connection, run_id: str, ctx: np.ndarray) -> str | None:
+    """The loop most of the contexts belong to, from the first, middle and last."""
     loops = dict(
         conn.execute(
             "SELECT name, COUNT(*) FROM loops WHERE run_id = ? AND ctx_id IN (?, ?, ?)"
@@ -555,11 +597,7 @@ def read_columns(conn: sqlite3.Connection, name: str, run_id: str) -> Columns | 
             (run_id, int(ctx[0]), int(ctx[len(ctx) // 2]), int(ctx[-1])),
         ).fetchall()
     )
-    return Columns(
-        rows_read=len(found),
-        ctx=ctx, y=y, t=np.full(len(ctx), np.nan), origin=origin, replay_index=replay_index,
-        replay_ids=replay_ids, loop=max(loops, key=lambda k: loops[k]) if loops else None,
-    )  # fmt: skip
+    return max(loops, key=lambda k: loops[k]) if loops else None
 
 
 def _times(conn: sqlite3.Connection, run_id: str, ctx: np.ndarray) -> np.ndarray:

@@ -108,9 +108,7 @@ def runs_table(
         raise UsageError("A page starts at offset 0 or later and holds at least one run.")
     metrics = reads.summarised_number_names(conn)
     if default_columns and not columns:
-        # Arguments have their own columns: the default ones are what the runs measured.
-        given = {key for run in reads.all_run_arguments(conn) for key in arguments(*run)}
-        columns = [Column(name) for name in metrics if name not in given][:DEFAULT_COLUMNS]
+        columns = _default_columns(conn, metrics)
     keys = [c.key for c in columns]
     argument = sort[len("args.") :] if sort.startswith("args.") else None
     if sort not in FIELDS and sort not in keys and not argument:
@@ -118,6 +116,33 @@ def runs_table(
             f"The table sorts by one of {', '.join(FIELDS)}, an argument (args.NAME) or a "
             f"shown column ({', '.join(keys) or 'none is shown'}), not {sort!r}."
         )
+    notes = _column_notes(conn, columns)
+    rows = _chosen_rows(conn, where, status)
+    total = len(rows)
+    rows = _sorted_rows(conn, rows, columns, sort, argument, descending)
+    page = rows[offset : None if limit is None else offset + limit]
+    _decode_args(page)
+    for column in columns:
+        if column.key == sort:
+            continue
+        values = _column_values(conn, column, [r["run_id"] for r in page])
+        for r in page:
+            r[column.key] = values.get(r["run_id"])
+    return {"total": total, "offset": offset, "fields": list(FIELDS), "columns": keys,
+            "rows": page, "notes": notes, "metrics": metrics,
+            **({"ids": [r["run_id"] for r in rows]} if ids else {})}  # fmt: skip
+
+
+def _default_columns(conn: sqlite3.Connection, metrics: Sequence[str]) -> list[Column]:
+    """The last value of the first DEFAULT_COLUMNS metrics that are not arguments."""
+    # Arguments have their own columns: the default ones are what the runs measured.
+    given = {key for run in reads.all_run_arguments(conn) for key in arguments(*run)}
+    return [Column(name) for name in metrics if name not in given][:DEFAULT_COLUMNS]
+
+
+def _column_notes(conn: sqlite3.Connection, columns: Sequence[Column]) -> list[str]:
+    """Why a picked column is empty, one note per name no run logged; a column whose word
+    after its last colon is no aggregate (and whose whole text no logged name) is an error."""
     logged = set(logged_names(conn)) if columns else set()
     for c in columns:
         if c.unknown_aggregate is not None and c.name not in logged:
@@ -129,18 +154,36 @@ def runs_table(
                 "numbers, count counts its values; e.g. loss:min."
             )
     # A name no run logged yet (a replay may fill it in) is an empty column, not an error.
-    notes = [
+    return [
         f"No run logged {name!r} yet: its column stays empty until a run logs it or a "
         "replay fills it in."
         for name in dict.fromkeys(c.name for c in columns if c.name not in logged)
     ]
+
+
+def _chosen_rows(
+    conn: sqlite3.Connection, where: str | None, status: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The fixed fields of the runs ``where`` and ``status`` choose."""
     rows = _base_rows(conn)
     if where and where.strip():
         chosen = matching_runs(conn, where)
         rows = [r for r in rows if r["run_id"] in chosen]
     if status:
         rows = [r for r in rows if r["status"] in status]
-    total = len(rows)
+    return rows
+
+
+def _sorted_rows(
+    conn: sqlite3.Connection,
+    rows: list[dict[str, Any]],
+    columns: Sequence[Column],
+    sort: str,
+    argument: str | None,
+    descending: bool,
+) -> list[dict[str, Any]]:
+    """The rows in the table's order: by a field, a picked column (its cells computed for
+    every row, kept in them) or an argument."""
     by_column = {c.key: c for c in columns}
     if sort in by_column:
         values = _column_values(conn, by_column[sort], [r["run_id"] for r in rows])
@@ -155,17 +198,7 @@ def runs_table(
     if argument:
         for r in rows:
             del r[sort]
-    page = rows[offset : None if limit is None else offset + limit]
-    _decode_args(page)
-    for column in columns:
-        if column.key == sort:
-            continue
-        values = _column_values(conn, column, [r["run_id"] for r in page])
-        for r in page:
-            r[column.key] = values.get(r["run_id"])
-    return {"total": total, "offset": offset, "fields": list(FIELDS), "columns": keys,
-            "rows": page, "notes": notes, "metrics": metrics,
-            **({"ids": [r["run_id"] for r in rows]} if ids else {})}  # fmt: skip
+    return rows
 
 
 def _base_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:

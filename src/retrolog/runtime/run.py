@@ -83,6 +83,34 @@ class _Frame:
         self.block_seconds: float | None = None
 
 
+class _LoopEntry:
+    """What a loop took as it started, for its iterations and its end (:meth:`Run.loop`)."""
+
+    __slots__ = (
+        "attrs_at_start",
+        "bar",
+        "busy_started",
+        "first_nested",
+        "frame",
+        "locals_before",
+        "outer",
+        "parent_ctx",
+        "started",
+        "user_frame",
+    )
+
+    frame: _Frame
+    outer: _Frame | None
+    first_nested: bool
+    parent_ctx: int | None
+    bar: progress.LoopProgress | None
+    started: float
+    busy_started: float
+    user_frame: FrameType | None
+    locals_before: dict[str, Any]
+    attrs_at_start: dict[tuple[str, str], Any]
+
+
 def loop_role(stack: list[_Frame], scope: CheckpointScope | None) -> tuple[Role, bool]:
     """The role of a loop starting now, and whether it is the first one nested in its parent.
 
@@ -301,44 +329,12 @@ class Run:
         events: the loop is driven by ``begin``/``end`` calls (:class:`EventLoops`): no
         script frame runs it, so a checkpoint carries no frame locals.
         """
-        self.check_writer()
-        if self._left:  # a loop left before this one starts: the script went on
-            self._write_left()
-        stack = self._stack
-        depth = len(stack)
-        parent_ctx = self.ctx
-        outer = stack[-1] if stack else None
-        role, first_nested = loop_role(stack, self.scope)
-        frame = _Frame(name, depth, role)
+        entry = self._enter_loop(name, iterable, events, sys._getframe(1))
+        frame, parent_ctx, bar = entry.frame, entry.parent_ctx, entry.bar
+        depth = frame.depth
         clock = time.perf_counter
         t0 = self._t0
-        bar = (
-            progress.LoopProgress(name, iterable, self.writer.latest)
-            if depth == 0 and (progress.enabled())
-            else None
-        )
-        loop_started = clock()
-        # How long the checkpoint writer had been busy: a block's share of it tells
-        # the adaptive rule what the writer costs training (policy.py).
-        busy_started = self._writer_busy() if role is Role.BLOCK else 0.0
-        # The script's frame running this loop, and its locals now: a checkpoint taken
-        # where this loop (or its iteration) ends carries what the loop rebound.
-        user_frame = None
-        locals_before: dict[str, Any] = {}
-        # The named objects' plain attributes now: one that changes in the block and
-        # cannot be carried makes its checkpoint one replay does not restore.
-        attrs_at_start: dict[tuple[str, str], Any] = {}
-        if role is not Role.PLAIN:
-            if not events:
-                user_frame = frames.script_frame(sys._getframe(1))
-                locals_before = frames.local_ids(user_frame)
-            if self.scope is not None:
-                attrs_at_start = frames.attr_ids(self.scope.objects)
-        attrs_before = attrs_at_start
-        if depth == 0 and self._first_loop_at is None:
-            self._first_loop_at = time.time()
-            self._training_starts()
-        stack.append(frame)
+        attrs_before = entry.attrs_at_start
         iteration = 0
         # Locals, and tuples in the column order of the writer's statements: this runs per
         # step, and the writer then runs no Python per iteration either (writer.py).
@@ -348,7 +344,7 @@ class Run:
         iteration_append = writer.iterations.append
         plain = PLAIN_TYPES
         top_level = depth == 0
-        is_outer = role is Role.OUTER
+        is_outer = frame.role is Role.OUTER
         left = self._left
         try:
             for item in iterable:
@@ -367,16 +363,7 @@ class Run:
                 try:
                     yield item
                 except GeneratorExit:
-                    t_end = clock()
-                    timing = None
-                    if top_level:
-                        seconds = t_end - t_iter
-                        timing = (
-                            ctx,
-                            seconds,
-                            frame.block_seconds if frame.block_seen else seconds,
-                        )
-                    left.append((ctx, t_end - t0, timing))
+                    self._iteration_left(ctx, frame, t_iter)
                     raise
                 t_end = clock()
                 self.ctx = parent_ctx
@@ -393,8 +380,8 @@ class Run:
                         name,
                         t_end - t_iter,
                         self._writer_busy() - busy_iter,
-                        user_frame=user_frame,
-                        before=locals_before,
+                        user_frame=entry.user_frame,
+                        before=entry.locals_before,
                         attrs_before=attrs_before,
                     )
                 if bar is not None:
@@ -403,38 +390,98 @@ class Run:
                 if writer.failure is not None:
                     self.check_writer()
         finally:
-            stack.pop()
-            self.ctx = parent_ctx
-            if bar is not None:
-                # The writer updates the latest values as it drains; drain once so the final
-                # line shows the values the loop ended with.
-                self.writer.flush(timeout=1.0)
-                bar.close()
-            loop_seconds = clock() - loop_started
-            if depth == 0:
-                self._last_top_loop_end = time.time()
-            if first_nested and outer is not None:
-                outer.block_seconds = loop_seconds
-            if role is Role.BLOCK and outer is not None:
-                self._block_ended(
-                    outer.ctx,
-                    outer.name,
-                    loop_seconds,
-                    self._writer_busy() - busy_started,
-                    user_frame=user_frame,
-                    before=locals_before,
-                    attrs_before=attrs_at_start,
-                )
-            elif role is Role.OUTER:
-                self._capture(
-                    None,
-                    name,
-                    "end",
-                    user_frame=user_frame,
-                    before=locals_before,
-                    attrs_before=attrs_at_start,
-                )
-            user_frame = None  # no frame reference outlives the loop
+            self._exit_loop(entry)
+
+    def _enter_loop(
+        self, name: str, iterable: Iterable[Any], events: bool, caller: FrameType
+    ) -> _LoopEntry:
+        """Loop ``name`` starts: its role decided, its frame pushed, and what its end (or its
+        block's) compares against taken now. ``caller`` is the frame iterating the loop."""
+        self.check_writer()
+        if self._left:  # a loop left before this one starts: the script went on
+            self._write_left()
+        stack = self._stack
+        depth = len(stack)
+        entry = _LoopEntry()
+        entry.parent_ctx = self.ctx
+        entry.outer = stack[-1] if stack else None
+        role, entry.first_nested = loop_role(stack, self.scope)
+        entry.frame = _Frame(name, depth, role)
+        entry.bar = (
+            progress.LoopProgress(name, iterable, self.writer.latest)
+            if depth == 0 and (progress.enabled())
+            else None
+        )
+        entry.started = time.perf_counter()
+        # How long the checkpoint writer had been busy: a block's share of it tells
+        # the adaptive rule what the writer costs training (policy.py).
+        entry.busy_started = self._writer_busy() if role is Role.BLOCK else 0.0
+        # The script's frame running this loop, and its locals now: a checkpoint taken
+        # where this loop (or its iteration) ends carries what the loop rebound.
+        entry.user_frame = None
+        entry.locals_before = {}
+        # The named objects' plain attributes now: one that changes in the block and
+        # cannot be carried makes its checkpoint one replay does not restore.
+        entry.attrs_at_start = {}
+        if role is not Role.PLAIN:
+            if not events:
+                entry.user_frame = frames.script_frame(caller)
+                entry.locals_before = frames.local_ids(entry.user_frame)
+            if self.scope is not None:
+                entry.attrs_at_start = frames.attr_ids(self.scope.objects)
+        if depth == 0 and self._first_loop_at is None:
+            self._first_loop_at = time.time()
+            self._training_starts()
+        stack.append(entry.frame)
+        return entry
+
+    def _iteration_left(self, ctx: int, frame: _Frame, t_iter: float) -> None:
+        """The script left the loop inside iteration ``ctx`` (break, return, an exception):
+        its end is kept for :meth:`_write_left`, written only if the script goes on."""
+        t_end = time.perf_counter()
+        timing = None
+        if frame.depth == 0:
+            seconds = t_end - t_iter
+            timing = (ctx, seconds, frame.block_seconds if frame.block_seen else seconds)
+        self._left.append((ctx, t_end - self._t0, timing))
+
+    def _exit_loop(self, entry: _LoopEntry) -> None:
+        """The loop ended (or was left): its frame popped, its progress line closed, and the
+        checkpoint its end calls for taken: its parent's block's, or the OUTER loop's end."""
+        frame = entry.frame
+        outer = entry.outer
+        self._stack.pop()
+        self.ctx = entry.parent_ctx
+        if entry.bar is not None:
+            # The writer updates the latest values as it drains; drain once so the final
+            # line shows the values the loop ended with.
+            self.writer.flush(timeout=1.0)
+            entry.bar.close()
+        loop_seconds = time.perf_counter() - entry.started
+        if frame.depth == 0:
+            self._last_top_loop_end = time.time()
+        if entry.first_nested and outer is not None:
+            outer.block_seconds = loop_seconds
+        if frame.role is Role.BLOCK and outer is not None:
+            self._block_ended(
+                outer.ctx,
+                outer.name,
+                loop_seconds,
+                self._writer_busy() - entry.busy_started,
+                user_frame=entry.user_frame,
+                before=entry.locals_before,
+                attrs_before=entry.attrs_at_start,
+            )
+        elif frame.role is Role.OUTER:
+            self._capture(
+                None,
+                frame.name,
+                "end",
+                user_frame=entry.user_frame,
+                before=entry.locals_before,
+                attrs_before=entry.attrs_at_start,
+            )
+        entry.user_frame = None  # no frame reference outlives the loop
 
     def _write_left(self) -> None:
         """Write the ends of the iterations loops were left from: the script went on."""

@@ -180,6 +180,29 @@ def add_batch(
     context given twice, a run-level value after others) is summarized from its values
     (:func:`recompute`).
     """
+    parts = _batch_parts(values, logs)
+    if not parts:
+        return
+    rows, again = _added_rows(cursor, run_id, parts, mark)
+    if rows:
+        assignments = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[2:])
+        cursor.executemany(
+            _marked(
+                f"INSERT INTO run_summaries({', '.join(COLUMNS)})"
+                f" VALUES ({', '.join('?' for _ in COLUMNS)})"
+                f" ON CONFLICT (name, run_id) DO UPDATE SET {assignments}",
+                mark,
+            ),
+            rows,
+        )
+    if again:
+        recompute(cursor, run_id, again, mark=mark, number=number)
+
+
+def _batch_parts(
+    values: Iterable[Sequence[Any]], logs: Iterable[Sequence[Any]]
+) -> dict[str, _Part]:
+    """The batch's summary of each name it holds."""
     # Per name: its values' contexts, values and (for RecordBatch.logs) stored types.
     grouped: dict[str, tuple[list[Any], list[Any], list[Any], list[str]]] = {}
     for ctx, name, value in values:
@@ -202,8 +225,14 @@ def add_batch(
             continue
         numbers = _numbers(plain, None) if plain else _numbers(typed, kinds)
         parts[name] = _Part.of(contexts, numbers)
-    if not parts:
-        return
+    return parts
+
+
+def _added_rows(
+    cursor: Any, run_id: str, parts: dict[str, _Part], mark: str
+) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """The summary rows the batch's parts make with the stored rows, and the names whose
+    values do not follow the stored ones (summarized again from their values)."""
     names = sorted(parts)
     marks = ", ".join("?" for _ in names)
     stored = {
@@ -217,7 +246,8 @@ def add_batch(
             (run_id, *names),
         ).fetchall()
     }
-    rows, again = [], []
+    rows: list[tuple[Any, ...]] = []
+    again: list[str] = []
     for name in names:
         part, row = parts[name], stored.get(name)
         if not part.ordered:
@@ -237,19 +267,7 @@ def add_batch(
                  _least(smallest, part.smallest), _greatest(largest, part.largest),
                  first_ctx, part.last_ctx)
             )  # fmt: skip
-    if rows:
-        assignments = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[2:])
-        cursor.executemany(
-            _marked(
-                f"INSERT INTO run_summaries({', '.join(COLUMNS)})"
-                f" VALUES ({', '.join('?' for _ in COLUMNS)})"
-                f" ON CONFLICT (name, run_id) DO UPDATE SET {assignments}",
-                mark,
-            ),
-            rows,
-        )
-    if again:
-        recompute(cursor, run_id, again, mark=mark, number=number)
+    return rows, again
 
 
 def _plus(a: float | None, b: float | None) -> float | None:
