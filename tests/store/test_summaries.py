@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from retrolog.store import postgres_metadata as postgres
 from retrolog.store.schema import migrate
@@ -208,3 +210,98 @@ def test_summaries_on_postgresql_after_recording_and_write_back(
     assert postgres.migrate(conn) == postgres.SCHEMA_VERSION
     conn.close()
     same(*pg_state(pg_store_url))
+
+
+# -- the record sink's arithmetic, batch by batch ---------------------------------------------
+
+
+def sink_state(database: Path, run_id: str) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    stored, scanned = sqlite_state(database)
+    return (
+        {k: v for k, v in stored.items() if k[1] == run_id},
+        {k: v for k, v in scanned.items() if k[1] == run_id},
+    )
+
+
+def new_sink(tmp_path: Path) -> tuple[Path, Any]:
+    from retrolog.store.records import SqliteRecordSink
+    from retrolog.store.sqlite_connection import connect
+
+    database = tmp_path / "retrolog.db"
+    conn = connect(database)
+    migrate(conn)
+    conn.close()
+    return database, SqliteRecordSink(database)
+
+
+# A batch of (ctx, name, value): the contexts of each name never go back, and a batch
+# often goes on in the context the one before ended in (values logged at every batch
+# inside one epoch), so the sink's arithmetic takes every path: a new context, the last
+# one reopened with its value the smallest, the largest or neither, NaNs and text there.
+# Few distinct values, so that the replaced value is often the smallest or the largest.
+values_of = st.sampled_from([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, -1, 0, 3, math.nan, "text"])
+streams = st.lists(
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 2), values_of), max_size=12),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches=streams)
+def test_the_sinks_arithmetic_equals_a_scan_after_every_batch(
+    tmp_path_factory: pytest.TempPathFactory, batches: list[list[tuple[str, int, Any]]]
+) -> None:
+    from retrolog.store.records import RecordBatch
+
+    database, sink = new_sink(tmp_path_factory.mktemp("sink"))
+    contexts = {"a": 1, "b": 1}
+    try:
+        for batch in batches:
+            values = []
+            for name, step, value in batch:
+                contexts[name] += step  # 0: the same context again
+                values.append((contexts[name], name, value))
+            sink.write("r", RecordBatch(values=values))
+            same(*sink_state(database, "r"))
+    finally:
+        sink.close()
+
+
+def test_values_logged_in_one_context_batch_after_batch_are_added_not_rescanned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every batch inside one epoch: each batch's values replace the one that counted in
+    # that context. Summarizing the name from its values each time made a long epoch's
+    # writer quadratic (20,000 values took minutes to commit).
+    from retrolog.store import summaries
+    from retrolog.store.records import RecordBatch
+
+    scans: list[str] = []
+    recompute = summaries.recompute
+
+    def counted(cursor: Any, run_id: str, names: Any, **kwargs: Any) -> None:
+        scans.extend(names or ["*"])
+        recompute(cursor, run_id, names, **kwargs)
+
+    monkeypatch.setattr(summaries, "recompute", counted)
+    database, sink = new_sink(tmp_path)
+    try:
+        falling = [float(100 - i) for i in range(400)]
+        rising = [float(i) for i in range(400)]
+        for at in range(0, 400, 40):  # ten batches, all in context 7
+            values = [(7, "loss", v) for v in falling[at : at + 40]]
+            values += [(7, "acc", v) for v in rising[at : at + 40]]
+            sink.write("r", RecordBatch(values=values))
+        same(*sink_state(database, "r"))
+        assert scans == []
+        # The next context, whose value is the smallest, then replaced by one above it:
+        # the smallest is then one of the other contexts', and the name is summarized
+        # from its values.
+        sink.write("r", RecordBatch(values=[(8, "loss", -1000.0)]))
+        assert scans == []
+        sink.write("r", RecordBatch(values=[(8, "loss", 50.0)]))
+        assert scans == ["loss"]
+        same(*sink_state(database, "r"))
+    finally:
+        sink.close()

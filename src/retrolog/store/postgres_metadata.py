@@ -39,7 +39,7 @@ from retrolog.store.records import (
     write_run_rows,
 )
 from retrolog.store.series_blocks import BlockTracker, create_table, fill
-from retrolog.store.summaries import POSTGRES_NUMBER, add_batch, migration
+from retrolog.store.summaries import POSTGRES_NUMBER, LastCounted, add_batch, migration
 
 POSTGRES_PARTS = ("value_float", "value_int", "value_text")
 
@@ -373,6 +373,7 @@ class PostgresRecordSink(RecordSink):
         self._unsure: list[tuple[int, tuple[int, ...]]] = []
         self._staged: Any = None  # the connection whose staging tables exist
         self._blocks = BlockTracker("%s", POSTGRES_PARTS)
+        self._last = LastCounted()
 
     def write(self, run_id: str, batch: RecordBatch) -> None:
         errors = self._psycopg.errors
@@ -466,6 +467,7 @@ class PostgresRecordSink(RecordSink):
         except BaseException:
             # Written or not (a lost answer), the next batch reads the store again.
             self._blocks.forget(run_id)
+            self._last.forget(run_id)
             raise
 
     def _transaction(self, run_id: str, whole: RecordBatch) -> None:
@@ -529,7 +531,10 @@ class PostgresRecordSink(RecordSink):
                     copy.write_row((run_id, ctx, name, *typed(value), _VALUE_TYPE[type(value)]))
                 for ctx, name, value, kind in batch.logs:
                     copy.write_row((run_id, ctx, name, *typed(value), kind))
-            add_batch(cur, run_id, batch.values, batch.logs, mark="%s", number=POSTGRES_NUMBER)
+            add_batch(
+                cur, run_id, batch.values, batch.logs, mark="%s", number=POSTGRES_NUMBER,
+                last=self._last,
+            )  # fmt: skip
         write_run_rows(cur, run_id, batch, "%s")
         self._blocks.after_batch(cur, run_id, batch.values, batch.logs, batch.run_updates)
         for digest, blob in batch.module_sets:

@@ -23,7 +23,7 @@ from typing import Any
 from retrolog.errors import disk_full
 from retrolog.store.series_blocks import BlockTracker
 from retrolog.store.sqlite_connection import connect, rollback
-from retrolog.store.summaries import SQLITE_NUMBER, add_batch
+from retrolog.store.summaries import SQLITE_NUMBER, LastCounted, add_batch
 
 Row = tuple[Any, ...]
 
@@ -168,6 +168,7 @@ class SqliteRecordSink(RecordSink):
         self._conn = connect(database)
         self._statements: dict[str, tuple[str, str, str, str]] = {}
         self._blocks = BlockTracker("?", ["value"])
+        self._last = LastCounted()
 
     def _for(self, run_id: str) -> tuple[str, str, str, str]:
         found = self._statements.get(run_id)
@@ -212,7 +213,10 @@ class SqliteRecordSink(RecordSink):
                     insert_sql("logs", ("ctx_id", "name", "value", "value_type"), "?"),
                     with_run(run_id, batch.logs),
                 )
-            add_batch(conn, run_id, batch.values, batch.logs, mark="?", number=SQLITE_NUMBER)
+            add_batch(
+                conn, run_id, batch.values, batch.logs, mark="?", number=SQLITE_NUMBER,
+                last=self._last,
+            )  # fmt: skip
             write_run_rows(conn, run_id, batch, "?")
             self._blocks.after_batch(conn, run_id, batch.values, batch.logs, batch.run_updates)
             for digest, blob in batch.module_sets:
@@ -224,6 +228,7 @@ class SqliteRecordSink(RecordSink):
         except BaseException:
             rollback(conn)
             self._blocks.forget(run_id)
+            self._last.forget(run_id)
             raise
 
     def close(self) -> None:
