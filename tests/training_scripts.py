@@ -201,9 +201,10 @@ def fresh_w_norms(*args: str) -> list[tuple[int, float]]:
     default settings (torch's own threads, the adaptive rule): what a replay of W_NORM
     into a run recorded with ``args`` must backfill, whatever store and executor it used.
 
-    Run once per pytest session for each ``args`` and shared by the default-settings
-    tests that compare against it (S3, PostgreSQL, Ray, migrate), as :func:`shared_torch_runs`
-    is. The caller holds the ``whole_machine`` fixture, as the run needs the machine."""
+    Run once per pytest session for each ``args`` and shared, as :func:`shared_torch_runs`
+    is, by the default-settings tests that compare against it (S3, PostgreSQL, Ray,
+    migrate, no repository). The caller holds the ``whole_machine`` fixture: the run
+    trains at torch's own threads."""
     base = Path(os.environ[MACHINE_LOCK_DIR]) / "fresh-w-norms"
     base.mkdir(exist_ok=True)
     done = base / ("args" + "".join(f"_{a}" for a in args) + ".json")
