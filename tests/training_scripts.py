@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import fcntl
 import inspect
+import json
 import os
 import shutil
+import sqlite3
 from pathlib import Path
 
 from conftest import MACHINE_LOCK_DIR, Project
@@ -185,3 +187,43 @@ def record_torch_runs(root: Path) -> Project:
     project.run("train.py", "--kwargs", "seed=0", RETROLOG_CHECKPOINTS="every")
     project.run("train.py", "--kwargs", "seed=1", RETROLOG_CHECKPOINTS="every")
     return project
+
+
+# (epoch, w_norm) of each epoch of a run, in epoch order.
+NORMS = (
+    "SELECT e.iteration, l.value FROM logs l JOIN loops e ON e.run_id = l.run_id"
+    " AND e.ctx_id = l.ctx_id WHERE l.name = 'w_norm' ORDER BY e.iteration"
+)
+
+
+def fresh_w_norms(*args: str) -> list[tuple[int, float]]:
+    """(epoch, w_norm) of a fresh run of REAL_SHAPED with W_NORM added and ``args``, at
+    default settings (torch's own threads, the adaptive rule): what a replay of W_NORM
+    into a run recorded with ``args`` must backfill, whatever store and executor it used.
+
+    Run once per pytest session for each ``args`` and shared, as :func:`shared_torch_runs`
+    is, by the default-settings tests that compare against it (S3, PostgreSQL, Ray,
+    migrate, no repository). The caller holds the ``whole_machine`` fixture: the run
+    trains at torch's own threads."""
+    base = Path(os.environ[MACHINE_LOCK_DIR]) / "fresh-w-norms"
+    base.mkdir(exist_ok=True)
+    done = base / ("args" + "".join(f"_{a}" for a in args) + ".json")
+    with (base / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            root = base / done.stem
+            if root.exists():  # a worker that failed half-way through its run
+                shutil.rmtree(root)
+            root.mkdir()
+            project = Project(root)
+            project.write("train.py", REAL_SHAPED.replace("# HINDSIGHT", W_NORM))
+            store = root / "store"
+            project.run("train.py", *args, RETROLOG_STORE=str(store), RETROLOG_CHECKPOINTS="")
+            conn = sqlite3.connect(store / "retrolog.db")
+            try:
+                rows = conn.execute(NORMS).fetchall()
+            finally:
+                conn.close()
+            # JSON keeps a float's every bit (its shortest repr reads back the same).
+            done.write_text(json.dumps(rows))
+    return [(int(e), float(v)) for e, v in json.loads(done.read_text())]

@@ -16,7 +16,8 @@ EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py").r
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-@pytest.mark.usefixtures("whole_machine")  # torch's default threads
+# A few steps, to see what is recorded: nothing is compared or timed, so the test shares
+# the machine (no whole_machine).
 def test_autolog_records_an_unmodified_trainer_script(project: Project) -> None:
     # The example without its callback line: rl.autolog() alone records it.
     script = EXAMPLE.replace(", RetrologCallback()]", "]").replace(
@@ -42,7 +43,8 @@ def test_autolog_records_an_unmodified_trainer_script(project: Project) -> None:
     assert series.total == 8 and len(series.x) == 8
 
 
-@pytest.mark.usefixtures("whole_machine")  # torch's default threads
+# A few steps, to see what is refused and said: nothing is compared or timed, so the
+# test shares the machine (no whole_machine).
 def test_an_untested_transformers_records_without_checkpoints_and_says_so(
     project: Project,
 ) -> None:
@@ -59,7 +61,8 @@ def test_an_untested_transformers_records_without_checkpoints_and_says_so(
     assert read_db(project.root, "SELECT COUNT(*) FROM loops WHERE name = 'step'") == [(2,)]
 
 
-@pytest.mark.usefixtures("whole_machine")  # torch's default threads
+# A few steps, to see what is refused and said: nothing is compared or timed, so the
+# test shares the machine (no whole_machine).
 def test_an_iterable_dataset_records_without_checkpoints_and_says_so(project: Project) -> None:
     script = (
         EXAMPLE.replace(

@@ -70,7 +70,8 @@ def test_autolog_records_an_unmodified_lightning_script(project: Project) -> Non
     assert read_db(project.root, "SELECT compared FROM replay_runs") == [(expected,)]
 
 
-@pytest.mark.usefixtures("whole_machine")  # torch's default threads
+# A few steps, to see what is refused and said: nothing is compared or timed, so the
+# test shares the machine (no whole_machine).
 def test_an_untested_lightning_records_without_checkpoints_and_says_so(
     project: Project,
 ) -> None:
@@ -88,7 +89,8 @@ def test_an_untested_lightning_records_without_checkpoints_and_says_so(
     assert read_db(project.root, "SELECT COUNT(*) FROM logs WHERE name = 'val_acc'") == [(2,)]
 
 
-@pytest.mark.usefixtures("whole_machine")  # torch's default threads
+# A few steps, to see what is refused and said: nothing is compared or timed, so the
+# test shares the machine (no whole_machine).
 def test_a_data_order_it_cannot_capture_records_without_checkpoints(project: Project) -> None:
     # A sampler of the script's own: its position is not in any checkpoint.
     script = EXAMPLE.replace(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from training_scripts import REAL_SHAPED, W_NORM, new_project
+from training_scripts import REAL_SHAPED, W_NORM, fresh_w_norms, new_project
 
 from conftest import Project
 
@@ -227,7 +227,8 @@ def test_a_torch_script_recorded_with_default_settings_replays_exactly_with_no_r
     assert out.returncode == 0, out.stderr
     replayed = _rows(store, NORMS.format(origin="AND l.origin = 'backfilled'"))
     expected = _fresh({"train.py": edited.replace("# HINDSIGHT", W_NORM)}, **default)
-    committed = _fresh({"train.py": REAL_SHAPED.replace("# HINDSIGHT", W_NORM)}, **default)
+    # The committed script's default --lr is 0.05: its shared fresh run.
+    committed = fresh_w_norms("--lr", "0.05")
     assert len(expected) == 4 and replayed == expected
     assert replayed != committed  # the recording clone's uncommitted edit ran
     # Epochs of real length: the rule kept checkpoints and the replay restored them.

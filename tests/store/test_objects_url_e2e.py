@@ -19,7 +19,7 @@ import pytest
 from retrolog.checkpoint.capture import load_checkpoint
 from retrolog.store.backends import open_object_store
 from retrolog.store.fsspec_objects import FsspecObjectStore
-from training_scripts import NUMPY_TRAIN, REAL_SHAPED, W_NORM, new_project
+from training_scripts import NUMPY_TRAIN, REAL_SHAPED, W_NORM, fresh_w_norms, new_project
 
 from conftest import read_db
 
@@ -114,11 +114,7 @@ def test_default_settings_record_and_replay_a_torch_script_exactly_from_s3(
     out = project.cli("replay", "w_norm", "--yes", RETROLOG_OBJECTS_URL=s3_url, **default)
     assert out.returncode == 0, out.stderr
     replayed = read_db(project.root, NORMS.format(origin="AND l.origin = 'backfilled'"))
-    with tempfile.TemporaryDirectory() as fresh_store:
-        project.run("train.py", "--lr", "0.1", RETROLOG_STORE=fresh_store, **default)
-        fresh = sqlite3.connect(Path(fresh_store) / "retrolog.db")
-        expected = fresh.execute(NORMS.format(origin="")).fetchall()
-        fresh.close()
+    expected = fresh_w_norms("--lr", "0.1")
     assert len(expected) == 4 and replayed == expected
     # Epochs of real length: the rule kept checkpoints and the replay restored them from S3.
     ((restored,),) = read_db(project.root, "SELECT restored FROM replay_runs")
