@@ -114,7 +114,8 @@ class Project:
     def run(
         self, script: str, *args: str, check: bool = True, **env: str
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``python script args`` in the project, as a user would."""
+        """Run ``python script args`` in the project, as a user would: from a terminal,
+        where Ctrl-C (SIGINT) reaches it, also when the suite runs as a background job."""
         proc = subprocess.run(
             [sys.executable, script, *args],
             cwd=self.root,
@@ -122,6 +123,7 @@ class Project:
             capture_output=True,
             text=True,
             timeout=300,
+            preexec_fn=default_sigint,
         )
         if check and proc.returncode != 0:
             raise AssertionError(
