@@ -167,9 +167,12 @@ def _jsonable(value: Any, depth: int = 0) -> bool:
 
 def _check(run: Run, value: Any, odd_name: bool) -> None:
     name = f"v{next(_names)}" + ("\ud800\x1b[2J" if odd_name else "")
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.thread_time()
     assert rl.log(name, value) is value
-    assert time.perf_counter() - started < 0.5
+    # The work rl.log does on the training thread is small whatever the value (CPU time: a
+    # busy machine may take the core away for longer), and it never waits for long.
+    assert time.thread_time() - started_cpu < 0.5
+    assert time.perf_counter() - started < 5
     back = _read_back(run, name)
     if isinstance(value, float) and math.isnan(value):
         assert isinstance(back, float) and math.isnan(back)

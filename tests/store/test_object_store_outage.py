@@ -123,8 +123,9 @@ def _record(
     **env: str,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Record SCRIPT with its objects at ``url`` while the test follows ``schedule``:
-    ("epoch", N) waits for epoch N to start, ("sleep", s) waits, and "stop", "start",
-    "pause", "resume" act on the server."""
+    ("epoch", N) waits for epoch N to start, ("sleep", s) waits, ("stderr", text) waits
+    until the run has printed ``text``, and "stop", "start", "pause", "resume" act on the
+    server."""
     marks = project.root.parent / "marks"
     marks.mkdir(exist_ok=True)
     for old in marks.iterdir():
@@ -138,18 +139,22 @@ def _record(
         **server.env(),
         **env,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", "--kwargs", f"epochs={epochs}"],
-        cwd=project.root,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    stderr = project.root.parent / "stderr.txt"
+    with stderr.open("w") as stderr_file:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", "--kwargs", f"epochs={epochs}"],
+            cwd=project.root,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+        )
     try:
         for action, arg in schedule:
             if action == "epoch":
                 _wait_for_mark(marks, int(arg), proc)
+            elif action == "stderr":
+                _wait_for_text(stderr, str(arg), proc)
             elif action == "sleep":
                 time.sleep(float(arg))
             else:
@@ -158,12 +163,21 @@ def _record(
             server.resume()
         if server.proxy is None:
             server.start()
-        out, err = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    err = stderr.read_text()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), logged
+
+
+def _wait_for_text(path: Path, text: str, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    while text not in path.read_text():
+        assert proc.poll() is None, f"the run ended without printing {text!r}: {path.read_text()}"
+        assert time.monotonic() < deadline, f"the run never printed {text!r}"
+        time.sleep(0.05)
 
 
 def _check_run(project: Project, done: subprocess.CompletedProcess[str], logged: Path) -> str:
@@ -255,7 +269,7 @@ def test_training_outlives_the_object_store_stopped_restarted_and_paused(
     assert time.monotonic() - began < epochs * 0.2 + 30
 
 
-EPOCHS = 25
+EPOCHS = 40
 
 
 def test_checkpoints_the_store_never_took_are_listed_and_replay_executes_their_blocks(
@@ -267,8 +281,11 @@ def test_checkpoints_the_store_never_took_are_listed_and_replay_executes_their_b
     project = new_project(tmp_path / "proj")
     project.write("train.py", SCRIPT)
     url = f"s3://{BUCKET}/short-timeout"
+    # The store stays stopped until the run has given a checkpoint up (when the adaptive
+    # rule chooses one depends on the machine's load), then for a second more.
     schedule: list[tuple[str, int | float]] = [
-        ("epoch", 2), ("do", "stop"), ("sleep", 3.0), ("do", "start"),
+        ("epoch", 2), ("do", "stop"), ("stderr", "was not written: the object store"),
+        ("sleep", 1.0), ("do", "start"),
     ]  # fmt: skip
     done, logged = _record(
         project, own_s3, url, schedule, epochs=EPOCHS, RETROLOG_OBJECTS_TIMEOUT="1"
