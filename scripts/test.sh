@@ -23,12 +23,38 @@ fi
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
 .venv/bin/mypy
-lane=()
+# A file's tests stay in one process, so its module fixtures (recorded runs) are built
+# once. Files go out in collection order, which tests/conftest.py makes slow files first,
+# not pytest-xdist's most-tests-first.
+xdist=(--dist loadfile --no-loadscope-reorder)
 if [ "$fast" = 1 ]; then
-  lane=(-m "not slow and not services and not browser")
+  # One pytest process per core (at most 4).
+  .venv/bin/python -m pytest -n auto --maxprocesses 4 "${xdist[@]}" \
+    -m "not slow and not services and not browser" "$@"
+  exit 0
 fi
-# One pytest process per core (at most 4); a file's tests stay in one process, so its
-# module fixtures (recorded runs) are built once. Files go out in collection order, which
-# tests/conftest.py makes slow files first, not pytest-xdist's most-tests-first.
-.venv/bin/python -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder \
-  "${lane[@]}" "$@"
+case " $* " in
+  *" -m "* | *" -m="* | *" -n "* | *" -p "*)
+    # Your own selection or distribution: one pytest run, as you asked; whole_machine
+    # tests then take the machine lock in turn (tests/conftest.py).
+    .venv/bin/python -m pytest -n auto --maxprocesses 4 "${xdist[@]}" "$@"
+    exit 0 ;;
+esac
+# Two phases, sharing the session's recorded runs (their directory): first every test
+# that shares the machine, one process per core and one more (many of them wait on their
+# subprocesses and servers); then the whole_machine tests, which train at torch's default
+# threads, one at a time in one process, as a user trains one run per machine.
+export PYTEST_MACHINE_LOCK_DIR
+PYTEST_MACHINE_LOCK_DIR=$(mktemp -d -t pytest-machine-XXXXXX)
+trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR"; bash scripts/services.sh stop' EXIT
+shared=$(( $(nproc) + 1 ))
+if [ "$shared" -gt 5 ]; then shared=5; fi
+status=0
+.venv/bin/python -m pytest -n "$shared" "${xdist[@]}" -m "not whole_machine" "$@" || status=$?
+alone=0
+.venv/bin/python -m pytest -m whole_machine "$@" || alone=$?
+# 5: no test selected (a -k that matches none of them)
+if [ "$status" = 5 ] && [ "$alone" = 5 ]; then exit 5; fi
+if [ "$status" != 0 ] && [ "$status" != 5 ]; then exit "$status"; fi
+if [ "$alone" != 0 ] && [ "$alone" != 5 ]; then exit "$alone"; fi
+exit 0

@@ -339,14 +339,17 @@ _SERVICES_MARKED = "PYTEST_SERVICES_MARKED"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test that takes a server's fixture ``services`` and each that takes the
-    browser's ``browser``, before ``-m`` selects (hence ``tryfirst``); puts slow files first."""
+    """Marks each test that takes a server's fixture ``services``, each that takes the
+    browser's ``browser`` and each that takes ``whole_machine`` ``whole_machine``, before
+    ``-m`` selects (hence ``tryfirst``); puts slow files first."""
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if used & SERVICE_FIXTURES and item.get_closest_marker("services") is None:
             item.add_marker(pytest.mark.services)
         if used & BROWSER_FIXTURES and item.get_closest_marker("browser") is None:
             item.add_marker(pytest.mark.browser)
+        if "whole_machine" in used and item.get_closest_marker("whole_machine") is None:
+            item.add_marker(pytest.mark.whole_machine)
     # Files with a slow test first, each file's tests in their own order: pytest-xdist
     # (scripts/test.sh passes --no-loadscope-reorder) then hands out the long files while
     # the short ones are left to even out the workers' ends, instead of leaving a file of
