@@ -279,9 +279,8 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     from a fork server this Ray worker process keeps for its later tasks, so a node
     imports torch once per Ray worker, not once per segment.
     """
-    from retrolog._replay.checkout import checkout_prefix, make_checkout, sweep_checkouts
-    from retrolog._replay.execute import die_with, run_worker_env, worker_diagnosis, worker_output
-    from retrolog.runtime.replay_worker import SPEC_ENV, WorkerSpec
+    from retrolog._replay.checkout import checkout_prefix, sweep_checkouts
+    from retrolog._replay.execute import worker_diagnosis, worker_output
 
     started = time.perf_counter()
     sweep_checkouts()  # what killed Ray workers of this node left (no coordinator runs here)
@@ -293,72 +292,18 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
         "returncode": None, "output": None, "error": None, "node": node, "forked": False,
     }  # fmt: skip
     try:
-        try:
-            git_dir, rev = _code_here(task)
-            project = Path(task.project)
-            root = project if project.is_dir() else None
-            checkout = make_checkout(
-                root=root, store=Path(task.store), git_dir=git_dir, commit=rev,
-                filename=task.filename, script_source=task.source, skipped=task.skipped,
-                prefix=f"ray-{task.spec['run_id']}",
-            )  # fmt: skip
-        except RetrologError as exc:
-            result["error"] = f"the Ray task on {node} cannot set up the run's code: {exc}"
+        made = _checkout_here(task, node)
+        if isinstance(made, str):
+            result["error"] = made
             return result
-        except Exception as exc:  # the object store's client: credentials, network, access
-            where = mask(str(task.spec.get("objects")))
-            text = " ".join(str(exc).split())[:300]
-            result["error"] = (
-                f"the Ray task on {node} cannot read the run's code from the object store at "
-                f"{where}: {type(exc).__name__}: {text}. {NODE_STORE_HINT}"
-            )
-            return result
+        checkout, root = made
         try:
-            store = base / "store"
-            _write_worker_store(store, task.spec["run_id"], rows)
-            spec = WorkerSpec(**task.spec)
-            spec.store = str(store)
-            spec.database = None  # the node's own store, just written
-            spec.output = str(base / "out.json")
-            spec.checkout = str(checkout)
-            spec.project = str(root) if root is not None else None
-            spec_path = base / "spec.json"
-            spec.save(spec_path)
-            run_env = run_worker_env(task.numerics)
-            env = {**run_env, SPEC_ENV: str(spec_path)}
-            cwd = checkout / task.cwd
-            if not cwd.is_dir():
-                cwd = checkout
-            argv = [str(checkout / task.filename), *task.argv[1:]]
-            process: Any = None
-            if task.warm:
-                from retrolog._replay.forkserver import with_writes
-
-                log_path.write_bytes(b"")
-                process = _launcher_here().launch(
-                    argv=argv, cwd=cwd, env=env, log_path=log_path,
-                    server_env=with_writes(run_env, task.environ), warm=task.warm,
-                )  # fmt: skip
-                result["forked"] = process is not None
-            if process is None:
-                with log_path.open("wb") as log:
-                    process = subprocess.Popen(
-                        [sys.executable, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                        preexec_fn=die_with(os.getpid()),
-                    )  # fmt: skip
-            try:
-                result["returncode"] = process.wait()
-            except BaseException:  # the task was cancelled: its worker goes with it
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                with contextlib.suppress(Exception):
-                    process.wait(timeout=5)
-                raise
-            out = Path(spec.output)
-            result["output"] = worker_output(out, result["returncode"])
+            output = base / "out.json"
+            process = _start_worker(task, rows, base, checkout, root, log_path, result)
+            result["returncode"] = _wait(process)
+            result["output"] = worker_output(output, result["returncode"])
             if result["output"] is None:
-                result["diagnosis"] = worker_diagnosis(out)
+                result["diagnosis"] = worker_diagnosis(output)
         finally:
             shutil.rmtree(checkout, ignore_errors=True)
         if log_path != shared_log:
@@ -369,6 +314,95 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
     finally:
         result["seconds"] = time.perf_counter() - started
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _checkout_here(task: SegmentTask, node: str) -> tuple[Path, Path | None] | str:
+    """The run's code checked out on this node, with the project's directory when this
+    node has it; or why it cannot be."""
+    from retrolog._replay.checkout import make_checkout
+
+    try:
+        git_dir, rev = _code_here(task)
+        project = Path(task.project)
+        root = project if project.is_dir() else None
+        checkout = make_checkout(
+            root=root, store=Path(task.store), git_dir=git_dir, commit=rev,
+            filename=task.filename, script_source=task.source, skipped=task.skipped,
+            prefix=f"ray-{task.spec['run_id']}",
+        )  # fmt: skip
+    except RetrologError as exc:
+        return f"the Ray task on {node} cannot set up the run's code: {exc}"
+    except Exception as exc:  # the object store's client: credentials, network, access
+        where = mask(str(task.spec.get("objects")))
+        text = " ".join(str(exc).split())[:300]
+        return (
+            f"the Ray task on {node} cannot read the run's code from the object store at "
+            f"{where}: {type(exc).__name__}: {text}. {NODE_STORE_HINT}"
+        )
+    return checkout, root
+
+
+def _start_worker(
+    task: SegmentTask,
+    rows: WorkerRows,
+    base: Path,
+    checkout: Path,
+    root: Path | None,
+    log_path: Path,
+    result: dict[str, Any],
+) -> Any:
+    """The segment's worker started in ``checkout``, reading the run's rows from a store
+    of its own under ``base`` and writing its output to ``base / "out.json"``: forked from
+    this Ray worker's fork server when the task is warm (``result["forked"]``), else a new
+    interpreter."""
+    from retrolog._replay.execute import die_with, run_worker_env
+    from retrolog.runtime.replay_worker import SPEC_ENV, WorkerSpec
+
+    store = base / "store"
+    _write_worker_store(store, task.spec["run_id"], rows)
+    spec = WorkerSpec(**task.spec)
+    spec.store = str(store)
+    spec.database = None  # the node's own store, just written
+    spec.output = str(base / "out.json")
+    spec.checkout = str(checkout)
+    spec.project = str(root) if root is not None else None
+    spec_path = base / "spec.json"
+    spec.save(spec_path)
+    run_env = run_worker_env(task.numerics)
+    env = {**run_env, SPEC_ENV: str(spec_path)}
+    cwd = checkout / task.cwd
+    if not cwd.is_dir():
+        cwd = checkout
+    argv = [str(checkout / task.filename), *task.argv[1:]]
+    if task.warm:
+        from retrolog._replay.forkserver import with_writes
+
+        log_path.write_bytes(b"")
+        process = _launcher_here().launch(
+            argv=argv, cwd=cwd, env=env, log_path=log_path,
+            server_env=with_writes(run_env, task.environ), warm=task.warm,
+        )  # fmt: skip
+        result["forked"] = process is not None
+        if process is not None:
+            return process
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with(os.getpid()),
+        )  # fmt: skip
+
+
+def _wait(process: Any) -> Any:
+    """The worker's exit status; a cancelled task (Ray raises in it) kills the worker."""
+    try:
+        return process.wait()
+    except BaseException:  # the task was cancelled: its worker goes with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            process.wait(timeout=5)
+        raise
 
 
 _LAUNCHER: Any = None  # this Ray worker process's fork servers, kept across its tasks
