@@ -27,17 +27,16 @@ fi
 # once. Files go out in collection order, which tests/conftest.py makes slow files first,
 # not pytest-xdist's most-tests-first.
 xdist=(--dist loadfile --no-loadscope-reorder)
+per_core=(-n auto --maxprocesses 4 "${xdist[@]}")  # one pytest process per core, at most 4
 if [ "$fast" = 1 ]; then
-  # One pytest process per core (at most 4).
-  .venv/bin/python -m pytest -n auto --maxprocesses 4 "${xdist[@]}" \
-    -m "not slow and not services and not browser" "$@"
+  .venv/bin/python -m pytest "${per_core[@]}" -m "not slow and not services and not browser" "$@"
   exit 0
 fi
 case " $* " in
   *" -m "* | *" -m="* | *" -n "* | *" -p "*)
     # Your own selection or distribution: one pytest run, as you asked; whole_machine
     # tests then take the machine lock in turn (tests/conftest.py).
-    .venv/bin/python -m pytest -n auto --maxprocesses 4 "${xdist[@]}" "$@"
+    .venv/bin/python -m pytest "${per_core[@]}" "$@"
     exit 0 ;;
 esac
 # Two phases, sharing the session's recorded runs (their directory): first every test

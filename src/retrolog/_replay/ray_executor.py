@@ -299,7 +299,9 @@ def run_segment(task: SegmentTask, rows: WorkerRows) -> dict[str, Any]:
         checkout, root = made
         try:
             output = base / "out.json"
-            process = _start_worker(task, rows, base, checkout, root, log_path, result)
+            process, result["forked"] = _start_worker(
+                task, rows, base, output, checkout, root, log_path
+            )
             result["returncode"] = _wait(process)
             result["output"] = worker_output(output, result["returncode"])
             if result["output"] is None:
@@ -346,15 +348,14 @@ def _start_worker(
     task: SegmentTask,
     rows: WorkerRows,
     base: Path,
+    output: Path,
     checkout: Path,
     root: Path | None,
     log_path: Path,
-    result: dict[str, Any],
-) -> Any:
+) -> tuple[Any, bool]:
     """The segment's worker started in ``checkout``, reading the run's rows from a store
-    of its own under ``base`` and writing its output to ``base / "out.json"``: forked from
-    this Ray worker's fork server when the task is warm (``result["forked"]``), else a new
-    interpreter."""
+    of its own under ``base`` and writing its output to ``output``; and whether it was
+    forked from this Ray worker's fork server (a warm task) rather than a new interpreter."""
     from retrolog._replay.execute import die_with, run_worker_env
     from retrolog.runtime.replay_worker import SPEC_ENV, WorkerSpec
 
@@ -363,7 +364,7 @@ def _start_worker(
     spec = WorkerSpec(**task.spec)
     spec.store = str(store)
     spec.database = None  # the node's own store, just written
-    spec.output = str(base / "out.json")
+    spec.output = str(output)
     spec.checkout = str(checkout)
     spec.project = str(root) if root is not None else None
     spec_path = base / "spec.json"
@@ -382,15 +383,15 @@ def _start_worker(
             argv=argv, cwd=cwd, env=env, log_path=log_path,
             server_env=with_writes(run_env, task.environ), warm=task.warm,
         )  # fmt: skip
-        result["forked"] = process is not None
         if process is not None:
-            return process
+            return process, True
     with log_path.open("wb") as log:
-        return subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=die_with(os.getpid()),
         )  # fmt: skip
+    return process, False
 
 
 def _wait(process: Any) -> Any:
