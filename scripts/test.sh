@@ -40,16 +40,16 @@ case " $* " in
     exit 0 ;;
 esac
 # Two phases, sharing the session's recorded runs (their directory): first every test
-# that shares the machine, one process per core and one more (many of them wait on their
-# subprocesses and servers); then the whole_machine tests, which train at torch's default
-# threads, one at a time in one process, as a user trains one run per machine.
+# that shares the machine, one process per core (at most 4); then the whole_machine
+# tests, which train at torch's default threads, one at a time in one process, as a user
+# trains one run per machine.
 export PYTEST_MACHINE_LOCK_DIR
 PYTEST_MACHINE_LOCK_DIR=$(mktemp -d -t pytest-machine-XXXXXX)
 trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR"; bash scripts/services.sh stop' EXIT
-shared=$(( $(nproc) + 1 ))
-if [ "$shared" -gt 5 ]; then shared=5; fi
 status=0
-.venv/bin/python -m pytest -n "$shared" "${xdist[@]}" -m "not whole_machine" "$@" || status=$?
+.venv/bin/python -m pytest "${per_core[@]}" -m "not whole_machine" "$@" || status=$?
+# 2: interrupted (Ctrl-C), which pytest turns into an exit status: stop here.
+if [ "$status" = 2 ]; then exit 2; fi
 alone=0
 .venv/bin/python -m pytest -m whole_machine "$@" || alone=$?
 # 5: no test selected (a -k that matches none of them)
