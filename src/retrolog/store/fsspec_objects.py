@@ -76,6 +76,37 @@ S3_CLIENT_CONFIG: dict[str, Any] = {
 }
 
 
+def quiet_orphaned_unreachable(loop: Any) -> None:
+    """Keep off stderr the connection errors of tasks nobody awaits on ``loop``.
+
+    When the store stops in the middle of a request, the HTTP client (aiohttp) can leave
+    a task of its own (the one writing the request body) failed and never awaited, and
+    asyncio then prints its traceback ("Task exception was never retrieved") on the
+    training script's terminal. The request itself fails too and is retried or given up
+    by retrolog, which says so in one line; the orphan's error says nothing more. Any
+    other exception on the loop, which fsspec shares with the rest of the process, goes
+    to the handler that was there before.
+    """
+    previous = loop.get_exception_handler()
+    if getattr(previous, "_retrolog", False):
+        return
+
+    def handle(loop: Any, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        orphan = context.get("future") is not None and "never retrieved" in str(
+            context.get("message", "")
+        )
+        if orphan and exc is not None and store_unreachable(exc):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handle._retrolog = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handle)
+
+
 class FsspecObjectStore(ObjectStore):
     """Objects under ``url``, through fsspec, laid out as a local store lays them out.
 
@@ -118,6 +149,8 @@ class FsspecObjectStore(ObjectStore):
         # Requests go through fsspec's event loop, where a wait can be cancelled; a file
         # system without one (local, memory) answers at once or fails.
         self._async = bool(getattr(fs, "async_impl", False)) and not self.local
+        if self._async:
+            quiet_orphaned_unreachable(fs.loop)
         self._lock = threading.Lock()
         self._down_since: float | None = None  # a request was given up, none answered since
         self._waiting_since: float | None = None  # a request went unanswered (announced)
