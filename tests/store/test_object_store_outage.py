@@ -223,6 +223,7 @@ def _check_checkpoints(project: Project, run_id: str, url: str) -> dict[str, obj
 
 
 SOAK_ENV = "RETROLOG_SOAK_OUTAGES"
+WAITING = "retrolog: waiting for the object store at s3://"
 
 
 def _outages() -> tuple[list[tuple[str, int | float]], float]:
@@ -230,9 +231,12 @@ def _outages() -> tuple[list[tuple[str, int | float]], float]:
     RETROLOG_SOAK_OUTAGES=N, N random ones (stopped, paused, of 1 to 12 s each)."""
     soak = int(os.environ.get(SOAK_ENV) or 0)
     if not soak:
-        # Stopped for longer than the client's own retries used to last, then paused.
+        # Stopped until a checkpoint has waited for it (when the adaptive rule chooses
+        # one depends on the machine's load), then for longer than the client's own
+        # retries used to last; then paused.
         return [
-            ("epoch", 3), ("do", "stop"), ("sleep", 8.0), ("do", "start"),
+            ("epoch", 3), ("do", "stop"), ("stderr", WAITING), ("sleep", 6.0),
+            ("do", "start"), ("stderr", "answers again"),
             ("epoch", 3 + 3), ("do", "pause"), ("sleep", 3.0), ("do", "resume"),
         ], 11.0  # fmt: skip
     rng = random.Random(int(os.environ.get("RETROLOG_SOAK_SEED") or time.time()))
@@ -259,7 +263,7 @@ def test_training_outlives_the_object_store_stopped_restarted_and_paused(
     began = time.monotonic()
     done, logged = _record(project, own_s3, url, schedule, epochs=epochs)
     run_id = _check_run(project, done, logged)
-    assert "retrolog: waiting for the object store at s3://" in done.stderr, done.stderr
+    assert WAITING in done.stderr, done.stderr
     assert "answers again" in done.stderr, done.stderr
     summary = _check_checkpoints(project, run_id, url)
     assert summary["end_written"] == 1

@@ -660,10 +660,14 @@ def _read(path: Path) -> bytes:
         return b""
 
 
-def test_stopping_the_dashboard_stops_the_replay_it_started(
-    dashboard: Any, recorded: Any, log_w_sq_today: Any
-) -> None:
-    log_w_sq_today()
+def test_stopping_the_dashboard_stops_the_replay_it_started(dashboard: Any, recorded: Any) -> None:
+    # A statement that takes a minute to compute: the replay is certainly running when
+    # the dashboard is stopped, however slow the machine is.
+    path = recorded.root / "train.py"
+    line = '            rl.log("acc", 1 - state["w"])\n'
+    slow = '            rl.log("w_sq", (__import__("time").sleep(60), state["w"] ** 2)[1])\n'
+    assert line in path.read_text()
+    path.write_text(path.read_text().replace(line, line + slow))
     headers = {TOKEN_HEADER: dashboard.token, "Origin": dashboard.base}
     status, job = request(
         f"{dashboard.base}/api/replay", method="POST", body={"names": ["w_sq"]}, headers=headers
