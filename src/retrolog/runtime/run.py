@@ -32,6 +32,7 @@ from typing import Any
 from retrolog.errors import StoreError, UsageError
 from retrolog.runtime import cli_args, frames, numerics, progress
 from retrolog.runtime.crash import Crash
+from retrolog.runtime.heap import HeapFreeze
 from retrolog.runtime.import_clock import ImportClock
 from retrolog.runtime.values import FAST_TYPES, PLAIN_TYPES, slow_path
 from retrolog.runtime.writer import Event, Writer
@@ -190,6 +191,7 @@ class Run:
         self._restore_ratio: tuple[float, str] = (1.0, "default")  # c, and where it came from
         self._pid = os.getpid()
         self._import_clock = ImportClock(paths.root)
+        self._heap = HeapFreeze()  # frozen from the first loop to the run's end
         # What changes floating-point results besides the code (runtime/numerics.py):
         # replay workers reproduce it. Torch's state is taken again when training starts.
         self.numerics: dict[str, Any] = numerics.capture()
@@ -492,7 +494,9 @@ class Run:
         self._left.clear()
 
     def _training_starts(self) -> None:
-        """At the first top-level loop: torch's state as training runs with it."""
+        """At the first top-level loop: torch's state as training runs with it, and the
+        heap so far kept out of full collections (runtime/heap.py)."""
+        self._heap.start()
         # A run that started before its click command was invoked sees the command now.
         params = cli_args.click_params()
         if params:
@@ -806,6 +810,7 @@ class Run:
                 (Event.RUN_UPDATE, {"status": status.value, "ended_at": ended, "error": error})
             )
             self.writer.close()
+            self._heap.stop()
         self.check_writer()
 
 
