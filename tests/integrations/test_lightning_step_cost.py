@@ -93,6 +93,6 @@ def test_the_callback_adds_few_calls_per_step_and_a_subclass_keeps_its_hooks(
     found = dict(line.split() for line in out.splitlines() if line.startswith(("EXTRA", "BATCH")))
     # The subclass's own per-batch hook runs at every one of the 3 epochs' 32 steps.
     assert int(found["BATCH_ENDS"]) == 96
-    # About 100 calls: the step's context, reading and storing its values, and the one
-    # hook it uses. Dispatching the five per-step hooks it does not use cost about 80 more.
-    assert float(found["EXTRA_CALLS_PER_STEP"]) < 130, out
+    # About 80 calls: the step's context and reading and storing its values. Dispatching
+    # the per-step hooks it does not use cost about 100 more, on_train_batch_start 16.
+    assert float(found["EXTRA_CALLS_PER_STEP"]) < 100, out

@@ -75,6 +75,7 @@ _REDUCTIONS = ("mean", "max", "min", "sum")
 # None on the instance: a no-op hook still costs its dispatch (a profiler context, the
 # callback's state key, about fifteen Python calls), six times a training step.
 _SKIPPED_HOOKS = (
+    "on_train_batch_start",
     "on_train_batch_end",
     "on_before_backward",
     "on_after_backward",
@@ -325,6 +326,9 @@ class RetrologCallback(Callback):
                 "checkpoints (a replay trains every epoch), and logged values only at "
                 "epoch ends."
             )
+            if vars(self).get("on_train_batch_start", False) is None:
+                # No wrapped connector to open the steps: the hook does, as the public API.
+                self.on_train_batch_start = self._begin_step  # type: ignore[method-assign]
             return
         self._wrap(trainer)
         self._wrapped = True
@@ -384,6 +388,7 @@ class RetrologCallback(Callback):
         connector = trainer._logger_connector
         advance = fit_loop.advance
         step_end = epoch_loop.on_advance_end
+        batch_start = connector.on_batch_start
         step_metrics = connector.update_train_step_metrics
         epoch_metrics = connector.update_train_epoch_metrics
         eval_metrics = connector.log_eval_end_metrics
@@ -408,6 +413,15 @@ class RetrologCallback(Callback):
             finally:
                 self._tail = False
 
+        def on_batch_start(batch: Any, *dataloader_idx: Any) -> None:
+            batch_start(batch, *dataloader_idx)
+            if not dataloader_idx:
+                # A training batch (the evaluation loop passes its dataloader's index), just
+                # before the batch's hooks: its step opens here rather than in
+                # on_train_batch_start, which costs Lightning a hook dispatch per step.
+                rl.begin("step", epoch_loop.global_step)
+                self._steps_open = True
+
         def train_step_metrics() -> None:
             # trainer._results once: each read resolves the active loop (a dozen calls).
             results = trainer._results if self._steps_open else None
@@ -431,6 +445,7 @@ class RetrologCallback(Callback):
         vars(fit_loop)["advance"] = fit_advance
         vars(epoch_loop)["on_advance_end"] = epoch_step_end
         vars(connector).update(
+            on_batch_start=on_batch_start,
             update_train_step_metrics=train_step_metrics,
             update_train_epoch_metrics=train_epoch_metrics,
             log_eval_end_metrics=eval_end_metrics,
@@ -442,7 +457,7 @@ class RetrologCallback(Callback):
         rl.begin("epoch", trainer.current_epoch)
         self._epochs_open = True
 
-    def on_train_batch_start(
+    def _begin_step(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         rl.begin("step", trainer.global_step)
