@@ -46,8 +46,12 @@ esac
 export PYTEST_MACHINE_LOCK_DIR
 PYTEST_MACHINE_LOCK_DIR=$(mktemp -d -t pytest-machine-XXXXXX)
 trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR"; bash scripts/services.sh stop' EXIT
+# The first phase's tests wait much of their time for what they start (a script's imports,
+# git, a server), so it runs one process more than there are cores (at most 5).
+cores=$(nproc)
+shared=$(( cores < 4 ? cores + 1 : 5 ))
 status=0
-.venv/bin/python -m pytest "${per_core[@]}" -m "not whole_machine" "$@" || status=$?
+.venv/bin/python -m pytest -n "$shared" "${xdist[@]}" -m "not whole_machine" "$@" || status=$?
 # 2: interrupted (Ctrl-C), which pytest turns into an exit status: stop here.
 if [ "$status" = 2 ]; then exit 2; fi
 alone=0
