@@ -809,8 +809,10 @@ class Run:
             self.events.append(
                 (Event.RUN_UPDATE, {"status": status.value, "ended_at": ended, "error": error})
             )
-            self.writer.close()
-            self._heap.stop()
+            try:
+                self.writer.close()
+            finally:
+                self._heap.stop()
         self.check_writer()
 
 
