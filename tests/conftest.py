@@ -143,23 +143,6 @@ class Project:
             timeout=120,
         )
 
-    def fresh_runs(
-        self, script: str, configs: list[list[str]], **env: str
-    ) -> list[dict[tuple[object, ...], object]]:
-        """What a fresh run of ``script`` with each of ``configs`` logs (``logged_values``),
-        each in a store of its own: the references a replay's values are compared with.
-        They are independent processes, so they run at once: their start-up (the
-        interpreter, torch's and a framework's imports) takes one core each."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        def one(config: list[str]) -> dict[tuple[object, ...], object]:
-            with tempfile.TemporaryDirectory() as tmp:
-                self.run(script, *config, RETROLOG_STORE=str(Path(tmp) / "s"), **env)
-                return logged_values(Path(tmp) / "s" / "retrolog.db")
-
-        with ThreadPoolExecutor(len(configs) or 1) as pool:
-            return list(pool.map(one, configs))
-
     @contextlib.contextmanager
     def recording_paused(
         self, script: str = "train.py", **env: str

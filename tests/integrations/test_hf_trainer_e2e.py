@@ -10,6 +10,7 @@ of today's code.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -98,8 +99,10 @@ def test_trainer_records_every_step_and_replays_exactly(project: Project) -> Non
     out = project.cli("replay", "grad", "--yes", **ENV)
     assert out.returncode == 0, out.stderr
 
-    fresh_runs = project.fresh_runs("train.py", CONFIGS, **ENV)
-    for run_id, fresh in zip(runs, fresh_runs, strict=True):
+    for run_id, config in zip(runs, CONFIGS, strict=True):
+        with tempfile.TemporaryDirectory() as tmp:
+            project.run("train.py", *config, RETROLOG_STORE=str(Path(tmp) / "s"), **ENV)
+            fresh = logged_values(Path(tmp) / "s" / "retrolog.db")
         replayed = logged_values(
             database, "WHERE l.run_id = ? AND l.origin = 'backfilled'", (run_id,)
         )

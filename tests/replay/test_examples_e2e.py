@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -290,31 +289,14 @@ def test_example_replays_bit_exact_under_default_settings(project: Project, name
 
     store = project.root / ".retrolog" / "retrolog.db"
     code = dict(read_db(project.root, "SELECT run_id, code_commit FROM runs"))
-    # One fresh run stands for both replays: the run's version with both statements
-    # propagated, which is what each replay ran plus the other statement's line.
-    propagated = {
-        run_id: _propagated(
-            project,
-            case.script,
-            project.git("show", f"{code[run_id]}:{case.script}"),
-            f"{outer},{inner}",
-        )
-        for run_id in runs
-    }
-    # The fresh runs are independent processes: both at once.
-    with ThreadPoolExecutor(len(runs)) as pool:
-        fresh_runs = dict(
-            zip(
-                runs,
-                pool.map(lambda r: _fresh(project, case.script, propagated[r], argv[r][1:]), runs),
-                strict=True,
-            )
-        )
     for run_id in runs:
         recorded = _keyed(_values(store, "WHERE l.run_id = ? AND l.origin = 'recorded'", (run_id,)))
-        both = propagated[run_id]
+        # One fresh run stands for both replays: the run's version with both statements
+        # propagated, which is what each replay ran plus the other statement's line.
+        old = project.git("show", f"{code[run_id]}:{case.script}")
+        both = _propagated(project, case.script, old, f"{outer},{inner}")
         lines = both.splitlines(keepends=True)
-        fresh = fresh_runs[run_id]
+        fresh = _fresh(project, case.script, both, argv[run_id][1:])
         assert {k: v for k, v in fresh.items() if k in recorded} == recorded, run_id
         for (wanted, statement), (_, other) in (
             ((outer, case.outer[2]), (inner, case.inner[2])),
