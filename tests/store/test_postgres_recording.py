@@ -214,7 +214,7 @@ with rl.checkpointing(w=w):
         rng = np.random.default_rng(epoch)
         for step in rl.loop("step", range(10)):
             w += rng.random(4096) * lr
-            time.sleep(0.03)
+            time.sleep(0.05)
         # HINDSIGHT
 """
 
