@@ -687,10 +687,14 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
     # No close(): the checkpointer's atexit hook must still write and report everything.
     script = textwrap.dedent(
         f"""
+        import os
         import time
         import numpy as np
         from retrolog.checkpoint.background import BackgroundCheckpointer
         from retrolog.store.objects import LocalObjectStore
+
+        def say(line):  # one write per line: the writer thread and training print at once
+            os.write(1, (line + "\\n").encode())
 
         class SlowStore(LocalObjectStore):
             def put(self, data):
@@ -699,13 +703,13 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
 
         ckpt = BackgroundCheckpointer(
             SlowStore({str(tmp_path / "objects")!r}, durable=False),
-            lambda r: print("written", r.ctx_id, r.manifest, flush=True),
+            lambda r: say(f"written {{r.ctx_id}} {{r.manifest}}"),
             max_in_flight=5,
         )
         for ctx in range(5):
             ckpt.capture(ctx_id=ctx, loop_name="epoch", kind="block",
                          objects={{"x": np.full(100, ctx)}})
-        print("training done", flush=True)
+        say("training done")
         """
     )
     proc = subprocess.run(
@@ -713,8 +717,8 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == "training done"
-    written = [line.split() for line in lines[1:]]
+    assert "training done" in lines, proc.stdout
+    written = [line.split() for line in lines if line != "training done"]
     assert [int(w[1]) for w in written] == [0, 1, 2, 3, 4]
     store = LocalObjectStore(tmp_path / "objects")
     assert [int(decode(w[2], store).objects["x"][0]) for w in written] == [0, 1, 2, 3, 4]
@@ -722,6 +726,7 @@ def test_interpreter_exit_flushes_checkpoints_in_flight(tmp_path: Path) -> None:
 
 _EXIT_SCRIPT = """
 import concurrent.futures
+import os
 import threading
 import time
 import numpy as np
@@ -739,9 +744,12 @@ class ExecutorStore(LocalObjectStore):
 
 ckpt = BackgroundCheckpointer(
     ExecutorStore({objects!r}, durable=False),
-    lambda r: print("written", r.ctx_id, flush=True),
+    lambda r: say(f"written {{r.ctx_id}}"),
     max_in_flight=5,
 )
+
+def say(line):  # one write per line: the writer thread and training print at once
+    os.write(1, (line + "\\n").encode())
 
 def train(epochs, first=0):
     for ctx in range(first, first + epochs):
@@ -749,7 +757,7 @@ def train(epochs, first=0):
                      objects={{"x": np.full(100, ctx)}})
         time.sleep({pause})
     if first + epochs == 4:
-        print("training done", flush=True)
+        say("training done")
 """
 
 
