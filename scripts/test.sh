@@ -28,8 +28,10 @@ fi
 # not pytest-xdist's most-tests-first.
 xdist=(--dist loadfile --no-loadscope-reorder)
 per_core=(-n auto --maxprocesses 4 "${xdist[@]}")  # one pytest process per core, at most 4
+# Where tests share the machine, OpenMP's idle threads sleep rather than spin
+# (docs/testing.md): how they wait, not what they compute.
 if [ "$fast" = 1 ]; then
-  .venv/bin/python -m pytest "${per_core[@]}" -m "not slow and not services and not browser" "$@"
+  OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest "${per_core[@]}" -m "not slow and not services and not browser" "$@"
   exit 0
 fi
 case " $* " in
@@ -51,7 +53,8 @@ trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR"; bash scripts/services.sh stop' EXIT
 cores=$(nproc)
 shared=$(( cores < 4 ? cores + 1 : 5 ))
 status=0
-.venv/bin/python -m pytest -n "$shared" "${xdist[@]}" -m "not whole_machine" "$@" || status=$?
+OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -n "$shared" "${xdist[@]}" -m "not whole_machine" "$@" \
+  || status=$?
 # 2: interrupted (Ctrl-C), which pytest turns into an exit status: stop here.
 if [ "$status" = 2 ]; then exit 2; fi
 alone=0
