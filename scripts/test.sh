@@ -31,7 +31,8 @@ per_core=(-n auto --maxprocesses 4 "${xdist[@]}")  # one pytest process per core
 # Where tests share the machine, OpenMP's idle threads sleep rather than spin
 # (docs/testing.md): how they wait, not what they compute.
 if [ "$fast" = 1 ]; then
-  OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest "${per_core[@]}" -m "not slow and not services and not browser" "$@"
+  OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest "${per_core[@]}" \
+    -m "not slow and not services and not browser" "$@"
   exit 0
 fi
 case " $* " in
