@@ -54,3 +54,38 @@ def test_the_restore_estimate_leaves_out_opening_the_store(
     read = len(local.get(key)) + sum(len(local.get(blob)) for blob in manifest_blobs(key, local))
     estimate = per_byte * read
     assert estimate < CONNECT_SECONDS / 5, f"{estimate:.3f}s for one restore"
+
+
+class OnePreemption(ForwardingStore):
+    """A busy machine: the process is off the CPU for 30 ms in the middle of one read."""
+
+    reads = 0
+
+    def get(self, key: str) -> bytes:
+        OnePreemption.reads += 1
+        if OnePreemption.reads == 2:  # the first timed read
+            time.sleep(0.03)
+        return self.inner.get(key)
+
+
+def test_one_preemption_does_not_make_every_restore_look_dear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint read takes well under a millisecond from the page cache; one timing
+    caught by a preemption would price every restore at 30 ms, more than the short blocks
+    of a small model take to run."""
+    monkeypatch.setattr(OnePreemption, "reads", 0)
+    store_dir = tmp_path / ".retrolog"
+    local = backends.open_object_store(store_dir / "objects")
+    key, _ = encode(Snapshot(objects={"w": np.arange(256.0)}, rng={}), local)
+
+    def preempted(store: Path, location: str | None = None) -> ObjectStore:
+        return OnePreemption(backends.open_object_store(store / "objects"))
+
+    monkeypatch.setattr(backends, "object_store_for", preempted)
+    paths = ProjectPaths(root=tmp_path, store=store_dir, in_git=False)
+    profile = SimpleNamespace(block_checkpoints={0: key}, end_checkpoint=None)
+    per_byte = replayer._restore_seconds_per_byte(paths, [profile])
+    assert OnePreemption.reads > 2 and per_byte is not None
+    read = len(local.get(key)) + sum(len(local.get(blob)) for blob in manifest_blobs(key, local))
+    assert per_byte * read < 0.01, f"{per_byte * read:.4f}s for one restore"
