@@ -14,3 +14,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   .venv/bin/python -m pip install --quiet -e ".[dev,torch,ui,team]"
   touch "$stamp"
 fi
+# Compile retrolog's modules, as pip does for a package it installs but not for an
+# editable one: where PYTHONDONTWRITEBYTECODE is set, every process that imports retrolog
+# (each run, each command, each replay worker) would otherwise compile them again.
+# Python checks each file's timestamp, so an edited module is compiled from its source.
+.venv/bin/python -m compileall -q src
