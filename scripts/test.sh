@@ -22,7 +22,12 @@ if [ "$fast" = 0 ]; then
 fi
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
-.venv/bin/mypy
+two_phases=1
+if [ "$fast" = 1 ]; then two_phases=0; fi
+case " $* " in *" -m "* | *" -m="* | *" -n "* | *" -p "*) two_phases=0 ;; esac
+if [ "$two_phases" = 0 ]; then
+  .venv/bin/mypy
+fi
 # A file's tests stay in one process, so its module fixtures (recorded runs) are built
 # once. Files go out in collection order, which tests/conftest.py makes slow files first,
 # not pytest-xdist's most-tests-first.
@@ -35,13 +40,12 @@ if [ "$fast" = 1 ]; then
     -m "not slow and not services and not browser" "$@"
   exit 0
 fi
-case " $* " in
-  *" -m "* | *" -m="* | *" -n "* | *" -p "*)
-    # Your own selection or distribution: one pytest run, as you asked; whole_machine
-    # tests then take the machine lock in turn (tests/conftest.py).
-    .venv/bin/python -m pytest "${per_core[@]}" "$@"
-    exit 0 ;;
-esac
+if [ "$two_phases" = 0 ]; then
+  # Your own selection or distribution: one pytest run, as you asked; whole_machine
+  # tests then take the machine lock in turn (tests/conftest.py).
+  .venv/bin/python -m pytest "${per_core[@]}" "$@"
+  exit 0
+fi
 # Two phases, sharing the session's recorded runs (their directory): first every test
 # that shares the machine, one process per core (at most 4); then the whole_machine
 # tests, which train at torch's default threads, one at a time in one process, as a user
@@ -53,9 +57,19 @@ trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR"; bash scripts/services.sh stop' EXIT
 # git, a server), so it runs one process more than there are cores (at most 5).
 cores=$(nproc)
 shared=$(( cores < 4 ? cores + 1 : 5 ))
+# mypy (40 s from a fresh clone, on one core) runs beside the first phase, which leaves
+# some of the cores idle while its tests wait; its verdict comes before the second phase.
+typed=$(mktemp -t retrolog-mypy-XXXXXX)
+trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR" "$typed"; bash scripts/services.sh stop' EXIT
+.venv/bin/mypy >"$typed" 2>&1 &
+mypy_pid=$!
 status=0
 OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -n "$shared" "${xdist[@]}" -m "not whole_machine" "$@" \
   || status=$?
+typing=0
+wait "$mypy_pid" || typing=$?
+cat "$typed"
+if [ "$typing" != 0 ]; then exit "$typing"; fi
 # 2: interrupted (Ctrl-C), which pytest turns into an exit status: stop here.
 if [ "$status" = 2 ]; then exit 2; fi
 alone=0
