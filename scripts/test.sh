@@ -57,7 +57,7 @@ trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR"; bash scripts/services.sh stop' EXIT
 # git, a server), so it runs one process more than there are cores (at most 5).
 cores=$(nproc)
 shared=$(( cores < 4 ? cores + 1 : 5 ))
-# mypy (40 s from a fresh clone, on one core) runs beside the first phase, which leaves
+# mypy (tens of seconds on one core without its cache) runs beside the first phase, which leaves
 # some of the cores idle while its tests wait; its verdict comes before the second phase.
 typed=$(mktemp -t retrolog-mypy-XXXXXX)
 trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR" "$typed"; bash scripts/services.sh stop' EXIT

@@ -917,8 +917,8 @@ def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> f
     Reading and checksumming the objects is most of a restore; decoding them into
     tensors is not. Measured here without importing torch, which alone takes seconds.
     The manifest is read once before the clock starts: a remote store's first request
-    opens its connection (a fifth of a second against a local S3 server, whose reads
-    then take under 10 ms), which a worker pays once, not at every restore. A quick
+    opens its connection (on S3, many times what a small checkpoint's read takes), which
+    a worker pays once, not at every restore. A quick
     read is timed up to three times and the fastest kept: on a busy machine one
     preemption can make a read of a few milliseconds look ten times dearer, and every
     block the plan weighs against it with it.
