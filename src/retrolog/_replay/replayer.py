@@ -918,10 +918,10 @@ def _restore_seconds_per_byte(paths: ProjectPaths, profiles: Sequence[Any]) -> f
     tensors is not. Measured here without importing torch, which alone takes seconds.
     The manifest is read once before the clock starts: a remote store's first request
     opens its connection (on S3, many times what a small checkpoint's read takes), which
-    a worker pays once, not at every restore. A quick
-    read is timed up to three times and the fastest kept: on a busy machine one
-    preemption can make a read of a few milliseconds look ten times dearer, and every
-    block the plan weighs against it with it.
+    a worker pays once, not at every restore. A quick read is timed up to three times
+    and the fastest kept: on a busy machine one preemption can make a read of a few
+    milliseconds look ten times dearer, and every block the plan weighs against it with
+    it.
     """
     from retrolog.checkpoint.codec import manifest_blobs
     from retrolog.store.backends import object_store_for
