@@ -13,18 +13,35 @@ if [ "${1:-}" = "--fast" ]; then
   fast=1
   shift
 fi
-bash scripts/setup.sh
-if [ "$fast" = 0 ]; then
-  bash scripts/setup_browser.sh
-  # The servers the team-backend tests use, on loopback; stopped however the run ends.
-  bash scripts/services.sh start
-  trap 'bash scripts/services.sh stop' EXIT
-fi
-.venv/bin/ruff check src tests bench examples
-.venv/bin/ruff format --check src tests bench examples
 two_phases=1
 if [ "$fast" = 1 ]; then two_phases=0; fi
 case " $* " in *" -m "* | *" -m="* | *" -n "* | *" -p "*) two_phases=0 ;; esac
+# What the run started, undone however it ends.
+mypy_pid="" typed="" lock_dir="" services=0
+cleanup() {
+  if [ -n "$mypy_pid" ]; then kill "$mypy_pid" 2>/dev/null || true; fi
+  rm -rf "$typed" "$lock_dir"
+  if [ "$services" = 1 ]; then bash scripts/services.sh stop; fi
+}
+trap cleanup EXIT
+bash scripts/setup.sh
+if [ "$two_phases" = 1 ]; then
+  # mypy (tens of seconds on one core without its cache) runs in the background from here:
+  # beside the browser's and the servers' set-up (apt-get's downloads on a fresh machine),
+  # then beside the first phase, whose tests leave part of the cores idle while they wait.
+  # Its verdict comes before the second phase.
+  typed=$(mktemp -t retrolog-mypy-XXXXXX)
+  .venv/bin/mypy >"$typed" 2>&1 &
+  mypy_pid=$!
+fi
+if [ "$fast" = 0 ]; then
+  bash scripts/setup_browser.sh
+  # The servers the team-backend tests use, on loopback; stopped however the run ends.
+  services=1
+  bash scripts/services.sh start
+fi
+.venv/bin/ruff check src tests bench examples
+.venv/bin/ruff format --check src tests bench examples
 if [ "$two_phases" = 0 ]; then
   .venv/bin/mypy
 fi
@@ -50,24 +67,18 @@ fi
 # that shares the machine, one process per core (at most 4); then the whole_machine
 # tests, which train at torch's default threads, one at a time in one process, as a user
 # trains one run per machine.
-export PYTEST_MACHINE_LOCK_DIR
-PYTEST_MACHINE_LOCK_DIR=$(mktemp -d -t pytest-machine-XXXXXX)
-trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR"; bash scripts/services.sh stop' EXIT
+lock_dir=$(mktemp -d -t pytest-machine-XXXXXX)
+export PYTEST_MACHINE_LOCK_DIR=$lock_dir
 # The first phase's tests wait much of their time for what they start (a script's imports,
 # git, a server), so it runs one process more than there are cores (at most 5).
 cores=$(nproc)
 shared=$(( cores < 4 ? cores + 1 : 5 ))
-# mypy (tens of seconds on one core without its cache) runs beside the first phase, which leaves
-# some of the cores idle while its tests wait; its verdict comes before the second phase.
-typed=$(mktemp -t retrolog-mypy-XXXXXX)
-trap 'rm -rf "$PYTEST_MACHINE_LOCK_DIR" "$typed"; bash scripts/services.sh stop' EXIT
-.venv/bin/mypy >"$typed" 2>&1 &
-mypy_pid=$!
 status=0
 OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -n "$shared" "${xdist[@]}" -m "not whole_machine" "$@" \
   || status=$?
 typing=0
 wait "$mypy_pid" || typing=$?
+mypy_pid=""
 cat "$typed"
 if [ "$typing" != 0 ]; then exit "$typing"; fi
 # 2: interrupted (Ctrl-C), which pytest turns into an exit status: stop here.
