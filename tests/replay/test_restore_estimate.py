@@ -20,8 +20,8 @@ CONNECT_SECONDS = 0.5
 
 
 class FirstRequestOpens(ForwardingStore):
-    """A remote store's first request, which opens its connection (0.2 s against a local
-    S3 server under no load, more on a busy machine), and fast reads after it."""
+    """A remote store's first request, which opens its connection (on S3, many times what
+    a small checkpoint's read takes), and fast reads after it."""
 
     reads = 0
 
